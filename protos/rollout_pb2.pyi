@@ -1,0 +1,206 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_NONE: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_NONE: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "n", "seed", "logprobs", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    n: int
+    seed: int
+    logprobs: bool
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "prompt_text", "params", "routing_key")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _common_pb2.Array
+    prompt_text: str
+    params: SamplingParams
+    routing_key: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _common_pb2.Array
+    logprobs: _common_pb2.Array
+    weight_versions: _common_pb2.Array
+    finish_reason: FinishReason
+    text: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "completions", "prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    token_ids: _common_pb2.Array
+    logprobs: _common_pb2.Array
+    weight_versions: _common_pb2.Array
+    finish_reason: FinishReason
+    text: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetWeightVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWeightVersionResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model", "vocab_size", "max_model_len", "weight_version", "paused", "eos_token_id", "engine")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    max_model_len: int
+    weight_version: int
+    paused: bool
+    eos_token_id: int
+    engine: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "prompt_text")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _common_pb2.Array
+    prompt_text: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "num_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AppendToSessionRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "text", "turn_reward")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TURN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _common_pb2.Array
+    text: str
+    turn_reward: float
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., text: _Optional[str] = ..., turn_reward: _Optional[float] = ...) -> None: ...
+
+class AppendToSessionResponse(_message.Message):
+    __slots__ = ("num_tokens",)
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateInSessionRequest(_message.Message):
+    __slots__ = ("session_id", "params")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    params: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "reward")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reward: float
+    def __init__(self, session_id: _Optional[str] = ..., reward: _Optional[float] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("sample",)
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    sample: _common_pb2.Sample
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ...) -> None: ...
