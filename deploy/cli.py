@@ -1,0 +1,107 @@
+"""The `relayrl` command. Parses arguments before any heavy import, then calls one function."""
+
+import argparse
+import importlib
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+# name -> module exposing `Config` (pydantic, with a `server` field) and `async serve(config)`.
+SERVICES = {
+    "rollout": "rollout.service",
+    "reward": "reward.service",
+    "buffer": "services.buffer.service",
+}
+
+
+def _version() -> str:
+    try:
+        return version("relayrl")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relayrl",
+        description="Asynchronous RL post-training for LLMs as independent gRPC services.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("version", help="print the relayrl version")
+
+    serve = sub.add_parser("serve", help="run one service (rollout, reward, buffer) until SIGTERM")
+    serve.add_argument("service", choices=sorted(SERVICES))
+    serve.add_argument("--config", help="YAML config file")
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set server.address=0.0.0.0:50051 (repeatable)")
+    serve.add_argument("--model", help="model folder (shortcut for --set model=PATH; rollout)")
+    serve.add_argument("--address", help="host:port (shortcut for --set server.address=...)")
+
+    health = sub.add_parser("health", help="standard gRPC health check of a running service")
+    health.add_argument("address", help="HOST:PORT")
+    health.add_argument("--service", default="", help="service name to check ('' = the whole server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    health.add_argument("--token", help="bearer token")
+    health.add_argument("--ca-cert", help="CA PEM to verify the server (TLS)")
+
+    run = sub.add_parser("run", help="the local quickstart: SFT warm-up, then async GRPO on one machine")
+    run.add_argument("--config", help="YAML config file (default: the shipped quickstart)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.config import ConfigError, load_config
+
+    module = importlib.import_module(SERVICES[args.service])
+    overrides = list(args.set)
+    if args.model:
+        overrides.append(f"model={args.model}")
+    if args.address:
+        overrides.append(f"server.address={args.address}")
+    try:
+        config = load_config(module.Config, args.config, overrides)
+    except ConfigError as exc:
+        print(f"relayrl serve {args.service}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(module.serve(config))
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.client import connect_sync
+    from services.config import ClientConfig
+
+    channel = connect_sync(args.address, ClientConfig(token=args.token, ca_cert=args.ca_cert))
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from deploy.quickstart import main as quickstart
+
+    return quickstart(args.config, args.set)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "version":
+        print(f"relayrl {_version()}")
+        return 0
+    return {"serve": cmd_serve, "health": cmd_health, "run": cmd_run}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The local launcher: each service as its own process on this machine, found by address."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class LaunchError(RuntimeError):
+    """A service process failed to start; the message carries the tail of its log."""
+
+
+@dataclass
+class ServiceProcess:
+    """A running service process, stopped by its own pid (never by name)."""
+
+    name: str
+    proc: subprocess.Popen
+    address: str
+    log_path: pathlib.Path
+    metrics_port: int | None = None
+    port_file: pathlib.Path = field(default=None)  # type: ignore[assignment]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM (graceful), then SIGKILL after `timeout` seconds; returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.kill()
+
+    def kill(self) -> int:
+        """SIGKILL now (crash tests)."""
+        if self.alive():
+            self.proc.kill()
+        return self.proc.wait(30)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _format_value(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip().removesuffix("\n...")
+
+
+def wait_healthy(address: str, timeout: float, service: str = "") -> None:
+    """Block until the standard health check of `address` says SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
+            time.sleep(0.05)
+
+
+def start_service(
+    name: str,
+    overrides: Mapping[str, object] | None = None,
+    *,
+    config_path: str | os.PathLike | None = None,
+    log_dir: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    check_health: bool = True,
+) -> ServiceProcess:
+    """Start `relayrl serve NAME` as a process and wait until it serves.
+
+    `overrides` become `--set key=value` (values YAML-encoded). Unless given, the service binds a free
+    loopback port; the bound port comes back through a port file.
+    """
+    overrides = dict(overrides or {})
+    log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="relayrl-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port_file = log_dir / f"{name}-{os.getpid()}-{time.monotonic_ns()}.port"
+    overrides.setdefault("server.address", "127.0.0.1:0")
+    overrides["server.port_file"] = str(port_file)
+    cmd = [sys.executable, "-m", "deploy.cli", "serve", name]
+    if config_path is not None:
+        cmd += ["--config", str(config_path)]
+    for key, value in overrides.items():
+        cmd += ["--set", f"{key}={_format_value(value)}"]
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    child_env.update(env or {})
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
+                                cwd=pathlib.Path(__file__).resolve().parent.parent)
+    service = ServiceProcess(name, proc, address="", log_path=log_path, port_file=port_file)
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if not service.alive():
+            raise LaunchError(f"{name} exited with code {proc.returncode} before serving:\n{service.log_tail()}")
+        if time.monotonic() > deadline:
+            service.kill()
+            raise LaunchError(f"{name} did not start within {timeout:.0f}s:\n{service.log_tail()}")
+        time.sleep(0.05)
+    info = json.loads(port_file.read_text())
+    host = str(overrides["server.address"]).rsplit(":", 1)[0]
+    host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+    service.address = f"{host}:{info['port']}"
+    service.metrics_port = info.get("metrics_port")
+    if check_health:
+        try:
+            wait_healthy(service.address, max(1.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            service.kill()
+            raise LaunchError(f"{name}: {exc}\n{service.log_tail()}") from None
+    return service

@@ -1,0 +1,116 @@
+"""Typed configuration: pydantic models loaded from YAML with `--set key=value` overrides."""
+
+import pathlib
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class Strict(BaseModel):
+    """Base for every config: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TLSConfig(Strict):
+    """Server-side TLS. With `client_ca` set, clients must present a certificate it signed (mTLS)."""
+
+    cert: str = Field(description="PEM file of the server certificate chain.")
+    key: str = Field(description="PEM file of the server private key.")
+    client_ca: str | None = Field(None, description="PEM file of the CA that signs client certificates (mTLS).")
+
+
+class AuthConfig(Strict):
+    """Bearer tokens mapped to roles, and which roles may call which RPC."""
+
+    tokens: dict[str, str] = Field(
+        default_factory=dict, description="token -> role, e.g. {'s3cret': 'trainer'}."
+    )
+    tokens_file: str | None = Field(None, description="YAML file with more token -> role entries (keeps secrets out of the config).")
+    allow: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="RPC -> roles allowed. Keys are full method names ('/relayrl.buffer.v1.Buffer/Ack'), a "
+        "service ('relayrl.buffer.v1.Buffer') or '*'. The most specific key wins.",
+    )
+    open_methods: list[str] = Field(
+        default_factory=lambda: ["/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"],
+        description="Methods callable without a token (health checks for load balancers).",
+    )
+
+
+class ServerConfig(Strict):
+    """How a service listens; shared by every relayrl server."""
+
+    address: str = Field("127.0.0.1:0", description="host:port to bind; port 0 picks a free port.")
+    port_file: str | None = Field(None, description="Write the bound port here once serving (for launchers and tests).")
+    metrics_port: int | None = Field(None, description="Prometheus /metrics HTTP port; None = off, 0 = any free port.")
+    grace_s: float = Field(5.0, ge=0, description="On SIGTERM, how long in-flight calls may run before they are cancelled.")
+    max_message_bytes: int = Field(256 << 20, gt=0, description="Largest message sent or received.")
+    max_concurrent_rpcs: int | None = Field(None, gt=0, description="Calls served at once; beyond it RESOURCE_EXHAUSTED.")
+    tls: TLSConfig | None = Field(None, description="TLS / mTLS; off by default (loopback).")
+    auth: AuthConfig | None = Field(None, description="Bearer-token auth; off by default (loopback).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class ClientConfig(Strict):
+    """How a client reaches a service."""
+
+    token: str | None = Field(None, description="Bearer token sent as 'authorization: Bearer <token>'.")
+    ca_cert: str | None = Field(None, description="PEM CA to verify the server (TLS on when set).")
+    cert: str | None = Field(None, description="Client certificate PEM (mTLS).")
+    key: str | None = Field(None, description="Client key PEM (mTLS).")
+    server_name: str | None = Field(None, description="Override the TLS server name to verify.")
+    max_message_bytes: int = Field(256 << 20, gt=0)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=1' -> (['a', 'b'], 1). The value is parsed as YAML, so '[1, 2]' and 'null' work."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected key=value")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {} if child is None else _as_dict(child, part)
+        node = child
+    node[path[-1]] = value
+
+
+def _as_dict(value: Any, part: str) -> dict[str, Any]:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    raise ConfigError(f"override: {part} is {type(value).__name__}, not a section")
+
+
+def load_config(cls: type[T], path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Load `cls` from a YAML file (optional), apply overrides, validate. Errors name the field."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = pathlib.Path(path).read_text()
+        loaded = yaml.safe_load(text)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded or {}
+    for item in overrides:
+        apply_override(data, *parse_override(item))
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid {cls.__name__}{where}: {problems}") from None

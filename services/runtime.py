@@ -1,0 +1,65 @@
+"""serve(): run a relayrl service until SIGTERM/SIGINT, then stop gracefully."""
+
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+from services.config import ServerConfig
+from services.metrics import start_metrics_endpoint
+from services.server import Registration, create_server
+
+log = logging.getLogger("relayrl")
+
+
+def setup_logging(name: str, level: str = "INFO") -> None:
+    """Log lines carry the service name, so interleaved logs of a local cluster stay readable."""
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def write_port_file(path: str, **info: object) -> None:
+    """Write {"port": ..., ...} atomically, so a reader never sees half a file."""
+    target = pathlib.Path(path)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, target)
+
+
+async def serve(
+    name: str,
+    services: Sequence[Registration],
+    config: ServerConfig,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT; then refuse new calls, let in-flight ones finish within
+    `config.grace_s`, and run `on_stop`."""
+    setup_logging(name, config.log_level)
+    server, port = await create_server(config.address, services, config)
+    metrics_port = start_metrics_endpoint(config.metrics_port) if config.metrics_port is not None else None
+    await server.start()
+    host = config.address.rsplit(":", 1)[0]
+    log.info("%s listening on %s:%d%s", name, host, port,
+             f" (metrics on :{metrics_port}/metrics)" if metrics_port is not None else "")
+    if config.port_file:
+        write_port_file(config.port_file, port=port, metrics_port=metrics_port, pid=os.getpid())
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s stopping: %.1fs grace for in-flight calls", name, config.grace_s)
+    await server.health.enter_graceful_shutdown()
+    await server.stop(config.grace_s)
+    if on_stop is not None:
+        await on_stop()
+    log.info("%s stopped", name)

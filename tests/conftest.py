@@ -1,0 +1,55 @@
+"""Shared fixtures: free ports, a tiny model folder, and real service processes."""
+
+import os
+import pathlib
+import socket
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> pathlib.Path:
+    """A tiny Qwen2 HF folder (hidden 128, 2 layers, head_dim 32, char tokenizer), made in code."""
+    from rollout.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "qwen2", seed=0)
+
+
+@pytest.fixture
+def service_factory(tmp_path):
+    """start(name, overrides) -> ServiceProcess; every process started is stopped at teardown."""
+    from deploy.launcher import start_service
+
+    started = []
+
+    def start(name: str, overrides: dict | None = None, **kwargs):
+        kwargs.setdefault("log_dir", tmp_path / "logs")
+        service = start_service(name, overrides, **kwargs)
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        service.stop(timeout=10)
