@@ -1,0 +1,262 @@
+"""The rollout driver: turns a prompt dataset into scored groups of samples in the replay buffer.
+
+    for each prompt: Generate n completions (rollout) -> Score them (reward) -> Put the group (buffer)
+
+How far generation may run ahead of training is decided in one place, `_wait_for_policy`: the
+group that will feed training batch `b` starts only once the rollout serves weight version
+>= b - max_staleness. max_staleness = 0 is synchronous (on-policy) RL.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import pathlib
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from pydantic import Field
+
+from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from protos.codec import decode_array, encode_array, pack_metadata
+from protos.sample import Sample, SampleStatus
+from services.client import connect
+from services.config import Strict, load_config
+
+log = logging.getLogger("relayrl.driver")
+
+_STATUS = {
+    rollout_pb2.FINISH_REASON_STOP: SampleStatus.COMPLETED,
+    rollout_pb2.FINISH_REASON_LENGTH: SampleStatus.TRUNCATED,
+    rollout_pb2.FINISH_REASON_ABORT: SampleStatus.ABORTED,
+}
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class DriverConfig(Strict):
+    """Where the services are and how to sample."""
+
+    rollout: str = Field(description="Rollout service address host:port.")
+    reward: str = Field(description="Reward service address.")
+    buffer: str = Field(description="Replay buffer address.")
+    prompts: str = Field(description="JSONL prompt dataset: {prompt_id, prompt, metadata} per line.")
+    tokenizer: str = Field(description="Folder of the tokenizer that makes prompt token ids.")
+    add_bos: bool = Field(True, description="Prepend the tokenizer's bos token to every prompt.")
+    group_size: int = Field(8, ge=1, description="Completions per prompt (the GRPO group).")
+    groups_per_batch: int = Field(8, ge=1, description="Groups in one training batch.")
+    max_staleness: int = Field(1, ge=0, description="Versions a sample may lag the trainer; 0 = on-policy.")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(8, gt=0)
+    concurrency: int = Field(8, ge=1, description="Prompts in flight at once.")
+    reward_function: str = Field("exact_match", description="Reward function name on the reward service.")
+    reward_timeout_s: float = Field(10.0, gt=0)
+    max_groups: int = Field(0, ge=0, description="Stop after this many groups (0 = run until stopped).")
+    seed: int = 0
+    stats_path: str | None = Field(None, description="Append a JSON line of driver stats here every few seconds.")
+    rpc_timeout_s: float = Field(120.0, gt=0, description="Deadline of each rollout/reward/buffer call.")
+
+
+@dataclass
+class Prompt:
+    prompt_id: str
+    text: str
+    ids: list[int]
+    metadata: dict
+
+
+def load_prompts(config: DriverConfig) -> list[Prompt]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    prompts = []
+    for line in pathlib.Path(config.prompts).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
+        if config.add_bos and tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id, *ids]
+        prompts.append(Prompt(str(row["prompt_id"]), row["prompt"], ids, row.get("metadata", {})))
+    if not prompts:
+        raise ValueError(f"{config.prompts}: no prompts")
+    return prompts
+
+
+def prompt_stream(prompts: list[Prompt], seed: int) -> Iterator[Prompt]:
+    """Epochs over the prompts, each in a fresh seeded order."""
+    rng = random.Random(seed)
+    while True:
+        order = list(prompts)
+        rng.shuffle(order)
+        yield from order
+
+
+class Driver:
+    def __init__(self, config: DriverConfig):
+        self.config = config
+        channels = [connect(addr) for addr in (config.rollout, config.reward, config.buffer)]
+        self.channels = channels
+        self.rollout = rollout_pb2_grpc.RolloutStub(channels[0])
+        self.reward = reward_pb2_grpc.RewardStub(channels[1])
+        self.buffer = buffer_pb2_grpc.BufferStub(channels[2])
+        self.version = 0
+        self.groups_started = 0
+        self.stats = {"groups": 0, "samples": 0, "tokens": 0, "reward_sum": 0.0, "failed": 0, "retries": 0}
+        self.started_at = time.monotonic()
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    async def _wait_for_policy(self, batch_index: int) -> None:
+        """The one place asynchrony is bounded: group for batch b waits for version >= b - max_staleness."""
+        needed = batch_index - self.config.max_staleness
+        while self.version < needed:
+            reply = await self.rollout.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=10)
+            self.version = max(self.version, reply.version)
+            if self.version < needed:
+                await asyncio.sleep(0.02)
+
+    async def _call(self, rpc, request, what: str):
+        """Call with retries on transient statuses (a restarted service, back-pressure)."""
+        for attempt in itertools.count():
+            try:
+                return await rpc(request, timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt >= 600:
+                    raise
+                self.stats["retries"] += 1
+                log.debug("%s: %s, retrying", what, exc.code().name)
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+
+    async def run_group(self, prompt: Prompt, group_index: int) -> None:
+        cfg = self.config
+        group_id = f"{prompt.prompt_id}#{cfg.seed}.{group_index}"
+        request = rollout_pb2.GenerateRequest(
+            request_id=group_id,
+            prompt_ids=encode_array(prompt.ids, "int32"),
+            params=rollout_pb2.SamplingParams(
+                temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                n=cfg.group_size, logprobs=True, seed=(cfg.seed * 1_000_003 + group_index) % 2**63,
+            ),
+        )
+        reply = await self._call(self.rollout.Generate, request, "Generate")
+        samples = []
+        for completion in reply.completions:
+            tokens = decode_array(completion.token_ids, "token_ids", "int32")
+            versions = decode_array(completion.weight_versions, "weight_versions", "int64")
+            if versions.size:
+                self.version = max(self.version, int(versions.max()))
+            samples.append(Sample(
+                sample_id=f"{group_id}/{completion.index}",
+                prompt_id=prompt.prompt_id,
+                group_id=group_id,
+                group_size=cfg.group_size,
+                prompt_ids=np.asarray(prompt.ids, np.int32),
+                response_ids=tokens,
+                loss_mask=np.ones(tokens.size, np.uint8),
+                rollout_logprobs=decode_array(completion.logprobs, "logprobs", "float32"),
+                weight_versions=versions,
+                status=_STATUS.get(completion.finish_reason, SampleStatus.FAILED),
+                reason=rollout_pb2.FinishReason.Name(completion.finish_reason),
+                prompt_text=prompt.text,
+                response_text=completion.text,
+                metadata=prompt.metadata,
+            ))
+        scored = await self._call(self.reward.Score, reward_pb2.ScoreRequest(
+            samples=[s.to_proto() for s in samples], function=cfg.reward_function, timeout_s=cfg.reward_timeout_s,
+        ), "Score")
+        for sample, result in zip(samples, scored.results, strict=True):
+            sample.reward = result.reward
+            sample.reward_details = dict(result.details)
+            if result.status == SampleStatus.FAILED:
+                sample.status, sample.reason = SampleStatus.FAILED, f"reward: {result.reason}"
+                self.stats["failed"] += 1
+        await self._call(self.buffer.Put, buffer_pb2.PutRequest(samples=[s.to_proto() for s in samples]), "Put")
+        self.stats["groups"] += 1
+        self.stats["samples"] += len(samples)
+        self.stats["tokens"] += sum(s.response_ids.size for s in samples)
+        self.stats["reward_sum"] += sum(s.reward for s in samples)
+
+    async def run(self, prompts: list[Prompt], stop: asyncio.Event | None = None) -> None:
+        cfg = self.config
+        stop = stop or asyncio.Event()
+        stream = prompt_stream(prompts, cfg.seed)
+        in_flight: set[asyncio.Task] = set()
+        reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
+        try:
+            while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
+                await self._wait_for_policy(self.groups_started // cfg.groups_per_batch)
+                while len(in_flight) >= cfg.concurrency:
+                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # a failed group stops the driver with its error
+                index = self.groups_started
+                self.groups_started += 1
+                in_flight.add(asyncio.create_task(self.run_group(next(stream), index)))
+            for task in asyncio.as_completed(in_flight):
+                await task
+        finally:
+            for task in in_flight:
+                task.cancel()
+            if reporter is not None:
+                reporter.cancel()
+                self._write_stats()
+
+    def snapshot(self) -> dict:
+        elapsed = time.monotonic() - self.started_at
+        s = self.stats
+        return {
+            "time": time.time(), "elapsed_s": elapsed, "version": self.version, **s,
+            "completions_per_s": s["samples"] / elapsed if elapsed else 0.0,
+            "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
+            "mean_reward": s["reward_sum"] / s["samples"] if s["samples"] else 0.0,
+        }
+
+    def _write_stats(self) -> None:
+        with open(self.config.stats_path, "a") as out:
+            out.write(json.dumps(self.snapshot()) + "\n")
+
+    async def _report(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(2.0)
+            self._write_stats()
+
+
+async def drive(config: DriverConfig) -> dict:
+    prompts = load_prompts(config)
+    driver = Driver(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await driver.run(prompts, stop)
+    finally:
+        await driver.close()
+    return driver.snapshot()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Feed the replay buffer with scored groups of completions.")
+    parser.add_argument("--config", help="YAML DriverConfig")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_config(DriverConfig, args.config, args.set)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [driver] %(message)s")
+    summary = asyncio.run(drive(config))
+    log.info("driver done: %s", json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

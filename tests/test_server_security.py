@@ -1,0 +1,149 @@
+"""The server runtime in-process: health, reflection, bearer-token roles, TLS and mTLS.
+
+Health and reflection are real services on every relayrl server, so they exercise the auth
+interceptor and TLS without any stand-in.
+"""
+
+import datetime
+import ipaddress
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.client import connect
+from services.config import AuthConfig, ClientConfig, ServerConfig, TLSConfig
+from services.server import create_server
+
+REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
+
+
+async def _list_services(channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(timeout=5)
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    reply = await call.read()
+    await call.done_writing()
+    return sorted(s.name for s in reply.list_services_response.service)
+
+
+async def _health(channel) -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status
+
+
+@pytest.fixture
+async def auth_server():
+    auth = AuthConfig(tokens={"a-token": "agent", "admin-token": "admin"}, allow={REFLECTION: ["admin"]})
+    server, port = await create_server("127.0.0.1:0", [], ServerConfig(auth=auth))
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(None)
+
+
+async def test_roles_no_token_wrong_role_right_role(auth_server):
+    async with connect(auth_server) as channel:
+        assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING  # health stays open
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _list_services(channel)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with connect(auth_server, ClientConfig(token="wrong")) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _list_services(channel)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with connect(auth_server, ClientConfig(token="a-token")) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _list_services(channel)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "role 'agent' may not call" in err.value.details()
+    async with connect(auth_server, ClientConfig(token="admin-token")) as channel:
+        assert REFLECTION in await _list_services(channel)
+
+
+def test_tokens_never_travel_in_plaintext_off_loopback():
+    with pytest.raises(ValueError, match="needs TLS"):
+        connect("10.0.0.1:5000", ClientConfig(token="t"))
+
+
+def _key():
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, made here."""
+    d = tmp_path_factory.mktemp("pki")
+    ca_key = _key()
+    ca = _cert("relayrl-test-ca", ca_key, "relayrl-test-ca", ca_key, ca=True)
+    files = {}
+    for name, subject in (("server", "localhost"), ("client", "trainer-0")):
+        key = _key()
+        cert = _cert(subject, key, "relayrl-test-ca", ca_key, ca=False)
+        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (d / f"{name}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        files[name] = (str(d / f"{name}.pem"), str(d / f"{name}.key"))
+    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["ca"] = str(d / "ca.pem")
+    return files
+
+
+async def _serve_tls(pki, mtls: bool):
+    cert, key = pki["server"]
+    tls = TLSConfig(cert=cert, key=key, client_ca=pki["ca"] if mtls else None)
+    server, port = await create_server("127.0.0.1:0", [], ServerConfig(tls=tls))
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_tls_server_certificate(pki):
+    server, address = await _serve_tls(pki, mtls=False)
+    try:
+        async with connect(address, ClientConfig(ca_cert=pki["ca"], server_name="localhost")) as channel:
+            assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        async with connect(address) as plaintext:  # a plaintext client cannot talk to a TLS server
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _health(plaintext)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)
+
+
+async def test_mtls_requires_a_client_certificate(pki):
+    server, address = await _serve_tls(pki, mtls=True)
+    try:
+        cert, key = pki["client"]
+        good = ClientConfig(ca_cert=pki["ca"], cert=cert, key=key, server_name="localhost")
+        async with connect(address, good) as channel:
+            assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        async with connect(address, ClientConfig(ca_cert=pki["ca"], server_name="localhost")) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _health(channel)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)
