@@ -1,0 +1,112 @@
+"""Checkpoints resume the exact run; export writes a Hugging Face folder that loads and agrees."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from protos.sample import Sample
+from trainer.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.learner import Learner
+from trainer.parallel import DistEnv
+
+ENV = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_samples(count=4):
+    rng = np.random.default_rng(11)
+    return [
+        Sample(
+            sample_id=f"s{i}",
+            prompt_id=f"p{i // 2}",
+            group_size=2,
+            prompt_ids=np.r_[1, rng.integers(3, 90, 2)].astype(np.int32),
+            response_ids=rng.integers(3, 90, 4 + i).astype(np.int32),
+            loss_mask=np.ones(4 + i, dtype=np.uint8),
+            rollout_logprobs=np.full(4 + i, -4.0, dtype=np.float32),
+            weight_versions=np.zeros(4 + i, dtype=np.int64),
+            reward=float(i),
+        )
+        for i in range(count)
+    ]
+
+
+def learner_for(model, algorithm="grpo") -> Learner:
+    config = TrainerConfig(
+        model_path=str(model), algorithm={"name": algorithm}, optim={"lr": 3e-3},
+        batch={"global_batch_size": 4, "micro_batch_size": 2},
+    )
+    return Learner(config, ENV)
+
+
+def step(learner: Learner, state: TrainState) -> float:
+    (mini_batch,) = learner.prepare(make_samples())
+    loss = learner.train_step(mini_batch, state.step)["loss"]
+    state.step += 1
+    state.weight_version += 1
+    state.samples_trained += 4
+    return loss
+
+
+def test_resume_continues_the_same_run(tiny_model_dir, tmp_path):
+    learner, state = learner_for(tiny_model_dir, "ppo"), TrainState(extra={"acked_leases": 2})
+    step(learner, state)
+    step(learner, state)
+    path = save_checkpoint(tmp_path, learner.policy, learner.optimizer, state, ENV)
+    expected_next = step(learner, state)
+
+    resumed = learner_for(tiny_model_dir, "ppo")
+    assert latest_checkpoint(tmp_path) == path
+    restored = load_checkpoint(path, resumed.policy, resumed.optimizer, ENV)
+    assert restored == TrainState(step=2, weight_version=2, samples_trained=8, extra={"acked_leases": 2})
+    assert step(resumed, restored) == pytest.approx(expected_next, abs=1e-6)
+    for (name, mine), theirs in zip(resumed.policy.state_dict().items(), learner.policy.state_dict().values(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6, msg=name)
+
+
+def test_latest_is_replaced_atomically_and_old_checkpoints_pruned(tiny_model_dir, tmp_path):
+    learner = learner_for(tiny_model_dir)
+    for number in (1, 2, 3):
+        save_checkpoint(tmp_path, learner.policy, learner.optimizer, TrainState(step=number), ENV, keep_last=2)
+    (tmp_path / ".tmp-step_00000004-999").mkdir()  # a save that crashed half-way
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
+    assert json.loads((tmp_path / "step_00000003" / "state.json").read_text())["step"] == 3
+    assert latest_checkpoint(tmp_path / "nothing-here") is None
+    (tmp_path / "latest").write_text("step_00000009")
+    with pytest.raises(FileNotFoundError, match="step_00000009"):
+        latest_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_is_a_hugging_face_folder_with_the_trained_weights(tiny_model_dir, tmp_path, tied):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True) if tied else tiny_model_dir
+    learner = learner_for(model, "ppo")
+    step(learner, TrainState())
+    out = export_hf(tmp_path / "export", learner.policy, model, ENV)
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert not any(name.startswith("value_head") for name in names)
+    assert ("lm_head.weight" in names) != tied
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[1, 20, 30, 40, 50]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, learner.policy(ids, torch.ones_like(ids))[0], rtol=0, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.decode(tokenizer.encode("12+7=19")) == "12+7=19"

@@ -1,0 +1,74 @@
+"""Advantage estimators: GRPO group normalisation, GAE for PPO, and masked whitening."""
+
+import torch
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, norm_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Sequence advantages (r - mean_group) / (std_group + eps); `norm_std=False` skips the std (Dr. GRPO).
+
+    `group_index[i]` is the group (prompt) of sample i, in [0, num_groups). The std is the
+    unbiased one. A group of one and a group whose rewards are all equal give advantage exactly 0.
+    """
+    rewards64 = rewards.double()
+    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    counts = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards64))
+    means = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, rewards64) / counts
+    centered = rewards64 - means[group_index]
+    if norm_std:
+        squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, centered**2)
+        stds = (squares / (counts - 1).clamp(min=1)).sqrt()
+        centered = centered / (stds[group_index] + eps)
+    highest = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, group_index, rewards64, "amax")
+    lowest = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, group_index, rewards64, "amin")
+    all_equal = (highest == lowest)[group_index]
+    return torch.where(all_equal, torch.zeros_like(centered), centered).to(rewards.dtype)
+
+
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [batch, tokens]: each sequence's scalar reward on its last trained token."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(-1).values
+    token_rewards = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)
+    has_tokens = last >= 0
+    token_rewards[has_tokens, last[has_tokens]] = rewards[has_tokens]
+    return token_rewards
+
+
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the trained tokens of each sequence.
+
+    Masked-out tokens (environment observations, padding) are not time steps: the recursion
+    steps over them, and they get advantage and return 0. The value after the last trained
+    token is 0 (the episode ends). Returns (advantages, returns), returns = advantages + values.
+    """
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[-1])):
+        is_step = mask[:, t] > 0
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(is_step, advantage, torch.zeros_like(advantage))
+        next_advantage = torch.where(is_step, advantage, next_advantage)
+        next_value = torch.where(is_step, values[:, t], next_value)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares, count] of the masked entries (float64), summable across ranks."""
+    values64, mask64 = values.double(), mask.double()
+    return torch.stack([(values64 * mask64).sum(), (values64**2 * mask64).sum(), mask64.sum()])
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(values - mean) / std over masked entries, from `masked_moments` (possibly summed over ranks)."""
+    total, total_sq, count = moments.unbind()
+    count = count.clamp(min=1)
+    mean = total / count
+    var = (total_sq / count - mean**2).clamp(min=0)
+    return (((values.double() - mean) * torch.rsqrt(var + eps)) * mask).to(values.dtype)

@@ -1,0 +1,133 @@
+"""From a list of samples to padded tensors aligned to next-token positions.
+
+A sample of prompt length P and response length R fills input_ids[i, :P+R] (right padding).
+Per-token tensors have T-1 columns, one per predicted token: column c holds what concerns
+input_ids[i, c+1], so response token j sits at column P-1+j. The model's logits at position
+c predict that token, and its value head at position c is the value of that state.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protos.sample import Sample
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for a set of samples; rows can be sliced and selected together.
+
+    Per-token fields are [rows, tokens - 1]; per-sequence fields are [rows]. Fields filled by
+    later stages (advantages, weights, recomputed logprobs) start as None.
+    """
+
+    input_ids: torch.Tensor  # [rows, tokens] int64
+    attention_mask: torch.Tensor  # [rows, tokens] int64
+    loss_mask: torch.Tensor  # trained-on response tokens, float32
+    rollout_logprobs: torch.Tensor  # behaviour policy, float32
+    versions: torch.Tensor  # weight version per token, int64 (-1 off the response)
+    rewards: torch.Tensor  # [rows] float32
+    group_index: torch.Tensor  # [rows] int64, groups numbered by first appearance
+    ref_logprobs: torch.Tensor | None = None  # reference / teacher logprobs
+    advantages: torch.Tensor | None = None  # per token
+    old_logprobs: torch.Tensor | None = None  # the policy the PPO ratio is taken against
+    is_weights: torch.Tensor | None = None  # off-policy importance weights per token
+    old_values: torch.Tensor | None = None  # PPO: critic values before the update
+    returns: torch.Tensor | None = None  # PPO: GAE returns
+    loss_weights: torch.Tensor | None = None  # per token, see losses.loss_weights
+    token_weights: torch.Tensor | None = None  # per token, token-mean weights for metrics
+    row_weights: torch.Tensor | None = None  # per row, 1 / rows (DPO pairs)
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def _map(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> "TrainBatch":
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return TrainBatch(**{name: None if value is None else fn(name, value) for name, value in fields.items()})
+
+    def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
+        """The batch restricted to `rows` (a slice or an index tensor), every field alike."""
+        return self._map(lambda _, value: value[rows])
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return self._map(lambda _, value: value.to(device))
+
+    def trimmed(self) -> "TrainBatch":
+        """Drop padding columns at the end that no row uses (cheaper forward passes)."""
+        length = max(int(self.attention_mask.sum(-1).max()), 2)
+
+        def trim(name: str, value: torch.Tensor) -> torch.Tensor:
+            if value.dim() == 1:
+                return value
+            return value[:, :length] if name in ("input_ids", "attention_mask") else value[:, : length - 1]
+
+        return self._map(trim)
+
+
+def group_indices(group_ids: Sequence[str]) -> torch.Tensor:
+    """Group ids -> contiguous indices numbered by first appearance."""
+    numbering: dict[str, int] = {}
+    return torch.tensor([numbering.setdefault(g, len(numbering)) for g in group_ids], dtype=torch.int64)
+
+
+def collate(samples: Sequence[Sample], pad_id: int = 0) -> TrainBatch:
+    """Pad `samples` into a TrainBatch. Every sample needs a non-empty prompt (at least a bos token)."""
+    for sample in samples:
+        if sample.prompt_ids.size == 0:
+            raise ValueError(f"sample {sample.sample_id}: prompt_ids is empty (the first response token needs a context)")
+    carries_ref = any(s.ref_logprobs.size for s in samples)
+    if carries_ref:
+        for sample in samples:
+            if sample.ref_logprobs.size != sample.response_ids.size:
+                raise ValueError(f"sample {sample.sample_id}: ref_logprobs missing while other samples carry them")
+    rows = len(samples)
+    tokens = max(s.prompt_ids.size + s.response_ids.size for s in samples)
+    input_ids = np.full((rows, tokens), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((rows, tokens), dtype=np.int64)
+    loss_mask = np.zeros((rows, tokens - 1), dtype=np.float32)
+    rollout_logprobs = np.zeros((rows, tokens - 1), dtype=np.float32)
+    ref_logprobs = np.zeros((rows, tokens - 1), dtype=np.float32)
+    versions = np.full((rows, tokens - 1), -1, dtype=np.int64)
+    for i, sample in enumerate(samples):
+        prompt_len, response_len = sample.prompt_ids.size, sample.response_ids.size
+        input_ids[i, :prompt_len] = sample.prompt_ids
+        input_ids[i, prompt_len : prompt_len + response_len] = sample.response_ids
+        attention_mask[i, : prompt_len + response_len] = 1
+        columns = slice(prompt_len - 1, prompt_len - 1 + response_len)
+        loss_mask[i, columns] = sample.loss_mask
+        rollout_logprobs[i, columns] = sample.rollout_logprobs
+        versions[i, columns] = sample.weight_versions
+        if sample.ref_logprobs.size:
+            ref_logprobs[i, columns] = sample.ref_logprobs
+    return TrainBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        loss_mask=torch.from_numpy(loss_mask),
+        rollout_logprobs=torch.from_numpy(rollout_logprobs),
+        versions=torch.from_numpy(versions),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        group_index=group_indices([s.group_id for s in samples]),
+        ref_logprobs=torch.from_numpy(ref_logprobs) if carries_ref else None,
+    )
+
+
+def order_preference_pairs(samples: Sequence[Sample]) -> list[Sample]:
+    """DPO: each group is one (chosen, rejected) pair; return them as [chosen, rejected, ...].
+
+    The chosen sample is the one with the higher reward; a group that is not exactly two
+    samples with different rewards is an error.
+    """
+    groups: dict[str, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    ordered: list[Sample] = []
+    for group_id, members in groups.items():
+        if len(members) != 2 or members[0].reward == members[1].reward:
+            rewards = [m.reward for m in members]
+            raise ValueError(f"group {group_id}: DPO needs 2 samples with different rewards, got rewards {rewards}")
+        ordered.extend(sorted(members, key=lambda s: -s.reward))
+    return ordered

@@ -1,0 +1,183 @@
+"""The trainer's typed configuration: one pydantic model, every field documented, checked in one place."""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.config import ClientConfig, Strict
+
+AlgorithmName = Literal["sft", "dpo", "ppo", "grpo", "distill"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+# Each algorithm's usual loss aggregation when `loss_agg` is not set.
+DEFAULT_LOSS_AGG: dict[str, LossAgg] = {
+    "sft": "token_mean",
+    "dpo": "token_mean",  # unused: DPO averages over pairs
+    "ppo": "token_mean",
+    "grpo": "seq_mean_token_mean",
+    "distill": "token_mean",
+}
+
+
+class AlgorithmConfig(Strict):
+    """What is optimised. RLVR is `grpo` or `ppo` fed by verifiable rewards (the reward service).
+
+    Common variants: Dr. GRPO = `grpo_norm_std: false, loss_agg: seq_mean_token_sum_norm`;
+    DAPO = `loss_agg: token_mean, clip_eps_high: 0.28`.
+    """
+
+    name: AlgorithmName = Field("grpo", description="sft, dpo, ppo (with a value head), grpo, distill (on-policy).")
+    loss_agg: LossAgg | None = Field(
+        None,
+        description="How per-token losses become one number: token_mean (DAPO), seq_mean_token_mean (GRPO), "
+        "seq_mean_token_sum_norm (Dr. GRPO). None = the algorithm's default.",
+    )
+    loss_norm_length: int | None = Field(
+        None, gt=0, description="The constant of seq_mean_token_sum_norm (e.g. max response tokens); None = longest in batch."
+    )
+    clip_eps_low: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip below: 1 - eps_low.")
+    clip_eps_high: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip above: 1 + eps_high (DAPO uses 0.28).")
+    grpo_norm_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO).")
+    grpo_eps: float = Field(1e-6, gt=0, description="GRPO: added to the group std.")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
+    value_clip_eps: float = Field(0.2, ge=0, description="PPO: value clip range around the old values.")
+    value_coef: float = Field(0.5, ge=0, description="PPO: weight of the value loss.")
+    whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the batch.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature of the implicit reward.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of KL(policy || reference) in the loss; 0 = off.")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="Per-token KL estimator.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss).")
+    off_policy: Literal["none", "tis", "decoupled"] = Field(
+        "none",
+        description="Correction for asynchronous data. none: the PPO ratio is taken against the rollout logprobs. "
+        "tis: ratio against the trainer's recomputed logprobs, times min(pi_prox/pi_rollout, is_cap). "
+        "decoupled: same ratio, times pi_prox/pi_rollout with tokens above is_cap dropped.",
+    )
+    is_cap: float = Field(2.0, gt=0, description="Truncation cap of the importance weight (tis, decoupled).")
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> "AlgorithmConfig":
+        if self.loss_agg is None:
+            self.loss_agg = DEFAULT_LOSS_AGG[self.name]
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference (or teacher) logprobs are needed: DPO, distillation, a KL term."""
+        return self.name in ("dpo", "distill") or self.kl_coef > 0
+
+    @property
+    def recomputes_logprobs(self) -> bool:
+        """Whether the trainer recomputes the policy's logprobs before the update (the proximal policy)."""
+        return self.name in ("ppo", "grpo", "distill") and self.off_policy != "none"
+
+
+class OptimConfig(Strict):
+    """AdamW with a linear warm-up."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from 0 to lr.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; None = no clip.")
+
+
+class BatchConfig(Strict):
+    """How many samples make one optimizer step, and how they are split."""
+
+    global_batch_size: int = Field(64, gt=0, description="Samples per pulled batch across all ranks (whole groups).")
+    micro_batch_size: int = Field(8, gt=0, description="Samples per forward/backward on one rank (gradient accumulation).")
+    mini_batches: int = Field(
+        1, gt=0, description="Optimizer steps per pulled batch (PPO mini-batches); the batch is split in this many."
+    )
+
+    def rows_per_rank(self, world_size: int) -> int:
+        """Samples of one mini-batch on one rank."""
+        return self.global_batch_size // self.mini_batches // world_size
+
+    def check_divisible(self, world_size: int) -> None:
+        """Raise ValueError naming the field unless the batch splits evenly over steps, ranks and micro-batches."""
+        per_step = self.global_batch_size // self.mini_batches
+        if self.global_batch_size % self.mini_batches:
+            raise ValueError(f"batch.global_batch_size={self.global_batch_size} is not divisible by mini_batches={self.mini_batches}")
+        if per_step % world_size:
+            raise ValueError(f"batch.global_batch_size: {per_step} samples per step do not split over {world_size} ranks")
+        if self.rows_per_rank(world_size) % self.micro_batch_size:
+            raise ValueError(
+                f"batch.micro_batch_size={self.micro_batch_size} does not divide the {self.rows_per_rank(world_size)} "
+                "samples per rank and step"
+            )
+
+
+class CheckpointConfig(Strict):
+    """Where and how often the trainer saves its state."""
+
+    dir: str | None = Field(None, description="Checkpoint folder; None = no checkpoints. Resumes from its latest.")
+    interval: int = Field(10, gt=0, description="Save every this many optimizer steps (and at the end).")
+    keep_last: int = Field(2, gt=0, description="Checkpoints kept; older ones are deleted.")
+    export_dir: str | None = Field(None, description="At the end, write the policy here as a Hugging Face folder.")
+
+
+class BufferClientConfig(Strict):
+    """The replay buffer the trainer pulls from."""
+
+    address: str | None = Field(None, description="host:port of the buffer service.")
+    client: ClientConfig = Field(default_factory=ClientConfig, description="TLS / token for the buffer.")
+    pull_timeout_s: float = Field(10.0, gt=0, description="Deadline of one Pull call (one batch).")
+    max_wait_s: float = Field(600.0, gt=0, description="Give up (TimeoutError) after waiting this long for a batch.")
+    lease_timeout_s: float = Field(0.0, ge=0, description="Lease per batch; 0 = the buffer's default.")
+    allow_partial_groups: bool = Field(False, description="Accept batches with incomplete groups.")
+    consumer: str = Field("trainer", description="Name the buffer logs this consumer under.")
+
+
+class PublishConfig(Strict):
+    """Where new weights go after training steps (trainer/weight_broadcast.py)."""
+
+    receivers: list[str] = Field(default_factory=list, description="host:port of each rollout worker; empty = no publish.")
+    interval: int = Field(1, gt=0, description="Publish every this many optimizer steps.")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective that carries the tensors.")
+    bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
+    timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Cast floating tensors to the rollout engine's dtype before sending; None = as trained."
+    )
+
+
+class TrainerConfig(Strict):
+    """Everything one training run needs."""
+
+    model_path: str = Field(description="Hugging Face folder of the policy to train.")
+    ref_model_path: str | None = Field(
+        None,
+        description="Frozen reference (KL, DPO) or teacher (distill) model, used when samples carry no ref_logprobs.",
+    )
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    buffer: BufferClientConfig = Field(default_factory=BufferClientConfig)
+    max_steps: int = Field(100, gt=0, description="Stop after this many optimizer steps.")
+    max_staleness: int | None = Field(
+        None, ge=0, description="Fail loudly if a batch holds a sample older than this (the buffer enforces it)."
+    )
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype: bfloat16 = autocast on GPU; parameters stay float32."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    num_threads: int | None = Field(1, gt=0, description="torch threads per process (1 when processes share cores).")
+    dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of torch.distributed collectives.")
+    log_interval: int = Field(1, gt=0, description="Log metrics every this many steps.")
+    metrics_path: str | None = Field(None, description="Append each step's metrics here as JSON lines (rank 0).")
+    metrics_sample_ids: bool = Field(
+        False, description="Also record each step's lease and sample ids in the metrics file (audits resumes)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.algorithm.name == "dpo" and self.batch.micro_batch_size % 2:
+            raise ValueError("batch.micro_batch_size: DPO trains (chosen, rejected) pairs, so it must be even")
+        return self

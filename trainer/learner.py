@@ -1,0 +1,193 @@
+"""The learner: policy (+ reference), optimizer, and the two verbs of training on a batch.
+
+`prepare(samples)` turns a pulled batch into this rank's ready mini-batches (advantages,
+recomputed logprobs, reference logprobs, loss weights); `train_step(mini_batch, step)` runs
+one optimizer step over it with gradient accumulation and clipping and returns metrics that
+are already summed over ranks.
+"""
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from protos.sample import Sample
+from trainer.advantages import gae, grpo_advantages, masked_moments, terminal_rewards, whiten
+from trainer.batch import TrainBatch, collate, order_preference_pairs
+from trainer.config import TrainerConfig
+from trainer.losses import decoupled_weights, loss_weights, tis_weights
+from trainer.model import PolicyModel, load_policy, run_policy
+from trainer.objectives import objective
+from trainer.parallel import DistEnv, parallelize
+
+
+class Learner:
+    """Owns the (sharded) policy, the frozen reference if any, and the optimizer."""
+
+    def __init__(self, config: TrainerConfig, env: DistEnv) -> None:
+        config.batch.check_divisible(env.world_size)
+        self.config = config
+        self.algo = config.algorithm
+        self.env = env
+        torch.manual_seed(config.seed)
+        policy = load_policy(config.model_path, value_head=self.algo.name == "ppo", device=env.device)
+        self.pad_id = policy.lm.config.pad_token_id or 0
+        self.policy: PolicyModel = parallelize(policy, env)
+        self.reference: PolicyModel | None = None
+        if config.ref_model_path is not None and self.algo.needs_reference:
+            reference = load_policy(config.ref_model_path, device=env.device).requires_grad_(False)
+            self.reference = parallelize(reference, env)
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+
+    # -- preparing a pulled batch -------------------------------------------------------------
+
+    def prepare(self, samples: Sequence[Sample]) -> list[TrainBatch]:
+        """This rank's mini-batches of a pulled batch, with everything the objective reads.
+
+        Every rank holds the whole pulled batch: sequence-level quantities (GRPO advantages, loss
+        weights) are computed over all of it, then each rank keeps its own rows of each mini-batch.
+        """
+        if len(samples) != self.config.batch.global_batch_size:
+            raise ValueError(
+                f"got a batch of {len(samples)} samples, expected batch.global_batch_size="
+                f"{self.config.batch.global_batch_size}"
+            )
+        if self.algo.name == "dpo":
+            samples = order_preference_pairs(samples)
+        batch = collate(samples, self.pad_id)
+        if self.algo.name == "grpo":
+            advantages = grpo_advantages(batch.rewards, batch.group_index, self.algo.grpo_norm_std, self.algo.grpo_eps)
+            batch.advantages = advantages[:, None] * batch.loss_mask
+        self._set_weights(batch)
+        local = batch.select(self._local_rows(batch.num_rows))
+        self._recompute(local)
+        if self.algo.name == "ppo":
+            self._estimate_advantages(local)
+        if self.algo.name in ("grpo", "ppo", "distill"):
+            self._set_off_policy_correction(local)
+        rows = self.config.batch.rows_per_rank(self.env.world_size)
+        return [local.select(slice(m * rows, (m + 1) * rows)) for m in range(self.config.batch.mini_batches)]
+
+    def _set_weights(self, batch: TrainBatch) -> None:
+        """Loss/metric weights computed over each whole mini-batch (all ranks' rows)."""
+        batch.loss_weights = torch.zeros_like(batch.loss_mask)
+        batch.token_weights = torch.zeros_like(batch.loss_mask)
+        batch.row_weights = torch.zeros_like(batch.rewards)
+        per_step = batch.num_rows // self.config.batch.mini_batches
+        for start in range(0, batch.num_rows, per_step):
+            rows = slice(start, start + per_step)
+            mask = batch.loss_mask[rows]
+            batch.loss_weights[rows] = loss_weights(mask, self.algo.loss_agg, self.algo.loss_norm_length)
+            batch.token_weights[rows] = loss_weights(mask, "token_mean")
+            batch.row_weights[rows] = 1.0 / per_step
+
+    def _local_rows(self, num_rows: int) -> torch.Tensor:
+        """Indices of this rank's rows: its contiguous share of every mini-batch."""
+        per_step = num_rows // self.config.batch.mini_batches
+        per_rank = per_step // self.env.world_size
+        starts = [m * per_step + self.env.rank * per_rank for m in range(self.config.batch.mini_batches)]
+        return torch.cat([torch.arange(start, start + per_rank) for start in starts])
+
+    @torch.no_grad()
+    def _recompute(self, batch: TrainBatch) -> None:
+        """Forward-only passes before the update: proximal logprobs, critic values, reference logprobs."""
+        needs_policy = self.algo.recomputes_logprobs or self.algo.name == "ppo"
+        needs_reference = self.algo.needs_reference and batch.ref_logprobs is None
+        if needs_reference and self.reference is None:
+            raise ValueError(
+                f"algorithm {self.algo.name} (kl_coef={self.algo.kl_coef}) needs reference logprobs: the samples "
+                "carry no ref_logprobs and ref_model_path is not set"
+            )
+        if needs_policy:
+            batch.old_logprobs = torch.zeros_like(batch.loss_mask)
+            batch.old_values = torch.zeros_like(batch.loss_mask) if self.algo.name == "ppo" else None
+        if needs_reference:
+            batch.ref_logprobs = torch.zeros_like(batch.loss_mask)
+        for rows, micro in self._micro_batches(batch):
+            width = micro.input_ids.shape[1] - 1
+            if needs_policy:
+                with self._autocast():
+                    out = run_policy(self.policy, micro.input_ids, micro.attention_mask)
+                batch.old_logprobs[rows, :width] = out.logprobs.cpu() * micro.loss_mask.cpu()
+                if out.values is not None:
+                    batch.old_values[rows, :width] = out.values.cpu() * micro.loss_mask.cpu()
+            if needs_reference:
+                with self._autocast():
+                    out = run_policy(self.reference, micro.input_ids, micro.attention_mask)
+                batch.ref_logprobs[rows, :width] = out.logprobs.cpu() * micro.loss_mask.cpu()
+
+    def _estimate_advantages(self, batch: TrainBatch) -> None:
+        """PPO: GAE on the critic's values, whitened over the whole pulled batch (all ranks)."""
+        token_rewards = terminal_rewards(batch.rewards, batch.loss_mask)
+        advantages, batch.returns = gae(token_rewards, batch.old_values, batch.loss_mask, self.algo.gamma, self.algo.lam)
+        if self.algo.whiten_advantages:
+            moments = self.env.all_reduce_sum(masked_moments(advantages, batch.loss_mask))
+            advantages = whiten(advantages, batch.loss_mask, moments)
+        batch.advantages = advantages
+
+    def _set_off_policy_correction(self, batch: TrainBatch) -> None:
+        """The policy the ratio is taken against, and importance weights for asynchronous data."""
+        if self.algo.off_policy == "none":
+            batch.old_logprobs = batch.rollout_logprobs
+            return
+        weights = tis_weights if self.algo.off_policy == "tis" else decoupled_weights
+        batch.is_weights = weights(batch.old_logprobs, batch.rollout_logprobs, self.algo.is_cap) * batch.loss_mask
+
+    # -- one optimizer step -------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """Forward/backward every micro-batch, clip, step. Metrics are summed over all ranks."""
+        lr = self._set_learning_rate(step)
+        micro_batches = list(self._micro_batches(batch))
+        sums: dict[str, torch.Tensor] = {}
+        for index, (_, micro) in enumerate(micro_batches):
+            self._sync_gradients(index == len(micro_batches) - 1)
+            with self._autocast():
+                out = run_policy(self.policy, micro.input_ids, micro.attention_mask, entropy_grad=self.algo.entropy_coef > 0)
+            loss, metrics = objective(self.algo, micro, out)
+            # FSDP averages gradients over ranks; every rank's loss is its share of the global sum.
+            (loss * self.env.world_size).backward()
+            metrics["tokens"] = micro.loss_mask.sum()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value.detach().double().cpu()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        names = sorted(sums)
+        totals = self.env.all_reduce_sum(torch.stack([sums[name] for name in names]))
+        result = dict(zip(names, totals.tolist(), strict=True))
+        result.update(grad_norm=grad_norm, lr=lr, samples=float(batch.num_rows * self.env.world_size))
+        return result
+
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[slice, TrainBatch]]:
+        size = self.config.batch.micro_batch_size
+        for start in range(0, batch.num_rows, size):
+            rows = slice(start, start + size)
+            yield rows, batch.select(rows).trimmed().to(self.env.device)
+
+    def _set_learning_rate(self, step: int) -> float:
+        optim = self.config.optim
+        lr = optim.lr * min(1.0, (step + 1) / optim.warmup_steps) if optim.warmup_steps else optim.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _sync_gradients(self, is_last_micro_batch: bool) -> None:
+        # Reduce-scatter gradients once per step, after the last micro-batch.
+        if isinstance(self.policy, FSDPModule):
+            self.policy.set_requires_gradient_sync(is_last_micro_batch)
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.config.optim.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm if max_norm is not None else float("inf"))
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.config.dtype == "bfloat16" and self.env.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()

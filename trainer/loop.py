@@ -1,0 +1,129 @@
+"""The training loop: pull a batch, train on it, ack it, publish weights, checkpoint.
+
+Rank 0 talks to the buffer and hands every pulled batch to all ranks. A batch is acked only
+after the optimizer step(s) that used it, so after a crash its lease expires and the buffer
+delivers it again to the restarted trainer, which resumes from its last checkpoint.
+"""
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from protos.sample import Sample
+from trainer.buffer_client import LeasedBatch
+from trainer.checkpoint import (
+    TrainState,
+    export_hf,
+    hf_state_dict,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    ties_embeddings,
+)
+from trainer.config import TrainerConfig
+from trainer.learner import Learner
+from trainer.parallel import DistEnv, gather_model_state
+
+log = logging.getLogger(__name__)
+
+# publish(named_tensors, version): hand new weights (Hugging Face names) to the rollout side.
+Publisher = Callable[[dict[str, torch.Tensor], int], object]
+
+
+class BatchSource(Protocol):
+    """Where batches come from (the buffer client); used on rank 0 only."""
+
+    def pull(self, batch_size: int) -> LeasedBatch: ...
+
+    def ack(self, lease_id: str, trainer_version: int) -> int: ...
+
+    def set_version(self, version: int) -> int: ...
+
+
+def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publish: Publisher | None = None) -> TrainState:
+    """Train until config.max_steps optimizer steps; resume from the latest checkpoint if any."""
+    learner = Learner(config, env)
+    state = resume(config, learner, env)
+    if env.is_main:
+        source.set_version(state.weight_version)
+    publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
+    if publishing and state.step > 0:
+        publish_weights(learner, state.weight_version, publish, env)
+    while state.step < config.max_steps:
+        started = time.monotonic()
+        leased: LeasedBatch = env.broadcast_object(source.pull(config.batch.global_batch_size) if env.is_main else None)
+        staleness = measure_staleness(leased.samples, state.weight_version, config.max_staleness)
+        steps_before = state.step
+        for mini_batch in learner.prepare(leased.samples):
+            metrics = learner.train_step(mini_batch, state.step)
+            state.step += 1
+            state.weight_version += 1
+            report(config, env, state, {**metrics, **staleness, "step_s": time.monotonic() - started}, leased)
+        state.samples_trained += len(leased.samples)
+        if env.is_main:
+            source.ack(leased.lease_id, state.weight_version)
+        if publishing and _due(steps_before, state.step, config.publish.interval):
+            publish_weights(learner, state.weight_version, publish, env)
+        if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
+            save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
+    if config.checkpoint.dir:
+        save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
+    if config.checkpoint.export_dir:
+        export_hf(config.checkpoint.export_dir, learner.policy, config.model_path, env)
+    return state
+
+
+def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
+    """The state of the latest checkpoint (model and optimizer loaded), or a fresh start."""
+    path = latest_checkpoint(config.checkpoint.dir)
+    if path is None:
+        return TrainState()
+    state = load_checkpoint(path, learner.policy, learner.optimizer, env)
+    log.info("resumed from %s at step %d (weight version %d)", path, state.step, state.weight_version)
+    return state
+
+
+def publish_weights(learner: Learner, version: int, publish: Publisher | None, env: DistEnv) -> None:
+    """Gather the full policy on rank 0 and publish it there as `version` (collective)."""
+    full_state = gather_model_state(learner.policy, env)
+    if env.is_main:
+        publish(hf_state_dict(full_state, ties_embeddings(learner.policy)), version)
+
+
+def measure_staleness(samples: Sequence[Sample], trainer_version: int, max_staleness: int | None) -> dict[str, float]:
+    """How many versions behind the trainer the batch's samples are; fails beyond max_staleness."""
+    lags = [trainer_version - s.oldest_version for s in samples if s.oldest_version >= 0]
+    worst = max(lags, default=0)
+    if max_staleness is not None and worst > max_staleness:
+        raise ValueError(
+            f"the buffer handed out a sample {worst} versions old at trainer version {trainer_version} "
+            f"(max_staleness={max_staleness})"
+        )
+    return {"staleness_max": float(worst), "staleness_mean": sum(lags) / len(lags) if lags else 0.0}
+
+
+def report(
+    config: TrainerConfig, env: DistEnv, state: TrainState, metrics: dict[str, float], leased: LeasedBatch
+) -> None:
+    """Log one step (every log_interval) and append it to the metrics file (rank 0)."""
+    if not env.is_main:
+        return
+    if config.metrics_path:
+        record = {"step": state.step, "weight_version": state.weight_version, **metrics}
+        if config.metrics_sample_ids:
+            record.update(lease_id=leased.lease_id, sample_ids=[s.sample_id for s in leased.samples])
+        with open(Path(config.metrics_path), "a") as f:
+            f.write(json.dumps(record) + "\n")
+    if state.step % config.log_interval == 0 or state.step == config.max_steps:
+        shown = " | ".join(f"{name} {value:.4g}" for name, value in sorted(metrics.items()))
+        log.info("step %d/%d | %s", state.step, config.max_steps, shown)
+
+
+def _due(steps_before: int, steps_after: int, every: int) -> bool:
+    """Whether a multiple of `every` was reached by the steps just taken."""
+    return steps_after // every > steps_before // every

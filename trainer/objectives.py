@@ -1,0 +1,82 @@
+"""Each algorithm's objective on one micro-batch: policy outputs + batch -> (loss, metric sums).
+
+Every term is a weighted sum with weights computed over the whole mini-batch (batch.loss_weights,
+batch.token_weights), so losses and metrics of micro-batches and ranks add up to the full-batch
+values. Metrics come back as sums to be added across micro-batches and ranks.
+"""
+
+import torch
+
+from trainer.batch import TrainBatch
+from trainer.config import AlgorithmConfig
+from trainer.losses import distill_reverse_kl, dpo_loss, kl_penalty, ppo_policy_loss, sft_loss, value_loss
+from trainer.model import PolicyOutput
+
+Metrics = dict[str, torch.Tensor]
+
+
+def objective(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
+    """The configured algorithm's loss plus the optional KL and entropy terms."""
+    loss, metrics = ALGORITHMS[algo.name](algo, batch, out)
+    tokens = batch.token_weights
+    metrics["entropy"] = (out.entropy.detach() * tokens).sum()
+    if algo.entropy_coef > 0:
+        loss = loss - algo.entropy_coef * (out.entropy * batch.loss_weights).sum()
+    if algo.kl_coef > 0:
+        kl = kl_penalty(out.logprobs, batch.ref_logprobs, algo.kl_estimator)
+        loss = loss + algo.kl_coef * (kl * batch.loss_weights).sum()
+        metrics["kl"] = (kl.detach() * tokens).sum()
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def sft(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
+    nll = sft_loss(out.logprobs)
+    return (nll * batch.loss_weights).sum(), {"nll": (nll.detach() * batch.token_weights).sum()}
+
+
+def dpo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
+    """Rows come as (chosen, rejected) pairs; a pair weighs what its two rows weigh."""
+    sequence_logprobs = (out.logprobs * batch.loss_mask).sum(-1)
+    ref_sequence_logprobs = (batch.ref_logprobs * batch.loss_mask).sum(-1)
+    pair_weights = batch.row_weights[0::2] + batch.row_weights[1::2]
+    losses = dpo_loss(
+        sequence_logprobs[0::2], sequence_logprobs[1::2], ref_sequence_logprobs[0::2], ref_sequence_logprobs[1::2],
+        algo.dpo_beta,
+    )
+    margins = algo.dpo_beta * (
+        (sequence_logprobs[0::2] - ref_sequence_logprobs[0::2]) - (sequence_logprobs[1::2] - ref_sequence_logprobs[1::2])
+    ).detach()
+    return (losses * pair_weights).sum(), {
+        "reward_margin": (margins * pair_weights).sum(),
+        "reward_accuracy": ((margins > 0).float() * pair_weights).sum(),
+    }
+
+
+def policy_gradient(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
+    """GRPO and PPO's policy part: clipped surrogate, off-policy weighted when configured."""
+    losses, clipped = ppo_policy_loss(out.logprobs, batch.old_logprobs, batch.advantages, algo.clip_eps_low, algo.clip_eps_high)
+    if batch.is_weights is not None:
+        losses = losses * batch.is_weights
+    metrics = {
+        "clip_fraction": (clipped * batch.token_weights).sum(),
+        "ratio": (torch.exp(out.logprobs - batch.old_logprobs).detach() * batch.token_weights).sum(),
+    }
+    return (losses * batch.loss_weights).sum(), metrics
+
+
+def ppo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
+    loss, metrics = policy_gradient(algo, batch, out)
+    values = value_loss(out.values, batch.old_values, batch.returns, algo.value_clip_eps)
+    metrics["value_loss"] = (values.detach() * batch.token_weights).sum()
+    return loss + algo.value_coef * (values * batch.loss_weights).sum(), metrics
+
+
+def distill(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
+    losses, reverse_kl = distill_reverse_kl(out.logprobs, batch.old_logprobs, batch.ref_logprobs)
+    if batch.is_weights is not None:
+        losses = losses * batch.is_weights
+    return (losses * batch.loss_weights).sum(), {"reverse_kl": (reverse_kl * batch.token_weights).sum()}
+
+
+ALGORITHMS = {"sft": sft, "dpo": dpo, "grpo": policy_gradient, "ppo": ppo, "distill": distill}

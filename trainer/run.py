@@ -1,0 +1,62 @@
+"""Wire a training process: threads, logging, process group, buffer client, weight publisher."""
+
+import contextlib
+import logging
+import os
+
+import torch
+import transformers
+
+from trainer.buffer_client import BufferClient
+from trainer.checkpoint import TrainState
+from trainer.config import PublishConfig, TrainerConfig
+from trainer.loop import train
+from trainer.parallel import init_distributed, shutdown_distributed
+
+log = logging.getLogger(__name__)
+
+
+def run(config: TrainerConfig) -> TrainState:
+    """Run one trainer process (one rank under torchrun) to the end of training."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    transformers.utils.logging.disable_progress_bar()
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
+    env = init_distributed(config.device, config.dist_timeout_s)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutdown_distributed, env)
+        source = publisher = None
+        if env.is_main:
+            source = BufferClient(config.buffer)
+            cleanup.callback(source.close)
+            if config.publish.receivers:
+                publisher = RolloutPublisher(config.publish)
+                cleanup.callback(publisher.close)
+        return train(config, env, source, publisher)
+
+
+class RolloutPublisher:
+    """publish(named_tensors, version) to the rollout workers, blocking; failures are logged, not raised.
+
+    A worker that misses an update keeps serving its old version (the buffer's staleness bound
+    still holds) and is tried again at the next publish.
+    """
+
+    def __init__(self, config: PublishConfig) -> None:
+        from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
+
+        self._broadcaster = BlockingWeightBroadcaster(
+            config.receivers,
+            BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s, dtype=config.dtype),
+        )
+
+    def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        report = self._broadcaster.publish(named_tensors, version)
+        if report.ok:
+            log.info("published weight version %d (%.1f MB) in %.2fs", version, report.bytes / 1e6, report.total_s)
+        else:
+            log.warning("weight version %d not taken by %s", version, report.failed)
+
+    def close(self) -> None:
+        self._broadcaster.close()
