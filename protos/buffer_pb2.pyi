@@ -90,7 +90,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pending", "leased", "acked", "dropped", "capacity", "accepted", "trainer_version", "max_staleness", "redelivered")
+    __slots__ = ("pending", "leased", "acked", "dropped", "capacity", "accepted", "trainer_version", "max_staleness", "redelivered", "duplicates")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class StatsResponse(_message.Message):
     TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     pending: int
     leased: int
     acked: int
@@ -116,4 +117,5 @@ class StatsResponse(_message.Message):
     trainer_version: int
     max_staleness: int
     redelivered: int
-    def __init__(self, pending: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., capacity: _Optional[int] = ..., accepted: _Optional[int] = ..., trainer_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., redelivered: _Optional[int] = ...) -> None: ...
+    duplicates: int
+    def __init__(self, pending: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., capacity: _Optional[int] = ..., accepted: _Optional[int] = ..., trainer_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., redelivered: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...

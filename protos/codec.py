@@ -1,5 +1,6 @@
 """Bulk payloads on the wire: 1-D numpy arrays as raw little-endian bytes, metadata as msgpack."""
 
+import functools
 from typing import Any
 
 import msgpack
@@ -51,24 +52,30 @@ def encode_array(values: Any, dtype: np.dtype | str) -> common_pb2.Array:
     return common_pb2.Array(dtype=dtype_code(arr.dtype), length=arr.size, data=arr.tobytes())
 
 
+@functools.lru_cache(maxsize=64)
+def _little_endian(dtype: np.dtype | str) -> np.dtype:
+    return np.dtype(dtype).newbyteorder("<")
+
+
 def decode_array(msg: common_pb2.Array, field: str = "array", expect: np.dtype | str | None = None) -> np.ndarray:
     """Decode a wire Array into a read-only numpy array; `field` names it in errors.
 
     An unset Array (no dtype, no data) decodes to an empty array of `expect` (or float32).
     """
-    if msg.dtype == common_pb2.DTYPE_UNSPECIFIED and msg.length == 0 and not msg.data:
+    data, code = msg.data, msg.dtype  # read once: each read of a bytes field copies it
+    if code == common_pb2.DTYPE_UNSPECIFIED and msg.length == 0 and not data:
         return np.empty(0, dtype=np.dtype(expect) if expect is not None else np.float32)
-    if msg.dtype == common_pb2.DTYPE_BFLOAT16 or msg.dtype not in _DTYPES:
-        raise CodecError(f"{field}: unsupported dtype code {msg.dtype}")
-    dt = _DTYPES[msg.dtype]
-    if expect is not None and dt != np.dtype(expect).newbyteorder("<"):
+    dt = _DTYPES.get(code)
+    if dt is None:  # unknown, or bfloat16 (no numpy type)
+        raise CodecError(f"{field}: unsupported dtype code {code}")
+    if expect is not None and dt != _little_endian(expect):
         raise CodecError(f"{field}: expected dtype {np.dtype(expect)}, got {dt.name}")
-    if len(msg.data) != msg.length * dt.itemsize:
+    if len(data) != msg.length * dt.itemsize:
         raise CodecError(
-            f"{field}: {len(msg.data)} bytes do not hold {msg.length} {dt.name} elements "
+            f"{field}: {len(data)} bytes do not hold {msg.length} {dt.name} elements "
             f"({msg.length * dt.itemsize} bytes expected)"
         )
-    return np.frombuffer(msg.data, dtype=dt)
+    return np.frombuffer(data, dtype=dt)
 
 
 def pack_metadata(meta: dict[str, Any] | None) -> bytes:

@@ -22,20 +22,22 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., bucket: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
-    __slots__ = ("backend", "master_addr", "master_port", "world_size", "rank", "group_name")
+    __slots__ = ("backend", "master_addr", "master_port", "world_size", "rank", "group_name", "existing")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXISTING_FIELD_NUMBER: _ClassVar[int]
     backend: str
     master_addr: str
     master_port: int
     world_size: int
     rank: int
     group_name: str
-    def __init__(self, backend: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., group_name: _Optional[str] = ...) -> None: ...
+    existing: bool
+    def __init__(self, backend: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., group_name: _Optional[str] = ..., existing: _Optional[bool] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
     __slots__ = ("version", "tensors", "bucket_sizes", "group", "timeout_s")

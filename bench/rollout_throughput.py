@@ -1,0 +1,119 @@
+"""Generated tokens/s: the native engine vs transformers `generate`, same tiny model, same prompts.
+
+Model: a tiny Qwen2 (hidden 256, 4 layers, 4 heads / 2 kv heads, head_dim 64, char vocabulary),
+float32, CPU. Workload per batch size B: B prompts of 16-48 tokens, sampled at temperature 1
+(no top-k/top-p), up to `--max-tokens` new tokens each, stopping at eos as a real rollout does.
+transformers gets the prompts left-padded in one `generate` call; the engine gets B requests at
+once (`LLMEngine.generate`). Tokens/s counts the tokens each completion really produced (up to and
+including eos), the same way for both. Median over `--repeats` runs after one warm-up.
+
+Threads: torch runs with `--threads` (default 1) intra-op threads for both, because this class of
+machine has 2 cores shared with other processes; more threads than free cores makes both slower
+and noisier.
+
+    python bench/rollout_throughput.py [--quick] [--threads N]
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine import LLMEngine
+from rollout.sampling_params import SamplingParams
+from rollout.tiny import write_tiny_model
+
+EOS = 2
+
+
+def make_prompts(batch: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 49, (batch,), generator=gen).tolist()
+    return [torch.randint(3, 100, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run_transformers(model, prompts: list[list[int]], max_tokens: int, seed: int) -> int:
+    """One left-padded generate call; returns the tokens generated (each row up to and including eos)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_tokens,
+        pad_token_id=0,
+        eos_token_id=EOS,
+    )
+    generated = 0
+    for row in out[:, width:].tolist():
+        generated += row.index(EOS) + 1 if EOS in row else len(row)
+    return generated
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, seed: int) -> int:
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed + i) for i in range(len(prompts))]
+    outputs = engine.generate(prompts, params)
+    return sum(len(c.token_ids) for out in outputs for c in out.completions)
+
+
+def measure(fn, repeats: int) -> float:
+    """Median tokens/s of `fn(seed) -> tokens` over `repeats` runs, after one warm-up."""
+    fn(10_000)
+    rates = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        tokens = fn(r)
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and one repeat (under a minute)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both engines")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default 128, quick 32)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default 3, quick 1)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args()
+    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    repeats = args.repeats or (1 if args.quick else 3)
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_model(
+        tempfile.mkdtemp(prefix="bench-rollout-") + "/model",
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, seed=0,
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    engine = LLMEngine(EngineConfig(model=str(folder), max_model_len=256, max_num_seqs=max(args.batches)))
+
+    print(f"tiny qwen2 hidden 256 x 4 layers, head_dim 64, float32, CPU, {args.threads} thread(s), "
+          f"up to {max_tokens} new tokens, median of {repeats}")
+    print(f"{'batch':>5} | {'native tok/s':>12} | {'transformers tok/s':>18} | {'ratio':>5}")
+    ratios = {}
+    for batch in args.batches:
+        prompts = make_prompts(batch, seed=batch)
+        with torch.inference_mode():
+            native = measure(lambda s, p=prompts: run_engine(engine, p, max_tokens, s), repeats)
+            hf = measure(lambda s, p=prompts: run_transformers(hf_model, p, max_tokens, s), repeats)
+        ratios[batch] = native / hf
+        print(f"{batch:>5} | {native:>12.0f} | {hf:>18.0f} | {ratios[batch]:>5.2f}")
+    for batch, ratio in ratios.items():
+        target = ">= 3" if batch == 64 else "none"
+        print(f"result: tokens_per_s_ratio_bs{batch} = {ratio:.2f} (baseline transformers generate, target {target})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""relayrl side by side with Hugging Face TRL's GRPOTrainer: learning speed on one CPU machine.
+
+Both systems train the same seeded tiny Qwen2 from the same SFT checkpoint on 2-digit addition
+(exact-match reward, 8 prompts x 8 completions per step, the same learning rate, temperature,
+completion length, seed and wall-clock budget), one after the other in this run, each in its own
+process. Reported for both: held-out greedy exact match over time, time to 0.8 and 0.9, final
+accuracy, completions/s.
+
+The clock: wall time of the training phase with held-out evaluation counted in, for both. TRL's
+starts when `trainer.train()` begins and pauses training while it evaluates; relayrl's starts when
+its trainer and driver processes are launched (their imports and model loads count against it)
+and its evaluations run through the rollout service while training continues.
+
+    python bench/vs_trl.py            # 600 s each (about 25 minutes in all)
+    python bench/vs_trl.py --quick    # 60 s each: a smoke test
+
+Needs the `bench` extra (pip install -e '.[bench]').
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+THRESHOLDS = (0.8, 0.9)
+BASELINE = "TRL GRPOTrainer"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One system's curve: points of {elapsed_s, accuracy, completions}, oldest first."""
+
+    name: str
+    curve: list[dict]
+    completions: int
+    seconds: float
+
+    def time_to(self, accuracy: float) -> float | None:
+        return next((p["elapsed_s"] for p in self.curve if p["accuracy"] >= accuracy), None)
+
+    def accuracy_at(self, elapsed: float) -> float:
+        """The latest evaluation at or before `elapsed`."""
+        return [p["accuracy"] for p in self.curve if p["elapsed_s"] <= elapsed + 1e-6][-1]
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.curve[-1]["accuracy"]
+
+    @property
+    def completions_per_s(self) -> float:
+        return self.completions / self.seconds
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="60 s budget each, evaluations every 10 s")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget of each training run")
+    parser.add_argument("--eval-every-s", type=float, default=30.0, help="held-out evaluation interval")
+    parser.add_argument("--seed", type=int, default=0, help="model init, task split, sampling and training")
+    parser.add_argument("--lr", type=float, default=1e-4, help="RL learning rate of both systems")
+    parser.add_argument("--num-eval", type=int, default=200, help="held-out prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=4, help="longest completion (3 digits + eos)")
+    parser.add_argument("--sft-target", type=float, default=0.3, help="held-out accuracy the SFT warm-up stops at")
+    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    parser.add_argument("--only", choices=("trl", "relayrl"), help="run one side (development)")
+    parser.add_argument("--workdir", default=str(REPO / "runs" / "vs_trl"), help="checkpoints, logs, curves")
+    args = parser.parse_args()
+    if args.quick:
+        args.budget_s, args.eval_every_s = 60.0, 10.0
+    return args
+
+
+def _subprocess(argv: list[str], log_path: Path, timeout_s: float, points: Path, label: str) -> None:
+    """Run one side in its own process, its output in a log; echo each evaluation it appends to `points`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(BENCH), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    points.unlink(missing_ok=True)
+    shown = 0
+    deadline = time.monotonic() + timeout_s
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            finished = proc.poll() is not None
+            for point in _read_points(points)[shown:]:
+                print(f"  {label} {point['elapsed_s']:6.0f} s  held-out {point['accuracy']:.3f}  "
+                      f"completions {point['completions']}", flush=True)
+                shown += 1
+            if finished:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait(10)
+                raise TimeoutError(f"{argv[0]} ran past {timeout_s:.0f} s; see {log_path}")
+            time.sleep(1.0)
+    if proc.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"{argv[0]} exited with code {proc.returncode}; last lines of {log_path}:\n{tail}")
+
+
+def _read_points(path: Path) -> list[dict]:
+    """The complete lines of a JSONL file another process appends to."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+
+
+def run_trl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
+    out = workdir / "trl.json"
+    _subprocess(
+        [str(BENCH / "_trl_run.py"), "--model", str(start), "--out", str(out), "--budget-s", str(args.budget_s),
+         "--eval-every-s", str(args.eval_every_s), "--seed", str(args.seed), "--lr", str(args.lr),
+         "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.trl_threads),
+         "--num-eval", str(args.num_eval), "--split-seed", str(args.seed)],
+        workdir / "trl.log", timeout_s=args.budget_s + 300, points=out.with_suffix(".points.jsonl"), label="TRL",
+    )
+    result = json.loads(out.read_text())
+    return Run(result["system"], result["curve"], result["completions"], result["train_s"])
+
+
+def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
+    out = workdir / "relayrl.json"
+    overrides = {
+        "seed": args.seed,
+        "run_dir": workdir / "relayrl",
+        "start_checkpoint": start,
+        "task.num_eval": args.num_eval,
+        "rl.time_budget_s": args.budget_s,
+        "rl.eval_interval_s": args.eval_every_s,
+        "rl.lr": args.lr,
+        "rl.max_tokens": args.max_new_tokens,
+        "rl.group_size": 8,
+        "rl.groups_per_batch": 8,
+        "rl.temperature": 1.0,
+    }
+    argv = [str(BENCH / "_relayrl_run.py"), "--out", str(out)]
+    for key, value in overrides.items():
+        argv += ["--set", f"{key}={value}"]
+    _subprocess(argv, workdir / "relayrl.log", timeout_s=args.budget_s + 300,
+                points=workdir / "relayrl" / "metrics.jsonl", label="relayrl")
+    result = json.loads(out.read_text())
+    return Run(result["system"], result["curve"], result["completions"], result["rl_seconds"])
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.0f} s"
+
+
+def print_report(runs: list[Run], args: argparse.Namespace, start_accuracy: float) -> None:
+    names = [run.name for run in runs]
+    width = max(len(n) for n in names) + 2
+    print(f"\nheld-out greedy exact match ({args.num_eval} prompts) over training wall-clock; "
+          f"SFT start {start_accuracy:.3f}")
+    print("time".rjust(8) + "".join(n.rjust(width) for n in names))
+    step = max(args.eval_every_s, args.budget_s / 10)
+    marks = [round(i * step) for i in range(int(args.budget_s // step) + 1)]
+    for mark in marks:
+        print(f"{mark:>6} s" + "".join(f"{run.accuracy_at(mark):.3f}".rjust(width) for run in runs))
+
+    print()
+    rows = [("time to 0.8", lambda r: _seconds(r.time_to(0.8))),
+            ("time to 0.9", lambda r: _seconds(r.time_to(0.9))),
+            ("final accuracy", lambda r: f"{r.final_accuracy:.3f}"),
+            ("best accuracy", lambda r: f"{max(p['accuracy'] for p in r.curve):.3f}"),
+            ("completions", lambda r: str(r.completions)),
+            ("training seconds", lambda r: f"{r.seconds:.0f}"),
+            ("completions/s", lambda r: f"{r.completions_per_s:.1f}")]
+    print("".ljust(18) + "".join(n.rjust(width) for n in names))
+    for label, cell in rows:
+        print(label.ljust(18) + "".join(cell(run).rjust(width) for run in runs))
+
+
+def print_results(relayrl: Run, trl: Run, budget_s: float) -> None:
+    print()
+    for threshold in THRESHOLDS:
+        ours, theirs = relayrl.time_to(threshold), trl.time_to(threshold)
+        if ours is not None and theirs is not None:
+            value = f"{ours / theirs:.2f}"
+        else:
+            value = f"n/a (relayrl {_seconds(ours)}, TRL {_seconds(theirs)} in {budget_s:.0f} s)"
+        print(f"result: time_to_{threshold}_ratio = {value} (baseline {BASELINE}, target <= 1.0)")
+    print(f"result: completions_per_s_ratio = {relayrl.completions_per_s / trl.completions_per_s:.2f} "
+          f"(baseline {BASELINE}, target >= 1)")
+    print(f"result: final_accuracy = {relayrl.final_accuracy:.3f} "
+          f"(baseline {BASELINE} {trl.final_accuracy:.3f}, target >= baseline)")
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        ax.plot([p["elapsed_s"] for p in run.curve], [p["accuracy"] for p in run.curve], marker=".", label=run.name)
+    for threshold in THRESHOLDS:
+        ax.axhline(threshold, color="grey", lw=0.5, ls="--")
+    ax.set(xlabel="training wall-clock (s)", ylabel="held-out greedy exact match", ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(BENCH))
+    from _arith import TaskSpec
+    from _warmstart import WarmStartSpec, build_start_checkpoint
+
+    began = time.monotonic()
+    task = TaskSpec(num_eval=args.num_eval, split_seed=args.seed)
+    warm = WarmStartSpec(task=task, seed=args.seed, target_accuracy=args.sft_target, max_new_tokens=args.max_new_tokens)
+    start, warm_summary = build_start_checkpoint(warm, workdir)
+    print(f"start checkpoint: {start} (SFT {warm_summary['steps']} steps, held-out {warm_summary['accuracy']:.3f})")
+
+    runs: dict[str, Run] = {}
+    if args.only in (None, "trl"):
+        print(f"TRL GRPOTrainer: {args.budget_s:.0f} s (log {workdir / 'trl.log'})", flush=True)
+        runs["trl"] = run_trl(args, start, workdir)
+    if args.only in (None, "relayrl"):
+        print(f"relayrl: {args.budget_s:.0f} s (log {workdir / 'relayrl.log'})", flush=True)
+        runs["relayrl"] = run_relayrl(args, start, workdir)
+
+    print_report(list(runs.values()), args, warm_summary["accuracy"])
+    plot(list(runs.values()), workdir / "vs_trl.png")
+    (workdir / "vs_trl.json").write_text(json.dumps(
+        {"args": vars(args), "start": warm_summary, **{k: r.__dict__ for k, r in runs.items()}}, indent=1))
+    print(f"\ncurves: {workdir / 'vs_trl.json'}, plot: {workdir / 'vs_trl.png'} "
+          f"(whole run {time.monotonic() - began:.0f} s)")
+    if len(runs) == 2:
+        print_results(runs["relayrl"], runs["trl"], args.budget_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""How long does publishing a new weight version take, against moving the same bytes with raw gloo?
+
+For models of ~50 MB and ~400 MB (named float32 tensors shaped like decoder layers) and 1, 2 and 4
+receiver processes, one run measures:
+
+  publish   WeightBroadcaster.publish: BeginUpdate over gRPC, the buckets over the kept-alive gloo group,
+            CommitUpdate (each receiver copies the staged tensors into its parameters, as an engine does).
+            Receivers are real WeightReceiver gRPC servers in their own processes.
+  raw gloo  ProcessGroupGloo.broadcast of one flat buffer of the same bytes to the same number of
+            plain processes, then a barrier (so the time covers arrival everywhere).
+  copy      one in-memory Tensor.copy_ of the same bytes (a single thread).
+
+Raw and publish rounds alternate, and medians are quoted, because the machine is shared.
+`--quick` runs the 50 MB model with 1 and 2 receivers and few repeats (< 1 minute).
+
+    python bench/weight_sync.py [--quick]
+"""
+
+import argparse
+import asyncio
+import datetime
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+HIDDEN = 512
+
+
+def model_layout(total_mb: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """Decoder-like float32 tensors, about `total_mb` MiB: per layer 4 attention and 3 MLP matrices, 2 norms."""
+    h, ff = HIDDEN, 2 * HIDDEN
+    per_layer = [("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (h, h)),
+                 ("self_attn.v_proj.weight", (h, h)), ("self_attn.o_proj.weight", (h, h)),
+                 ("mlp.gate_proj.weight", (ff, h)), ("mlp.up_proj.weight", (ff, h)), ("mlp.down_proj.weight", (h, ff)),
+                 ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+    layer_bytes = 4 * sum(_numel(shape) for _, shape in per_layer)
+    layers = max(1, round(total_mb * (1 << 20) / layer_bytes))
+    return [(f"model.layers.{i}.{name}", shape, "float32") for i in range(layers) for name, shape in per_layer]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+# -- receiver processes ----------------------------------------------------------------------------
+
+class ParameterStore:
+    """The receiving end of a rollout worker without the engine around it: named parameters that an
+    update overwrites in place, the way the native engine loads weights."""
+
+    def __init__(self, layout):
+        import torch
+
+        self.params = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, shape, dtype in layout}
+        self.weight_version = 0
+
+    def layout(self):
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.params.items()}
+
+    async def update_weights(self, weights, version: int) -> float:
+        import torch
+
+        started = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                self.params[name].copy_(tensor)
+        self.weight_version = version
+        return time.perf_counter() - started
+
+
+def run_receiver(args) -> None:
+    import torch
+
+    from protos import weights_pb2_grpc
+    from rollout.weight_receiver import WeightReceiver
+    from services.config import ServerConfig
+    from services.runtime import serve
+
+    torch.set_num_threads(1)
+    store = ParameterStore(model_layout(args.size_mb))
+    receiver = WeightReceiver(store, layout=store.layout())
+    registration = (weights_pb2_grpc.add_WeightSyncServicer_to_server, receiver, "relayrl.weights.v1.WeightSync")
+    asyncio.run(serve("wsync-bench", [registration], ServerConfig(port_file=args.port_file, log_level="WARNING")))
+
+
+def run_raw_receiver(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", args.master_port, None, False, timeout=datetime.timedelta(seconds=120))
+    pg = _raw_group(store, args.rank, args.world)
+    command = torch.zeros(1, dtype=torch.int64)
+    buffer = torch.empty(args.nbytes, dtype=torch.uint8)
+    while True:
+        pg.broadcast(command, 0).wait()
+        if command.item() == 0:
+            return
+        pg.broadcast(buffer, 0).wait()
+        pg.barrier().wait()
+
+
+def _raw_group(store, rank: int, world: int):
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=120)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), rank, world, options)
+
+
+# -- the measuring process -------------------------------------------------------------------------
+
+def _spawn(*extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, __file__, *extra], env=env, cwd=ROOT)
+
+
+def _wait_port(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 120) -> int:
+    import json
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"receiver did not start (exit code {proc.poll()})")
+        time.sleep(0.05)
+    return json.loads(path.read_text())["port"]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def measure_copy(nbytes: int, repeats: int) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+async def measure_pair(size_mb: int, receivers: int, repeats: int, config, tmp: pathlib.Path) -> dict:
+    """Start `receivers` receiver services and as many raw gloo processes; alternate raw and publish rounds."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.weight_broadcast import WeightBroadcaster
+
+    layout = model_layout(size_mb)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=gen) for name, shape, _ in layout}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    raw_procs = [_spawn("--role", "raw", "--master-port", str(store.port), "--rank", str(rank), "--world",
+                        str(receivers + 1), "--nbytes", str(nbytes)) for rank in range(1, receivers + 1)]
+    port_files = [tmp / f"recv-{size_mb}-{receivers}-{i}.port" for i in range(receivers)]
+    service_procs = [_spawn("--role", "receiver", "--size-mb", str(size_mb), "--port-file", str(path))
+                     for path in port_files]
+    try:
+        raw_pg = await asyncio.to_thread(_raw_group, store, 0, receivers + 1)
+        addresses = [f"127.0.0.1:{_wait_port(path, proc)}" for path, proc in zip(port_files, service_procs)]
+        command, flat = torch.ones(1, dtype=torch.int64), torch.ones(nbytes, dtype=torch.uint8)
+
+        def raw_round() -> float:
+            raw_pg.broadcast(command, 0).wait()
+            started = time.perf_counter()
+            raw_pg.broadcast(flat, 0).wait()
+            raw_pg.barrier().wait()
+            return time.perf_counter() - started
+
+        raw, publish, parts = [], [], []
+        async with WeightBroadcaster(addresses, config) as broadcaster:
+            first = await broadcaster.publish(tensors, 1)  # forms the group
+            assert first.ok, first.failed
+            raw_round()
+            for version in range(2, repeats + 2):
+                raw.append(await asyncio.to_thread(raw_round))
+                report = await broadcaster.publish(tensors, version)
+                assert report.ok and report.group_reused, report.failed
+                publish.append(report.total_s)
+                parts.append((report.begin_s, report.transfer_s, report.commit_s,
+                              max(r.switch_s for r in report.results)))
+        command.zero_()
+        raw_pg.broadcast(command, 0).wait()
+        return {
+            "bytes": nbytes, "raw": statistics.median(raw), "publish": statistics.median(publish),
+            "first": first.total_s, "parts": [statistics.median(p) for p in zip(*parts)],
+        }
+    finally:
+        _stop(service_procs)
+        _stop(raw_procs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="50 MB, 1 and 2 receivers, 3 repeats")
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[50, 400])
+    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=16.0)
+    parser.add_argument("--solo-mb", type=float, default=1.0)
+    parser.add_argument("--role", choices=["main", "receiver", "raw"], default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", help=argparse.SUPPRESS)
+    parser.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "receiver":
+        return run_receiver(args)
+    if args.role == "raw":
+        return run_raw_receiver(args)
+    if args.quick:
+        args.sizes_mb, args.receivers, args.repeats = [50], [1, 2], 3
+
+    import torch
+
+    from trainer.weight_broadcast import BroadcastConfig
+
+    config = BroadcastConfig(bucket_mb=args.bucket_mb, solo_mb=args.solo_mb, timeout_s=120, control_timeout_s=30)
+    torch.set_num_threads(1)  # the receivers run one thread each; so does the copy baseline
+    print(f"weight sync on {os.cpu_count()} CPU cores (all processes share them), torch {torch.__version__}, "
+          f"gloo over loopback, tensors >= {args.solo_mb:g} MiB sent alone, smaller ones in buckets of "
+          f"{args.bucket_mb:g} MiB, median of {args.repeats}")
+    header = (f"{'model':>7} {'recv':>4} {'copy s':>7} {'raw gloo s':>10} {'publish s':>9} {'GB/s':>6} "
+              f"{'begin':>6} {'xfer':>6} {'commit':>6} {'switch':>6} {'1st s':>6} {'pub/raw':>7} {'pub/copy':>8}")
+    print(header)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
+        for size_mb in args.sizes_mb:
+            nbytes = 4 * sum(_numel(shape) for _, shape, _ in model_layout(size_mb))
+            copy_s = measure_copy(nbytes, args.repeats)
+            for receivers in args.receivers:
+                row = asyncio.run(measure_pair(size_mb, receivers, args.repeats, config, pathlib.Path(tmp)))
+                ratio = row["raw"] / row["publish"]
+                begin, transfer, commit, switch = row["parts"]
+                print(f"{row['bytes'] / 1e6:>5.0f}MB {receivers:>4} {copy_s:>7.3f} {row['raw']:>10.3f} "
+                      f"{row['publish']:>9.3f} {row['bytes'] / row['publish'] / 1e9:>6.2f} {begin:>6.3f} "
+                      f"{transfer:>6.3f} {commit:>6.3f} {switch:>6.3f} {row['first']:>6.2f} {ratio:>7.2f} "
+                      f"{copy_s / row['publish']:>8.2f}", flush=True)
+                results.append((size_mb, receivers, ratio))
+    print("pub/raw = raw gloo time / publish time (1.0 = publishing costs no more than the bare broadcast); "
+          "1st s = the first publish, which forms the group; switch = receivers copying staged tensors into "
+          "their parameters (inside commit)")
+    for size_mb, receivers, ratio in results:
+        print(f"result: publish_vs_raw_gloo_{size_mb}mb_{receivers}recv = {ratio:.2f} "
+              f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
+
+
+if __name__ == "__main__":
+    main()

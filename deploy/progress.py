@@ -1,0 +1,138 @@
+"""What the quickstart shows and leaves behind: live progress, a summary table, metrics JSONL, a plot."""
+
+import contextlib
+import json
+import pathlib
+import time
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+class JsonlTail:
+    """The newest record of a JSONL file another process appends to (reads only what is new)."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path, self.offset, self.last = path, 0, {}
+
+    def latest(self) -> dict:
+        if self.path.exists():
+            with open(self.path) as f:
+                f.seek(self.offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            self.offset += len(complete.encode())
+            lines = [line for line in complete.splitlines() if line.strip()]
+            if lines:
+                self.last = json.loads(lines[-1])
+        return self.last
+
+
+class Progress:
+    def __init__(self, run_dir: pathlib.Path, console: Console | None = None):
+        self.run_dir = run_dir
+        self.console = console or Console()
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.trainer = JsonlTail(run_dir / "trainer_metrics.jsonl")
+        self.driver = JsonlTail(run_dir / "driver_stats.jsonl")
+        self.live: Live | None = None
+        self.budget_s = 0.0
+        self.accuracy = 0.0
+        self.start_accuracy = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, text: str):
+        started = time.monotonic()
+        with self.console.status(text + " ..."):
+            yield
+        self.console.print(f"[green]done[/] {text} ({time.monotonic() - started:.0f}s)")
+
+    def note(self, text: str) -> None:
+        self.console.print(text)
+
+    def start_rl(self, budget_s: float, start_accuracy: float) -> None:
+        self.budget_s, self.accuracy, self.start_accuracy = budget_s, start_accuracy, start_accuracy
+        self.live = Live(self._table(0.0), console=self.console, refresh_per_second=2, transient=False)
+        self.live.start()
+
+    def _table(self, elapsed: float) -> Table:
+        t, d = self.trainer.latest(), self.driver.latest()
+        table = Table(title="asynchronous GRPO", show_header=True, header_style="bold")
+        for col in ("time", "step", "reward", "held-out acc", "staleness", "tokens/s", "completions/s", "sync s"):
+            table.add_column(col, justify="right")
+        table.add_row(
+            f"{elapsed:.0f}/{self.budget_s:.0f}s",
+            str(t.get("step", 0)),
+            f"{t.get('reward_mean', d.get('mean_reward', 0.0)):.3f}",
+            f"{self.accuracy:.3f} (start {self.start_accuracy:.3f})",
+            f"{t.get('staleness_mean', 0.0):.2f} (max {t.get('staleness_max', 0):.0f})",
+            f"{d.get('tokens_per_s', 0.0):.0f}",
+            f"{d.get('completions_per_s', 0.0):.1f}",
+            f"{t.get('publish_s', 0.0):.3f}",
+        )
+        return table
+
+    def refresh(self, elapsed: float) -> None:
+        if self.live is not None:
+            self.live.update(self._table(elapsed))
+
+    def point(self, elapsed: float, accuracy: float) -> dict:
+        """Record one held-out evaluation with what the trainer and driver report at that moment."""
+        self.accuracy = accuracy
+        t, d = self.trainer.latest(), self.driver.latest()
+        point = {
+            "elapsed_s": round(elapsed, 2), "accuracy": accuracy, "step": t.get("step", 0),
+            "reward_mean": t.get("reward_mean", d.get("mean_reward")), "staleness_mean": t.get("staleness_mean"),
+            "completions": d.get("samples", 0), "tokens_per_s": d.get("tokens_per_s"),
+            "completions_per_s": d.get("completions_per_s"), "publish_s": t.get("publish_s"),
+        }
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(point) + "\n")
+        self.refresh(elapsed)
+        return point
+
+    def finish(self, summary) -> None:
+        if self.live is not None:
+            self.live.stop()
+        table = Table(title="relayrl quickstart: summary", show_header=False)
+        table.add_column("", style="bold")
+        table.add_column("", justify="right")
+        for name, value in (
+            ("seed", summary.seed),
+            ("held-out accuracy, start of RL (after SFT)", f"{summary.sft_accuracy:.3f}"),
+            ("held-out accuracy, end of RL", f"{summary.final_accuracy:.3f}"),
+            ("best held-out accuracy", f"{summary.best_accuracy:.3f}"),
+            ("optimizer steps", summary.steps),
+            ("completions generated", summary.completions),
+            ("RL wall-clock", f"{summary.rl_seconds:.0f}s"),
+            ("completions/s", f"{summary.completions / max(summary.rl_seconds, 1e-9):.1f}"),
+            ("plot", str(self.run_dir / "progress.png")),
+            ("metrics", str(self.metrics_path)),
+        ):
+            table.add_row(name, str(value))
+        self.console.print(table)
+        plot(summary.curve, self.run_dir / "progress.png")
+
+
+def plot(curve: list[dict], path: pathlib.Path) -> None:
+    """Held-out accuracy and mean training reward against wall-clock time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [p["elapsed_s"] for p in curve]
+    ax.plot(xs, [p["accuracy"] for p in curve], marker="o", label="held-out greedy accuracy")
+    rewards = [(p["elapsed_s"], p["reward_mean"]) for p in curve if p.get("reward_mean") is not None]
+    if rewards:
+        ax.plot(*zip(*rewards), marker=".", label="mean training reward")
+    ax.set_xlabel("RL wall-clock (s)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("relayrl quickstart: asynchronous GRPO on 2-digit addition")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

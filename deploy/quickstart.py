@@ -1,0 +1,324 @@
+"""The main job (`relayrl run`): a tiny model learns 2-digit addition on one CPU machine.
+
+    build model + task -> SFT warm-up -> start buffer, reward, rollout as processes
+    -> driver (generate, score, put) and trainer (pull, GRPO step, ack, publish) run asynchronously
+    -> held-out accuracy over time, a summary table, a plot and metrics JSONL
+"""
+
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import yaml
+from pydantic import Field
+
+from services.config import Strict, load_config
+
+log = logging.getLogger("relayrl.quickstart")
+DEFAULT_CONFIG = pathlib.Path(__file__).with_name("quickstart.yaml")
+
+
+class ModelConfig(Strict):
+    """The tiny decoder built in code (rollout.tiny.write_tiny_model)."""
+
+    arch: str = Field("qwen2", description="qwen2, qwen3 or llama.")
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = Field(32, ge=32, description="Per-head width (vLLM's CPU attention needs >= 32).")
+
+
+class TaskConfig(Strict):
+    """The verifiable task, generated in code (deploy.tasks)."""
+
+    digits: int = Field(2, ge=1, le=3, description="Digits per operand.")
+    op: str = Field("+", description="+, - or *.")
+    num_eval: int = Field(200, gt=0, description="Held-out prompts (never trained on).")
+
+
+class SFTConfig(Strict):
+    """The supervised warm-up that gives RL a policy with some signal."""
+
+    steps: int = Field(300, ge=0, description="Optimizer steps (0 = no warm-up).")
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(1e-3, gt=0)
+
+
+class RLConfig(Strict):
+    """Asynchronous GRPO."""
+
+    time_budget_s: float = Field(360.0, gt=0, description="Wall-clock budget of the RL phase.")
+    max_steps: int = Field(100_000, gt=0, description="Stop after this many optimizer steps (if sooner).")
+    group_size: int = Field(8, ge=2, description="Completions per prompt.")
+    groups_per_batch: int = Field(8, ge=1, description="Prompts per optimizer step.")
+    max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy; k = generation may run k versions ahead.")
+    temperature: float = Field(1.0, gt=0)
+    max_tokens: int = Field(4, gt=0, description="Longest answer generated.")
+    lr: float = Field(3e-4, gt=0)
+    eval_interval_s: float = Field(15.0, gt=0, description="Held-out greedy accuracy every this many seconds.")
+    algorithm: dict = Field(default_factory=lambda: {"name": "grpo"},
+                            description="trainer.config.AlgorithmConfig fields (variants: Dr. GRPO, DAPO, ...).")
+    driver_concurrency: int = Field(8, ge=1, description="Prompts the driver keeps in flight.")
+
+
+class QuickstartConfig(Strict):
+    seed: int = Field(0, description="Seeds the model, the task split, sampling and training.")
+    run_dir: str = Field("runs/quickstart", description="Where everything of the run is written (replaced).")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    start_checkpoint: str | None = Field(None, description="Start RL from this HF folder (skips building + SFT).")
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    rollout: dict = Field(default_factory=dict, description="Extra --set overrides for the rollout service.")
+
+
+@dataclass
+class Summary:
+    seed: int
+    sft_accuracy: float
+    final_accuracy: float
+    best_accuracy: float
+    steps: int
+    completions: int
+    rl_seconds: float
+    curve: list[dict] = field(default_factory=list)
+    run_dir: str = ""
+
+
+# ---------------------------------------------------------------- data
+
+
+def _sft_samples(tasks, tokenizer):
+    import numpy as np
+
+    from protos.sample import Sample
+
+    samples = []
+    for task in tasks:
+        prompt = [tokenizer.bos_token_id, *tokenizer.encode(task.prompt, add_special_tokens=False)]
+        answer = [*tokenizer.encode(task.answer, add_special_tokens=False), tokenizer.eos_token_id]
+        n = len(answer)
+        samples.append(Sample(
+            sample_id=f"sft/{task.prompt_id}", prompt_id=task.prompt_id,
+            prompt_ids=np.asarray(prompt, np.int32), response_ids=np.asarray(answer, np.int32),
+            loss_mask=np.ones(n, np.uint8), rollout_logprobs=np.zeros(n, np.float32),
+            weight_versions=np.zeros(n, np.int64),
+        ))
+    return samples
+
+
+def sft_warmup(config: QuickstartConfig, init_dir: pathlib.Path, out_dir: pathlib.Path, train_tasks) -> None:
+    """Supervised warm-up through the same training loop RL uses, fed from the task list."""
+    from transformers import AutoTokenizer
+
+    from trainer.config import TrainerConfig
+    from trainer.dataset import DatasetSource
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    cfg = TrainerConfig.model_validate({
+        "model_path": str(init_dir),
+        "algorithm": {"name": "sft"},
+        "optim": {"lr": config.sft.lr, "max_grad_norm": 1.0},
+        "batch": {"global_batch_size": config.sft.batch_size, "micro_batch_size": config.sft.batch_size},
+        "max_steps": config.sft.steps,
+        "seed": config.seed,
+        "log_interval": 50,
+        "checkpoint": {"export_dir": str(out_dir)},
+        "metrics_path": str(out_dir.parent / "sft_metrics.jsonl"),
+    })
+    train(cfg, init_distributed("cpu"), DatasetSource(_sft_samples(train_tasks, tokenizer), seed=config.seed))
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_tokens: int, concurrency: int = 64) -> float:
+    """Held-out greedy exact match through the rollout service (the weights it serves right now)."""
+    from protos import rollout_pb2, rollout_pb2_grpc
+    from protos.codec import encode_array
+    from services.client import connect
+
+    semaphore = asyncio.Semaphore(concurrency)
+    async with connect(address) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+
+        async def one(ids: list[int], answer: str) -> bool:
+            async with semaphore:
+                reply = await stub.Generate(rollout_pb2.GenerateRequest(
+                    prompt_ids=encode_array(ids, "int32"),
+                    params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1),
+                ), timeout=120)
+            return reply.completions[0].text.strip() == answer
+
+        results = await asyncio.gather(*(one(ids, answer) for ids, answer in prompts))
+    return sum(results) / len(results)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _write_yaml(path: pathlib.Path, data: dict) -> pathlib.Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _start_process(args: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "ab") as out:
+        return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=pathlib.Path(__file__).resolve().parent.parent)
+
+
+def _stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
+    import torch
+    from transformers import AutoTokenizer
+
+    from deploy.launcher import start_service
+    from deploy.progress import Progress
+    from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
+    from rollout.tiny import write_tiny_model
+
+    torch.set_num_threads(1)
+    run_dir = pathlib.Path(config.run_dir).resolve()
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    (run_dir / "logs").mkdir(parents=True)
+    _write_yaml(run_dir / "config.yaml", config.model_dump())
+    progress = Progress(run_dir, console)
+
+    train_tasks, eval_tasks = split_tasks(arithmetic_tasks(config.task.digits, config.task.op),
+                                          config.task.num_eval, config.seed)
+    if config.start_checkpoint:
+        policy_dir = pathlib.Path(config.start_checkpoint).resolve()
+    else:
+        init_dir = write_tiny_model(run_dir / "model-init", seed=config.seed, arch=config.model.arch,
+                                    hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
+                                    num_heads=config.model.num_heads, num_kv_heads=config.model.num_kv_heads,
+                                    head_dim=config.model.head_dim)
+        policy_dir = run_dir / "model-sft"
+        with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size}"):
+            sft_warmup(config, init_dir, policy_dir, train_tasks)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    eval_prompts = [([tokenizer.bos_token_id, *tokenizer.encode(t.prompt, add_special_tokens=False)], t.answer)
+                    for t in eval_tasks]
+    prompts_path = write_jsonl(train_tasks, run_dir / "prompts.jsonl")
+    rl = config.rl
+    batch_size = rl.group_size * rl.groups_per_batch
+
+    services, procs = [], []
+    try:
+        with progress.phase("starting buffer, reward and rollout services"):
+            logs = run_dir / "logs"
+            buffer = start_service("buffer", {"data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
+                                              "capacity": 16 * batch_size}, log_dir=logs)
+            services.append(buffer)
+            reward = start_service("reward", {}, log_dir=logs)
+            services.append(reward)
+            rollout = start_service("rollout", {"model": str(policy_dir), "engine.seed": config.seed,
+                                                **config.rollout}, log_dir=logs)
+            services.append(rollout)
+        sft_accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
+        progress.note(f"held-out accuracy at the start of RL: {sft_accuracy:.3f}")
+
+        driver_cfg = _write_yaml(run_dir / "driver.yaml", {
+            "rollout": rollout.address, "reward": reward.address, "buffer": buffer.address,
+            "prompts": str(prompts_path), "tokenizer": str(policy_dir), "group_size": rl.group_size,
+            "groups_per_batch": rl.groups_per_batch, "max_staleness": rl.max_staleness,
+            "temperature": rl.temperature, "max_tokens": rl.max_tokens, "concurrency": rl.driver_concurrency,
+            "seed": config.seed, "stats_path": str(run_dir / "driver_stats.jsonl"),
+        })
+        trainer_cfg = _write_yaml(run_dir / "trainer.yaml", {
+            "model_path": str(policy_dir),
+            "algorithm": rl.algorithm,
+            "optim": {"lr": rl.lr, "max_grad_norm": 1.0},
+            "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
+            "buffer": {"address": buffer.address},
+            "max_steps": rl.max_steps,
+            "max_staleness": rl.max_staleness,
+            "publish": {"receivers": [rollout.address]},
+            "seed": config.seed,
+            "log_interval": 10,
+            "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
+            "checkpoint": {"dir": str(run_dir / "checkpoints"), "interval": 100},
+        })
+        started = time.monotonic()
+        procs.append(_start_process(["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log"))
+        procs.append(_start_process(["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log"))
+        curve = [{"elapsed_s": 0.0, "accuracy": sft_accuracy, "step": 0, "completions": 0}]
+        progress.start_rl(rl.time_budget_s, sft_accuracy)
+        next_eval = started + rl.eval_interval_s
+        while True:
+            now = time.monotonic()
+            trainer_done = procs[0].poll() is not None
+            if trainer_done or now - started >= rl.time_budget_s:
+                break
+            for proc, name in zip(procs, ("trainer", "driver")):
+                if proc.poll() not in (None, 0):
+                    raise RuntimeError(f"{name} exited with code {proc.returncode}; see {logs / (name + '.log')}")
+            if now >= next_eval:
+                next_eval = now + rl.eval_interval_s
+                accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
+                point = progress.point(time.monotonic() - started, accuracy)
+                curve.append(point)
+            progress.refresh(time.monotonic() - started)
+            time.sleep(0.5)
+        rl_seconds = time.monotonic() - started
+        for proc in procs:
+            _stop_process(proc)
+        final = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
+        curve.append(progress.point(rl_seconds, final))
+    finally:
+        for proc in procs:
+            _stop_process(proc)
+        for service in reversed(services):
+            service.stop()
+    trainer_metrics = _read_jsonl(run_dir / "trainer_metrics.jsonl")
+    driver_stats = _read_jsonl(run_dir / "driver_stats.jsonl")
+    summary = Summary(
+        seed=config.seed, sft_accuracy=sft_accuracy, final_accuracy=final,
+        best_accuracy=max(p["accuracy"] for p in curve), steps=trainer_metrics[-1]["step"] if trainer_metrics else 0,
+        completions=driver_stats[-1]["samples"] if driver_stats else 0, rl_seconds=rl_seconds, curve=curve,
+        run_dir=str(run_dir),
+    )
+    progress.finish(summary)
+    return summary
+
+
+def main(config_path: str | None = None, overrides: list[str] | None = None) -> int:
+    from services.config import ConfigError
+
+    try:
+        config = load_config(QuickstartConfig, config_path or DEFAULT_CONFIG, overrides or [])
+    except ConfigError as exc:
+        print(f"relayrl run: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    summary = run_quickstart(config)
+    return 0 if summary.final_accuracy > summary.sft_accuracy else 1

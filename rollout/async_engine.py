@@ -1,0 +1,212 @@
+"""AsyncEngine: the LLMEngine driven by its own thread, used from asyncio.
+
+The thread loops: run the commands queued by callers (add a request, abort, swap weights), then
+one engine step, then hand each request's new tokens to its asyncio queue. Commands therefore run
+between two steps, which is what makes a weight update atomic for in-flight sequences.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.engine import LLMEngine
+from rollout.outputs import TokenOutput
+from rollout.sampling_params import SamplingParams
+from rollout.sequence import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompletionDelta:
+    """New tokens of one completion since the previous delta; finish_reason set on its last delta."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # items: list[TokenOutput] or an exception that ended the engine
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (shut down or crashed); no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, command_timeout_s: float = 300.0, idle_poll_s: float = 0.5):
+        self.engine = engine
+        self.command_timeout_s = command_timeout_s  # longest a caller waits for a command (one step + itself)
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
+        self._stopping = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats
+
+    def parameter_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of every parameter a weight update may carry."""
+        return {name: (tuple(p.shape), p.dtype) for name, p in self.engine.runner.model.named_parameters()}
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[CompletionDelta]:
+        """Yield deltas of the request's n completions as the engine produces them.
+
+        Raises InvalidRequest / QueueFull / DuplicateRequest on the first iteration when the engine
+        refuses the request. Leaving the iteration early (a client gone) aborts the request, which
+        frees its KV blocks.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        unfinished = set(range(params.n))
+        try:
+            await self._call(lambda: self._add(request_id, list(prompt_ids), params, stream))
+            while unfinished:
+                item = await stream.queue.get()
+                items = [item]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                for delta in _merge(items):
+                    if delta.finish_reason is not None:
+                        unfinished.discard(delta.index)
+                    yield delta
+        finally:
+            if unfinished:  # commands run in order, so this lands after the add, whatever became of it
+                self._submit(lambda: self._abort_stream(request_id, stream))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its completions end with reason abort. Returns whether it was running."""
+        return await self._call(lambda: self._abort(request_id))
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
+        """Copy `weights` (name -> tensor) into the model between two steps; returns the seconds it took."""
+        return await self._call(lambda: self._switch_weights(weights, version))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread; open streams end with EngineDead."""
+        self._stopping.set()
+        self._thread.join(timeout_s)
+
+    # ---- engine thread ----
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+        except BaseException as exc:  # the thread must not die silently: every waiter learns why
+            log.exception("rollout engine thread crashed")
+            self._error = exc
+        finally:
+            self._fail_everything(self._error or EngineDead("the rollout engine was shut down"))
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command, future = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(command())
+                except Exception as exc:  # noqa: BLE001 - a command's error belongs to its caller; the loop goes on
+                    future.set_exception(exc)
+            try:
+                command, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream) -> None:
+        self.engine.add_request(request_id, prompt_ids, params)
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> bool:
+        outputs = self.engine.abort(request_id)
+        self._deliver(outputs)
+        return bool(outputs)
+
+    def _abort_stream(self, request_id: str, stream: _Stream) -> None:
+        """Abort the request only if `stream` still reads it (not a later request reusing the id)."""
+        if self._streams.get(request_id) is stream:
+            self._abort(request_id)
+
+    def _switch_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
+        start = time.perf_counter()
+        self.engine.load_weights(weights, version)
+        return time.perf_counter() - start
+
+    def _deliver(self, outputs: list[TokenOutput]) -> None:
+        by_request: dict[str, list[TokenOutput]] = {}
+        for output in outputs:
+            by_request.setdefault(output.request_id, []).append(output)
+        for request_id, items in by_request.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if request_id not in self.engine.requests:
+                del self._streams[request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, items)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._streams.clear()
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDead(f"the rollout engine stopped: {error!r}"))
+
+    # ---- caller side ----
+
+    def _submit(self, command: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        if not self._thread.is_alive():
+            future.set_exception(EngineDead(f"the rollout engine stopped: {self._error!r}"))
+            return future
+        self._commands.put((command, future))
+        return future
+
+    async def _call(self, command: Callable[[], Any]) -> Any:
+        return await asyncio.wait_for(asyncio.wrap_future(self._submit(command)), self.command_timeout_s)
+
+
+def _merge(items: list[list[TokenOutput] | BaseException]) -> list[CompletionDelta]:
+    """Fold queued step outputs into one delta per completion, in completion order."""
+    deltas: dict[int, CompletionDelta] = {}
+    for item in items:
+        if isinstance(item, BaseException):
+            raise item
+        for output in item:
+            delta = deltas.setdefault(output.index, CompletionDelta(output.index))
+            if output.token_id is not None:
+                delta.token_ids.append(output.token_id)
+                delta.logprobs.append(output.logprob)
+                delta.weight_versions.append(output.weight_version)
+            delta.finish_reason = output.finish_reason
+    return [deltas[index] for index in sorted(deltas)]

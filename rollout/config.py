@@ -1,0 +1,147 @@
+"""Engine and model configuration: one typed dataclass each, derived fields filled and checked once."""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The facts of a Hugging Face decoder checkpoint that the native engine needs (from config.json)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type": "linear"|"llama3", ...} or None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (always on for Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    dtype: str  # the checkpoint's own dtype name
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        """Read config.json (and generation_config.json's eos ids) of a local model folder."""
+        folder = Path(path)
+        raw = json.loads((folder / "config.json").read_text())
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type: {model_type!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES})")
+        if raw.get("use_sliding_window"):
+            raise ValueError("use_sliding_window: sliding-window attention is not supported by the native engine")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act: only silu is supported, got {raw['hidden_act']!r}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        num_heads = raw["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=_eos_ids(folder, raw),
+            dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        )
+
+
+def _eos_ids(folder: Path, raw: dict) -> tuple[int, ...]:
+    """eos ids of config.json and generation_config.json together (chat models list several)."""
+    ids: list[int] = []
+    sources = [raw.get("eos_token_id")]
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+@dataclass
+class EngineConfig:
+    """How the native engine runs one model.
+
+    The KV cache holds `num_blocks` blocks of `block_size` tokens; when `num_blocks` is None it is
+    sized to `kv_cache_memory_bytes`, but never beyond what `max_num_seqs` sequences of
+    `max_model_len` tokens can use.
+    """
+
+    model: str  # local Hugging Face folder (config.json + *.safetensors)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # "auto": the checkpoint's dtype
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks; None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is None
+    max_num_seqs: int = 64  # sequences decoded together in one step
+    max_num_batched_tokens: int | None = None  # prompt tokens prefilled in one step; None: max(4096, max_model_len)
+    max_model_len: int | None = None  # prompt + response limit; None: the model's max_position_embeddings
+    max_queue: int = 1024  # requests waiting to start; beyond it add_request raises QueueFull
+    max_n: int = 16  # largest n (completions per prompt) a request may ask for
+    seed: int = 0  # seeds the per-request seeds of requests that bring none
+    logprobs_mode: Literal["raw", "processed"] = "raw"  # see rollout/sampler.py
+    model_config: ModelConfig = field(init=False)  # derived: read from the model folder
+    torch_dtype: torch.dtype = field(init=False)  # derived from dtype
+
+    def __post_init__(self) -> None:
+        self.model_config = ModelConfig.from_pretrained(self.model)
+        dtype = self.model_config.dtype if self.dtype == "auto" else self.dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+        self.torch_dtype = DTYPES[dtype]
+        if self.max_model_len is None:
+            self.max_model_len = self.model_config.max_position_embeddings
+        if not 0 < self.max_model_len <= self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} is outside (0, {self.model_config.max_position_embeddings}]"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(4096, self.max_model_len)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} must hold one full sequence "
+                f"(max_model_len={self.max_model_len})"
+            )
+        for name in ("block_size", "max_num_seqs", "max_queue", "max_n", "kv_cache_memory_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_n > self.max_num_seqs:
+            raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.num_blocks is None:
+            self.num_blocks = min(self.kv_cache_memory_bytes // self.kv_bytes_per_block, self.max_num_seqs * blocks_per_seq)
+        if self.num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"num_blocks: {self.num_blocks} blocks cannot hold one sequence of max_model_len={self.max_model_len} "
+                f"({blocks_per_seq} blocks); raise kv_cache_memory_bytes or lower max_model_len"
+            )
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        m = self.model_config
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.torch_dtype.itemsize

@@ -1,0 +1,99 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, and merged projections with HF names."""
+
+import math
+
+import torch
+from torch import nn
+
+from rollout.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as transformers' Qwen2/Llama do."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of plain, linear-scaled or Llama-3 RoPE (float32, head_dim / 2 entries)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_scaling: rope_type {scaling['rope_type']!r} is not supported by the native engine")
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with cos/sin tables precomputed for every position (rotate-half convention)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inverse_frequencies(config)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", angles.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ProjectionView(nn.Module):
+    """One checkpoint-named projection (e.g. `q_proj`) whose weight is a slice of a merged matrix.
+
+    Loading into `q_proj.weight` by name writes straight into the merged matrix the forward uses,
+    so the model keeps Hugging Face parameter names and still runs one matmul for q, k and v.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+
+def add_merged_projections(
+    owner: nn.Module,
+    prefix: str,
+    in_features: int,
+    parts: dict[str, int],
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Give `owner` one ProjectionView per part plus buffers `<prefix>_weight` (and `_bias`) merging them."""
+    weight = torch.zeros(sum(parts.values()), in_features, dtype=dtype, device=device)
+    merged_bias = torch.zeros(sum(parts.values()), dtype=dtype, device=device) if bias else None
+    owner.register_buffer(f"{prefix}_weight", weight, persistent=False)
+    owner.register_buffer(f"{prefix}_bias", merged_bias, persistent=False)
+    start = 0
+    for name, size in parts.items():
+        part_bias = None if merged_bias is None else merged_bias[start : start + size]
+        setattr(owner, name, ProjectionView(weight[start : start + size], part_bias))
+        start += size

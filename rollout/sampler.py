@@ -1,0 +1,98 @@
+"""Token sampling for a batch: temperature, top-k, top-p, greedy, per-request seeds, logprobs.
+
+Sampling is Gumbel-max over the processed logits: token = argmax(logits / T (top-k/top-p
+masked) + Gumbel noise). The noise comes from a counter-based hash of (seed, completion index,
+position, token id), so one batched op serves every request, each with its own seed, and a
+completion is reproducible whatever it was batched with and even after preemption.
+
+Logprobs (`logprobs_mode`):
+- "raw" (default): log_softmax of the model's logits at temperature 1, before top-k/top-p. This
+  is the policy distribution the trainer recomputes, so rollout and trainer logprobs compare.
+- "processed": log-probability under the distribution actually sampled from (after temperature,
+  top-k and top-p); 0.0 for greedy rows, whose distribution is a point mass.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+def as_int64(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic; products wrap alike)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = as_int64(0x9E3779B97F4A7C15)  # splitmix64 increment and finaliser constants
+_MIX1 = as_int64(0xBF58476D1CE4E5B9)
+_MIX2 = as_int64(0x94D049BB133111EB)
+_INDEX_SALT = as_int64(0x632BE59BD9B4E019)
+_POSITION_SALT = as_int64(0x8CB92BA72F3D8DD7)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling controls of one batch, as tensors on the logits' device."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64, vocab size when unrestricted
+    seeds: torch.Tensor  # [B] int64 (uint64 bit pattern)
+    indices: torch.Tensor  # [B] int64 completion index
+    positions: torch.Tensor  # [B] int64 position of the token being sampled
+    any_sampled: bool  # some row has temperature > 0
+    any_filtered: bool  # some sampled row uses top-k or top-p
+
+
+class Sampler:
+    def __init__(self, logprobs_mode: str = "raw"):
+        if logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] -> (token ids [B] int64, logprobs [B] float32)."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        processed = None
+        if params.any_sampled:
+            sampled = params.temperatures > 0
+            processed = logits / torch.where(sampled, params.temperatures, 1.0).unsqueeze(1)
+            if params.any_filtered:
+                processed = _top_k_top_p(processed, params.top_ks, params.top_ps)
+            noise = _gumbel(params.seeds, params.indices, params.positions, logits.shape[1], logits.device)
+            tokens = torch.where(sampled, (processed + noise).argmax(dim=-1), tokens)
+        if self.logprobs_mode == "raw" or processed is None:
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            if self.logprobs_mode == "processed":
+                logprobs = torch.zeros_like(logprobs)
+            return tokens, logprobs
+        logprobs = torch.log_softmax(processed, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, torch.where(params.temperatures > 0, logprobs, 0.0)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus of what is left."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill((mass_before > top_ps.unsqueeze(1)) & (ranks > 0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _gumbel(seeds: torch.Tensor, indices: torch.Tensor, positions: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V], a pure function of (seed, index, position, token id)."""
+    token_ids = torch.arange(vocab, device=device, dtype=torch.int64).unsqueeze(0)
+    row = seeds * _GOLDEN + indices * _INDEX_SALT + positions * _POSITION_SALT
+    bits = _splitmix64(_splitmix64(row).unsqueeze(1) + token_ids * _GOLDEN)
+    uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)  # in (0, 1)
+    return (-torch.log(-torch.log(uniform))).float()
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))

@@ -1,0 +1,103 @@
+"""Continuous batching: which sequences run in the next step.
+
+A step either prefills waiting sequences (all their uncached tokens) or decodes every running
+sequence by one token; prefill goes first so new requests join as soon as blocks allow. When a
+decode step cannot get a block, the most recently started sequence is preempted: its blocks are
+freed and it waits to be recomputed (prefilled again over prompt + output so far).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout.block_manager import BlockManager
+from rollout.config import EngineConfig
+from rollout.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Batch:
+    """One step's work. In a prefill, sequences with `prefill_from` set sample from a sibling's logits."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Batch | None:
+        batch = self._schedule_prefill()
+        return batch if batch is not None else self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        scheduled: list[Sequence] = []
+        num_seqs, num_tokens = len(self.running), 0
+        while self.waiting:
+            seq = self.waiting[0]
+            group = 1 + len(seq.forks)
+            if (
+                num_seqs + group > self.max_num_seqs
+                or num_tokens + len(seq) > self.max_num_batched_tokens
+                or not self.block_manager.can_allocate(seq)
+            ):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            for child in seq.forks:
+                self.block_manager.fork(seq, child)
+                child.prefill_from = seq
+            scheduled += [seq, *seq.forks]
+            seq.forks = []
+            num_seqs += group
+            num_tokens += len(seq)
+        for seq in scheduled:
+            seq.status = SequenceStatus.RUNNING
+        self.running.extend(scheduled)
+        return Batch(scheduled, is_prefill=True) if scheduled else None
+
+    def _schedule_decode(self) -> Batch | None:
+        scheduled: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                copy = self.block_manager.may_append(seq)
+                if copy is not None:
+                    copies.append(copy)
+                scheduled.append(seq)
+        self.running.extend(scheduled)
+        return Batch(scheduled, is_prefill=False, block_copies=copies) if scheduled else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,206 @@
+"""The rollout service: `relayrl serve rollout --model PATH`.
+
+Three layers: the AsyncEngine (pure logic), RolloutServicer (proto <-> domain, status codes), and
+serve() wiring both into the shared runtime with the WeightSync receiver. Heavy imports (torch,
+the engine) happen inside serve(), after the config has been parsed.
+"""
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Literal
+
+import grpc
+from prometheus_client import Counter, Gauge
+from pydantic import Field
+
+from protos import rollout_pb2, rollout_pb2_grpc
+from protos.codec import CodecError, decode_array, encode_array
+from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
+from rollout.sampling_params import SamplingParams
+from rollout.sequence import FinishReason
+from services.config import ServerConfig, Strict
+
+if TYPE_CHECKING:
+    from rollout.async_engine import AsyncEngine, CompletionDelta
+
+SERVICE_NAME = "relayrl.rollout.v1.Rollout"
+
+TOKENS_GENERATED = Counter("relayrl_rollout_generated_tokens_total", "Tokens generated and sent to clients")
+RUNNING_SEQS = Gauge("relayrl_rollout_running_sequences", "Sequences in the running batch")
+WAITING_SEQS = Gauge("relayrl_rollout_waiting_sequences", "Sequences waiting for KV blocks or a batch slot")
+FREE_BLOCKS = Gauge("relayrl_rollout_free_kv_blocks", "KV cache blocks on the free list")
+WEIGHT_VERSION = Gauge("relayrl_rollout_weight_version", "Weight version used for new tokens")
+
+_FINISH_REASONS = {
+    None: rollout_pb2.FINISH_REASON_NONE,
+    FinishReason.STOP: rollout_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: rollout_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: rollout_pb2.FINISH_REASON_ABORT,
+}
+
+
+class EngineSettings(Strict):
+    """Native engine settings (see rollout.config.EngineConfig for how they are used)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
+    device: str = Field("cpu", description="'cpu', 'cuda', 'cuda:1', ...")
+    block_size: int = Field(16, gt=0, description="Tokens per KV block.")
+    num_blocks: int | None = Field(None, gt=0, description="KV blocks; None: sized by kv_cache_memory_bytes.")
+    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget when num_blocks is None.")
+    max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="Prompt tokens prefilled per step.")
+    max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
+    max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
+    max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
+    seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw", description="'raw': logprobs of the model at temperature 1 (what the trainer recomputes); "
+        "'processed': of the distribution sampled from.")
+    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
+
+
+class Config(Strict):
+    """`relayrl serve rollout` configuration."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    model: str = Field(description="Local Hugging Face model folder (config.json, *.safetensors, tokenizer).")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo over an AsyncEngine.
+
+    The session RPCs are not implemented yet (the base class answers UNIMPLEMENTED).
+    """
+
+    def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        model_config = engine.engine.model_config
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
+        self.max_model_len = engine.engine.config.max_model_len
+
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
+        request_id, prompt, params = self._parse(request)
+        completions = [rollout_pb2.Completion(index=i) for i in range(params.n)]
+        collected: list[tuple[list[int], list[float], list[int]]] = [([], [], []) for _ in range(params.n)]
+        async for delta in self._generate(request_id, prompt, params, context):
+            tokens, logprobs, versions = collected[delta.index]
+            tokens += delta.token_ids
+            logprobs += delta.logprobs
+            versions += delta.weight_versions
+            completions[delta.index].finish_reason = _FINISH_REASONS[delta.finish_reason]
+        for completion, (tokens, logprobs, versions) in zip(completions, collected):
+            completion.token_ids.CopyFrom(encode_array(tokens, "int32"))
+            if request.params.logprobs:
+                completion.logprobs.CopyFrom(encode_array(logprobs, "float32"))
+            completion.weight_versions.CopyFrom(encode_array(versions, "int64"))
+            completion.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
+
+    async def GenerateStream(self, request: rollout_pb2.GenerateRequest, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
+        request_id, prompt, params = self._parse(request)
+        async for delta in self._generate(request_id, prompt, params, context):
+            yield rollout_pb2.GenerateChunk(
+                request_id=request_id,
+                index=delta.index,
+                token_ids=encode_array(delta.token_ids, "int32"),
+                logprobs=encode_array(delta.logprobs if request.params.logprobs else [], "float32"),
+                weight_versions=encode_array(delta.weight_versions, "int64"),
+                finish_reason=_FINISH_REASONS[delta.finish_reason],
+                text=self.tokenizer.decode(delta.token_ids, skip_special_tokens=True),
+            )
+
+    async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:
+        return rollout_pb2.AbortResponse(found=await self.engine.abort(request.request_id))
+
+    async def GetWeightVersion(self, request, context) -> rollout_pb2.GetWeightVersionResponse:
+        return rollout_pb2.GetWeightVersionResponse(version=self.engine.weight_version)
+
+    async def GetModelInfo(self, request, context) -> rollout_pb2.GetModelInfoResponse:
+        return rollout_pb2.GetModelInfoResponse(
+            model=self.model_name,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            weight_version=self.engine.weight_version,
+            paused=False,  # the native engine switches weights between steps without pausing
+            eos_token_id=self.eos_token_id,
+            engine="native",
+        )
+
+    async def _generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, context
+    ) -> AsyncIterator["CompletionDelta"]:
+        """The engine's deltas, with refusals turned into status codes. Cancelling the call aborts the request."""
+        from rollout.async_engine import EngineDead
+
+        try:
+            async for delta in self.engine.generate(request_id, prompt, params):
+                TOKENS_GENERATED.inc(len(delta.token_ids))
+                yield delta
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DuplicateRequest as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except EngineDead as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+        """Request -> (request id, prompt ids, params); raises CodecError (INVALID_ARGUMENT) naming the field."""
+        prompt_ids = decode_array(request.prompt_ids, field="prompt_ids", expect="int32")
+        if prompt_ids.size and request.prompt_text:
+            raise CodecError("prompt_ids: give prompt_ids or prompt_text, not both")
+        prompt = self.tokenizer(request.prompt_text).input_ids if request.prompt_text else prompt_ids.tolist()
+        p = request.params
+        params = SamplingParams(
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            top_k=p.top_k,
+            max_tokens=p.max_tokens,
+            stop_token_ids=tuple(p.stop_token_ids),
+            stop=tuple(p.stop),
+            n=p.n or 1,
+            seed=p.seed if p.HasField("seed") else None,
+            ignore_eos=p.ignore_eos,
+        )
+        return request.request_id or uuid.uuid4().hex, prompt, params
+
+
+async def serve(config: Config) -> None:
+    """Load the model, start the engine thread, and serve Rollout (+ WeightSync) until SIGTERM."""
+    import torch
+
+    from protos import weights_pb2_grpc
+    from rollout.async_engine import AsyncEngine
+    from rollout.config import EngineConfig
+    from rollout.engine import LLMEngine
+    from rollout.weight_receiver import WeightReceiver
+    from services.runtime import serve as serve_forever
+
+    settings = config.engine.model_dump()
+    if settings.pop("torch_threads") is not None:
+        torch.set_num_threads(config.engine.torch_threads)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=config.model, **settings)))
+    RUNNING_SEQS.set_function(lambda: engine.stats["running"])
+    WAITING_SEQS.set_function(lambda: engine.stats["waiting"])
+    FREE_BLOCKS.set_function(lambda: engine.stats["free_blocks"])
+    WEIGHT_VERSION.set_function(lambda: engine.weight_version)
+    servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer)
+    receiver = WeightReceiver(engine, layout=engine.parameter_layout())
+
+    async def on_stop() -> None:
+        engine.shutdown()
+
+    await serve_forever(
+        "rollout",
+        [
+            (rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, SERVICE_NAME),
+            (weights_pb2_grpc.add_WeightSyncServicer_to_server, receiver, "relayrl.weights.v1.WeightSync"),
+        ],
+        config.server,
+        on_stop,
+    )

@@ -1,0 +1,228 @@
+"""The rollout worker's side of weight sync: the relayrl.weights.v1.WeightSync servicer.
+
+BeginUpdate validates the manifest against the engine's parameters, then a background thread joins
+(or reuses) the update group and receives every bucket into staging buffers. CommitUpdate waits for
+that thread (with its timeout) and hands views of the staged tensors to
+`AsyncEngine.update_weights`, which switches between two decode steps. On any failure the worker keeps
+serving its old version and the call says why; nothing here can block the engine or the trainer past
+a deadline.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+import torch
+
+from protos import weights_pb2, weights_pb2_grpc
+from protos.codec import CodecError
+from services.weights import (
+    GroupSpec,
+    Manifest,
+    Transfer,
+    TransferError,
+    allocate_staging,
+    backend_device,
+    deadline_after,
+    make_group,
+    receive_buckets,
+    unpack_bucket,
+)
+
+log = logging.getLogger(__name__)
+
+Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class UpdatableEngine(Protocol):
+    """What the receiver needs from the engine (rollout.async_engine.AsyncEngine provides it)."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def parameter_layout(self) -> Layout: ...
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> float: ...
+
+
+@dataclass
+class _Update:
+    """One version being received."""
+
+    version: int
+    manifest: Manifest
+    spec: GroupSpec
+    deadline: float
+    staging: list[torch.Tensor]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: Future = field(default_factory=Future)  # result: seconds the receive took
+
+
+def check_layout(manifest: Manifest, layout: Layout) -> None:
+    """Every tensor of the update must be a parameter of the engine with the same shape and dtype,
+    and every parameter must be in the update (a partial update would mix two versions)."""
+    for slot in manifest.slots:
+        if slot.name not in layout:
+            raise CodecError(f"tensor {slot.name!r}: the model has no such parameter")
+        shape, dtype = layout[slot.name]
+        if tuple(shape) != slot.shape or dtype != slot.dtype:
+            raise CodecError(
+                f"tensor {slot.name!r}: the update has {list(slot.shape)} {slot.dtype}, the model "
+                f"{list(shape)} {dtype}"
+            )
+    missing = sorted(set(layout) - {slot.name for slot in manifest.slots})
+    if missing:
+        raise CodecError(f"tensors: the update lacks {len(missing)} parameters, e.g. {missing[0]!r}")
+
+
+class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
+    """Receives weight updates for `engine`. `layout` (name -> (shape, dtype)) is what updates must
+    match; by default the engine's parameters."""
+
+    def __init__(self, engine: UpdatableEngine, layout: Layout | None = None):
+        self.engine = engine
+        self.layout = layout if layout is not None else engine.parameter_layout()
+        self._pending: _Update | None = None
+        self._staging: list[torch.Tensor] | None = None
+        self._group: Transfer | None = None
+        self._group_lock = threading.Lock()
+        self._switch_lock = asyncio.Lock()
+
+    async def BeginUpdate(self, request, context):
+        manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
+        spec = GroupSpec.from_proto(request.group)
+        if not request.timeout_s > 0:
+            raise CodecError(f"timeout_s: must be > 0, got {request.timeout_s}")
+        check_layout(manifest, self.layout)
+        async with self._switch_lock:
+            current = self.engine.weight_version
+            if request.version <= current:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"version {request.version} is not newer than the served version {current}")
+            self._cancel_pending()
+            if spec.existing and not self._holds(spec):
+                await context.abort(grpc.StatusCode.ABORTED,
+                                    f"group {spec.group_name!r} is not held here (restarted?): form a new group")
+            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s),
+                             self._take_staging(manifest, backend_device(spec.backend)))
+            update.done.set_running_or_notify_cancel()  # a waiter that gives up must not cancel it
+            self._pending = update
+            log.info("receiving weight version %d on group %s (rank %d of %d, %d bytes)", update.version,
+                     spec.group_name, spec.rank, spec.world_size, manifest.total_bytes)
+            threading.Thread(target=self._receive, args=(update,), name=f"weights-v{update.version}",
+                             daemon=True).start()
+        return weights_pb2.BeginUpdateResponse(current_version=current)
+
+    async def CommitUpdate(self, request, context):
+        update = self._pending
+        current = self.engine.weight_version
+        if update is None or update.version != request.version:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no update to version {request.version} in progress; serving version {current}")
+        wait_s = request.timeout_s if request.timeout_s > 0 else max(update.deadline - time.monotonic(), 0.0)
+        try:
+            receive_s = await asyncio.wait_for(asyncio.wrap_future(update.done), wait_s)
+        except TimeoutError:
+            self._cancel(update)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"version {update.version}: buckets not all received after {wait_s:.1f}s; "
+                                f"still serving version {current}")
+        except TransferError as exc:
+            self._cancel(update)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"version {update.version}: transfer failed ({exc}); still serving version {current}")
+        async with self._switch_lock:
+            if self._pending is not update:
+                await context.abort(grpc.StatusCode.ABORTED,
+                                    f"version {update.version} was aborted or superseded; serving version "
+                                    f"{self.engine.weight_version}")
+            weights: dict[str, torch.Tensor] = {}
+            for index, bucket in enumerate(update.staging):
+                weights.update(unpack_bucket(update.manifest, index, bucket))
+            switch_s = await self.engine.update_weights(weights, update.version)
+            self._pending = None
+            self._staging = update.staging  # the engine copied them: reuse for the next version
+        log.info("switched to weight version %d (receive %.3fs, switch %.3fs)", update.version, receive_s, switch_s)
+        return weights_pb2.CommitUpdateResponse(current_version=self.engine.weight_version, receive_s=receive_s,
+                                                switch_s=switch_s)
+
+    async def AbortUpdate(self, request, context):
+        async with self._switch_lock:
+            update = self._pending
+            if update is not None and (request.version in (0, update.version)):
+                self._cancel(update)
+        return weights_pb2.AbortUpdateResponse(current_version=self.engine.weight_version)
+
+    # -- the background receive ---------------------------------------------------------------------
+
+    def _receive(self, update: _Update) -> None:
+        started = time.monotonic()
+        try:
+            group = self._join(update)
+            receive_buckets(group, update.manifest, update.deadline, update.staging, update.cancelled)
+        except TransferError as exc:
+            self._drop_group(update.spec.group_name)
+            update.done.set_exception(exc)
+            log.warning("receiving weight version %d failed: %s", update.version, exc)
+            return
+        update.done.set_result(time.monotonic() - started)
+
+    def _join(self, update: _Update) -> Transfer:
+        spec = update.spec
+        with self._group_lock:
+            if self._holds(spec):
+                return self._group
+            old, self._group = self._group, None
+        if old is not None:
+            old.close()
+        left = update.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(f"version {update.version}: deadline passed before joining the group")
+        group = make_group(spec, left)
+        with self._group_lock:
+            # An update aborted meanwhile must not install its group over a newer one.
+            if not update.cancelled.is_set():
+                old, self._group = self._group, group
+                if old is not None:
+                    old.close()
+                return group
+        group.close()
+        raise TransferError(f"version {update.version}: aborted while joining the group")
+
+    def _holds(self, spec: GroupSpec) -> bool:
+        group = self._group
+        return (group is not None and group.spec.group_name == spec.group_name and group.spec.rank == spec.rank
+                and group.spec.world_size == spec.world_size)
+
+    def _drop_group(self, name: str) -> None:
+        with self._group_lock:
+            if self._group is None or self._group.spec.group_name != name:
+                return
+            group, self._group = self._group, None
+        group.close()
+
+    def _cancel(self, update: _Update) -> None:
+        """Forget `update`; if it was still receiving, its group is mid-collective and unusable."""
+        update.cancelled.set()
+        if not update.done.done():
+            self._drop_group(update.spec.group_name)
+        if self._pending is update:
+            self._pending = None
+
+    def _cancel_pending(self) -> None:
+        if self._pending is not None:
+            self._cancel(self._pending)
+
+    def _take_staging(self, manifest: Manifest, device: torch.device) -> list[torch.Tensor]:
+        staging, self._staging = self._staging, None
+        if (staging is not None and [t.numel() for t in staging] == list(manifest.bucket_sizes)
+                and all(t.device == device for t in staging)):
+            return staging
+        return allocate_staging(manifest, device)
+

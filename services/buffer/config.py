@@ -1,0 +1,33 @@
+"""The replay buffer's settings (the service's Config adds `server`)."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.config import Strict
+
+
+class BufferConfig(Strict):
+    """What the buffer holds, how durably, and how it hands samples out."""
+
+    data_dir: str = Field(description="Directory of the durable log (created if missing; reopened on restart).")
+    capacity: int = Field(65_536, gt=0, description="Most samples held (written + pending + leased); Put beyond it "
+                          "gets back-pressure.")
+    max_staleness: int | None = Field(
+        None, ge=0, description="Drop a sample once trainer_version - its oldest token version exceeds this; "
+        "None = never (0 = strictly on-policy).")
+    fsync: Literal["always", "batch", "never"] = Field(
+        "batch", description="When a Put is durable: 'always' fsync per call, 'batch' one group-commit fsync "
+        "shared by concurrent calls, 'never' on write to the OS (survives a killed process, not a machine crash).")
+    fsync_window_ms: float = Field(2.0, ge=0, description="Group commit: wait this long after the first "
+                                   "waiting call before the shared fsync ('batch' only).")
+    segment_bytes: int = Field(32 << 20, ge=4096, description="Roll over to a new log segment past this size; "
+                               "old segments whose samples are all acked or dropped are deleted then.")
+    lease_timeout_s: float = Field(60.0, gt=0, description="Default time a pulled batch may stay unacked before "
+                                   "its samples are delivered again.")
+    max_reuse: int = Field(4, ge=1, description="Default hand-outs per sample under uniform replay.")
+    backpressure: Literal["reject", "block"] = Field(
+        "reject", description="At capacity: 'reject' answers RESOURCE_EXHAUSTED, 'block' holds the call (and a "
+        "client stream) until room frees up or block_timeout_s passes.")
+    block_timeout_s: float = Field(30.0, gt=0, description="Longest a blocked Put waits for room.")
+    seed: int | None = Field(None, description="Seed of uniform replay's random picks (None: from the OS).")

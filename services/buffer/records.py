@@ -1,0 +1,76 @@
+"""What the buffer writes into its log besides samples: acks, uses, drops, versions, checkpoints.
+
+A PUT record's payload is the sample's serialized `common_pb2.Sample`, stored as received. The
+other payloads are small msgpack values defined here.
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import msgpack
+
+from services.buffer.log import RecordKind
+
+
+@dataclass
+class Checkpoint:
+    """The state that the segments before a segment left behind; it opens every segment.
+
+    Recovery starts from the checkpoint of the first live segment and replays the records after
+    it, so counters and half-arrived groups survive the compaction of older segments.
+    """
+
+    accepted: int = 0  # samples ever stored
+    acked: int = 0  # samples trained on for good
+    dropped: Counter[str] = field(default_factory=Counter)  # samples dropped, by reason
+    trainer_version: int = -1  # the trainer's weight version (-1: not told yet)
+    open_groups: dict[str, tuple[int, int]] = field(default_factory=dict)  # group id -> (size, arrived)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "accepted": self.accepted,
+                "acked": self.acked,
+                "dropped": dict(self.dropped),
+                "trainer_version": self.trainer_version,
+                "open_groups": {key: list(value) for key, value in self.open_groups.items()},
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, payload: bytes | memoryview) -> "Checkpoint":
+        data = msgpack.unpackb(payload, raw=False)
+        return cls(
+            accepted=data["accepted"],
+            acked=data["acked"],
+            dropped=Counter(data["dropped"]),
+            trainer_version=data["trainer_version"],
+            open_groups={key: (size, arrived) for key, (size, arrived) in data["open_groups"].items()},
+        )
+
+
+def ids_record(kind: RecordKind, sample_ids: list[str]) -> tuple[RecordKind, bytes]:
+    """An ACK or USE record."""
+    return kind, msgpack.packb(sample_ids, use_bin_type=True)
+
+
+def drop_record(reason: str, sample_ids: list[str]) -> tuple[RecordKind, bytes]:
+    return RecordKind.DROP, msgpack.packb([reason, sample_ids], use_bin_type=True)
+
+
+def version_record(version: int) -> tuple[RecordKind, bytes]:
+    return RecordKind.VERSION, msgpack.packb(version)
+
+
+def decode_ids(payload: bytes | memoryview) -> list[str]:
+    return msgpack.unpackb(payload, raw=False)
+
+
+def decode_drop(payload: bytes | memoryview) -> tuple[str, list[str]]:
+    reason, sample_ids = msgpack.unpackb(payload, raw=False)
+    return reason, sample_ids
+
+
+def decode_version(payload: bytes | memoryview) -> int:
+    return msgpack.unpackb(payload)

@@ -1,0 +1,147 @@
+"""The Buffer gRPC service: proto <-> ReplayBuffer, statuses for every refusal, and serve()."""
+
+import asyncio
+import logging
+import math
+
+import grpc
+from pydantic import Field
+
+from protos import buffer_pb2, buffer_pb2_grpc
+from services.buffer.buffer import BufferFull, LeasedBatch, ReplayBuffer
+from services.buffer.config import BufferConfig
+from services.buffer.store import GroupSizeConflict, LeaseNotFound, Policy, PullSpec
+from services.buffer.wire import SERVICE_NAME, PutPayload, add_buffer_to_server, require
+from services.config import ServerConfig
+from services.runtime import serve as run_server
+from services.runtime import setup_logging
+
+log = logging.getLogger(__name__)
+
+_POLICIES = {
+    buffer_pb2.POLICY_UNSPECIFIED: Policy.FIFO,
+    buffer_pb2.POLICY_FIFO: Policy.FIFO,
+    buffer_pb2.POLICY_UNIFORM: Policy.UNIFORM,
+}
+
+
+class Config(BufferConfig):
+    """`relayrl serve buffer`: the buffer's settings plus how it listens."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig, description="Address, limits, TLS, auth.")
+
+
+class BufferServicer(buffer_pb2_grpc.BufferServicer):
+    """Registered by wire.add_buffer_to_server: requests may arrive Undecodable (see wire.py), and
+    Pull yields LeasedBatch objects that wire.encode_batch puts on the wire."""
+
+    def __init__(self, buffer: ReplayBuffer):
+        self.buffer = buffer
+
+    async def Put(self, request: PutPayload, context: grpc.aio.ServicerContext) -> buffer_pb2.PutResponse:
+        staged = await self._stage(require(request), context)
+        result = await self.buffer.commit_put(staged)
+        return buffer_pb2.PutResponse(accepted=result.accepted, duplicates=result.duplicates)
+
+    async def PutStream(self, request_iterator, context: grpc.aio.ServicerContext) -> buffer_pb2.PutResponse:
+        # Each message is appended as it arrives and made durable in the background (group
+        # commit), so the stream is not held to one fsync per message; the reply waits for all.
+        durable, accepted, duplicates = [], 0, 0
+        async for request in request_iterator:
+            staged = await self._stage(require(request), context)
+            durable.append(self.buffer.finish_put(staged))
+            accepted, duplicates = accepted + staged.result.accepted, duplicates + staged.result.duplicates
+        await asyncio.shield(asyncio.gather(*durable))
+        return buffer_pb2.PutResponse(accepted=accepted, duplicates=duplicates)
+
+    async def _stage(self, request: PutPayload, context: grpc.aio.ServicerContext):
+        try:
+            return await self.buffer.stage_put(request.samples)
+        except BufferFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except GroupSizeConflict as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def Pull(self, request: buffer_pb2.PullRequest, context: grpc.aio.ServicerContext):
+        request = require(request)
+        spec = await self._pull_spec(request, context)
+        sent = 0
+        while request.max_batches == 0 or sent < request.max_batches:
+            batch: LeasedBatch = await self.buffer.lease_batch(spec)
+            yield batch
+            sent += 1
+
+    async def _pull_spec(self, request: buffer_pb2.PullRequest, context: grpc.aio.ServicerContext) -> PullSpec:
+        problem = None
+        if request.batch_size == 0:
+            problem = "batch_size: must be > 0"
+        elif request.batch_size > self.buffer.config.capacity:
+            problem = f"batch_size: {request.batch_size} exceeds the buffer's capacity {self.buffer.config.capacity}"
+        elif not math.isfinite(request.lease_timeout_s) or request.lease_timeout_s < 0:
+            problem = f"lease_timeout_s: must be a finite number >= 0, got {request.lease_timeout_s}"
+        elif request.policy not in _POLICIES:
+            problem = f"policy: unknown value {request.policy}"
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        config = self.buffer.config
+        return PullSpec(
+            batch_size=request.batch_size,
+            whole_groups=not request.allow_partial_groups,
+            policy=_POLICIES[request.policy],
+            max_reuse=request.max_reuse or config.max_reuse,
+            lease_timeout_s=request.lease_timeout_s or config.lease_timeout_s,
+        )
+
+    async def Ack(self, request: buffer_pb2.AckRequest, context: grpc.aio.ServicerContext) -> buffer_pb2.AckResponse:
+        request = require(request)
+        if not request.lease_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id: must not be empty")
+        version = request.trainer_version if request.HasField("trainer_version") else None
+        if version is not None and version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"trainer_version: must be >= 0, got {version}")
+        try:
+            acked = await self.buffer.ack(request.lease_id, version)
+        except LeaseNotFound:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"lease {request.lease_id!r} is not open: already acked, expired (its samples are delivered "
+                "again) or never issued by this buffer process",
+            )
+        return buffer_pb2.AckResponse(acked=acked)
+
+    async def SetVersion(
+        self, request: buffer_pb2.SetVersionRequest, context: grpc.aio.ServicerContext
+    ) -> buffer_pb2.SetVersionResponse:
+        request = require(request)
+        if request.version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"version: must be >= 0, got {request.version}")
+        return buffer_pb2.SetVersionResponse(dropped=await self.buffer.set_version(request.version))
+
+    async def Stats(self, request: buffer_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> buffer_pb2.StatsResponse:
+        require(request)
+        stats = self.buffer.stats()
+        return buffer_pb2.StatsResponse(
+            pending=stats.pending + stats.staged,
+            leased=stats.leased,
+            acked=stats.acked,
+            dropped=stats.dropped,
+            capacity=stats.capacity,
+            accepted=stats.accepted,
+            trainer_version=stats.trainer_version,
+            max_staleness=-1 if stats.max_staleness is None else stats.max_staleness,
+            redelivered=stats.redelivered,
+            duplicates=stats.duplicates,
+        )
+
+
+def registration(buffer: ReplayBuffer):
+    """What create_server needs to serve `buffer`."""
+    return (add_buffer_to_server, BufferServicer(buffer), SERVICE_NAME)
+
+
+async def serve(config: Config) -> None:
+    """Recover the buffer from its log, serve until SIGTERM, then make everything durable."""
+    setup_logging("buffer", config.server.log_level)
+    buffer = ReplayBuffer.open(config)
+    await buffer.start()
+    await run_server("buffer", [registration(buffer)], config.server, on_stop=buffer.close)

@@ -1,0 +1,22 @@
+"""Weight sync shared by trainer and rollout: the manifest and bucket layout (manifest.py, buckets.py),
+the process group that carries the bytes (transfer.py with gloo.py / nccl.py), and the bucket stream."""
+
+from services.weights.bucket_stream import BucketSender, allocate_staging, receive_buckets, send_buckets
+from services.weights.buckets import pack_bucket, unpack_bucket
+from services.weights.manifest import Manifest, TensorSlot, plan_buckets
+from services.weights.transfer import (
+    GroupSpec,
+    Transfer,
+    TransferError,
+    TransferTimeout,
+    backend_device,
+    deadline_after,
+    host_store,
+    make_group,
+)
+
+__all__ = [
+    "BucketSender", "GroupSpec", "Manifest", "TensorSlot", "Transfer", "TransferError", "TransferTimeout", "allocate_staging",
+    "backend_device", "deadline_after", "host_store", "make_group", "pack_bucket", "plan_buckets",
+    "receive_buckets", "send_buckets", "unpack_bucket",
+]

@@ -1,0 +1,68 @@
+"""Weight transfer over gloo (CPU tensors, TCP): the default, and what tests use."""
+
+import datetime
+import ipaddress
+
+import torch
+import torch.distributed as dist
+
+from services.weights.transfer import GroupSpec, Pending, Transfer, TransferError, TransferTimeout, remaining
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _device(master_addr: str) -> dist.ProcessGroupGloo.Device:
+    # With a loopback master every member is on this host: bind loopback rather than whatever the
+    # hostname resolves to. Otherwise gloo's default (GLOO_SOCKET_IFNAME, else the hostname) applies.
+    if _is_loopback(master_addr):
+        return dist.ProcessGroupGloo.create_device(hostname=master_addr)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+class _GlooPending(Pending):
+    def __init__(self, work: dist.Work, rank: int):
+        self.work = work
+        self.rank = rank
+
+    def wait(self, deadline: float) -> None:
+        left = remaining(deadline, f"rank {self.rank} broadcast")
+        try:
+            self.work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower():
+                raise TransferTimeout(f"rank {self.rank} broadcast: {exc}") from exc
+            raise TransferError(f"rank {self.rank} broadcast failed: {exc}") from exc
+
+
+class GlooTransfer(Transfer):
+    """A ProcessGroupGloo on its own store prefix; every collective times out after `timeout_s`."""
+
+    def __init__(self, spec: GroupSpec, store: dist.Store, timeout_s: float):
+        super().__init__(spec)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        options._devices = [_device(spec.master_addr)]
+        try:
+            self.pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+                store, spec.rank, spec.world_size, options
+            )
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise TransferTimeout(f"group {spec.group_name}: rendezvous of {spec.world_size} failed: {exc}") from exc
+
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        if self.pg is None:
+            raise TransferError(f"group {self.spec.group_name} was released")
+        try:
+            return _GlooPending(self.pg.broadcast(tensor, 0), self.spec.rank)
+        except RuntimeError as exc:
+            raise TransferError(f"rank {self.spec.rank} broadcast failed to start: {exc}") from exc
+
+    def _release(self) -> None:
+        self.pg = None

@@ -1,0 +1,149 @@
+"""The manifest of a weight update: which tensor travels in which bucket, at which byte offset."""
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protos import common_pb2, weights_pb2
+from protos.codec import CodecError
+
+# Offsets are aligned so a bucket slice can be viewed as any dtype (and sits on a cache line).
+ALIGN_BYTES = 64
+
+TORCH_TO_WIRE: dict[torch.dtype, int] = {
+    torch.float32: common_pb2.DTYPE_FLOAT32,
+    torch.float16: common_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
+    torch.float64: common_pb2.DTYPE_FLOAT64,
+    torch.int32: common_pb2.DTYPE_INT32,
+    torch.int64: common_pb2.DTYPE_INT64,
+    torch.uint8: common_pb2.DTYPE_UINT8,
+}
+WIRE_TO_TORCH: dict[int, torch.dtype] = {code: dtype for dtype, code in TORCH_TO_WIRE.items()}
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one named tensor lives in the bucket stream."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Every tensor of an update and the byte size of each bucket, in broadcast order."""
+
+    slots: tuple[TensorSlot, ...]
+    bucket_sizes: tuple[int, ...]
+    by_bucket: tuple[tuple[TensorSlot, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        groups: list[list[TensorSlot]] = [[] for _ in self.bucket_sizes]
+        for slot in self.slots:
+            groups[slot.bucket].append(slot)
+        object.__setattr__(self, "by_bucket", tuple(tuple(group) for group in groups))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype): what a receiver checks against its own parameters."""
+        return {slot.name: (slot.shape, slot.dtype) for slot in self.slots}
+
+    def to_proto(self) -> tuple[list[weights_pb2.TensorSpec], list[int]]:
+        """(tensors, bucket_sizes) for a BeginUpdateRequest."""
+        specs = [
+            weights_pb2.TensorSpec(name=s.name, shape=s.shape, dtype=TORCH_TO_WIRE[s.dtype], bucket=s.bucket,
+                                   offset=s.offset)
+            for s in self.slots
+        ]
+        return specs, list(self.bucket_sizes)
+
+    @classmethod
+    def from_proto(cls, specs: Sequence[weights_pb2.TensorSpec], bucket_sizes: Sequence[int]) -> "Manifest":
+        """Rebuild and validate a manifest from the wire; CodecError names the offending tensor."""
+        if not specs:
+            raise CodecError("tensors: the manifest is empty")
+        slots, seen = [], set()
+        for spec in specs:
+            where = f"tensor {spec.name!r}"
+            if not spec.name or spec.name in seen:
+                raise CodecError(f"{where}: names must be non-empty and unique")
+            seen.add(spec.name)
+            if spec.dtype not in WIRE_TO_TORCH:
+                raise CodecError(f"{where}: unsupported dtype code {spec.dtype}")
+            if any(dim < 0 for dim in spec.shape):
+                raise CodecError(f"{where}: negative dimension in shape {list(spec.shape)}")
+            if spec.bucket >= len(bucket_sizes):
+                raise CodecError(f"{where}: bucket {spec.bucket} but only {len(bucket_sizes)} buckets")
+            slot = TensorSlot(spec.name, tuple(spec.shape), WIRE_TO_TORCH[spec.dtype], spec.bucket, spec.offset)
+            if slot.offset % ALIGN_BYTES or slot.offset + slot.nbytes > bucket_sizes[slot.bucket]:
+                raise CodecError(
+                    f"{where}: bytes [{slot.offset}, {slot.offset + slot.nbytes}) are not an aligned range "
+                    f"inside bucket {slot.bucket} of {bucket_sizes[slot.bucket]} bytes"
+                )
+            slots.append(slot)
+        manifest = cls(tuple(slots), tuple(int(size) for size in bucket_sizes))
+        for index, group in enumerate(manifest.by_bucket):
+            ordered = sorted(group, key=lambda s: s.offset)
+            for before, after in itertools.pairwise(ordered):
+                if before.offset + before.nbytes > after.offset:
+                    raise CodecError(f"tensor {after.name!r}: overlaps {before.name!r} in bucket {index}")
+        return manifest
+
+
+TensorLayout = Mapping[str, torch.Tensor] | Iterable[tuple[str, Sequence[int], torch.dtype]]
+
+
+def plan_buckets(tensors: TensorLayout, bucket_bytes: int, solo_bytes: int | None = None) -> Manifest:
+    """Lay tensors out, in order, into buckets of at most `bucket_bytes`.
+
+    `tensors` is a name -> tensor mapping or (name, shape, dtype) triples. A tensor of `solo_bytes`
+    or more (default: `bucket_bytes`) gets a bucket of its own: tensors are never split, and a bucket
+    holding one tensor is broadcast straight from that tensor's memory, with no packing copy.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    solo_bytes = bucket_bytes if solo_bytes is None else solo_bytes
+    if isinstance(tensors, Mapping):
+        triples = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    else:
+        triples = [(name, tuple(shape), dtype) for name, shape, dtype in tensors]
+    slots: list[TensorSlot] = []
+    sizes: list[int] = []
+    can_join = False  # whether the last bucket takes more tensors (not after a solo tensor)
+    for name, shape, dtype in triples:
+        if dtype not in TORCH_TO_WIRE:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be broadcast")
+        nbytes = TensorSlot(name, shape, dtype, bucket=0, offset=0).nbytes
+        alone = nbytes >= solo_bytes
+        offset = _aligned(sizes[-1]) if can_join else 0
+        if alone or not can_join or offset + nbytes > bucket_bytes:
+            sizes.append(0)
+            offset = 0
+        slots.append(TensorSlot(name, shape, dtype, len(sizes) - 1, offset))
+        sizes[-1] = offset + nbytes
+        can_join = not alone
+    return Manifest(tuple(slots), tuple(sizes))

@@ -1,0 +1,97 @@
+"""KV accounting: whatever mix of completed, aborted and preempted requests, every block comes back."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollout.block_manager import BlockManager
+from rollout.config import EngineConfig
+from rollout.engine import LLMEngine
+from rollout.sampling_params import SamplingParams
+from rollout.sequence import Sequence
+from rollout.tiny import write_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def small_engine(tmp_path_factory):
+    folder = write_tiny_model(tmp_path_factory.mktemp("kv") / "m", hidden_size=64, num_layers=1, num_heads=2,
+                              num_kv_heads=1, head_dim=32, seed=2)
+    return LLMEngine(EngineConfig(model=str(folder), block_size=4, num_blocks=20, max_model_len=64, max_num_seqs=6,
+                                  max_n=3))
+
+
+request_strategy = st.fixed_dictionaries({
+    "prompt_len": st.integers(1, 30),
+    "max_tokens": st.integers(1, 30),
+    "n": st.integers(1, 3),
+    "temperature": st.sampled_from([0.0, 1.0]),
+})
+action_strategy = st.one_of(
+    st.tuples(st.just("add"), request_strategy),
+    st.tuples(st.just("step"), st.integers(1, 6)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+)
+
+
+def assert_blocks_consistent(engine: LLMEngine) -> None:
+    """Held blocks carry exactly the ref counts of the sequences holding them; the rest are free."""
+    manager = engine.block_manager
+    holders = [0] * manager.num_blocks
+    for seqs in engine.requests.values():
+        for seq in seqs:
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+    assert holders == manager.ref_counts
+    assert sorted(manager.free_block_ids) == [b for b in range(manager.num_blocks) if holders[b] == 0]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=st.lists(action_strategy, min_size=1, max_size=25), finish_by_abort=st.booleans())
+def test_every_block_returns_to_the_free_list(small_engine, actions, finish_by_abort):
+    engine = small_engine
+    added: list[str] = []
+    for kind, arg in actions:
+        if kind == "add":
+            request_id = f"q{len(added)}"
+            prompt = [3 + (i % 90) for i in range(arg["prompt_len"])]
+            params = SamplingParams(temperature=arg["temperature"], max_tokens=arg["max_tokens"], n=arg["n"], seed=1)
+            engine.add_request(request_id, prompt, params)
+            added.append(request_id)
+        elif kind == "step":
+            for _ in range(arg):
+                engine.step()
+        elif added:
+            engine.abort(added[arg % len(added)])
+        assert_blocks_consistent(engine)
+    if finish_by_abort:
+        for request_id in added:
+            engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert_blocks_consistent(engine)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert all(count == 0 for count in engine.block_manager.ref_counts)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_copy_on_write_only_for_the_shared_partial_block():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    params = SamplingParams()
+    parent = Sequence(0, "r", 0, list(range(6)), params, seed=0)  # 6 tokens: one full block, one partial
+    child = Sequence(1, "r", 1, list(range(6)), params, seed=0)
+    manager.allocate(parent)
+    manager.fork(parent, child)
+    assert manager.ref_counts[parent.block_table[0]] == 2 and manager.num_free_blocks == 6
+    for seq in (parent, child):
+        seq.num_cached_tokens = 6
+        seq.token_ids.append(7)  # the sampled token whose KV the next decode step writes at position 6
+    copy = manager.may_append(parent)
+    assert copy == (child.block_table[1], parent.block_table[1])  # parent got a private copy
+    assert manager.may_append(child) is None  # the child is now the block's only holder
+    assert parent.block_table[0] == child.block_table[0]
+    manager.deallocate(parent)
+    manager.deallocate(child)
+    assert manager.num_free_blocks == 8 and set(manager.ref_counts) == {0}

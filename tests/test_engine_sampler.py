@@ -1,0 +1,62 @@
+"""The sampler alone: Gumbel-max draws follow softmax, top-k/top-p masks, seeds, logprob modes."""
+
+import torch
+
+from rollout.sampler import Sampler, SamplingTensors, as_int64
+
+
+def tensors(rows: int, temperature=1.0, top_p=1.0, top_k=0, vocab=8, seeds=None, positions=None) -> SamplingTensors:
+    seeds = seeds if seeds is not None else list(range(rows))
+    return SamplingTensors(
+        temperatures=torch.full((rows,), temperature),
+        top_ps=torch.full((rows,), top_p),
+        top_ks=torch.full((rows,), top_k if top_k > 0 else vocab, dtype=torch.int64),
+        seeds=torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64),
+        indices=torch.zeros(rows, dtype=torch.int64),
+        positions=torch.tensor(positions if positions is not None else [0] * rows, dtype=torch.int64),
+        any_sampled=temperature > 0,
+        any_filtered=temperature > 0 and (top_p < 1 or 0 < top_k < vocab),
+    )
+
+
+def test_draws_follow_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2, 1.5])
+    rows = 20_000
+    tokens, logprobs = Sampler()(logits.expand(rows, -1), tensors(rows))
+    freq = torch.bincount(tokens, minlength=8).float() / rows
+    expected = logits.softmax(-1)
+    assert (freq - expected).abs().max() < 0.015  # ~5 standard errors at 20k draws
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1)[tokens])
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([3.0, 2.9, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0])
+    rows = 4000
+    tokens, _ = Sampler()(logits.expand(rows, -1), tensors(rows, top_k=2))
+    assert set(tokens.tolist()) == {0, 1}
+    probs = logits.softmax(-1)  # p0 ~ 0.44, p1 ~ 0.40: top_p 0.5 keeps both, top_p 0.3 only token 0
+    tokens, _ = Sampler()(logits.expand(rows, -1), tensors(rows, top_p=0.5))
+    assert set(tokens.tolist()) == {0, 1} and probs[:2].sum() > 0.5
+    tokens, _ = Sampler()(logits.expand(rows, -1), tensors(rows, top_p=0.3))
+    assert set(tokens.tolist()) == {0}
+
+
+def test_seed_and_position_determine_the_draw_and_greedy_ignores_them():
+    logits = torch.randn(1, 50).expand(64, -1)
+    seeds = [2**64 - 1 - i for i in range(64)]  # the top of the uint64 range works
+    a, _ = Sampler()(logits, tensors(64, vocab=50, seeds=seeds))
+    b, _ = Sampler()(logits, tensors(64, vocab=50, seeds=seeds))
+    c, _ = Sampler()(logits, tensors(64, vocab=50, seeds=seeds, positions=[1] * 64))
+    assert torch.equal(a, b) and not torch.equal(a, c) and len(set(a.tolist())) > 10
+    greedy, _ = Sampler()(logits, tensors(64, temperature=0.0, vocab=50, seeds=seeds))
+    assert set(greedy.tolist()) == {int(logits[0].argmax())}
+
+
+def test_processed_logprobs_use_the_sampled_distribution():
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5], [1.0, 0.5, 0.0, -0.5]])
+    params = tensors(2, temperature=0.5, top_k=2, vocab=4)
+    tokens, logprobs = Sampler("processed")(logits, params)
+    processed = torch.tensor([2.0, 1.0, float("-inf"), float("-inf")]).log_softmax(-1)
+    torch.testing.assert_close(logprobs, processed[tokens])
+    _, greedy_logprobs = Sampler("processed")(logits, tensors(2, temperature=0.0, vocab=4))
+    assert greedy_logprobs.tolist() == [0.0, 0.0]

@@ -1,0 +1,236 @@
+"""The rollout service: a real server process on loopback with grpc.aio clients, plus the servicer
+in-process (real server, real client) where a test needs to look inside the engine."""
+
+import asyncio
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from protos import rollout_pb2, rollout_pb2_grpc
+from protos.codec import decode_array, encode_array
+from services.client import connect
+from services.server import create_server
+
+torch.set_num_threads(1)
+VOCAB = 101  # the char tokenizer's vocabulary
+
+
+async def read_rest(call) -> list[rollout_pb2.GenerateChunk]:
+    """The remaining chunks of a stream already read with call.read() (the two styles cannot mix)."""
+    chunks = []
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        chunks.append(chunk)
+    return chunks
+
+
+def make_request(prompt, request_id="", **params) -> rollout_pb2.GenerateRequest:
+    params.setdefault("max_tokens", 8)
+    params.setdefault("logprobs", True)
+    return rollout_pb2.GenerateRequest(
+        request_id=request_id, prompt_ids=encode_array(prompt, "int32"), params=rollout_pb2.SamplingParams(**params)
+    )
+
+
+@pytest.fixture(scope="module")
+def rollout_process(tiny_model_dir, tmp_path_factory):
+    from deploy.launcher import start_service
+
+    service = start_service(
+        "rollout",
+        {"model": str(tiny_model_dir), "engine.max_model_len": 256, "engine.max_num_seqs": 64,
+         "engine.torch_threads": 1, "server.metrics_port": 0},
+        log_dir=tmp_path_factory.mktemp("rollout-logs"),
+    )
+    yield service
+    service.stop(timeout=10)
+
+
+def test_64_concurrent_streams_carry_logprobs_and_versions(rollout_process):
+    async def one(stub, i: int):
+        prompt = [3 + (i * 7 + j) % 90 for j in range(5 + i % 20)]
+        chunks = [c async for c in stub.GenerateStream(make_request(prompt, f"s{i}", max_tokens=24, ignore_eos=True,
+                                                                       temperature=1.0, seed=i), timeout=120)]
+        tokens, logprobs, versions = [], [], []
+        for chunk in chunks:
+            t = decode_array(chunk.token_ids, expect="int32")
+            lp = decode_array(chunk.logprobs, expect="float32")
+            v = decode_array(chunk.weight_versions, expect="int64")
+            assert len(t) == len(lp) == len(v) and chunk.request_id == f"s{i}"
+            tokens += t.tolist()
+            logprobs += lp.tolist()
+            versions += v.tolist()
+        assert [c.finish_reason for c in chunks[:-1]] == [rollout_pb2.FINISH_REASON_NONE] * (len(chunks) - 1)
+        assert chunks[-1].finish_reason == rollout_pb2.FINISH_REASON_LENGTH
+        return tokens, logprobs, versions
+
+    async def main():
+        async with connect(rollout_process.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            return await asyncio.gather(*(one(stub, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    for tokens, logprobs, versions in results:
+        assert len(tokens) == 24 and all(0 <= t < VOCAB for t in tokens)
+        assert all(lp <= 0 and np.isfinite(lp) for lp in logprobs)
+        assert versions == [0] * 24
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{rollout_process.metrics_port}/metrics", timeout=10).read()
+    assert b"relayrl_rollout_generated_tokens_total 1536.0" in metrics
+    assert b"relayrl_rollout_running_sequences 0.0" in metrics
+
+
+@pytest.mark.parametrize("request_kwargs,field", [
+    (dict(prompt=[5, VOCAB]), "prompt_ids"),
+    (dict(prompt=[5, -1]), "prompt_ids"),
+    (dict(prompt=[]), "prompt_ids"),
+    (dict(prompt=[5], max_tokens=0), "params.max_tokens"),
+    (dict(prompt=[5, 6], max_tokens=255), "params.max_tokens"),
+    (dict(prompt=[5], n=17), "params.n"),
+    (dict(prompt=[5], temperature=-0.5), "params.temperature"),
+    (dict(prompt=[5], top_p=0.0), "params.top_p"),
+    (dict(prompt=[5], top_k=-2), "params.top_k"),
+    (dict(prompt=[5], stop_token_ids=[VOCAB + 3]), "params.stop_token_ids"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(rollout_process, request_kwargs, field):
+    async def main():
+        async with connect(rollout_process.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await stub.Generate(make_request(**request_kwargs), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as stream:
+                [c async for c in stub.GenerateStream(make_request(**request_kwargs), timeout=30)]
+            still_serving = await stub.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=10)
+            return unary.value, stream.value, still_serving
+
+    unary, stream, still_serving = asyncio.run(main())
+    for error in (unary, stream):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith(field), error.details()
+    assert still_serving.version == 0
+
+
+def test_unary_generate_text_prompt_model_info_abort_and_sessions(rollout_process):
+    async def main():
+        async with connect(rollout_process.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            reply = await stub.Generate(rollout_pb2.GenerateRequest(
+                prompt_text="12+34=", params=rollout_pb2.SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=4,
+                                                                         ignore_eos=True)), timeout=30)
+            info = await stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=10)
+            long_call = stub.GenerateStream(make_request([5, 6, 7], "to-abort", max_tokens=200, ignore_eos=True))
+            first = await long_call.read()
+            found = await stub.Abort(rollout_pb2.AbortRequest(request_id="to-abort"), timeout=10)
+            rest = await read_rest(long_call)
+            missing = await stub.Abort(rollout_pb2.AbortRequest(request_id="never-existed"), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as unimplemented:
+                await stub.OpenSession(rollout_pb2.OpenSessionRequest(), timeout=10)
+            return reply, info, first, found, rest, missing, unimplemented.value
+
+    reply, info, first, found, rest, missing, unimplemented = asyncio.run(main())
+    assert reply.prompt_tokens == 6 and len(reply.completions) == 3 and reply.request_id
+    for completion in reply.completions:
+        assert len(decode_array(completion.token_ids, expect="int32")) == 6
+        assert completion.finish_reason == rollout_pb2.FINISH_REASON_LENGTH
+        assert len(completion.text) > 0
+    assert (info.vocab_size, info.max_model_len, info.eos_token_id, info.engine) == (VOCAB, 256, 2, "native")
+    assert first.finish_reason == rollout_pb2.FINISH_REASON_NONE
+    assert found.found and not missing.found
+    assert rest[-1].finish_reason == rollout_pb2.FINISH_REASON_ABORT
+    assert unimplemented.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# ---- in-process server: the engine is reachable for inspection ----
+
+
+async def _in_process(tiny_model_dir, **engine_settings):
+    from rollout.async_engine import AsyncEngine
+    from rollout.config import EngineConfig
+    from rollout.engine import LLMEngine
+    from rollout.service import SERVICE_NAME, RolloutServicer
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), **engine_settings)))
+    servicer = RolloutServicer(engine, str(tiny_model_dir), engine.engine.tokenizer)
+    server, port = await create_server(
+        "127.0.0.1:0", [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, SERVICE_NAME)]
+    )
+    await server.start()
+    return engine, server, f"127.0.0.1:{port}"
+
+
+async def _wait_until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_disconnected_stream_frees_its_blocks(tiny_model_dir):
+    async def main():
+        engine, server, address = await _in_process(tiny_model_dir, max_model_len=256, block_size=4)
+        total = engine.stats["free_blocks"]
+        async with connect(address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            calls = [stub.GenerateStream(make_request([5, 6, 7, 8, 9], f"gone{i}", max_tokens=240, ignore_eos=True,
+                                                      n=2)) for i in range(3)]
+            for call in calls:
+                await call.read()
+            assert engine.stats["free_blocks"] < total
+            for call in calls:
+                call.cancel()
+            await _wait_until(lambda: engine.stats["free_blocks"] == total and not engine.engine.requests)
+        await server.stop(None)
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_full_queue_is_resource_exhausted(tiny_model_dir):
+    async def main():
+        engine, server, address = await _in_process(tiny_model_dir, max_model_len=256, max_num_seqs=1, max_n=1,
+                                                    max_queue=1)
+        async with connect(address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            running = stub.GenerateStream(make_request([5, 6], "running", max_tokens=250, ignore_eos=True))
+            await running.read()
+            queued = stub.GenerateStream(make_request([5, 6], "queued", max_tokens=4))
+            await _wait_until(lambda: engine.stats["waiting"] == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(make_request([5, 6], "refused"), timeout=10)
+            running.cancel()
+            after = await read_rest(queued)
+        await server.stop(None)
+        engine.shutdown()
+        return refused.value, after
+
+    refused, after = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert after[-1].finish_reason == rollout_pb2.FINISH_REASON_LENGTH  # the queued request was served
+
+
+def test_update_weights_between_steps_tags_later_tokens(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from rollout.tiny import write_tiny_model
+
+    other = load_file(write_tiny_model(tmp_path / "other", seed=5) / "model.safetensors")
+
+    async def main():
+        engine, server, address = await _in_process(tiny_model_dir, max_model_len=256)
+        async with connect(address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            call = stub.GenerateStream(make_request([5, 6, 7], "live", max_tokens=200, ignore_eos=True))
+            versions = decode_array((await call.read()).weight_versions, expect="int64").tolist()
+            switch_s = await engine.update_weights(other, version=7)
+            for chunk in await read_rest(call):
+                versions += decode_array(chunk.weight_versions, expect="int64").tolist()
+            reported = await stub.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=10)
+        await server.stop(None)
+        engine.shutdown()
+        return versions, switch_s, reported.version
+
+    versions, switch_s, reported = asyncio.run(main())
+    assert len(versions) == 200 and versions[0] == 0 and versions[-1] == 7
+    assert versions == sorted(versions) and set(versions) == {0, 7}  # one clean switch, never back
+    assert 0 <= switch_s < 5 and reported == 7

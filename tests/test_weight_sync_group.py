@@ -1,0 +1,116 @@
+"""The data plane on real gloo groups: bucket streams between members, and every wait's deadline.
+
+Members here are threads of the test process, each with its own ProcessGroupGloo over loopback TCP
+(the same code paths as separate processes; the service tests use real processes).
+"""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from services.weights import (
+    GroupSpec,
+    TransferError,
+    TransferTimeout,
+    allocate_staging,
+    deadline_after,
+    host_store,
+    make_group,
+    plan_buckets,
+    receive_buckets,
+    send_buckets,
+    unpack_bucket,
+)
+
+torch.set_num_threads(1)
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=gen),  # 8 KiB: a bucket of its own, sent unpacked
+        "norm.weight": torch.randn(32, generator=gen).to(torch.bfloat16),
+        "proj.weight": torch.randn(16, 8, generator=gen).t(),  # not contiguous: packed
+        "proj.bias": torch.randn(8, generator=gen),
+        "step": torch.tensor([7], dtype=torch.int64),
+    }
+
+
+def _specs(store, world: int, name: str) -> list[GroupSpec]:
+    return [GroupSpec("gloo", "127.0.0.1", store.port, world, rank, name) for rank in range(world)]
+
+
+def test_buckets_reach_every_receiver_bit_exact():
+    weights = _weights()
+    manifest = plan_buckets(weights, bucket_bytes=512)
+    assert len(manifest.bucket_sizes) >= 3
+    store = host_store("127.0.0.1", timeout_s=20)
+    specs = _specs(store, 3, "roundtrip")
+
+    def receiver(spec: GroupSpec) -> dict[str, torch.Tensor]:
+        group = make_group(spec, timeout_s=20)
+        staging = allocate_staging(manifest, group.device)
+        for _ in range(2):  # the group carries several updates
+            receive_buckets(group, manifest, deadline_after(20), staging)
+        received = {}
+        for index, bucket in enumerate(staging):
+            received.update(unpack_bucket(manifest, index, bucket))
+        return received
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(receiver, spec) for spec in specs[1:]]
+        sender = make_group(specs[0], timeout_s=20, store=store)
+        for _ in range(2):
+            send_buckets(sender, manifest, weights, deadline_after(20))
+        results = [f.result(timeout=30) for f in futures]
+    for received in results:
+        for name, tensor in weights.items():
+            assert received[name].dtype == tensor.dtype
+            assert torch.equal(received[name], tensor), name
+
+
+def test_a_receive_that_gets_no_data_times_out_at_its_deadline():
+    manifest = plan_buckets({"w": torch.zeros(1000)}, bucket_bytes=1 << 20)
+    store = host_store("127.0.0.1", timeout_s=20)
+    specs = _specs(store, 2, "silent-sender")
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(make_group, specs[1], 20)
+        sender = make_group(specs[0], timeout_s=20, store=store)
+        receiver = joining.result(timeout=30)
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        receive_buckets(receiver, manifest, deadline_after(0.5), allocate_staging(manifest, receiver.device))
+    assert time.monotonic() - started < 3
+    receiver.close()
+    sender.close()
+
+
+def test_a_rendezvous_missing_a_member_fails_within_its_timeout():
+    store = host_store("127.0.0.1", timeout_s=20)
+    specs = _specs(store, 2, "nobody-comes")
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout, match="rendezvous"):
+        make_group(specs[0], timeout_s=1.0, store=store)
+    assert time.monotonic() - started < 5
+
+
+def test_an_aborted_receive_stops_without_waiting():
+    weights = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}
+    manifest = plan_buckets(weights, bucket_bytes=1024)
+    store = host_store("127.0.0.1", timeout_s=20)
+    specs = _specs(store, 2, "aborted")
+    cancelled = threading.Event()
+    cancelled.set()
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(make_group, specs[1], 20)
+        sender = make_group(specs[0], timeout_s=20, store=store)
+        receiver = joining.result(timeout=30)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="aborted"):
+        receive_buckets(receiver, manifest, deadline_after(5), allocate_staging(manifest, receiver.device), cancelled)
+    assert time.monotonic() - started < 1
+    receiver.close()
+    sender.close()

@@ -1,0 +1,135 @@
+"""The WeightSync servicer in-process: a real gRPC server over a real AsyncEngine (native engine, tiny
+model), driven by a real WeightBroadcaster and raw WeightSync calls; the protocol's refusals."""
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from protos import weights_pb2, weights_pb2_grpc
+from rollout.async_engine import AsyncEngine
+from rollout.config import EngineConfig
+from rollout.engine import LLMEngine
+from rollout.weight_receiver import WeightReceiver
+from services.client import connect
+from services.server import create_server
+from services.weights import GroupSpec, plan_buckets
+from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    from rollout.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tied") / "qwen2", seed=3, tie_word_embeddings=True)
+
+
+async def _serve(model_dir):
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), num_blocks=32, max_num_seqs=4, max_n=4)))
+    receiver = WeightReceiver(engine, layout=engine.parameter_layout())
+    server, port = await create_server(
+        "127.0.0.1:0", [(weights_pb2_grpc.add_WeightSyncServicer_to_server, receiver, "relayrl.weights.v1.WeightSync")]
+    )
+    await server.start()
+    return engine, server, f"127.0.0.1:{port}"
+
+
+def _run(model_dir, scenario):
+    async def main():
+        engine, server, address = await _serve(model_dir)
+        try:
+            return await scenario(engine, address)
+        finally:
+            await server.stop(1)
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_a_tied_model_state_dict_is_published_once_and_lands_bit_exact(tied_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    state = model.state_dict()
+    assert "lm_head.weight" in state  # the same storage as the embedding
+
+    async def scenario(engine, address):
+        # The synchronous wrapper a plain training loop uses (its own event loop on a thread).
+        broadcaster = BlockingWeightBroadcaster([address], BroadcastConfig(timeout_s=20))
+        report = await asyncio.to_thread(broadcaster.publish, state, 1)
+        await asyncio.to_thread(broadcaster.close)
+        return report, dict(engine.engine.runner.model.named_parameters())
+
+    report, params = _run(tied_model_dir, scenario)
+    assert report.ok, report.failed
+    assert report.bytes < sum(t.numel() * 4 for t in state.values())  # lm_head did not travel twice
+    assert params.keys() == state.keys() - {"lm_head.weight"}
+    for name, param in params.items():
+        assert torch.equal(param, state[name]), name
+
+
+def _begin(address, manifest, version, group, timeout_s=5.0):
+    specs, sizes = manifest.to_proto()
+    request = weights_pb2.BeginUpdateRequest(version=version, tensors=specs, bucket_sizes=sizes,
+                                             group=group.to_proto(), timeout_s=timeout_s)
+    return request
+
+
+def test_the_receiver_refuses_what_it_cannot_apply_and_keeps_its_version(tied_model_dir, free_port):
+    port = free_port  # nobody listens there: a rendezvous store that never answers
+
+    async def scenario(engine, address):
+        layout = engine.parameter_layout()
+        good = plan_buckets([(name, shape, dtype) for name, (shape, dtype) in layout.items()], 1 << 20)
+        group = GroupSpec("gloo", "127.0.0.1", port, 2, 1, "refusals")
+        first = next(iter(layout))
+        codes = {}
+        async with connect(address) as channel:
+            stub = weights_pb2_grpc.WeightSyncStub(channel)
+
+            async def code(call, request):
+                try:
+                    await call(request, timeout=5)
+                except grpc.RpcError as exc:
+                    return exc.code(), exc.details()
+                return grpc.StatusCode.OK, ""
+
+            begin = stub.BeginUpdate
+            codes["stale version"] = await code(begin, _begin(address, good, 0, group))
+            codes["missing tensor"] = await code(begin, _begin(address, plan_buckets(
+                [(n, s, d) for n, (s, d) in layout.items() if n != first], 1 << 20), 1, group))
+            codes["wrong dtype"] = await code(begin, _begin(address, plan_buckets(
+                [(n, s, torch.bfloat16 if n == first else d) for n, (s, d) in layout.items()], 1 << 20), 1, group))
+            codes["bad rank"] = await code(begin, _begin(address, good, 1,
+                                                         GroupSpec("gloo", "127.0.0.1", port, 2, 0, "refusals")))
+            codes["bad backend"] = await code(begin, _begin(address, good, 1,
+                                                            GroupSpec("mpi", "127.0.0.1", port, 2, 1, "refusals")))
+            codes["unknown group"] = await code(begin, _begin(address, good, 1, GroupSpec(
+                "gloo", "127.0.0.1", port, 2, 1, "never-formed", existing=True)))
+            codes["commit unbegun"] = await code(stub.CommitUpdate, weights_pb2.CommitUpdateRequest(version=1))
+            # The commit reports the failed join (nobody hosts the store), it does not hang.
+            codes["begin ok"] = await code(begin, _begin(address, good, 1, group, timeout_s=1.0))
+            codes["commit failed join"] = await code(stub.CommitUpdate,
+                                                     weights_pb2.CommitUpdateRequest(version=1, timeout_s=5))
+            codes["abort"] = await code(stub.AbortUpdate, weights_pb2.AbortUpdateRequest(version=1))
+        return codes, engine.weight_version
+
+    codes, version = _run(tied_model_dir, scenario)
+    assert version == 0
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert codes["stale version"][0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert codes["missing tensor"][0] == invalid and "lacks" in codes["missing tensor"][1]
+    assert codes["wrong dtype"][0] == invalid and "bfloat16" in codes["wrong dtype"][1]
+    assert codes["bad rank"][0] == invalid and codes["bad backend"][0] == invalid
+    assert codes["unknown group"][0] == grpc.StatusCode.ABORTED
+    assert codes["commit unbegun"][0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert codes["begin ok"][0] == grpc.StatusCode.OK
+    assert codes["commit failed join"][0] in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert "still serving version 0" in codes["commit failed join"][1]
+    assert codes["abort"][0] == grpc.StatusCode.OK
