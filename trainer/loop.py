@@ -54,21 +54,29 @@ def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publi
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
     if publishing and state.step > 0:
         publish_weights(learner, state.weight_version, publish, env)
+    publish_s = 0.0  # the last publish's duration, reported with the steps after it
     while state.step < config.max_steps:
         started = time.monotonic()
         leased: LeasedBatch = env.broadcast_object(source.pull(config.batch.global_batch_size) if env.is_main else None)
-        staleness = measure_staleness(leased.samples, state.weight_version, config.max_staleness)
+        batch_stats = {
+            **measure_staleness(leased.samples, state.weight_version, config.max_staleness),
+            "reward_mean": sum(s.reward for s in leased.samples) / len(leased.samples),
+            "pull_s": time.monotonic() - started,
+            "publish_s": publish_s,
+        }
         steps_before = state.step
         for mini_batch in learner.prepare(leased.samples):
             metrics = learner.train_step(mini_batch, state.step)
             state.step += 1
             state.weight_version += 1
-            report(config, env, state, {**metrics, **staleness, "step_s": time.monotonic() - started}, leased)
+            report(config, env, state, {**metrics, **batch_stats, "step_s": time.monotonic() - started}, leased)
         state.samples_trained += len(leased.samples)
         if env.is_main:
             source.ack(leased.lease_id, state.weight_version)
         if publishing and _due(steps_before, state.step, config.publish.interval):
+            publish_started = time.monotonic()
             publish_weights(learner, state.weight_version, publish, env)
+            publish_s = time.monotonic() - publish_started
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
             save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
     if config.checkpoint.dir:
