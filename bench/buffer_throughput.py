@@ -3,11 +3,11 @@
 Both servers are separate processes built by the same `create_server` (same interceptors, limits),
 fed by the same clients in this process: 4 producers, each with up to 4 Puts of 8 pre-serialized
 samples in flight (a durable Put answers only after its fsync, so one Put at a time would measure
-disk latency, not throughput), and one consumer that Pulls batches of 8 and Acks each without
-waiting for the previous Ack to return. The baseline relay moves the same bytes through an
-in-memory queue: no parsing, no validation, no log, no fsync. The buffer runs with durability on
-(fsync=batch: group commit). Samples have 1k and 8k tokens (prompt 64 + response), ~17 bytes per
-token on the wire.
+disk latency, not throughput), and one consumer that Pulls batches of 8 (up to 16 leased ahead)
+and Acks each without waiting for the previous Ack to return. The baseline relay moves the same
+bytes through an in-memory queue: no parsing, no validation, no log, no fsync. The buffer runs
+with durability on (fsync=batch: group commit). Samples have 1k and 8k tokens (prompt 64 +
+response), ~17 bytes per token on the wire. A warm-up of ~100 MB precedes the timed runs.
 
     python bench/buffer_throughput.py [--quick] [--repeats N]
 """
@@ -25,11 +25,11 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
+import grpc
+import numpy as np
 
-from protos import buffer_pb2, common_pb2  # noqa: E402
-from protos.sample import Sample  # noqa: E402
+from protos import buffer_pb2, common_pb2
+from protos.sample import Sample
 
 RELAY = "bench.Relay"
 BUFFER = "relayrl.buffer.v1.Buffer"
@@ -118,7 +118,8 @@ def make_requests(tokens: int, count: int, tag: str) -> list[bytes]:
     return requests
 
 
-async def run_once(address: str, service: str, requests: list[bytes], samples: int, inflight: int) -> float:
+async def run_once(address: str, service: str, requests: list[bytes], samples: int, inflight: int,
+                   prefetch: int) -> float:
     """Seconds from the first Put until the consumer has acked every sample."""
     async with grpc.aio.insecure_channel(address, options=OPTIONS) as channel:
         put = channel.unary_unary(f"/{service}/Put")
@@ -138,7 +139,8 @@ async def run_once(address: str, service: str, requests: list[bytes], samples: i
             # flight (each Ack still answers only once its record is durable).
             received, acks = 0, []
             call = pull(buffer_pb2.PullRequest(batch_size=SAMPLES_PER_PUT, allow_partial_groups=True,
-                                               consumer="bench").SerializeToString(), timeout=300)
+                                               max_unacked=prefetch, consumer="bench").SerializeToString(),
+                        timeout=300)
             async for message in call:
                 if service == BUFFER:
                     batch = buffer_pb2.Batch.FromString(message)
@@ -165,10 +167,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 def timed_run(pid: int, address: str, service: str, requests: list[bytes], samples: int,
-              inflight: int) -> tuple[float, float]:
+              args: argparse.Namespace) -> tuple[float, float]:
     """(wall seconds, server CPU seconds) of one run."""
     cpu = cpu_seconds(pid)
-    wall = asyncio.run(run_once(address, service, requests, samples, inflight))
+    wall = asyncio.run(run_once(address, service, requests, samples, args.inflight, args.prefetch))
     return wall, cpu_seconds(pid) - cpu
 
 
@@ -181,6 +183,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per setting (median quoted)")
     parser.add_argument("--window-ms", type=float, default=2.0, help="the buffer's group-commit window")
     parser.add_argument("--inflight", type=int, default=4, help="Puts each producer keeps in flight")
+    parser.add_argument("--prefetch", type=int, default=16, help="batches the Pull stream may lease ahead of acks")
     parser.add_argument("--relay", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.relay:
@@ -188,7 +191,7 @@ def main() -> None:
         return
     from deploy.launcher import start_service
 
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 5)
     sizes = {1024: 800 if args.quick else 4000, 8192: 160 if args.quick else 800}
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-buffer-"))
     relay, relay_address = start_relay(workdir)
@@ -201,15 +204,14 @@ def main() -> None:
             # Warm-up past a few log segment roll-overs: the steady state reuses the page cache of
             # compacted segments (a fresh page costs ~8x more to write on this VM, first touch).
             warm = int(WARMUP_BYTES / sample_bytes) // SAMPLES_PER_PUT * SAMPLES_PER_PUT
-            asyncio.run(run_once(relay_address, RELAY, make_requests(tokens, warm, "warm"), warm, args.inflight))
-            asyncio.run(run_once(buffer.address, BUFFER, make_requests(tokens, warm, f"warm{tokens}"), warm,
-                                 args.inflight))
+            timed_run(relay.pid, relay_address, RELAY, make_requests(tokens, warm, "warm"), warm, args)
+            timed_run(buffer.pid, buffer.address, BUFFER, make_requests(tokens, warm, f"warm{tokens}"), warm, args)
             runs: dict[str, list[tuple[float, float]]] = {"raw": [], "buffer": []}
             for rep in range(repeats):  # alternate, so drift on a shared machine hits both alike
                 runs["raw"].append(timed_run(relay.pid, relay_address, RELAY, make_requests(tokens, count, "r"),
-                                             count, args.inflight))
+                                             count, args))
                 requests = make_requests(tokens, count, f"t{tokens}-{rep}")
-                runs["buffer"].append(timed_run(buffer.pid, buffer.address, BUFFER, requests, count, args.inflight))
+                runs["buffer"].append(timed_run(buffer.pid, buffer.address, BUFFER, requests, count, args))
             rate = {name: count / statistics.median(wall for wall, _ in r) for name, r in runs.items()}
             cpu_us = {name: 1e6 * statistics.median(cpu for _, cpu in r) / count for name, r in runs.items()}
             rows.append((tokens, sample_bytes, rate["raw"], rate["buffer"], cpu_us["raw"], cpu_us["buffer"]))

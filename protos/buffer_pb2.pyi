@@ -32,7 +32,7 @@ class PutResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("batch_size", "allow_partial_groups", "max_batches", "lease_timeout_s", "policy", "max_reuse", "consumer")
+    __slots__ = ("batch_size", "allow_partial_groups", "max_batches", "lease_timeout_s", "policy", "max_reuse", "consumer", "max_unacked")
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class PullRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_REUSE_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    MAX_UNACKED_FIELD_NUMBER: _ClassVar[int]
     batch_size: int
     allow_partial_groups: bool
     max_batches: int
@@ -47,7 +48,8 @@ class PullRequest(_message.Message):
     policy: Policy
     max_reuse: int
     consumer: str
-    def __init__(self, batch_size: _Optional[int] = ..., allow_partial_groups: _Optional[bool] = ..., max_batches: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., policy: _Optional[_Union[Policy, str]] = ..., max_reuse: _Optional[int] = ..., consumer: _Optional[str] = ...) -> None: ...
+    max_unacked: int
+    def __init__(self, batch_size: _Optional[int] = ..., allow_partial_groups: _Optional[bool] = ..., max_batches: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., policy: _Optional[_Union[Policy, str]] = ..., max_reuse: _Optional[int] = ..., consumer: _Optional[str] = ..., max_unacked: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("lease_id", "samples", "trainer_version")

@@ -30,6 +30,38 @@ def _status_name(context: grpc.aio.ServicerContext, failed: bool) -> str:
     return code.name if isinstance(code, grpc.StatusCode) else grpc.StatusCode(code).name
 
 
+class _Undecodable:
+    """Request bytes that do not parse as the method's message (grpc would answer UNKNOWN)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _lenient(deserializer):
+    def decode(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf raises DecodeError, custom decoders may raise others
+            return _Undecodable(f"request does not parse: {exc}")
+
+    return decode
+
+
+async def _checked_stream(requests):
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise CodecError(request.reason)
+        yield request
+
+
+def _check_request(request, streaming: bool):
+    if streaming:
+        return _checked_stream(request)
+    if isinstance(request, _Undecodable):
+        raise CodecError(request.reason)
+    return request
+
+
 class _Interceptor(grpc.aio.ServerInterceptor):
     """Checks auth, counts and times every call, and turns CodecError into INVALID_ARGUMENT."""
 
@@ -52,10 +84,13 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         )
         behavior = getattr(handler, kind)
         wrap = _wrap_stream if handler.response_streaming else _wrap_unary
-        return handler._replace(**{kind: wrap(behavior, method, denied)})
+        replaced = {kind: wrap(behavior, method, denied, handler.request_streaming)}
+        if handler.request_deserializer is not None:
+            replaced["request_deserializer"] = _lenient(handler.request_deserializer)
+        return handler._replace(**replaced)
 
 
-def _wrap_unary(behavior, method: str, denied: Denied | None):
+def _wrap_unary(behavior, method: str, denied: Denied | None, request_streaming: bool):
     service, name = split_method(method)
 
     async def wrapper(request, context):
@@ -65,7 +100,7 @@ def _wrap_unary(behavior, method: str, denied: Denied | None):
             if denied is not None:
                 await context.abort(denied.code, str(denied))
             try:
-                return await behavior(request, context)
+                return await behavior(_check_request(request, request_streaming), context)
             except CodecError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except grpc.aio.AbortError:
@@ -80,7 +115,7 @@ def _wrap_unary(behavior, method: str, denied: Denied | None):
     return wrapper
 
 
-def _wrap_stream(behavior, method: str, denied: Denied | None):
+def _wrap_stream(behavior, method: str, denied: Denied | None, request_streaming: bool):
     service, name = split_method(method)
 
     async def wrapper(request, context):
@@ -90,7 +125,7 @@ def _wrap_stream(behavior, method: str, denied: Denied | None):
             if denied is not None:
                 await context.abort(denied.code, str(denied))
             try:
-                result = behavior(request, context)
+                result = behavior(_check_request(request, request_streaming), context)
                 if inspect.isasyncgen(result):
                     async for item in result:
                         yield item

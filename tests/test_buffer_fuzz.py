@@ -142,6 +142,7 @@ pull_requests = st.builds(
     policy=st.integers(-5, 2**31 - 1) | st.integers(0, 3),
     max_reuse=st.integers(0, 2**32 - 1),
     consumer=st.text(max_size=5),
+    max_unacked=st.integers(0, 2**32 - 1),
 )
 ack_requests = st.builds(buffer_pb2.AckRequest, lease_id=st.text(max_size=40),
                          trainer_version=st.none() | st.integers(-(2**63), 2**63 - 1))

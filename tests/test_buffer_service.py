@@ -14,6 +14,7 @@ from services.buffer.buffer import ReplayBuffer
 from services.buffer.config import BufferConfig
 from services.buffer.service import registration
 from services.client import connect
+from services.config import ServerConfig
 from services.server import create_server
 
 
@@ -38,10 +39,10 @@ def put_request(*samples: common_pb2.Sample) -> buffer_pb2.PutRequest:
 
 
 @contextlib.asynccontextmanager
-async def running_buffer(tmp_path, **settings):
+async def running_buffer(tmp_path, server_config: ServerConfig | None = None, **settings):
     buffer = ReplayBuffer.open(BufferConfig(data_dir=str(tmp_path / "buffer"), **settings))
     await buffer.start()
-    server, port = await create_server("127.0.0.1:0", [registration(buffer)])
+    server, port = await create_server("127.0.0.1:0", [registration(buffer, server_config)], server_config)
     await server.start()
     channel = connect(f"127.0.0.1:{port}")
     try:
@@ -220,3 +221,53 @@ def test_put_requests_are_split_into_the_producers_sample_bytes():
     assert decode_put(b"").samples == []
     for broken in (wire[:-1], b"\x0a\xff", b"\x00", b"\x0b", b"\x0a" + b"\xff" * 11):
         assert isinstance(decode_put(broken), Undecodable), broken
+
+
+async def test_a_batch_over_the_message_limit_is_refused_and_handed_back(tmp_path):
+    limit = ServerConfig(max_message_bytes=64 << 10)
+    async with running_buffer(tmp_path, server_config=limit) as (stub, _):
+        for i in range(0, 6, 2):  # 17 KB samples: a Put of two fits, a batch of six does not
+            await stub.Put(put_request(make_sample(f"s{i}", tokens=1000), make_sample(f"s{i + 1}", tokens=1000)),
+                           timeout=5)
+        await expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, pull(stub, batch_size=6), "pull smaller batches")
+        (batch,) = await pull(stub, batch_size=2)  # the refused batch's samples are pending again at once
+        assert [s.sample_id for s in batch.samples] == ["s0", "s1"]
+        stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+        assert (stats.pending, stats.leased, stats.redelivered) == (4, 2, 0)
+
+
+async def test_a_pull_stream_leases_at_most_max_unacked_batches_ahead(tmp_path):
+    async with running_buffer(tmp_path) as (stub, _):
+        await stub.Put(put_request(*(make_sample(f"s{i}") for i in range(4))), timeout=5)
+        call = stub.Pull(buffer_pb2.PullRequest(batch_size=1, max_unacked=2), timeout=10)
+        first, _second = await call.read(), await call.read()
+        third = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.3)
+        assert not third.done(), "a third batch waits for an ack"
+        stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+        assert (stats.leased, stats.pending) == (2, 2)
+        await stub.Ack(buffer_pb2.AckRequest(lease_id=first.lease_id), timeout=5)
+        assert (await asyncio.wait_for(third, 5)).samples[0].sample_id == "s2"
+        call.cancel()
+
+
+async def test_metrics_count_what_the_buffer_does(tmp_path):
+    from prometheus_client import REGISTRY
+
+    def value(name: str, **labels) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = {name: value(name) for name in ("relayrl_buffer_accepted_samples_total",
+                                             "relayrl_buffer_acked_samples_total", "relayrl_buffer_fsync_seconds_count")}
+    failed_before = value("relayrl_buffer_dropped_samples_total", reason="failed")
+    async with running_buffer(tmp_path, fsync="batch") as (stub, _):
+        await stub.Put(put_request(make_sample("a"), make_sample("b"), make_sample("x", status=SampleStatus.FAILED)),
+                       timeout=5)
+        (batch,) = await pull(stub, batch_size=1)
+        assert value("relayrl_buffer_samples", state="leased") == 1
+        assert value("relayrl_buffer_samples", state="pending") == 1
+        await stub.Ack(buffer_pb2.AckRequest(lease_id=batch.lease_id), timeout=5)
+    assert value("relayrl_buffer_accepted_samples_total") - before["relayrl_buffer_accepted_samples_total"] == 3
+    assert value("relayrl_buffer_acked_samples_total") - before["relayrl_buffer_acked_samples_total"] == 1
+    assert value("relayrl_buffer_dropped_samples_total", reason="failed") - failed_before == 1
+    assert value("relayrl_buffer_fsync_seconds_count") > before["relayrl_buffer_fsync_seconds_count"]

@@ -85,3 +85,13 @@ async def test_sigterm_lets_the_in_flight_call_finish_within_the_grace_period(re
         code = await asyncio.to_thread(reward_service.proc.wait, 20)
         assert code == 0
         assert time.monotonic() - started < 8, "stopping took longer than the grace period"
+
+
+def test_bytes_that_do_not_parse_get_invalid_argument(reward_service):
+    with grpc.insecure_channel(reward_service.address) as channel:
+        raw = channel.unary_unary("/relayrl.reward.v1.Reward/Score")  # no serializer: raw bytes
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff\xff", timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request does not parse" in err.value.details()
+        reward_pb2_grpc.RewardStub(channel).ListFunctions(reward_pb2.ListFunctionsRequest(), timeout=10)

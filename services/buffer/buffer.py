@@ -30,7 +30,7 @@ from protos.sample import Sample, SampleStatus
 from services.buffer import metrics
 from services.buffer.commit import Durability, FsyncPolicy
 from services.buffer.config import BufferConfig
-from services.buffer.log import HEADER, LogCorruption, Location, Record, RecordKind, SegmentLog
+from services.buffer.log import HEADER, Location, LogCorruption, Record, RecordKind, SegmentLog
 from services.buffer.records import (
     Checkpoint,
     decode_drop,
@@ -108,13 +108,13 @@ class _Signal:
 class ReplayBuffer:
     """Put / lease / ack / set_version over a durable log. One event loop owns it."""
 
-    def __init__(self, config: BufferConfig, log_: SegmentLog, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: BufferConfig, segment_log: SegmentLog, clock: Callable[[], float] = time.monotonic):
         self.config = config
-        self.log = log_
+        self.log = segment_log
         self.clock = clock
         self.store = SampleStore(config.capacity, config.max_staleness, config.seed)
         self.durability = Durability(
-            log_, FsyncPolicy(config.fsync), config.fsync_window_ms / 1000, metrics.FSYNC_SECONDS.observe
+            segment_log, FsyncPolicy(config.fsync), config.fsync_window_ms / 1000, metrics.FSYNC_SECONDS.observe
         )
         self.accepted = 0
         self.acked = 0
@@ -126,6 +126,7 @@ class ReplayBuffer:
         self._held_by_segment: Counter[int] = Counter()  # samples still held, by their PUT's segment
         self._pending_changed = _Signal()  # wakes Pull
         self._room_freed = _Signal()  # wakes a blocked Put
+        self._lease_closed = _Signal()  # wakes a Pull stream at its prefetch limit
 
     @classmethod
     def open(cls, config: BufferConfig) -> "ReplayBuffer":
@@ -248,6 +249,21 @@ class ReplayBuffer:
         metrics.PULLED.inc(len(payloads))
         return LeasedBatch(lease.lease_id, payloads, self.store.trainer_version)
 
+    async def wait_for_acks(self, lease_ids: list[str], max_open: int) -> list[str]:
+        """Wait until fewer than `max_open` of `lease_ids` are open; returns those still open."""
+        while True:
+            self._expire_leases()
+            still_open = [lease_id for lease_id in lease_ids if self.store.is_open(lease_id)]
+            if len(still_open) < max_open:
+                return still_open
+            await self._lease_closed.wait(self._until_next_expiry())
+
+    def release(self, lease_id: str) -> None:
+        """Give a leased batch back unused (it could not be delivered): pending again at once."""
+        self.store.release(lease_id)
+        self._pending_changed.fire()
+        self._lease_closed.fire()
+
     async def ack(self, lease_id: str, trainer_version: int | None = None) -> int:
         """Close a lease for good (durably); returns the number of samples it held.
 
@@ -256,6 +272,7 @@ class ReplayBuffer:
         """
         self._expire_leases()
         done, reused = self.store.ack(lease_id)
+        self._lease_closed.fire()
         records = []
         if done:
             records.append(ids_record(RecordKind.ACK, done))
@@ -333,6 +350,7 @@ class ReplayBuffer:
             metrics.REDELIVERED.inc(count)
             log.info("%d lease(s) expired: %d samples pending again", len(expired), count)
             self._pending_changed.fire()
+            self._lease_closed.fire()
 
     def _until_next_expiry(self) -> float:
         deadline = self.store.next_deadline()

@@ -95,7 +95,9 @@ class Durability:
             # After a failed fsync the kernel may have dropped the dirty pages: nothing written
             # since the last good fsync can be called durable again. Every later wait fails.
             self.failure = exc
-            self._release(lambda future: future.set_exception(exc), until=None)
+        if self.failure is not None:
+            failure = self.failure
+            self._release(lambda future: future.set_exception(failure), until=None)
             return
         self.fsyncs += 1
         if self.on_fsync is not None:

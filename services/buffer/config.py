@@ -17,8 +17,9 @@ class BufferConfig(Strict):
         None, ge=0, description="Drop a sample once trainer_version - its oldest token version exceeds this; "
         "None = never (0 = strictly on-policy).")
     fsync: Literal["always", "batch", "never"] = Field(
-        "batch", description="When a Put is durable: 'always' fsync per call, 'batch' one group-commit fsync "
-        "shared by concurrent calls, 'never' on write to the OS (survives a killed process, not a machine crash).")
+        "batch", description="When a Put or Ack is durable: 'batch' after a group-commit fsync shared by the calls "
+        "of one window, 'always' after an fsync started as soon as a call waits, 'never' once written to the OS "
+        "(survives a killed process, not a machine crash).")
     fsync_window_ms: float = Field(2.0, ge=0, description="Group commit: wait this long after the first "
                                    "waiting call before the shared fsync ('batch' only).")
     segment_bytes: int = Field(32 << 20, ge=4096, description="Roll over to a new log segment past this size; "
@@ -26,6 +27,8 @@ class BufferConfig(Strict):
     lease_timeout_s: float = Field(60.0, gt=0, description="Default time a pulled batch may stay unacked before "
                                    "its samples are delivered again.")
     max_reuse: int = Field(4, ge=1, description="Default hand-outs per sample under uniform replay.")
+    max_unacked: int = Field(4, ge=1, description="Default prefetch of a Pull stream: batches leased and not "
+                             "yet acked before the stream waits for an Ack.")
     backpressure: Literal["reject", "block"] = Field(
         "reject", description="At capacity: 'reject' answers RESOURCE_EXHAUSTED, 'block' holds the call (and a "
         "client stream) until room frees up or block_timeout_s passes.")

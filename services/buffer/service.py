@@ -8,7 +8,7 @@ import grpc
 from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc
-from services.buffer.buffer import BufferFull, LeasedBatch, ReplayBuffer
+from services.buffer.buffer import BufferFull, LeasedBatch, ReplayBuffer, StagedPut
 from services.buffer.config import BufferConfig
 from services.buffer.store import GroupSizeConflict, LeaseNotFound, Policy, PullSpec
 from services.buffer.wire import SERVICE_NAME, PutPayload, add_buffer_to_server, require
@@ -35,8 +35,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     """Registered by wire.add_buffer_to_server: requests may arrive Undecodable (see wire.py), and
     Pull yields LeasedBatch objects that wire.encode_batch puts on the wire."""
 
-    def __init__(self, buffer: ReplayBuffer):
+    def __init__(self, buffer: ReplayBuffer, max_message_bytes: int):
         self.buffer = buffer
+        self.max_message_bytes = max_message_bytes
 
     async def Put(self, request: PutPayload, context: grpc.aio.ServicerContext) -> buffer_pb2.PutResponse:
         staged = await self._stage(require(request), context)
@@ -54,7 +55,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         await asyncio.shield(asyncio.gather(*durable))
         return buffer_pb2.PutResponse(accepted=accepted, duplicates=duplicates)
 
-    async def _stage(self, request: PutPayload, context: grpc.aio.ServicerContext):
+    async def _stage(self, request: PutPayload, context: grpc.aio.ServicerContext) -> StagedPut:
         try:
             return await self.buffer.stage_put(request.samples)
         except BufferFull as exc:
@@ -65,9 +66,21 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def Pull(self, request: buffer_pb2.PullRequest, context: grpc.aio.ServicerContext):
         request = require(request)
         spec = await self._pull_spec(request, context)
-        sent = 0
+        log.debug("Pull by %r: %s", request.consumer, spec)
+        max_unacked = request.max_unacked or self.buffer.config.max_unacked
+        sent, unacked = 0, []
         while request.max_batches == 0 or sent < request.max_batches:
+            unacked = await self.buffer.wait_for_acks(unacked, max_unacked)
             batch: LeasedBatch = await self.buffer.lease_batch(spec)
+            size = sum(len(payload) for payload in batch.payloads)
+            if size > self.max_message_bytes:
+                self.buffer.release(batch.lease_id)
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a batch of {len(batch.payloads)} samples holds {size} bytes, over the server's "
+                    f"max_message_bytes {self.max_message_bytes}: pull smaller batches",
+                )
+            unacked.append(batch.lease_id)
             yield batch
             sent += 1
 
@@ -134,9 +147,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         )
 
 
-def registration(buffer: ReplayBuffer):
-    """What create_server needs to serve `buffer`."""
-    return (add_buffer_to_server, BufferServicer(buffer), SERVICE_NAME)
+def registration(buffer: ReplayBuffer, server: ServerConfig | None = None):
+    """What create_server needs to serve `buffer` under the `server` settings."""
+    max_message_bytes = (server or ServerConfig()).max_message_bytes
+    return (add_buffer_to_server, BufferServicer(buffer, max_message_bytes), SERVICE_NAME)
 
 
 async def serve(config: Config) -> None:
@@ -144,4 +158,4 @@ async def serve(config: Config) -> None:
     setup_logging("buffer", config.server.log_level)
     buffer = ReplayBuffer.open(config)
     await buffer.start()
-    await run_server("buffer", [registration(buffer)], config.server, on_stop=buffer.close)
+    await run_server("buffer", [registration(buffer, config.server)], config.server, on_stop=buffer.close)

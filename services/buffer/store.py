@@ -339,10 +339,17 @@ class SampleStore:
         """Close leases past their deadline; their samples are pending again, first in line."""
         expired = [lease for lease in self._leases.values() if lease.deadline <= now]
         for lease in expired:
-            del self._leases[lease.lease_id]
-            for entry in reversed(lease.entries):  # moved to the front one by one: keeps their order
-                self._make_pending(entry, front=True)
+            self.release(lease.lease_id)
         return expired
+
+    def release(self, lease_id: str) -> None:
+        """Close a lease without using its samples: they are pending again, first in line."""
+        lease = self._leases.pop(lease_id)
+        for entry in reversed(lease.entries):  # moved to the front one by one: keeps their order
+            self._make_pending(entry, front=True)
+
+    def is_open(self, lease_id: str) -> bool:
+        return lease_id in self._leases
 
     def next_deadline(self) -> float | None:
         return min((lease.deadline for lease in self._leases.values()), default=None)
