@@ -12,11 +12,11 @@ import json
 import pathlib
 import re
 import secrets
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from protos.sample import Sample
 from reward.registry import RewardOutput
-from reward.sandbox import SandboxLimits, SandboxResult, run_python
+from reward.sandbox import SandboxLimits, run_python
 
 HARNESS = pathlib.Path(__file__).with_name("code_harness.py")
 _REPORTED = ("network_cut", "readonly_fs", "pid_namespace", "uid_drop", "user_namespace")
@@ -50,14 +50,24 @@ def _tests(sample: Sample, key: str) -> list[str] | list[dict[str, str]]:
                      "{'input': str, 'output': str}")
 
 
-def _first_line(text: bytes | str, limit: int = 200) -> str:
+def _last_line(text: bytes | str, limit: int = 200) -> str:
+    """The last non-empty line (of a traceback: the exception)."""
     text = text.decode(errors="replace") if isinstance(text, bytes) else text
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:limit] if lines else ""
 
 
-def run_assert_tests(code: str, tests: list[str], limits: SandboxLimits) -> tuple[int, str, SandboxResult]:
-    """(tests passed, why the first failure failed, the run)."""
+class SolutionRun(NamedTuple):
+    """How a solution fared against its tests."""
+
+    passed: int
+    failure: str  # why the first failing test failed ("" when all passed)
+    timed_out: bool  # a run hit the wall-clock limit
+    isolation: dict[str, object]  # the sandbox's report
+
+
+def run_assert_tests(code: str, tests: list[str], limits: SandboxLimits) -> SolutionRun:
+    """Run the solution, then each assert test in its namespace, in one sandboxed process."""
     nonce = secrets.token_hex(16)
     files = {"solution.py": code, "harness.py": HARNESS.read_text(),
              "spec.json": json.dumps({"nonce": nonce, "tests": tests})}
@@ -69,21 +79,20 @@ def run_assert_tests(code: str, tests: list[str], limits: SandboxLimits) -> tupl
             continue  # not from the harness
         try:
             _, kind, index, text = json.loads(line)
-        except (json.JSONDecodeError, ValueError):
+        except ValueError:
             continue  # a line cut short when the run was killed
-
         if kind == "pass":
             passed.add(index)
         elif kind in ("fail", "solution_error") and not failure:
             failure = f"test {index}: {text}" if kind == "fail" else f"solution raised {text}"
     if len(passed) < len(tests) and not failure:
         failure = f"the run ended before the tests finished ({result.describe()})" + (
-            f": {_first_line(result.stderr)}" if result.stderr.strip() else "")
-    return len(passed), failure, result
+            f": {_last_line(result.stderr)}" if result.stderr.strip() else "")
+    return SolutionRun(len(passed), failure, result.timed_out, result.isolation)
 
 
-def run_io_tests(code: str, tests: list[dict[str, str]], limits: SandboxLimits) -> tuple[int, str, SandboxResult]:
-    """(cases passed, why the first failure failed, the last run)."""
+def run_io_tests(code: str, tests: list[dict[str, str]], limits: SandboxLimits) -> SolutionRun:
+    """Run the solution once per case with its input; a case passes when the output matches."""
     passed, failure = 0, ""
     results = []
     for index, case in enumerate(tests):
@@ -93,10 +102,10 @@ def run_io_tests(code: str, tests: list[dict[str, str]], limits: SandboxLimits) 
         if result.returncode == 0 and _same_output(got, case["output"]):
             passed += 1
         elif not failure:
-            why = result.describe() if result.returncode != 0 else f"wrong output {_first_line(got, 60)!r}"
-            stderr = _first_line(result.stderr)
+            why = result.describe() if result.returncode != 0 else f"wrong output {_last_line(got, 60)!r}"
+            stderr = _last_line(result.stderr)
             failure = f"case {index}: {why}" + (f" ({stderr})" if stderr and result.returncode != 0 else "")
-    return passed, failure, results[-1]
+    return SolutionRun(passed, failure, any(r.timed_out for r in results), results[-1].isolation)
 
 
 def _lines(text: str) -> list[str]:
@@ -125,13 +134,13 @@ def code_exec(
     limits = SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_processes=max_processes)
     code = extract_code(sample.response_text, extract)
     if isinstance(tests[0], str):
-        passed, failure, result = run_assert_tests(code, tests, limits)  # type: ignore[arg-type]
+        run = run_assert_tests(code, tests, limits)  # type: ignore[arg-type]
     else:
-        passed, failure, result = run_io_tests(code, tests, limits)  # type: ignore[arg-type]
+        run = run_io_tests(code, tests, limits)  # type: ignore[arg-type]
     total = len(tests)
-    details = {"passed": float(passed), "total": float(total), "pass_rate": passed / total,
-               "timed_out": float(result.timed_out)}
+    details = {"passed": float(run.passed), "total": float(total), "pass_rate": run.passed / total,
+               "timed_out": float(run.timed_out)}
     # Which confinement measures held on this machine (1.0 = in force).
-    details.update({f"sandbox_{k}": float(v) for k, v in result.isolation.items() if k in _REPORTED})
-    note = f"{passed}/{total} tests passed" + (f"; {failure}" if failure else "")
-    return RewardOutput(passed / total, details, note=note)
+    details.update({f"sandbox_{k}": float(v) for k, v in run.isolation.items() if k in _REPORTED})
+    note = f"{run.passed}/{total} tests passed" + (f"; {run.failure}" if run.failure else "")
+    return RewardOutput(run.passed / total, details, note=note)

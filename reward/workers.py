@@ -10,10 +10,12 @@ import asyncio
 import ctypes
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -101,12 +103,16 @@ class _Worker:
     """One worker process, started as `python -c ...` (no multiprocessing re-import of __main__)."""
 
     def __init__(self, threads: int):
+        # The worker's temporary files (sandbox directories) live here, so that they go with it
+        # when it is killed mid-call; traversable by the sandbox's unprivileged uid, not listable.
+        self.tmpdir = tempfile.mkdtemp(prefix="relayrl-reward-worker-")
+        os.chmod(self.tmpdir, 0o711)
         parent_sock, child_sock = socket.socketpair()
         code = f"from reward.workers import worker_main; worker_main({child_sock.fileno()}, {threads})"
         # Same working directory as the server (custom functions import as they would there),
         # and the relayrl source tree importable even when it is not installed.
         python_path = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": python_path}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": python_path, "TMPDIR": self.tmpdir}
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_sock.fileno()], env=env,
                                         stdin=subprocess.DEVNULL)
         child_sock.close()
@@ -134,6 +140,7 @@ class _Worker:
             self.process.kill()
         self.process.wait(10)
         self.conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 class WorkerPool:

@@ -11,68 +11,9 @@ import pytest
 
 from protos.sample import Sample, SampleStatus
 from reward.registry import BUILTINS, BadFunction, Registry, RewardSpec
-from reward.sandbox import SandboxLimits, run_python
 from reward.scorer import Scorer, ScorerSettings, check_timeout
 
-HERE = "tests.test_reward_scorer"  # worker processes import the functions below by this path
-
-
-# --- reward functions the workers import (module level, so a worker can find them) ---
-
-def length(sample: Sample, *, scale: float = 1.0) -> float:
-    return scale * len(sample.response_text)
-
-
-def hang(sample: Sample) -> float:
-    time.sleep(3600)
-    return 0.0
-
-
-def crash(sample: Sample) -> float:
-    os._exit(3)
-
-
-def explode(sample: Sample) -> float:
-    raise RuntimeError("boom")
-
-
-def nap(sample: Sample, *, seconds: float) -> float:
-    time.sleep(seconds)
-    return 1.0
-
-
-def batch_lengths(samples: list[Sample], *, offset: float = 0.0) -> list[float]:
-    return [len(s.response_text) + offset for s in samples]
-
-
-def one_result(samples: list[Sample]) -> list[float]:
-    return [1.0]
-
-
-def sleep_in_sandbox(sample: Sample, *, marker: str) -> float:
-    """A sandboxed program that re-executes itself with `marker` on its command line, then sleeps."""
-    program = ("import os, sys, time\n"
-               f"if len(sys.argv) == 1:\n    os.execv(sys.executable, [sys.executable, '-I', 'main.py', {marker!r}])\n"
-               "time.sleep(600)\n")
-    run_python({"main.py": program}, "main.py", SandboxLimits(timeout_s=300, cpu_s=300))
-    return 0.0
-
-
-_PREPARED: set[str] = set()
-
-
-def prepare_slowly(*, key: str) -> None:
-    """A prepare hook that takes a while the first time in a process (like loading a model)."""
-    if key not in _PREPARED:
-        time.sleep(1.2)
-        _PREPARED.add(key)
-
-
-def needs_preparation(sample: Sample, *, key: str) -> float:
-    if sample.response_text == "hang":
-        time.sleep(3600)
-    prepare_slowly(key=key)  # lazy: slow in a process that was never prepared
-    return 1.0
+PLUGINS = "tests.test_reward_plugins"  # worker processes import the test functions by this path
 
 
 # --- fixtures ---
@@ -94,9 +35,9 @@ def loop():
 @pytest.fixture(scope="module")
 def scorer(loop):
     registry = Registry(BUILTINS)
-    registry.add(RewardSpec("lengths", f"{HERE}:batch_lengths", batched=True))
-    registry.add(RewardSpec("one_result", f"{HERE}:one_result", batched=True))
-    registry.add(RewardSpec("scaled", f"{HERE}:length", bound_args={"scale": 2.0}))
+    registry.add(RewardSpec("lengths", f"{PLUGINS}:batch_lengths", batched=True))
+    registry.add(RewardSpec("one_result", f"{PLUGINS}:one_result", batched=True))
+    registry.add(RewardSpec("scaled", f"{PLUGINS}:length", bound_args={"scale": 2.0}))
     settings = ScorerSettings(max_concurrency=2, model_workers=1, batch_chunk=2, load_timeout_s=60)
     scorer = Scorer(registry, settings, allow_custom=True)
     scorer.start()
@@ -128,7 +69,7 @@ def test_scores_in_order_and_failures_stay_per_sample(loop, scorer):
 
 
 def test_custom_functions_by_path_and_bound_arguments(loop, scorer):
-    assert [o.reward for o in score(loop, scorer, f"{HERE}:length", [text_sample(0, "abc")], {"scale": 0.5})] == [1.5]
+    assert [o.reward for o in score(loop, scorer, f"{PLUGINS}:length", [text_sample(0, "abc")], {"scale": 0.5})] == [1.5]
     assert [o.reward for o in score(loop, scorer, "scaled", [text_sample(0, "abc")])] == [6.0]
     with pytest.raises(BadFunction, match="fixed by the server"):
         score(loop, scorer, "scaled", [], {"scale": 1.0})
@@ -141,7 +82,7 @@ def test_custom_functions_by_path_and_bound_arguments(loop, scorer):
 def test_a_hung_function_times_out_and_its_worker_is_replaced(loop, scorer):
     replaced = scorer.sample_pool.replaced
     start = time.monotonic()
-    out = score(loop, scorer, f"{HERE}:hang", [text_sample(0, "x")], timeout_s=1.0)
+    out = score(loop, scorer, f"{PLUGINS}:hang", [text_sample(0, "x")], timeout_s=1.0)
     assert time.monotonic() - start < 15
     assert (out[0].status, out[0].reason) == (SampleStatus.FAILED, "timeout after 1s")
     assert scorer.sample_pool.replaced == replaced + 1
@@ -149,9 +90,9 @@ def test_a_hung_function_times_out_and_its_worker_is_replaced(loop, scorer):
 
 
 def test_a_crash_or_an_exception_fails_only_that_sample(loop, scorer):
-    crashed = score(loop, scorer, f"{HERE}:crash", [text_sample(0, "x")])
+    crashed = score(loop, scorer, f"{PLUGINS}:crash", [text_sample(0, "x")])
     assert crashed[0].status == SampleStatus.FAILED and crashed[0].reason.startswith("reward worker died")
-    raised = score(loop, scorer, f"{HERE}:explode", [text_sample(0, "x")])
+    raised = score(loop, scorer, f"{PLUGINS}:explode", [text_sample(0, "x")])
     assert (raised[0].status, raised[0].reason) == (SampleStatus.FAILED, "RuntimeError: boom")
     assert score(loop, scorer, "exact_match", [text_sample(0, "7", answer=7)])[0].reward == 1.0
 
@@ -165,10 +106,10 @@ def test_batched_functions_get_chunks_in_order(loop, scorer):
 
 
 def test_concurrency_is_bounded_by_the_workers(loop, scorer):
-    score(loop, scorer, f"{HERE}:nap", [text_sample(0, "")], {"seconds": 0.0})  # both workers import it first
-    score(loop, scorer, f"{HERE}:nap", [text_sample(0, ""), text_sample(1, "")], {"seconds": 0.0})
+    score(loop, scorer, f"{PLUGINS}:nap", [text_sample(0, "")], {"seconds": 0.0})  # both workers import it first
+    score(loop, scorer, f"{PLUGINS}:nap", [text_sample(0, ""), text_sample(1, "")], {"seconds": 0.0})
     start = time.monotonic()
-    out = score(loop, scorer, f"{HERE}:nap", [text_sample(i, "") for i in range(4)], {"seconds": 0.4})
+    out = score(loop, scorer, f"{PLUGINS}:nap", [text_sample(i, "") for i in range(4)], {"seconds": 0.4})
     assert [o.reward for o in out] == [1.0] * 4
     assert time.monotonic() - start >= 0.8  # 4 naps on 2 workers: two rounds at least
 
@@ -189,10 +130,10 @@ def test_a_timed_out_sandbox_dies_with_its_worker(loop, scorer):
     marker = f"relayrl-sandboxed-{uuid.uuid4().hex}"
 
     async def run():
-        spec = scorer.resolve(f"{HERE}:sleep_in_sandbox")
+        spec = scorer.resolve(f"{PLUGINS}:sleep_in_sandbox")
         args = await scorer.check(spec, {"marker": marker})
-        scoring = asyncio.ensure_future(scorer.score([text_sample(0, "")], spec, args, 4.0))
-        deadline = time.monotonic() + 4
+        scoring = asyncio.ensure_future(scorer.score([text_sample(0, "")], spec, args, 5.0))
+        deadline = time.monotonic() + 5
         while not processes_with(marker) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         started = bool(processes_with(marker))
@@ -200,7 +141,7 @@ def test_a_timed_out_sandbox_dies_with_its_worker(loop, scorer):
 
     started, out = loop.run_until_complete(run())
     assert started, "the sandboxed program never started"
-    assert (out[0].status, out[0].reason) == (SampleStatus.FAILED, "timeout after 4s")
+    assert (out[0].status, out[0].reason) == (SampleStatus.FAILED, "timeout after 5s")
     deadline = time.monotonic() + 5
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -212,17 +153,17 @@ def test_a_timed_out_sandbox_dies_with_its_worker(loop, scorer):
 
 def test_a_replacement_worker_is_prepared_before_it_takes_samples(loop):
     registry = Registry(BUILTINS)
-    registry.add(RewardSpec("prepared", f"{HERE}:needs_preparation", prepare=f"{HERE}:prepare_slowly"))
+    registry.add(RewardSpec("prepared", f"{PLUGINS}:needs_preparation", prepare=f"{PLUGINS}:prepare_slowly"))
     scorer = Scorer(registry, ScorerSettings(max_concurrency=1, model_workers=1, load_timeout_s=60))
     scorer.start()
     try:
         # One worker: "hang" times out, its replacement must be warmed up (prepared) before "ok" runs on it,
-        # or "ok" pays the 1.2 s preparation inside its 0.6 s timeout.
+        # or "ok" pays the 2 s preparation inside its 1 s timeout.
         out = score(loop, scorer, "prepared", [text_sample(0, "hang"), text_sample(1, "ok")], {"key": "k"},
-                    timeout_s=0.6)
+                    timeout_s=1.0)
     finally:
         scorer.close()
-    assert (out[0].status, out[0].reason) == (SampleStatus.FAILED, "timeout after 0.6s")
+    assert (out[0].status, out[0].reason) == (SampleStatus.FAILED, "timeout after 1s")
     assert (out[1].status, out[1].reward) == (SampleStatus.COMPLETED, 1.0), out[1].reason
     assert scorer.sample_pool.replaced == 1
 

@@ -21,7 +21,7 @@ from reward.sandbox import SandboxLimits, run_python
 from services.client import connect_sync
 
 COMPLETED, FAILED = common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_FAILED
-SANDBOX_TIMEOUT_S = 3.0
+SANDBOX_TIMEOUT_S = 5.0
 
 
 def sample_proto(i: int, response: str, prompt: str = "", **metadata) -> common_pb2.Sample:
@@ -114,10 +114,10 @@ def test_hostile_code_scores_zero_with_a_reason_and_the_service_keeps_serving(se
 def test_per_sample_timeout_fails_that_sample_only(service, stub):
     samples = [sample_proto(0, "import time\ntime.sleep(600)", tests=["assert True"]),
                sample_proto(1, "x = 1", tests=["assert x == 1"])]
-    reply = stub.Score(reward_pb2.ScoreRequest(function="code_exec", samples=samples, timeout_s=3.0,
+    reply = stub.Score(reward_pb2.ScoreRequest(function="code_exec", samples=samples, timeout_s=5.0,
                                                function_args=pack_metadata({"timeout_s": 60})), timeout=60)
     slow, fast = reply.results
-    assert (slow.status, slow.reason, slow.reward) == (FAILED, "timeout after 3s", 0.0)
+    assert (slow.status, slow.reason, slow.reward) == (FAILED, "timeout after 5s", 0.0)
     assert (fast.status, fast.reward) == (COMPLETED, 1.0)
     assert_still_serving(service, stub)
 
