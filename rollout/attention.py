@@ -19,7 +19,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0 (masked out)
-    mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size], True = attend
+    mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size], additive: 0 attend, -inf not
     query_slots: torch.Tensor | None  # [T] row of each new token in the padded [B * max_query_len]; None = one per sequence
     max_query_len: int
 

@@ -28,6 +28,10 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Per-layer views with one row per token slot, [num_blocks * block_size, heads, head_dim].
+        self._slot_keys = [layer.view(-1, num_kv_heads, head_dim) for layer in self.keys]
+        self._slot_values = [layer.view(-1, num_kv_heads, head_dim) for layer in self.values]
 
     @property
     def num_blocks(self) -> int:
@@ -35,18 +39,25 @@ class KVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, num_kv_heads, head_dim]) at token slots `slot_mapping` ([T])."""
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        self.keys[layer].view(flat).index_copy_(0, slot_mapping, k)
-        self.values[layer].view(flat).index_copy_(0, slot_mapping, v)
+        self._slot_keys[layer].index_copy_(0, slot_mapping, k)
+        self._slot_values[layer].index_copy_(0, slot_mapping, v)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of each sequence's blocks, [B, num_kv_heads, blocks * block_size, head_dim]."""
+        """Keys and values of each sequence's blocks, [B, num_kv_heads, blocks * block_size, head_dim].
+
+        The result lives in a workspace reused by every layer and step (valid until the next gather):
+        a fresh multi-megabyte tensor per layer costs as much in page faults as the copy itself.
+        """
         batch, width = block_tables.shape
-        shape = (batch, width * self.block_size, self.num_kv_heads, self.head_dim)
         ids = block_tables.reshape(-1)
-        k = self.keys[layer].index_select(0, ids).view(shape).transpose(1, 2)
-        v = self.values[layer].index_select(0, ids).view(shape).transpose(1, 2)
-        return k, v
+        if self._workspace is None or self._workspace[0].shape[0] < ids.numel():
+            shape = (ids.numel(), *self.keys.shape[2:])
+            self._workspace = (self.keys.new_empty(shape), self.values.new_empty(shape))
+        k_out, v_out = (buf[: ids.numel()] for buf in self._workspace)
+        torch.index_select(self.keys[layer], 0, ids, out=k_out)
+        torch.index_select(self.values[layer], 0, ids, out=v_out)
+        shape = (batch, width * self.block_size, self.num_kv_heads, self.head_dim)
+        return k_out.view(shape).transpose(1, 2), v_out.view(shape).transpose(1, 2)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer."""

@@ -3,13 +3,18 @@
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rollout.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as transformers' Qwen2/Llama do."""
+    """Root-mean-square norm computed in float32, as transformers' Qwen2/Llama do.
+
+    float32 inputs take torch's fused rms_norm (one op, same result); other dtypes follow
+    transformers step by step (normalise in float32, round, then scale), so bf16 matches it too.
+    """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -17,6 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -44,25 +51,28 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with cos/sin tables precomputed for every position (rotate-half convention)."""
+    """RoPE with cos/sin tables precomputed for every position (transformers' rotate-half convention).
+
+    rotate_half(x) * sin == roll(x, half) * signed_sin with signed_sin = [-sin, sin] over the two
+    halves: one roll instead of two slices, a negation and a cat, with bit-identical results.
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inverse_frequencies(config)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
+        sign = torch.cat((-torch.ones_like(freqs[0]), torch.ones_like(freqs[0])))
         self.register_buffer("cos", angles.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", angles.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("signed_sin", (angles.sin() * sign).to(dtype=dtype, device=device), persistent=False)
+        self.half = config.head_dim // 2
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of `positions` ([T]), shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x ([T, heads, head_dim]) by the tables of its positions."""
+        return x * cos + x.roll(self.half, dims=-1) * signed_sin
 
 
 class ProjectionView(nn.Module):

@@ -31,7 +31,6 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         add_merged_projections(self, "qkv", config.hidden_size, parts, config.attention_bias, dtype, device)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False, dtype=dtype, device=device)
@@ -42,17 +41,19 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, cache: KVCache, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding, cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split_sizes, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
+        v = qkv[:, heads + kv_heads :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, self.layer, cache, meta, self.scale))
+            q = rotary.apply(self.q_norm(qkv[:, :heads]), *rope)
+            k = rotary.apply(self.k_norm(qkv[:, heads : heads + kv_heads]), *rope)
+        else:  # q and k rotate together: one rotation for both
+            qk = rotary.apply(qkv[:, : heads + kv_heads], *rope)
+            q, k = qk[:, :heads], qk[:, heads:]
+        return F.linear(paged_attention(q, k, v, self.layer, cache, meta, self.scale), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -64,7 +65,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -76,9 +77,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, cache: KVCache, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding, cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, rotary, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,8 +109,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens, after the final norm; writes their KV."""
         x = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb
+        rope = rotary.tables(positions)
         for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary_emb, cache, meta)
+            x = layer(x, rope, rotary, cache, meta)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Runs one scheduled batch: builds the index tensors, runs the model over the paged cache, samples."""
 
+import itertools
+
 import torch
 
 from rollout.attention import AttentionMetadata
 from rollout.config import EngineConfig
 from rollout.kv_cache import KVCache
 from rollout.model import CausalLM
-from rollout.sampler import Sampler, SamplingTensors, as_int64
+from rollout.sampler import Sampler, SamplingTensors, row_key
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
 
@@ -54,39 +56,42 @@ class ModelRunner:
         self, seqs: list[Sequence], is_prefill: bool
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat new tokens of the batch, their positions, attention metadata, and each seq's last row."""
-        block_size, device = self.block_size, self.device
-        query_lens = [len(seq) - seq.num_cached_tokens for seq in seqs]
-        max_query_len = max(query_lens)
+        block_size = self.block_size
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = torch.tensor(
-            [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs], dtype=torch.int64
-        )
+        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
         if is_prefill:
-            input_ids = [t for seq in seqs for t in seq.token_ids[seq.num_cached_tokens :]]
-            positions = torch.cat([torch.arange(seq.num_cached_tokens, len(seq)) for seq in seqs])
-            seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(query_lens))
-            starts = torch.tensor([seq.num_cached_tokens for seq in seqs])
-            query_slots = seq_of_token * max_query_len + positions - starts[seq_of_token]
-            query_positions = starts.unsqueeze(1) + torch.arange(max_query_len).unsqueeze(0)
-            last_rows = torch.tensor(query_lens).cumsum(0).sub(1).tolist()
+            starts = [seq.num_cached_tokens for seq in seqs]
+            query_lens = [len(seq) - start for seq, start in zip(seqs, starts)]
+            max_query_len = max(query_lens)
+            input_ids = [t for seq, start in zip(seqs, starts) for t in seq.token_ids[start:]]
+            positions = [p for seq, start in zip(seqs, starts) for p in range(start, len(seq))]
+            query_slots = [i * max_query_len + j for i, n in enumerate(query_lens) for j in range(n)]
+            query_positions = [[start + j for j in range(max_query_len)] for start in starts]
+            owners = [seq for seq, n in zip(seqs, query_lens) for _ in range(n)]
+            last_rows = list(itertools.accumulate(query_lens, initial=-1))[1:]
         else:
+            max_query_len = 1
             input_ids = [seq.token_ids[-1] for seq in seqs]
-            positions = torch.tensor([len(seq) - 1 for seq in seqs])
-            seq_of_token = torch.arange(len(seqs))
+            positions = [len(seq) - 1 for seq in seqs]
             query_slots = None
-            query_positions = positions.unsqueeze(1)
+            query_positions = [[p] for p in positions]
+            owners = seqs
             last_rows = list(range(len(seqs)))
-        slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        key_positions = torch.arange(max_blocks * block_size)
-        mask = (key_positions.view(1, 1, -1) <= query_positions.unsqueeze(2)).unsqueeze(1)
+        slot_mapping = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(owners, positions)]
+        key_positions = torch.arange(max_blocks * block_size, device=self.device)
+        visible = key_positions <= torch.tensor(query_positions, device=self.device).unsqueeze(-1)
+        mask = torch.zeros(visible.shape, dtype=self.cache.keys.dtype, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables.to(device),
-            mask=mask.to(device),
-            query_slots=None if query_slots is None else query_slots.to(device),
+            slot_mapping=self._tensor(slot_mapping),
+            block_tables=self._tensor(block_tables),
+            mask=mask.masked_fill_(~visible, float("-inf")).unsqueeze(1),
+            query_slots=None if query_slots is None else self._tensor(query_slots),
             max_query_len=max_query_len,
         )
-        return torch.tensor(input_ids, device=device), positions.to(device), meta, last_rows
+        return self._tensor(input_ids), self._tensor(positions), meta, last_rows
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         device = self.device
@@ -97,9 +102,7 @@ class ModelRunner:
             temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
             top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            seeds=torch.tensor([as_int64(seq.seed) for seq in seqs], dtype=torch.int64, device=device),
-            indices=torch.tensor([seq.index for seq in seqs], dtype=torch.int64, device=device),
-            positions=torch.tensor([len(seq) for seq in seqs], dtype=torch.int64, device=device),
+            row_keys=self._tensor([row_key(seq.seed, seq.index, len(seq)) for seq in seqs]),
             any_sampled=any(t > 0 for t in temperatures),
             any_filtered=any(t > 0 and (p < 1 or k < self.vocab_size) for t, p, k in zip(temperatures, top_ps, top_ks)),
         )

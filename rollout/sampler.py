@@ -2,7 +2,7 @@
 
 Sampling is Gumbel-max over the processed logits: token = argmax(logits / T (top-k/top-p
 masked) + Gumbel noise). The noise comes from a counter-based hash of (seed, completion index,
-position, token id), so one batched op serves every request, each with its own seed, and a
+position, token id) (splitmix64), so one batched op serves every request, each with its own seed, and a
 completion is reproducible whatever it was batched with and even after preemption.
 
 Logprobs (`logprobs_mode`):
@@ -22,11 +22,22 @@ def as_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-_GOLDEN = as_int64(0x9E3779B97F4A7C15)  # splitmix64 increment and finaliser constants
-_MIX1 = as_int64(0xBF58476D1CE4E5B9)
-_MIX2 = as_int64(0x94D049BB133111EB)
-_INDEX_SALT = as_int64(0x632BE59BD9B4E019)
-_POSITION_SALT = as_int64(0x8CB92BA72F3D8DD7)
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment and finaliser constants
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def splitmix64(value: int) -> int:
+    """The splitmix64 finaliser on a Python int (the per-row half of the hash, computed host-side)."""
+    value = (value ^ (value >> 30)) * _MIX1 & _MASK64
+    value = (value ^ (value >> 27)) * _MIX2 & _MASK64
+    return value ^ (value >> 31)
+
+
+def row_key(seed: int, index: int, position: int) -> int:
+    """The noise key of one sampled token: completion `index` of a request seeded `seed`, at `position`."""
+    return as_int64(splitmix64((splitmix64((splitmix64(seed) + index) & _MASK64) + position) & _MASK64))
 
 
 @dataclass
@@ -36,9 +47,7 @@ class SamplingTensors:
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     top_ps: torch.Tensor  # [B] float32
     top_ks: torch.Tensor  # [B] int64, vocab size when unrestricted
-    seeds: torch.Tensor  # [B] int64 (uint64 bit pattern)
-    indices: torch.Tensor  # [B] int64 completion index
-    positions: torch.Tensor  # [B] int64 position of the token being sampled
+    row_keys: torch.Tensor  # [B] int64, row_key(seed, completion index, position)
     any_sampled: bool  # some row has temperature > 0
     any_filtered: bool  # some sampled row uses top-k or top-p
 
@@ -48,6 +57,16 @@ class Sampler:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
+        self._token_offsets: torch.Tensor | None = None  # token id * golden ratio, per vocabulary
+
+    def _gumbel(self, row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Gumbel(0, 1) noise [B, V], a pure function of (row key, token id)."""
+        if self._token_offsets is None or self._token_offsets.shape[1] != vocab:
+            ids = torch.arange(vocab, dtype=torch.int64, device=row_keys.device)
+            self._token_offsets = (ids * as_int64(_GOLDEN)).unsqueeze(0)
+        bits = _splitmix64(row_keys.unsqueeze(1) + self._token_offsets)
+        uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)  # in (0, 1)
+        return uniform.log_().neg_().log_().neg_().float()
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] -> (token ids [B] int64, logprobs [B] float32)."""
@@ -59,7 +78,7 @@ class Sampler:
             processed = logits / torch.where(sampled, params.temperatures, 1.0).unsqueeze(1)
             if params.any_filtered:
                 processed = _top_k_top_p(processed, params.top_ks, params.top_ps)
-            noise = _gumbel(params.seeds, params.indices, params.positions, logits.shape[1], logits.device)
+            noise = self._gumbel(params.row_keys, logits.shape[1])
             tokens = torch.where(sampled, (processed + noise).argmax(dim=-1), tokens)
         if self.logprobs_mode == "raw" or processed is None:
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -81,18 +100,10 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tenso
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _gumbel(seeds: torch.Tensor, indices: torch.Tensor, positions: torch.Tensor, vocab: int, device) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V], a pure function of (seed, index, position, token id)."""
-    token_ids = torch.arange(vocab, device=device, dtype=torch.int64).unsqueeze(0)
-    row = seeds * _GOLDEN + indices * _INDEX_SALT + positions * _POSITION_SALT
-    bits = _splitmix64(_splitmix64(row).unsqueeze(1) + token_ids * _GOLDEN)
-    uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)  # in (0, 1)
-    return (-torch.log(-torch.log(uniform))).float()
-
-
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors; masks turn the arithmetic shifts into logical ones."""
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _MIX1
+    x = x * as_int64(_MIX1)
     x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _MIX2
+    x = x * as_int64(_MIX2)
     return x ^ ((x >> 31) & ((1 << 33) - 1))

@@ -190,7 +190,7 @@ async def serve(config: Config) -> None:
     FREE_BLOCKS.set_function(lambda: engine.stats["free_blocks"])
     WEIGHT_VERSION.set_function(lambda: engine.weight_version)
     servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer)
-    receiver = WeightReceiver(engine, layout=engine.parameter_layout())
+    receiver = WeightReceiver(engine)
 
     async def on_stop() -> None:
         engine.shutdown()

@@ -2,7 +2,7 @@
 
 import torch
 
-from rollout.sampler import Sampler, SamplingTensors, as_int64
+from rollout.sampler import Sampler, SamplingTensors, row_key
 
 
 def tensors(rows: int, temperature=1.0, top_p=1.0, top_k=0, vocab=8, seeds=None, positions=None) -> SamplingTensors:
@@ -11,9 +11,7 @@ def tensors(rows: int, temperature=1.0, top_p=1.0, top_k=0, vocab=8, seeds=None,
         temperatures=torch.full((rows,), temperature),
         top_ps=torch.full((rows,), top_p),
         top_ks=torch.full((rows,), top_k if top_k > 0 else vocab, dtype=torch.int64),
-        seeds=torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64),
-        indices=torch.zeros(rows, dtype=torch.int64),
-        positions=torch.tensor(positions if positions is not None else [0] * rows, dtype=torch.int64),
+        row_keys=torch.tensor([row_key(s, 0, p) for s, p in zip(seeds, positions or [0] * rows)], dtype=torch.int64),
         any_sampled=temperature > 0,
         any_filtered=temperature > 0 and (top_p < 1 or 0 < top_k < vocab),
     )
