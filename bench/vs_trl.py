@@ -40,13 +40,16 @@ class Run:
     curve: list[dict]
     completions: int
     seconds: float
+    # From the start of the clock to the first generated completions (process start-up, model
+    # loads, first weight sync): what a longer budget amortises.
+    startup_s: float
 
     def time_to(self, accuracy: float) -> float | None:
         return next((p["elapsed_s"] for p in self.curve if p["accuracy"] >= accuracy), None)
 
-    def accuracy_at(self, elapsed: float) -> float:
-        """The latest evaluation at or before `elapsed`."""
-        return [p["accuracy"] for p in self.curve if p["elapsed_s"] <= elapsed + 1e-6][-1]
+    def accuracy_near(self, elapsed: float) -> float:
+        """The evaluation closest in time to `elapsed`."""
+        return min(self.curve, key=lambda p: abs(p["elapsed_s"] - elapsed))["accuracy"]
 
     @property
     def final_accuracy(self) -> float:
@@ -55,6 +58,10 @@ class Run:
     @property
     def completions_per_s(self) -> float:
         return self.completions / self.seconds
+
+    @property
+    def steady_completions_per_s(self) -> float:
+        return self.completions / max(self.seconds - self.startup_s, 1e-9)
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,11 +103,11 @@ def _subprocess(argv: list[str], log_path: Path, timeout_s: float, points: Path,
             if time.monotonic() > deadline:
                 proc.kill()
                 proc.wait(10)
-                raise TimeoutError(f"{argv[0]} ran past {timeout_s:.0f} s; see {log_path}")
+                raise TimeoutError(f"{' '.join(argv[:2])} ran past {timeout_s:.0f} s; see {log_path}")
             time.sleep(1.0)
     if proc.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
-        raise RuntimeError(f"{argv[0]} exited with code {proc.returncode}; last lines of {log_path}:\n{tail}")
+        raise RuntimeError(f"{' '.join(argv[:2])} exited with code {proc.returncode}; last lines of {log_path}:\n{tail}")
 
 
 def _read_points(path: Path) -> list[dict]:
@@ -113,14 +120,14 @@ def _read_points(path: Path) -> list[dict]:
 def run_trl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
     out = workdir / "trl.json"
     _subprocess(
-        [str(BENCH / "_trl_run.py"), "--model", str(start), "--out", str(out), "--budget-s", str(args.budget_s),
+        ["-m", "_vs_trl.trl_side", "--model", str(start), "--out", str(out), "--budget-s", str(args.budget_s),
          "--eval-every-s", str(args.eval_every_s), "--seed", str(args.seed), "--lr", str(args.lr),
          "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.trl_threads),
          "--num-eval", str(args.num_eval), "--split-seed", str(args.seed)],
         workdir / "trl.log", timeout_s=args.budget_s + 300, points=out.with_suffix(".points.jsonl"), label="TRL",
     )
     result = json.loads(out.read_text())
-    return Run(result["system"], result["curve"], result["completions"], result["train_s"])
+    return Run(result["system"], result["curve"], result["completions"], result["train_s"], result["first_step_s"])
 
 
 def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
@@ -138,13 +145,20 @@ def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
         "rl.groups_per_batch": 8,
         "rl.temperature": 1.0,
     }
-    argv = [str(BENCH / "_relayrl_run.py"), "--out", str(out)]
+    argv = ["-m", "_vs_trl.relayrl_side", "--out", str(out)]
     for key, value in overrides.items():
         argv += ["--set", f"{key}={value}"]
     _subprocess(argv, workdir / "relayrl.log", timeout_s=args.budget_s + 300,
                 points=workdir / "relayrl" / "metrics.jsonl", label="relayrl")
     result = json.loads(out.read_text())
-    return Run(result["system"], result["curve"], result["completions"], result["rl_seconds"])
+    return Run(result["system"], result["curve"], result["completions"], result["rl_seconds"],
+               _relayrl_startup_s(Path(result["run_dir"])))
+
+
+def _relayrl_startup_s(run_dir: Path) -> float:
+    """Clock start (the trainer's config is written just before) to the driver's first generation."""
+    first = _read_points(run_dir / "driver_stats.jsonl")[0]
+    return first["time"] - first["elapsed_s"] - (run_dir / "trainer.yaml").stat().st_mtime
 
 
 def _seconds(value: float | None) -> str:
@@ -159,8 +173,9 @@ def print_report(runs: list[Run], args: argparse.Namespace, start_accuracy: floa
     print("time".rjust(8) + "".join(n.rjust(width) for n in names))
     step = max(args.eval_every_s, args.budget_s / 10)
     marks = [round(i * step) for i in range(int(args.budget_s // step) + 1)]
-    for mark in marks:
-        print(f"{mark:>6} s" + "".join(f"{run.accuracy_at(mark):.3f}".rjust(width) for run in runs))
+    for mark in marks[:-1]:
+        print(f"{mark:>6} s" + "".join(f"{run.accuracy_near(mark):.3f}".rjust(width) for run in runs))
+    print("   end  " + "".join(f"{run.final_accuracy:.3f}".rjust(width) for run in runs))
 
     print()
     rows = [("time to 0.8", lambda r: _seconds(r.time_to(0.8))),
@@ -169,7 +184,9 @@ def print_report(runs: list[Run], args: argparse.Namespace, start_accuracy: floa
             ("best accuracy", lambda r: f"{max(p['accuracy'] for p in r.curve):.3f}"),
             ("completions", lambda r: str(r.completions)),
             ("training seconds", lambda r: f"{r.seconds:.0f}"),
-            ("completions/s", lambda r: f"{r.completions_per_s:.1f}")]
+            ("completions/s", lambda r: f"{r.completions_per_s:.1f}"),
+            ("start-up s", lambda r: f"{r.startup_s:.1f}"),
+            ("after start-up/s", lambda r: f"{r.steady_completions_per_s:.1f}")]
     print("".ljust(18) + "".join(n.rjust(width) for n in names))
     for label, cell in rows:
         print(label.ljust(18) + "".join(cell(run).rjust(width) for run in runs))
@@ -217,9 +234,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(BENCH))
-    from _arith import TaskSpec
-    from _warmstart import WarmStartSpec, build_start_checkpoint
+    from _vs_trl.arith import TaskSpec
+    from _vs_trl.warmstart import WarmStartSpec, build_start_checkpoint
 
     began = time.monotonic()
     task = TaskSpec(num_eval=args.num_eval, split_seed=args.seed)

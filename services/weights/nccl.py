@@ -1,4 +1,9 @@
-"""Weight transfer over NCCL (CUDA tensors) through torch.distributed's ProcessGroupNCCL."""
+"""Weight transfer over NCCL (CUDA tensors) through torch.distributed's ProcessGroupNCCL.
+
+Each member must own a different GPU (NCCL refuses two ranks on one device) and call
+`torch.cuda.set_device` before joining. Written against the same interface as gloo.py; it has not run
+yet on this project's machines (no GPU), so treat it as untested.
+"""
 
 import datetime
 import time

@@ -2,7 +2,7 @@
 
 Run as its own process (its threads and memory stay out of the relayrl run):
 
-    python bench/_trl_run.py --model SFT_FOLDER --out curve.json --budget-s 600 --seed 0
+    PYTHONPATH=bench python -m _vs_trl.trl_side --model SFT_FOLDER --out curve.json --budget-s 600
 
 Held-out greedy accuracy is measured on a wall-clock schedule by a TrainerCallback between
 optimizer steps; each point is also appended to OUT's `.points.jsonl` as it is measured. The
@@ -62,7 +62,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from _arith import TaskSpec, completion_text, greedy_accuracy, is_correct
+    from _vs_trl.arith import TaskSpec, completion_text, greedy_accuracy, is_correct
 
     train, held_out = TaskSpec(spec.digits, "+", spec.num_eval, spec.split_seed).split()
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
@@ -88,6 +88,7 @@ def main() -> None:
             self.started = 0.0
             self.next_eval = 0.0
             self.reward_mean: float | None = None
+            self.first_step_s: float | None = None
 
         def clock(self) -> float:
             return time.monotonic() - self.started
@@ -111,11 +112,15 @@ def main() -> None:
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.started = time.monotonic()
             self.evaluate(model, 0)
+            # The start point is measured before the clock runs, as on the relayrl side.
+            self.started, self.eval_s = time.monotonic(), 0.0
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.reward_mean = logs.get("reward", self.reward_mean)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
+            if self.first_step_s is None:
+                self.first_step_s = self.clock()
             if self.clock() >= spec.budget_s:
                 self.evaluate(model, state.global_step)
                 control.should_training_stop = True
@@ -167,6 +172,7 @@ def main() -> None:
         "completions": clock.curve[-1]["completions"],
         "train_s": train_s,
         "eval_s": round(clock.eval_s, 2),
+        "first_step_s": round(clock.first_step_s, 2),
         "loss_type": config.loss_type,
         "scale_rewards": config.scale_rewards,
         "beta": config.beta,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _arith import TaskSpec, greedy_accuracy, prompt_ids
+from _vs_trl.arith import TaskSpec, greedy_accuracy, prompt_ids
 from deploy.tasks import Task
 from protos.sample import Sample
 from rollout.tiny import char_tokenizer, write_tiny_model

@@ -2,7 +2,7 @@
 
 Run as its own process, like the TRL half:
 
-    python bench/_relayrl_run.py --out summary.json --set start_checkpoint=DIR --set rl.time_budget_s=600 ...
+    PYTHONPATH=bench python -m _vs_trl.relayrl_side --out summary.json --set start_checkpoint=DIR ...
 
 `--set` takes the quickstart's own config fields (deploy/quickstart.py, QuickstartConfig) on top of
 the shipped deploy/quickstart.yaml. The quickstart's clock starts when the trainer and driver
