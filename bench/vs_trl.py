@@ -11,6 +11,12 @@ starts when `trainer.train()` begins and pauses training while it evaluates; rel
 its trainer and driver processes are launched (their imports and model loads count against it)
 and its evaluations run through the rollout service while training continues.
 
+Choices made for the baseline: TRL keeps its defaults (DAPO token-level loss, group-std reward
+scaling, no KL) except bf16=False, gradient_checkpointing=False, a constant learning rate and the
+batch above. Both sides run at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out
+accuracy in both systems (TRL 0.34 -> 0.03 within 45 s), 3e-5 learned more slowly. TRL gets one
+torch thread: with two, on this shared 2-core machine, it made 6-7 steps in 30 s against 41-115.
+
     python bench/vs_trl.py            # 600 s each (about 25 minutes in all)
     python bench/vs_trl.py --quick    # 60 s each: a smoke test
 
@@ -18,6 +24,7 @@ Needs the `bench` extra (pip install -e '.[bench]').
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -52,6 +59,10 @@ class Run:
         return min(self.curve, key=lambda p: abs(p["elapsed_s"] - elapsed))["accuracy"]
 
     @property
+    def steps(self) -> int:
+        return self.curve[-1]["step"]
+
+    @property
     def final_accuracy(self) -> float:
         return self.curve[-1]["accuracy"]
 
@@ -71,6 +82,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every-s", type=float, default=30.0, help="held-out evaluation interval")
     parser.add_argument("--seed", type=int, default=0, help="model init, task split, sampling and training")
     parser.add_argument("--lr", type=float, default=1e-4, help="RL learning rate of both systems")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up of both systems")
     parser.add_argument("--num-eval", type=int, default=200, help="held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=4, help="longest completion (3 digits + eos)")
     parser.add_argument("--sft-target", type=float, default=0.3, help="held-out accuracy the SFT warm-up stops at")
@@ -122,8 +134,8 @@ def run_trl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
     _subprocess(
         ["-m", "_vs_trl.trl_side", "--model", str(start), "--out", str(out), "--budget-s", str(args.budget_s),
          "--eval-every-s", str(args.eval_every_s), "--seed", str(args.seed), "--lr", str(args.lr),
-         "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.trl_threads),
-         "--num-eval", str(args.num_eval), "--split-seed", str(args.seed)],
+         "--warmup-steps", str(args.warmup_steps), "--max-new-tokens", str(args.max_new_tokens),
+         "--threads", str(args.trl_threads), "--num-eval", str(args.num_eval), "--split-seed", str(args.seed)],
         workdir / "trl.log", timeout_s=args.budget_s + 300, points=out.with_suffix(".points.jsonl"), label="TRL",
     )
     result = json.loads(out.read_text())
@@ -140,6 +152,7 @@ def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
         "rl.time_budget_s": args.budget_s,
         "rl.eval_interval_s": args.eval_every_s,
         "rl.lr": args.lr,
+        "rl.warmup_steps": args.warmup_steps,
         "rl.max_tokens": args.max_new_tokens,
         "rl.group_size": 8,
         "rl.groups_per_batch": 8,
@@ -182,6 +195,7 @@ def print_report(runs: list[Run], args: argparse.Namespace, start_accuracy: floa
             ("time to 0.9", lambda r: _seconds(r.time_to(0.9))),
             ("final accuracy", lambda r: f"{r.final_accuracy:.3f}"),
             ("best accuracy", lambda r: f"{max(p['accuracy'] for p in r.curve):.3f}"),
+            ("optimizer steps", lambda r: str(r.steps)),
             ("completions", lambda r: str(r.completions)),
             ("training seconds", lambda r: f"{r.seconds:.0f}"),
             ("completions/s", lambda r: f"{r.completions_per_s:.1f}"),
@@ -228,6 +242,8 @@ def plot(runs: list[Run], path: Path) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.only != "relayrl" and importlib.util.find_spec("trl") is None:
+        sys.exit("bench/vs_trl.py: TRL is not installed; pip install -e '.[bench]'")
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -64,6 +64,7 @@ class RLConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     max_tokens: int = Field(4, gt=0, description="Longest answer generated.")
     lr: float = Field(3e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up (a fresh Adam's first steps are large).")
     eval_interval_s: float = Field(15.0, gt=0, description="Held-out greedy accuracy every this many seconds.")
     algorithm: dict = Field(default_factory=lambda: {"name": "grpo"},
                             description="trainer.config.AlgorithmConfig fields (variants: Dr. GRPO, DAPO, ...).")
@@ -257,7 +258,7 @@ def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
         trainer_cfg = _write_yaml(run_dir / "trainer.yaml", {
             "model_path": str(policy_dir),
             "algorithm": rl.algorithm,
-            "optim": {"lr": rl.lr, "max_grad_norm": 1.0},
+            "optim": {"lr": rl.lr, "warmup_steps": rl.warmup_steps, "max_grad_norm": 1.0},
             "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
             "buffer": {"address": buffer.address},
             "max_steps": rl.max_steps,

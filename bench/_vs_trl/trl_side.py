@@ -32,6 +32,8 @@ class TRLRunSpec:
     prompts_per_step: int = 8
     completions_per_prompt: int = 8
     lr: float = 3e-4
+    # Linear warm-up from 0 to lr over this many steps, then constant (relayrl's schedule).
+    warmup_steps: int = 0
     max_new_tokens: int = 6
     temperature: float = 1.0
     # torch intra-op threads of this process.
@@ -134,8 +136,8 @@ def main() -> None:
         gradient_checkpointing=False,
         use_cpu=True,
         learning_rate=spec.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=spec.warmup_steps,
         # The per-device batch counts completions: 8 prompts x 8 completions = 64 per step.
         per_device_train_batch_size=spec.prompts_per_step * spec.completions_per_prompt,
         num_generations=spec.completions_per_prompt,
