@@ -32,7 +32,9 @@ test-fast: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
+# The benchmarks compare against peers (TRL for vs_trl.py): the `bench` extra installs them.
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	for b in bench/*.py; do $(BIN)/python $$b --quick || exit 1; done
 
 protos: $(STAMP)

@@ -11,10 +11,11 @@ from rich.table import Table
 
 
 class JsonlTail:
-    """The newest record of a JSONL file another process appends to (reads only what is new)."""
+    """The newest records of a JSONL file another process appends to (reads only what is new)."""
 
     def __init__(self, path: pathlib.Path):
         self.path, self.offset, self.last = path, 0, {}
+        self.since_drain: list[dict] = []
 
     def latest(self) -> dict:
         if self.path.exists():
@@ -23,10 +24,17 @@ class JsonlTail:
                 chunk = f.read()
             complete = chunk[: chunk.rfind("\n") + 1]
             self.offset += len(complete.encode())
-            lines = [line for line in complete.splitlines() if line.strip()]
-            if lines:
-                self.last = json.loads(lines[-1])
+            records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+            if records:
+                self.last = records[-1]
+                self.since_drain.extend(records)
         return self.last
+
+    def drain(self) -> list[dict]:
+        """Every record read since the last drain."""
+        self.latest()
+        records, self.since_drain = self.since_drain, []
+        return records
 
 
 class Progress:
@@ -80,10 +88,14 @@ class Progress:
     def point(self, elapsed: float, accuracy: float) -> dict:
         """Record one held-out evaluation with what the trainer and driver report at that moment."""
         self.accuracy = accuracy
+        steps = self.trainer.drain()
         t, d = self.trainer.latest(), self.driver.latest()
+        # Mean reward of every batch trained on since the previous point (one batch alone is noisy).
+        rewards = [s["reward_mean"] for s in steps if "reward_mean" in s]
         point = {
             "elapsed_s": round(elapsed, 2), "accuracy": accuracy, "step": t.get("step", 0),
-            "reward_mean": t.get("reward_mean", d.get("mean_reward")), "staleness_mean": t.get("staleness_mean"),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "staleness_mean": t.get("staleness_mean"),
             "completions": d.get("samples", 0), "tokens_per_s": d.get("tokens_per_s"),
             "completions_per_s": d.get("completions_per_s"), "publish_s": t.get("publish_s"),
         }
@@ -127,7 +139,7 @@ def plot(curve: list[dict], path: pathlib.Path) -> None:
     ax.plot(xs, [p["accuracy"] for p in curve], marker="o", label="held-out greedy accuracy")
     rewards = [(p["elapsed_s"], p["reward_mean"]) for p in curve if p.get("reward_mean") is not None]
     if rewards:
-        ax.plot(*zip(*rewards), marker=".", label="mean training reward")
+        ax.plot(*zip(*rewards), marker=".", label="mean training reward (batches since previous point)")
     ax.set_xlabel("RL wall-clock (s)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)

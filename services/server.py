@@ -1,5 +1,6 @@
 """create_server: a grpc.aio server with health, reflection, auth, metrics and message limits."""
 
+import contextlib
 import inspect
 import logging
 import pathlib
@@ -90,57 +91,45 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         return handler._replace(**replaced)
 
 
-def _wrap_unary(behavior, method: str, denied: Denied | None, request_streaming: bool):
+@contextlib.asynccontextmanager
+async def _observed(method: str, context: grpc.aio.ServicerContext, denied: Denied | None):
+    """Around every handler: refuse a denied call, map CodecError to INVALID_ARGUMENT, count and time it."""
     service, name = split_method(method)
+    RPC_STARTED.labels(service, name).inc()
+    start, failed = time.perf_counter(), False
+    try:
+        if denied is not None:
+            await context.abort(denied.code, str(denied))
+        yield
+    except CodecError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except grpc.aio.AbortError:
+        raise
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        RPC_LATENCY.labels(service, name).observe(time.perf_counter() - start)
+        RPC_HANDLED.labels(service, name, _status_name(context, failed)).inc()
 
+
+def _wrap_unary(behavior, method: str, denied: Denied | None, request_streaming: bool):
     async def wrapper(request, context):
-        RPC_STARTED.labels(service, name).inc()
-        start, failed = time.perf_counter(), False
-        try:
-            if denied is not None:
-                await context.abort(denied.code, str(denied))
-            try:
-                return await behavior(_check_request(request, request_streaming), context)
-            except CodecError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except grpc.aio.AbortError:
-            raise
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            RPC_LATENCY.labels(service, name).observe(time.perf_counter() - start)
-            RPC_HANDLED.labels(service, name, _status_name(context, failed)).inc()
+        async with _observed(method, context, denied):
+            return await behavior(_check_request(request, request_streaming), context)
 
     return wrapper
 
 
 def _wrap_stream(behavior, method: str, denied: Denied | None, request_streaming: bool):
-    service, name = split_method(method)
-
     async def wrapper(request, context):
-        RPC_STARTED.labels(service, name).inc()
-        start, failed = time.perf_counter(), False
-        try:
-            if denied is not None:
-                await context.abort(denied.code, str(denied))
-            try:
-                result = behavior(_check_request(request, request_streaming), context)
-                if inspect.isasyncgen(result):
-                    async for item in result:
-                        yield item
-                else:
-                    await result
-            except CodecError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except grpc.aio.AbortError:
-            raise
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            RPC_LATENCY.labels(service, name).observe(time.perf_counter() - start)
-            RPC_HANDLED.labels(service, name, _status_name(context, failed)).inc()
+        async with _observed(method, context, denied):
+            result = behavior(_check_request(request, request_streaming), context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    yield item
+            else:
+                await result
 
     return wrapper
 
