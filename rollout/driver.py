@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from protos.codec import decode_array, encode_array, pack_metadata
+from protos.codec import decode_array, encode_array
 from protos.sample import Sample, SampleStatus
 from services.client import connect
 from services.config import Strict, load_config

@@ -25,7 +25,7 @@ def _is_loopback(address: str) -> bool:
 def _credentials(address: str, config: ClientConfig) -> grpc.ChannelCredentials | None:
     channel_creds = None
     if config.ca_cert:
-        read = lambda p: pathlib.Path(p).read_bytes() if p else None  # noqa: E731
+        read = lambda p: pathlib.Path(p).read_bytes() if p else None
         channel_creds = grpc.ssl_channel_credentials(read(config.ca_cert), read(config.key), read(config.cert))
     if config.token:
         call_creds = grpc.access_token_call_credentials(config.token)

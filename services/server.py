@@ -42,7 +42,7 @@ def _lenient(deserializer):
     def decode(data: bytes):
         try:
             return deserializer(data)
-        except Exception as exc:  # protobuf raises DecodeError, custom decoders may raise others
+        except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError, custom decoders others
             return _Undecodable(f"request does not parse: {exc}")
 
     return decode

@@ -1,6 +1,7 @@
 """Typed configs: YAML, --set overrides, and errors that name the field."""
 
 import pytest
+
 from services.config import ConfigError, ServerConfig, Strict, load_config
 
 

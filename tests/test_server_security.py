@@ -75,7 +75,7 @@ def _key():
 
 
 def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))

@@ -6,6 +6,7 @@ import sys
 import time
 
 import grpc
+import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -13,8 +14,6 @@ from protos import reward_pb2, reward_pb2_grpc
 from protos.codec import encode_array
 from protos.sample import Sample
 from services.client import connect
-
-import numpy as np
 
 
 @pytest.fixture
@@ -35,7 +34,7 @@ def _sample(i: int = 0) -> Sample:
 
 def test_health_cli_reflection_and_metrics(reward_service):
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "health", reward_service.address],
-                         capture_output=True, text=True, timeout=60)
+                         check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "SERVING", out.stderr
 
     with grpc.insecure_channel(reward_service.address) as channel:
@@ -53,7 +52,7 @@ def test_health_cli_reflection_and_metrics(reward_service):
 
 def test_health_cli_reports_an_unreachable_address(free_port):
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "health", f"127.0.0.1:{free_port}", "--timeout", "1"],
-                         capture_output=True, text=True, timeout=60)
+                         check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
 
 
