@@ -111,8 +111,9 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 5)
     torch.set_num_threads(1)
 
-    from deploy.launcher import start_service
     from transformers import AutoModelForCausalLM
+
+    from deploy.launcher import start_service
 
     workdir = tempfile.mkdtemp(prefix="bench-rollout-small-")
     folder = write_tiny_model(f"{workdir}/model", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -25,6 +25,7 @@ class CodecError(ValueError):
     """A payload on the wire is malformed (wrong length, unknown dtype, bad msgpack)."""
 
 
+@functools.lru_cache(maxsize=64)  # numpy's dtype name handling costs more than encoding a short array
 def dtype_code(dtype: np.dtype | str) -> int:
     """The wire DType for a numpy dtype (or its name, e.g. 'float32', 'bfloat16')."""
     if str(dtype) == "bfloat16":
@@ -46,7 +47,7 @@ def itemsize(code: int) -> int:
 
 def encode_array(values: Any, dtype: np.dtype | str) -> common_pb2.Array:
     """Encode a 1-D sequence or array as a wire Array of `dtype`."""
-    arr = np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
+    arr = np.ascontiguousarray(values, dtype=_little_endian(dtype))
     if arr.ndim != 1:
         raise CodecError(f"arrays on the wire are 1-D, got shape {arr.shape}")
     return common_pb2.Array(dtype=dtype_code(arr.dtype), length=arr.size, data=arr.tobytes())

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from rollout.engine import LLMEngine
-from rollout.outputs import TokenOutput
+from rollout.outputs import Completion, TokenOutput
 from rollout.sampling_params import SamplingParams
 from rollout.sequence import FinishReason
+from rollout.sequence import Sequence as EngineSequence
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ class CompletionDelta:
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # items: list[TokenOutput] or an exception that ended the engine
+    queue: asyncio.Queue  # items: list[TokenOutput] (list[Completion] when whole) or an exception that ended the engine
+    whole: bool = False  # deliver nothing until every completion has finished, then all of them at once
+    seqs: list[EngineSequence] = field(default_factory=list)  # the request's sequences, kept for a whole delivery
 
 
 class EngineDead(RuntimeError):
@@ -96,6 +99,25 @@ class AsyncEngine:
             if unfinished:  # commands run in order, so this lands after the add, whatever became of it
                 self._submit(lambda: self._abort_stream(request_id, stream))
 
+    async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+        """The request's n completions, in index order, once all have finished (an abort keeps partial output).
+
+        One hand-over per request instead of one per step, for callers that want only the result.
+        Raises like generate(); cancelling the wait (a client gone) aborts the request.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), whole=True)
+        finished = False
+        try:
+            await self._call(lambda: self._add(request_id, list(prompt_ids), params, stream))
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = True
+            return item
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort_stream(request_id, stream))
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its completions end with reason abort. Returns whether it was running."""
         return await self._call(lambda: self._abort(request_id))
@@ -142,6 +164,8 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream) -> None:
         self.engine.add_request(request_id, prompt_ids, params)
         self._streams[request_id] = stream
+        if stream.whole:
+            stream.seqs = self.engine.requests[request_id]
 
     def _abort(self, request_id: str) -> bool:
         outputs = self.engine.abort(request_id)
@@ -159,16 +183,25 @@ class AsyncEngine:
         return time.perf_counter() - start
 
     def _deliver(self, outputs: list[TokenOutput]) -> None:
+        """Hand each request's outputs to its queue, waking each event loop once per step, not once per request."""
         by_request: dict[str, list[TokenOutput]] = {}
         for output in outputs:
             by_request.setdefault(output.request_id, []).append(output)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[TokenOutput]]]] = {}
         for request_id, items in by_request.items():
             stream = self._streams.get(request_id)
             if stream is None:
                 continue
-            if request_id not in self.engine.requests:
+            done = request_id not in self.engine.requests
+            if done:
                 del self._streams[request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, items)
+            if stream.whole and done:
+                items = [_completion(seq) for seq in stream.seqs]
+            elif stream.whole:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream.queue, items))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _fail_everything(self, error: BaseException) -> None:
         for stream in self._streams.values():
@@ -194,6 +227,15 @@ class AsyncEngine:
 
     async def _call(self, command: Callable[[], Any]) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self._submit(command)), self.command_timeout_s)
+
+
+def _completion(seq: EngineSequence) -> Completion:
+    return Completion(seq.index, seq.output_ids, list(seq.logprobs), list(seq.weight_versions), seq.finish_reason)
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, list[TokenOutput]]]) -> None:
+    for stream_queue, items in deliveries:
+        stream_queue.put_nowait(items)
 
 
 def _merge(items: list[list[TokenOutput] | BaseException]) -> list[CompletionDelta]:

@@ -8,7 +8,7 @@ from rollout.attention import AttentionMetadata
 from rollout.config import EngineConfig
 from rollout.kv_cache import KVCache
 from rollout.model import CausalLM
-from rollout.sampler import Sampler, SamplingTensors, row_key
+from rollout.sampler import Sampler, SamplingTensors, completion_key, row_keys
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
 
@@ -32,6 +32,11 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler(config.logprobs_mode)
+        # Built once, read every step: key positions of the widest block table and the two mask values.
+        max_blocks = -(-config.max_model_len // config.block_size)
+        self._key_positions = torch.arange(max_blocks * config.block_size, device=self.device)
+        self._attend = torch.tensor(0.0, dtype=config.torch_dtype, device=self.device)
+        self._ignore = torch.tensor(float("-inf"), dtype=config.torch_dtype, device=self.device)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[list[int], list[float]]:
@@ -66,7 +71,6 @@ class ModelRunner:
             input_ids = [t for seq, start in zip(seqs, starts) for t in seq.token_ids[start:]]
             positions = [p for seq, start in zip(seqs, starts) for p in range(start, len(seq))]
             query_slots = [i * max_query_len + j for i, n in enumerate(query_lens) for j in range(n)]
-            query_positions = [[start + j for j in range(max_query_len)] for start in starts]
             owners = [seq for seq, n in zip(seqs, query_lens) for _ in range(n)]
             last_rows = list(itertools.accumulate(query_lens, initial=-1))[1:]
         else:
@@ -74,21 +78,25 @@ class ModelRunner:
             input_ids = [seq.token_ids[-1] for seq in seqs]
             positions = [len(seq) - 1 for seq in seqs]
             query_slots = None
-            query_positions = [[p] for p in positions]
             owners = seqs
             last_rows = list(range(len(seqs)))
         slot_mapping = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(owners, positions)]
-        key_positions = torch.arange(max_blocks * block_size, device=self.device)
-        visible = key_positions <= torch.tensor(query_positions, device=self.device).unsqueeze(-1)
-        mask = torch.zeros(visible.shape, dtype=self.cache.keys.dtype, device=self.device)
+        # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
+        input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
+        if is_prefill:
+            offsets = torch.arange(max_query_len, device=self.device)
+            query_positions = self._tensor([seq.num_cached_tokens for seq in seqs]).unsqueeze(1) + offsets
+        else:
+            query_positions = positions_t.unsqueeze(1)
+        visible = self._key_positions[: max_blocks * block_size] <= query_positions.unsqueeze(-1)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
+            slot_mapping=slot_mapping_t,
             block_tables=self._tensor(block_tables),
-            mask=mask.masked_fill_(~visible, float("-inf")).unsqueeze(1),
+            mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1),
             query_slots=None if query_slots is None else self._tensor(query_slots),
             max_query_len=max_query_len,
         )
-        return self._tensor(input_ids), self._tensor(positions), meta, last_rows
+        return input_ids_t, positions_t, meta, last_rows
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -102,7 +110,7 @@ class ModelRunner:
             temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
             top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            row_keys=self._tensor([row_key(seq.seed, seq.index, len(seq)) for seq in seqs]),
+            row_keys=row_keys([completion_key(seq.seed, seq.index) for seq in seqs], [len(seq) for seq in seqs], device),
             any_sampled=any(t > 0 for t in temperatures),
             any_filtered=any(t > 0 and (p < 1 or k < self.vocab_size) for t, p, k in zip(temperatures, top_ps, top_ks)),
         )

@@ -1,13 +1,17 @@
 """What the engine hands back: per-step token outputs and, for offline use, whole completions."""
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from rollout.sequence import FinishReason
 
 
-@dataclass(frozen=True)
-class TokenOutput:
-    """What one step produced for one completion: a new token, or only its end (abort)."""
+class TokenOutput(NamedTuple):
+    """What one step produced for one completion: a new token, or only its end (abort).
+
+    A NamedTuple rather than a frozen dataclass: the engine makes one per sequence per step, and a
+    frozen dataclass's __init__ costs about twice as much (~2.9 vs ~1.3 us measured here).
+    """
 
     request_id: str
     index: int  # completion index within the request

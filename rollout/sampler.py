@@ -12,6 +12,7 @@ Logprobs (`logprobs_mode`):
   top-k and top-p); 0.0 for greedy rows, whose distribution is a point mass.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,21 @@ def splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+@functools.lru_cache(maxsize=4096)
+def completion_key(seed: int, index: int) -> int:
+    """The per-completion half of row_key, the same at every position (cached: it is asked every step)."""
+    return splitmix64((splitmix64(seed) + index) & _MASK64)
+
+
 def row_key(seed: int, index: int, position: int) -> int:
     """The noise key of one sampled token: completion `index` of a request seeded `seed`, at `position`."""
-    return as_int64(splitmix64((splitmix64((splitmix64(seed) + index) & _MASK64) + position) & _MASK64))
+    return as_int64(splitmix64((completion_key(seed, index) + position) & _MASK64))
+
+
+def row_keys(completion_keys: list[int], positions: list[int], device: torch.device) -> torch.Tensor:
+    """row_key of each (completion_key(seed, index), position) pair as one int64 tensor, hashed in one batched op."""
+    keys = torch.tensor([as_int64(k) for k in completion_keys], dtype=torch.int64, device=device)
+    return _splitmix64(keys + torch.tensor(positions, dtype=torch.int64, device=device))  # int64 sums wrap like uint64
 
 
 @dataclass

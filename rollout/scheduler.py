@@ -1,9 +1,12 @@
 """Continuous batching: which sequences run in the next step.
 
-A step either prefills waiting sequences (all their uncached tokens) or decodes every running
-sequence by one token; prefill goes first so new requests join as soon as blocks allow. When a
-decode step cannot get a block, the most recently started sequence is preempted: its blocks are
-freed and it waits to be recomputed (prefilled again over prompt + output so far).
+A step prefills waiting sequences (all their uncached tokens), decodes every running sequence by
+one token, or both at once: when every waiting sequence that joins has at most `max_mixed_prefill_len`
+uncached tokens, the running sequences decode in the same forward pass (a decode is a prefill of one
+token), so requests that arrive one by one do not each cost a step of their own. Prefill goes first
+otherwise, so new requests join as soon as blocks allow. When a decode cannot get a block, the most
+recently started sequence is preempted: its blocks are freed and it waits to be recomputed
+(prefilled again over prompt + output so far).
 """
 
 from collections import deque
@@ -19,7 +22,7 @@ class Batch:
     """One step's work. In a prefill, sequences with `prefill_from` set sample from a sibling's logits."""
 
     seqs: list[Sequence]
-    is_prefill: bool
+    is_prefill: bool  # some sequence runs more than its last token (the runner's general path)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
 
 
@@ -27,6 +30,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_mixed_prefill_len = config.max_mixed_prefill_len
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -39,8 +43,22 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> Batch | None:
+        if self.running and self._can_mix():
+            decode = self._schedule_decode()
+            prefill = self._schedule_prefill()
+            if decode is None or prefill is None:
+                return decode or prefill
+            return Batch(decode.seqs + prefill.seqs, is_prefill=True, block_copies=decode.block_copies)
         batch = self._schedule_prefill()
         return batch if batch is not None else self._schedule_decode()
+
+    def _can_mix(self) -> bool:
+        """Whether the waiting sequences are short enough to prefill alongside a decode of the running ones.
+
+        Attention pads every sequence of a step to its longest query, so a long prompt would make each
+        decode row as costly as a prefill row; those get a step of their own.
+        """
+        return bool(self.waiting) and all(len(seq) <= self.max_mixed_prefill_len for seq in self.waiting)
 
     def _schedule_prefill(self) -> Batch | None:
         scheduled: list[Sequence] = []

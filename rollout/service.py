@@ -6,7 +6,7 @@ the engine) happen inside serve(), after the config has been parsed.
 """
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Literal
 
 import grpc
@@ -22,6 +22,7 @@ from services.config import ServerConfig, Strict
 
 if TYPE_CHECKING:
     from rollout.async_engine import AsyncEngine, CompletionDelta
+    from rollout.outputs import Completion
 
 SERVICE_NAME = "relayrl.rollout.v1.Rollout"
 
@@ -38,6 +39,12 @@ _FINISH_REASONS = {
     FinishReason.ABORT: rollout_pb2.FINISH_REASON_ABORT,
 }
 
+_REFUSAL_CODES = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
+)
+
 
 class EngineSettings(Strict):
     """Native engine settings (see rollout.config.EngineConfig for how they are used)."""
@@ -49,6 +56,9 @@ class EngineSettings(Strict):
     kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget when num_blocks is None.")
     max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Prompt tokens prefilled per step.")
+    max_mixed_prefill_len: int = Field(
+        64, ge=0, description="Waiting sequences up to this many tokens prefill in the same step as the running "
+        "decode (fewer steps when requests arrive one by one); 0: never.")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
     max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
@@ -77,6 +87,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.decode_text = _text_decoder(tokenizer)
         model_config = engine.engine.model_config
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
@@ -84,20 +95,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         request_id, prompt, params = self._parse(request)
-        completions = [rollout_pb2.Completion(index=i) for i in range(params.n)]
-        collected: list[tuple[list[int], list[float], list[int]]] = [([], [], []) for _ in range(params.n)]
-        async for delta in self._generate(request_id, prompt, params, context):
-            tokens, logprobs, versions = collected[delta.index]
-            tokens += delta.token_ids
-            logprobs += delta.logprobs
-            versions += delta.weight_versions
-            completions[delta.index].finish_reason = _FINISH_REASONS[delta.finish_reason]
-        for completion, (tokens, logprobs, versions) in zip(completions, collected):
-            completion.token_ids.CopyFrom(encode_array(tokens, "int32"))
-            if request.params.logprobs:
-                completion.logprobs.CopyFrom(encode_array(logprobs, "float32"))
-            completion.weight_versions.CopyFrom(encode_array(versions, "int64"))
-            completion.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        with_logprobs = request.params.logprobs
+        completions = []
+        for done in await self._generate_all(request_id, prompt, params, context):
+            TOKENS_GENERATED.inc(len(done.token_ids))
+            completions.append(rollout_pb2.Completion(
+                index=done.index,
+                token_ids=encode_array(done.token_ids, "int32"),
+                logprobs=encode_array(done.logprobs, "float32") if with_logprobs else None,
+                weight_versions=encode_array(done.weight_versions, "int64"),
+                finish_reason=_FINISH_REASONS[done.finish_reason],
+                text=self.decode_text(done.token_ids),
+            ))
         return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
 
     async def GenerateStream(self, request: rollout_pb2.GenerateRequest, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
@@ -110,7 +119,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 logprobs=encode_array(delta.logprobs if request.params.logprobs else [], "float32"),
                 weight_versions=encode_array(delta.weight_versions, "int64"),
                 finish_reason=_FINISH_REASONS[delta.finish_reason],
-                text=self.tokenizer.decode(delta.token_ids, skip_special_tokens=True),
+                text=self.decode_text(delta.token_ids),
             )
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:
@@ -140,14 +149,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             async for delta in self.engine.generate(request_id, prompt, params):
                 TOKENS_GENERATED.inc(len(delta.token_ids))
                 yield delta
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DuplicateRequest as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except EngineDead as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
+            await _abort_with_status(context, exc)
+
+    async def _generate_all(
+        self, request_id: str, prompt: list[int], params: SamplingParams, context
+    ) -> list["Completion"]:
+        """The finished completions, with refusals turned into status codes. Cancelling the call aborts the request."""
+        from rollout.async_engine import EngineDead
+
+        try:
+            return await self.engine.generate_all(request_id, prompt, params)
+        except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
+            await _abort_with_status(context, exc)
 
     def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         """Request -> (request id, prompt ids, params); raises CodecError (INVALID_ARGUMENT) naming the field."""
@@ -168,6 +182,28 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             ignore_eos=p.ignore_eos,
         )
         return request.request_id or uuid.uuid4().hex, prompt, params
+
+
+def _text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight to the Rust tokenizer when that is all it does.
+
+    transformers' decode first converts and checks its input in Python, which costs more than decoding
+    the few tokens of a completion.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
+async def _abort_with_status(context, exc: Exception) -> None:
+    """End the call with the status code of an engine refusal (EngineDead: UNAVAILABLE)."""
+    code = grpc.StatusCode.UNAVAILABLE
+    for kind, kind_code in _REFUSAL_CODES:
+        if isinstance(exc, kind):
+            code = kind_code
+            break
+    await context.abort(code, str(exc))
 
 
 async def serve(config: Config) -> None:

@@ -58,3 +58,12 @@ def test_processed_logprobs_use_the_sampled_distribution():
     torch.testing.assert_close(logprobs, processed[tokens])
     _, greedy_logprobs = Sampler("processed")(logits, tensors(2, temperature=0.0, vocab=4))
     assert greedy_logprobs.tolist() == [0.0, 0.0]
+
+
+def test_batched_row_keys_equal_row_key():
+    from rollout.sampler import completion_key, row_keys
+
+    seeds, indices, positions = [0, 1, 2**64 - 1, 12345], [0, 3, 15, 7], [0, 9, 4095, 2**40]
+    expected = [row_key(s, i, p) for s, i, p in zip(seeds, indices, positions)]
+    keys = row_keys([completion_key(s, i) for s, i in zip(seeds, indices)], positions, torch.device("cpu"))
+    assert keys.tolist() == expected
