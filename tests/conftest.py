@@ -21,6 +21,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread per test process, as in the product: CI has 2 cores and tests start
+    service processes beside the test process."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def free_port() -> int:
     """A TCP port free on loopback right now."""

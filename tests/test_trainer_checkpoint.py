@@ -16,14 +16,6 @@ from trainer.parallel import DistEnv
 ENV = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_samples(count=4):
     rng = np.random.default_rng(11)
     return [

@@ -14,14 +14,6 @@ from trainer.model import run_policy
 from trainer.parallel import DistEnv
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def local() -> DistEnv:
     return DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
 
