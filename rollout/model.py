@@ -171,5 +171,5 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     for file in files:
         with safe_open(folder / file, framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, handle.get_tensor(name)

@@ -15,9 +15,9 @@ from rollout.tiny import write_tiny_model
 torch.set_num_threads(1)
 
 ARCHS = {
-    "qwen2": dict(arch="qwen2"),
-    "qwen3-tied": dict(arch="qwen3", tie_word_embeddings=True),
-    "llama-hd64": dict(arch="llama", head_dim=64, rope_theta=500000.0),
+    "qwen2": {"arch": "qwen2"},
+    "qwen3-tied": {"arch": "qwen3", "tie_word_embeddings": True},
+    "llama-hd64": {"arch": "llama", "head_dim": 64, "rope_theta": 500000.0},
 }
 
 

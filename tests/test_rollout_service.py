@@ -82,16 +82,16 @@ def test_64_concurrent_streams_carry_logprobs_and_versions(rollout_process):
 
 
 @pytest.mark.parametrize("request_kwargs,field", [
-    (dict(prompt=[5, VOCAB]), "prompt_ids"),
-    (dict(prompt=[5, -1]), "prompt_ids"),
-    (dict(prompt=[]), "prompt_ids"),
-    (dict(prompt=[5], max_tokens=0), "params.max_tokens"),
-    (dict(prompt=[5, 6], max_tokens=255), "params.max_tokens"),
-    (dict(prompt=[5], n=17), "params.n"),
-    (dict(prompt=[5], temperature=-0.5), "params.temperature"),
-    (dict(prompt=[5], top_p=0.0), "params.top_p"),
-    (dict(prompt=[5], top_k=-2), "params.top_k"),
-    (dict(prompt=[5], stop_token_ids=[VOCAB + 3]), "params.stop_token_ids"),
+    ({"prompt": [5, VOCAB]}, "prompt_ids"),
+    ({"prompt": [5, -1]}, "prompt_ids"),
+    ({"prompt": []}, "prompt_ids"),
+    ({"prompt": [5], "max_tokens": 0}, "params.max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": 255}, "params.max_tokens"),
+    ({"prompt": [5], "n": 17}, "params.n"),
+    ({"prompt": [5], "temperature": -0.5}, "params.temperature"),
+    ({"prompt": [5], "top_p": 0.0}, "params.top_p"),
+    ({"prompt": [5], "top_k": -2}, "params.top_k"),
+    ({"prompt": [5], "stop_token_ids": [VOCAB + 3]}, "params.stop_token_ids"),
 ])
 def test_bad_requests_are_invalid_argument_naming_the_field(rollout_process, request_kwargs, field):
     async def main():
