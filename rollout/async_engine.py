@@ -20,21 +20,9 @@ import torch
 from rollout.engine import LLMEngine
 from rollout.outputs import Completion, TokenOutput
 from rollout.sampling_params import SamplingParams
-from rollout.sequence import FinishReason
 from rollout.sequence import Sequence as EngineSequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CompletionDelta:
-    """New tokens of one completion since the previous delta; finish_reason set on its last delta."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
 
 
 @dataclass
@@ -75,7 +63,7 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[CompletionDelta]:
+    ) -> AsyncIterator[Completion]:
         """Yield deltas of the request's n completions as the engine produces them.
 
         Raises InvalidRequest / QueueFull / DuplicateRequest on the first iteration when the engine
@@ -238,17 +226,13 @@ def _put_all(deliveries: list[tuple[asyncio.Queue, list[TokenOutput]]]) -> None:
         stream_queue.put_nowait(items)
 
 
-def _merge(items: list[list[TokenOutput] | BaseException]) -> list[CompletionDelta]:
-    """Fold queued step outputs into one delta per completion, in completion order."""
-    deltas: dict[int, CompletionDelta] = {}
+def _merge(items: list[list[TokenOutput] | BaseException]) -> list[Completion]:
+    """Fold queued step outputs into one delta per completion, in completion order: a delta is a
+    Completion holding only the tokens since the previous one."""
+    deltas: dict[int, Completion] = {}
     for item in items:
         if isinstance(item, BaseException):
             raise item
         for output in item:
-            delta = deltas.setdefault(output.index, CompletionDelta(output.index))
-            if output.token_id is not None:
-                delta.token_ids.append(output.token_id)
-                delta.logprobs.append(output.logprob)
-                delta.weight_versions.append(output.weight_version)
-            delta.finish_reason = output.finish_reason
+            deltas.setdefault(output.index, Completion(output.index)).add(output)
     return [deltas[index] for index in sorted(deltas)]

@@ -21,7 +21,7 @@ from rollout.sequence import FinishReason
 from services.config import ServerConfig, Strict
 
 if TYPE_CHECKING:
-    from rollout.async_engine import AsyncEngine, CompletionDelta
+    from rollout.async_engine import AsyncEngine
     from rollout.outputs import Completion
 
 SERVICE_NAME = "relayrl.rollout.v1.Rollout"
@@ -141,7 +141,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def _generate(
         self, request_id: str, prompt: list[int], params: SamplingParams, context
-    ) -> AsyncIterator["CompletionDelta"]:
+    ) -> AsyncIterator["Completion"]:
         """The engine's deltas, with refusals turned into status codes. Cancelling the call aborts the request."""
         from rollout.async_engine import EngineDead
 
