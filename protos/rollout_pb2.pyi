@@ -204,3 +204,19 @@ class CloseSessionResponse(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     sample: _common_pb2.Sample
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ...) -> None: ...
+
+class ComputeLogprobsRequest(_message.Message):
+    __slots__ = ("prompt_ids", "response_ids")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _common_pb2.Array
+    response_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.Array]
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., response_ids: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ...) -> None: ...
+
+class ComputeLogprobsResponse(_message.Message):
+    __slots__ = ("logprobs", "weight_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Array]
+    weight_version: int
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...

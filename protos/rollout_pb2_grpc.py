@@ -59,6 +59,11 @@ class RolloutStub:
                 request_serializer=protos_dot_rollout__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.ComputeLogprobs = channel.unary_unary(
+                '/relayrl.rollout.v1.Rollout/ComputeLogprobs',
+                request_serializer=protos_dot_rollout__pb2.ComputeLogprobsRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.ComputeLogprobsResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/relayrl.rollout.v1.Rollout/OpenSession',
                 request_serializer=protos_dot_rollout__pb2.OpenSessionRequest.SerializeToString,
@@ -120,6 +125,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ComputeLogprobs(self, request, context):
+        """Logprobs of given tokens under the served weights, without sampling: a teacher's (on-policy
+        distillation) or a reference policy's logprobs on another model's samples.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSession(self, request, context):
         """Multi-turn agent sessions: the context is kept between turns.
         """
@@ -175,6 +188,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_rollout__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeLogprobs,
+                    request_deserializer=protos_dot_rollout__pb2.ComputeLogprobsRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.ComputeLogprobsResponse.SerializeToString,
             ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
@@ -332,6 +350,33 @@ class Rollout:
             '/relayrl.rollout.v1.Rollout/GetModelInfo',
             protos_dot_rollout__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_rollout__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.rollout.v1.Rollout/ComputeLogprobs',
+            protos_dot_rollout__pb2.ComputeLogprobsRequest.SerializeToString,
+            protos_dot_rollout__pb2.ComputeLogprobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,9 @@ class DriverConfig(Strict):
     rollout: str = Field(description="Rollout service address host:port.")
     reward: str = Field(description="Reward service address.")
     buffer: str = Field(description="Replay buffer address.")
+    teacher: str | None = Field(
+        None, description="Rollout service of a teacher (or reference) model: its logprobs of every sampled token "
+        "become the samples' ref_logprobs (on-policy distillation, a KL term to a served reference).")
     prompts: str = Field(description="JSONL prompt dataset: {prompt_id, prompt, metadata} per line.")
     tokenizer: str = Field(description="Folder of the tokenizer that makes prompt token ids.")
     add_bos: bool = Field(True, description="Prepend the tokenizer's bos token to every prompt.")
@@ -102,10 +105,14 @@ class Driver:
     def __init__(self, config: DriverConfig):
         self.config = config
         channels = [connect(addr) for addr in (config.rollout, config.reward, config.buffer)]
-        self.channels = channels
         self.rollout = rollout_pb2_grpc.RolloutStub(channels[0])
         self.reward = reward_pb2_grpc.RewardStub(channels[1])
         self.buffer = buffer_pb2_grpc.BufferStub(channels[2])
+        self.teacher = None
+        if config.teacher:
+            channels.append(connect(config.teacher))
+            self.teacher = rollout_pb2_grpc.RolloutStub(channels[-1])
+        self.channels = channels
         self.version = 0
         self.groups_started = 0
         self.stats = {"groups": 0, "samples": 0, "tokens": 0, "reward_sum": 0.0, "failed": 0, "retries": 0}
@@ -115,10 +122,10 @@ class Driver:
         for channel in self.channels:
             await channel.close()
 
-    async def _wait_for_policy(self, batch_index: int) -> None:
+    async def _wait_for_policy(self, batch_index: int, stop: asyncio.Event) -> None:
         """The one place asynchrony is bounded: group for batch b waits for version >= b - max_staleness."""
         needed = batch_index - self.config.max_staleness
-        while self.version < needed:
+        while self.version < needed and not stop.is_set():
             reply = await self.rollout.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=10)
             self.version = max(self.version, reply.version)
             if self.version < needed:
@@ -170,9 +177,13 @@ class Driver:
                 response_text=completion.text,
                 metadata=prompt.metadata,
             ))
-        scored = await self._call(self.reward.Score, reward_pb2.ScoreRequest(
+        scoring = self._call(self.reward.Score, reward_pb2.ScoreRequest(
             samples=[s.to_proto() for s in samples], function=cfg.reward_function, timeout_s=cfg.reward_timeout_s,
         ), "Score")
+        if self.teacher is None:
+            scored = await scoring
+        else:
+            scored, _ = await asyncio.gather(scoring, self._add_teacher_logprobs(request.prompt_ids, reply, samples))
         for sample, result in zip(samples, scored.results, strict=True):
             sample.reward = result.reward
             sample.reward_details = dict(result.details)
@@ -185,6 +196,13 @@ class Driver:
         self.stats["tokens"] += sum(s.response_ids.size for s in samples)
         self.stats["reward_sum"] += sum(s.reward for s in samples)
 
+    async def _add_teacher_logprobs(self, prompt_ids, reply, samples: list[Sample]) -> None:
+        """The teacher's logprob of every sampled token, as the samples' ref_logprobs."""
+        teacher = await self._call(self.teacher.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
+            prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions]), "ComputeLogprobs")
+        for sample, logprobs in zip(samples, teacher.logprobs, strict=True):
+            sample.ref_logprobs = decode_array(logprobs, "ref_logprobs", "float32")
+
     async def run(self, prompts: list[Prompt], stop: asyncio.Event | None = None) -> None:
         cfg = self.config
         stop = stop or asyncio.Event()
@@ -193,7 +211,9 @@ class Driver:
         reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
         try:
             while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
-                await self._wait_for_policy(self.groups_started // cfg.groups_per_batch)
+                await self._wait_for_policy(self.groups_started // cfg.groups_per_batch, stop)
+                if stop.is_set():
+                    break
                 while len(in_flight) >= cfg.concurrency:
                     done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:

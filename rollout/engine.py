@@ -87,6 +87,56 @@ class LLMEngine:
                 outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT))
         return outputs
 
+    def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]]) -> list[list[float]]:
+        """Logprob of every token of each response given the prompt and the response tokens before it.
+
+        Runs between steps with blocks taken from the free list and returned at once. Raises
+        InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.model_config.vocab_size)
+        seqs = []
+        for i, response in enumerate(responses):
+            tokens = [int(t) for t in response]
+            field = f"response_ids[{i}]"
+            if tokens:
+                validate_prompt(tokens, self.model_config.vocab_size, field)
+            if len(prompt) + len(tokens) > self.config.max_model_len:
+                raise InvalidRequest(field, f"prompt + response ({len(prompt) + len(tokens)} tokens) exceeds the "
+                                            f"context length {self.config.max_model_len}")
+            if self.block_manager.blocks_for(len(prompt) + len(tokens)) > self.block_manager.num_blocks:
+                raise InvalidRequest(field, f"prompt + response exceeds the KV cache ({self.block_manager.num_blocks} "
+                                            f"blocks of {self.block_manager.block_size})")
+            seqs.append(Sequence(-1, "", i, prompt + tokens, SamplingParams(), 0))
+        results: list[list[float]] = [[] for _ in seqs]
+        pending = [seq for seq in seqs if len(seq) > len(prompt)]
+        while pending:
+            chunk = self._fitting(pending)
+            for seq in chunk:
+                self.block_manager.allocate(seq)
+            try:
+                scored = self.runner.score(chunk, [len(prompt)] * len(chunk))
+            finally:
+                for seq in chunk:
+                    self.block_manager.deallocate(seq)
+            for seq, logprobs in zip(chunk, scored):
+                results[seq.index] = logprobs
+            pending = pending[len(chunk):]
+        return results
+
+    def _fitting(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The longest head of `seqs` whose blocks are free now and whose tokens fit one prefill."""
+        blocks = tokens = count = 0
+        for seq in seqs:
+            blocks += self.block_manager.blocks_for(len(seq))
+            tokens += len(seq)
+            if blocks > self.block_manager.num_free_blocks or (count and tokens > self.config.max_num_batched_tokens):
+                break
+            count += 1
+        if count == 0:
+            raise QueueFull(f"running requests hold the KV blocks needed to score {len(seqs[0])} tokens; retry")
+        return seqs[:count]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -57,6 +57,26 @@ class ModelRunner:
             seq.prefill_from = None
         return tokens.tolist(), logprobs.tolist()
 
+    @torch.inference_mode()
+    def score(self, seqs: list[Sequence], starts: list[int]) -> list[list[float]]:
+        """Logprobs (temperature 1) of tokens starts[i]: of each sequence given the tokens before them.
+
+        One prefill over the whole sequences (which hold blocks for every token); logits are made per
+        sequence, so a long sequence with a large vocabulary never holds [all tokens, vocab] at once.
+        """
+        for seq in seqs:
+            seq.num_cached_tokens = 0
+        input_ids, positions, meta, last_rows = self._prepare(seqs, is_prefill=True)
+        hidden = self.model(input_ids, positions, self.cache, meta)
+        results = []
+        for seq, start, last in zip(seqs, starts, last_rows):
+            first = last - len(seq) + 1  # the sequence's first row
+            targets = input_ids[first + start : last + 1]
+            logits = self.model.logits(hidden[first + start - 1 : last]).float()
+            chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            results.append((chosen - torch.logsumexp(logits, dim=-1)).tolist())
+        return results
+
     def _prepare(
         self, seqs: list[Sequence], is_prefill: bool
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

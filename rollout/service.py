@@ -78,7 +78,7 @@ class Config(Strict):
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo over an AsyncEngine.
+    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs over an AsyncEngine.
 
     The session RPCs are not implemented yet (the base class answers UNIMPLEMENTED).
     """
@@ -138,6 +138,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             eos_token_id=self.eos_token_id,
             engine="native",
         )
+
+    async def ComputeLogprobs(self, request: rollout_pb2.ComputeLogprobsRequest, context) -> rollout_pb2.ComputeLogprobsResponse:
+        from rollout.async_engine import EngineDead
+
+        prompt = decode_array(request.prompt_ids, field="prompt_ids", expect="int32").tolist()
+        responses = [decode_array(r, field=f"response_ids[{i}]", expect="int32").tolist()
+                     for i, r in enumerate(request.response_ids)]
+        try:
+            logprobs, version = await self.engine.compute_logprobs(prompt, responses)
+        except (InvalidRequest, QueueFull, EngineDead) as exc:
+            await _abort_with_status(context, exc)
+        return rollout_pb2.ComputeLogprobsResponse(
+            logprobs=[encode_array(values, "float32") for values in logprobs], weight_version=version)
 
     async def _generate(
         self, request_id: str, prompt: list[int], params: SamplingParams, context

@@ -188,3 +188,34 @@ def test_greedy_matches_transformers_on_cuda(tiny_model_dir):
             logits = hf_model(torch.tensor([prompt + expected], device="cuda")).logits[0].float()
         ref = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(expected, device="cuda")[:, None])
         torch.testing.assert_close(torch.tensor(out.completions[0].logprobs), ref.squeeze(1).cpu(), atol=1e-4, rtol=0)
+
+
+def test_compute_logprobs_match_transformers_between_steps_and_in_chunks(model_dir):
+    """Teacher scoring: logprobs of given tokens equal a transformers forward, while other requests
+    run, with a block pool too small to score every response at once; every block comes back."""
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_blocks=40, max_model_len=128))
+    engine.add_request("busy", [5, 6, 7, 8], SamplingParams(temperature=1.0, max_tokens=30, seed=1, ignore_eos=True))
+    engine.step()
+    prompt = random_prompts(1, 10, 11, seed=4)[0]
+    responses = random_prompts(5, 20, 40, seed=5) + [[]]
+    scored = engine.compute_logprobs(prompt, responses)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [len(s) for s in scored] == [len(r) for r in responses]
+    for response, logprobs in zip(responses[:-1], scored[:-1]):
+        expected = reference_logprobs(hf_model, prompt, response)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+    assert engine.block_manager.num_free_blocks == 40
+
+
+def test_compute_logprobs_refuses_bad_ids_and_lengths(tiny_model_dir):
+    from rollout.errors import InvalidRequest
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=32))
+    with pytest.raises(InvalidRequest, match=r"^response_ids\[1\]: token id 5000"):
+        engine.compute_logprobs([1, 5], [[3], [5000]])
+    with pytest.raises(InvalidRequest, match=r"^response_ids\[0\]: prompt \+ response \(40 tokens\)"):
+        engine.compute_logprobs([1, 5], [[3] * 38])
+    with pytest.raises(InvalidRequest, match=r"^prompt_ids: must not be empty"):
+        engine.compute_logprobs([], [[3]])
