@@ -4,11 +4,11 @@ import asyncio
 import os
 import random
 
-import numpy as np
 import pytest
+from buffer_samples import sample_proto
 
 from protos import common_pb2
-from protos.sample import Sample, SampleStatus
+from protos.sample import SampleStatus
 from services.buffer.buffer import ReplayBuffer
 from services.buffer.config import BufferConfig
 from services.buffer.log import LogCorruption, RecordKind, SegmentLog
@@ -18,21 +18,9 @@ from services.buffer.store import PullSpec
 CHECKPOINT = Checkpoint().encode()
 
 
-def make_sample(sample_id: str, group: str = "", size: int = 0, version: int = 0, tokens: int = 8,
-                status: SampleStatus = SampleStatus.COMPLETED) -> bytes:
+def make_sample(sample_id: str, **fields) -> bytes:
     """A serialized sample, as the buffer stores it."""
-    return Sample(
-        sample_id=sample_id,
-        prompt_id=group or sample_id,
-        group_id=group,
-        group_size=size,
-        prompt_ids=np.arange(4, dtype=np.int32),
-        response_ids=np.arange(tokens, dtype=np.int32),
-        loss_mask=np.ones(tokens, dtype=np.uint8),
-        rollout_logprobs=np.full(tokens, -0.5, dtype=np.float32),
-        weight_versions=np.full(tokens, version, dtype=np.int64),
-        status=status,
-    ).to_proto().SerializeToString()
+    return sample_proto(sample_id, **fields).SerializeToString()
 
 
 def segment_files(path) -> list[str]:

@@ -6,32 +6,17 @@ import contextlib
 import grpc
 import numpy as np
 import pytest
+from buffer_samples import sample_proto as make_sample
 
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2
 from protos.codec import encode_array
-from protos.sample import Sample, SampleStatus
+from protos.sample import SampleStatus
 from services.buffer.buffer import ReplayBuffer
 from services.buffer.config import BufferConfig
 from services.buffer.service import registration
 from services.client import connect
 from services.config import ServerConfig
 from services.server import create_server
-
-
-def make_sample(sample_id: str, group: str = "", size: int = 0, version: int = 0, tokens: int = 8,
-                status: SampleStatus = SampleStatus.COMPLETED) -> common_pb2.Sample:
-    return Sample(
-        sample_id=sample_id,
-        prompt_id=group or sample_id,
-        group_id=group,
-        group_size=size,
-        prompt_ids=np.arange(4, dtype=np.int32),
-        response_ids=np.arange(tokens, dtype=np.int32),
-        loss_mask=np.ones(tokens, dtype=np.uint8),
-        rollout_logprobs=np.full(tokens, -0.5, dtype=np.float32),
-        weight_versions=np.full(tokens, version, dtype=np.int64),
-        status=status,
-    ).to_proto()
 
 
 def put_request(*samples: common_pb2.Sample) -> buffer_pb2.PutRequest:
