@@ -1,13 +1,17 @@
 """How long does publishing a new weight version take, against moving the same bytes with raw gloo?
 
-For models of ~50 MB and ~400 MB (named float32 tensors shaped like decoder layers) and 1, 2 and 4
-receiver processes, one run measures:
+For models of ~50 MB and ~400 MB (float32 Qwen2 decoders: hidden 512, as many layers as the size
+takes) and 1, 2 and 4 receiver processes, one run measures:
 
-  publish   WeightBroadcaster.publish: BeginUpdate over gRPC, the buckets over the kept-alive gloo group,
-            CommitUpdate (each receiver copies the staged tensors into its parameters, as an engine does).
-            Receivers are real WeightReceiver gRPC servers in their own processes.
+  publish   WeightBroadcaster.publish of the checkpoint's state dict (what a trainer sends): BeginUpdate
+            over gRPC, the buckets over the kept-alive gloo group, CommitUpdate (each receiver's native
+            engine switches to the received tensors between two steps). Receivers are real rollout
+            engines (AsyncEngine + WeightReceiver gRPC servers) in their own processes.
   raw gloo  ProcessGroupGloo.broadcast of one flat buffer of the same bytes to the same number of
             plain processes, then a barrier (so the time covers arrival everywhere).
+  bound     the same publish from tensors bound to one buffer laid out as a single bucket
+            (WeightBroadcaster.bind, for a trainer that holds its model whole): one broadcast straight
+            from their memory, no packing copy. Measured after the publish rounds, with their own raw rounds.
   copy      one in-memory Tensor.copy_ of the same bytes (a single thread).
 
 Raw and publish rounds alternate, and medians are quoted, because the machine is shared.
@@ -19,6 +23,7 @@ Raw and publish rounds alternate, and medians are quoted, because the machine is
 import argparse
 import asyncio
 import datetime
+import itertools
 import os
 import pathlib
 import signal
@@ -32,66 +37,45 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 HIDDEN = 512
+HEAD_DIM = 64
 
 
-def model_layout(total_mb: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """Decoder-like float32 tensors, about `total_mb` MiB: per layer 4 attention and 3 MLP matrices, 2 norms."""
+def layers_for(total_mb: int) -> int:
+    """Decoder layers of hidden HIDDEN (q/k/v/o HIDDEN x HIDDEN, MLP 2 x HIDDEN wide) making ~`total_mb` MiB."""
     h, ff = HIDDEN, 2 * HIDDEN
-    per_layer = [("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (h, h)),
-                 ("self_attn.v_proj.weight", (h, h)), ("self_attn.o_proj.weight", (h, h)),
-                 ("mlp.gate_proj.weight", (ff, h)), ("mlp.up_proj.weight", (ff, h)), ("mlp.down_proj.weight", (h, ff)),
-                 ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
-    layer_bytes = 4 * sum(_numel(shape) for _, shape in per_layer)
-    layers = max(1, round(total_mb * (1 << 20) / layer_bytes))
-    return [(f"model.layers.{i}.{name}", shape, "float32") for i in range(layers) for name, shape in per_layer]
+    layer_bytes = 4 * (4 * h * h + 3 * ff * h + 3 * h + 2 * h)
+    return max(1, round(total_mb * (1 << 20) / layer_bytes))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+def write_model(folder: pathlib.Path, total_mb: int) -> pathlib.Path:
+    from rollout.tiny import write_tiny_model
+
+    return write_tiny_model(folder, arch="qwen2", hidden_size=HIDDEN, num_layers=layers_for(total_mb),
+                            num_heads=HIDDEN // HEAD_DIM, num_kv_heads=HIDDEN // HEAD_DIM, head_dim=HEAD_DIM,
+                            intermediate_size=2 * HIDDEN, max_position_embeddings=64)
 
 
 # -- receiver processes ----------------------------------------------------------------------------
-
-class ParameterStore:
-    """The receiving end of a rollout worker without the engine around it: named parameters that an
-    update overwrites in place, the way the native engine loads weights."""
-
-    def __init__(self, layout):
-        import torch
-
-        self.params = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, shape, dtype in layout}
-        self.weight_version = 0
-
-    def layout(self):
-        return {name: (tuple(t.shape), t.dtype) for name, t in self.params.items()}
-
-    async def update_weights(self, weights, version: int) -> float:
-        import torch
-
-        started = time.perf_counter()
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                self.params[name].copy_(tensor)
-        self.weight_version = version
-        return time.perf_counter() - started
-
 
 def run_receiver(args) -> None:
     import torch
 
     from protos import weights_pb2_grpc
+    from rollout.async_engine import AsyncEngine
+    from rollout.config import EngineConfig
+    from rollout.engine import LLMEngine
     from rollout.weight_receiver import WeightReceiver
     from services.config import ServerConfig
     from services.runtime import serve
 
     torch.set_num_threads(1)
-    store = ParameterStore(model_layout(args.size_mb))
-    receiver = WeightReceiver(store, layout=store.layout())
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=args.model, num_blocks=8, max_num_seqs=2, max_n=1)))
+    receiver = WeightReceiver(engine)
     registration = (weights_pb2_grpc.add_WeightSyncServicer_to_server, receiver, "relayrl.weights.v1.WeightSync")
-    asyncio.run(serve("wsync-bench", [registration], ServerConfig(port_file=args.port_file, log_level="WARNING")))
+    try:
+        asyncio.run(serve("wsync-bench", [registration], ServerConfig(port_file=args.port_file, log_level="WARNING")))
+    finally:
+        engine.shutdown()
 
 
 def run_raw_receiver(args) -> None:
@@ -163,23 +147,22 @@ def measure_copy(nbytes: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-async def measure_pair(size_mb: int, receivers: int, repeats: int, config, tmp: pathlib.Path) -> dict:
-    """Start `receivers` receiver services and as many raw gloo processes; alternate raw and publish rounds."""
+async def measure_pair(model: pathlib.Path, tensors: dict, receivers: int, repeats: int, config,
+                       tmp: pathlib.Path) -> dict:
+    """Start `receivers` rollout engines serving `model` and as many raw gloo processes; alternate raw
+    and publish rounds of `tensors` (the model's state dict)."""
     import torch
     import torch.distributed as dist
 
-    from trainer.weight_broadcast import WeightBroadcaster
+    from trainer.weight_broadcast import PublishReport, WeightBroadcaster
 
-    layout = model_layout(size_mb)
-    gen = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn(shape, generator=gen) for name, shape, _ in layout}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     raw_procs = [_spawn("--role", "raw", "--master-port", str(store.port), "--rank", str(rank), "--world",
                         str(receivers + 1), "--nbytes", str(nbytes)) for rank in range(1, receivers + 1)]
-    port_files = [tmp / f"recv-{size_mb}-{receivers}-{i}.port" for i in range(receivers)]
-    service_procs = [_spawn("--role", "receiver", "--size-mb", str(size_mb), "--port-file", str(path))
+    port_files = [tmp / f"recv-{model.name}-{receivers}-{i}.port" for i in range(receivers)]
+    service_procs = [_spawn("--role", "receiver", "--model", str(model), "--port-file", str(path))
                      for path in port_files]
     try:
         raw_pg = await asyncio.to_thread(_raw_group, store, 0, receivers + 1)
@@ -193,18 +176,33 @@ async def measure_pair(size_mb: int, receivers: int, repeats: int, config, tmp: 
             raw_pg.barrier().wait()
             return time.perf_counter() - started
 
-        raw, publish, parts = [], [], []
-        async with WeightBroadcaster(addresses, config) as broadcaster:
-            first = await broadcaster.publish(tensors, 1)  # forms the group
-            assert first.ok, first.failed
-            raw_round()
-            for version in range(2, repeats + 2):
-                raw.append(await asyncio.to_thread(raw_round))
-                report = await broadcaster.publish(tensors, version)
-                assert report.ok and report.group_reused, report.failed
-                switch_s = max(r.switch_s for r in report.results)
-                publish.append(report.total_s)
-                parts.append((report.begin_s, report.transfer_s, report.commit_s, switch_s, report.total_s - switch_s))
+        async def rounds(publish_tensors: dict, bind: bool) -> tuple[list, list, PublishReport]:
+            """Warm-up publishes, then `repeats` (raw round, publish) pairs on one kept group."""
+            measured = []
+            async with WeightBroadcaster(addresses, config) as broadcaster:
+                if bind:
+                    broadcaster.bind(publish_tensors)
+                first = await broadcaster.publish(publish_tensors, next(versions))  # forms the group
+                assert first.ok, first.failed
+                # The second publish allocates the second set of staging buffers (the engine serves the first).
+                second = await broadcaster.publish(publish_tensors, next(versions))
+                assert second.ok, second.failed
+                raw_round()
+                for _ in range(repeats):
+                    raw = await asyncio.to_thread(raw_round)
+                    measured.append((raw, await broadcaster.publish(publish_tensors, next(versions))))
+                    assert measured[-1][1].ok and measured[-1][1].group_reused, measured[-1][1].failed
+            return [raw for raw, _ in measured], [report for _, report in measured], first
+
+        versions = itertools.count(1)
+        raw, reports, first = await rounds(tensors, bind=False)
+        bound_raw, bound_reports, _ = await rounds({name: t.clone() for name, t in tensors.items()}, bind=True)
+        publish = [report.total_s for report in reports]
+        parts = []
+        for report in reports:
+            switch_s = max(r.switch_s for r in report.results)
+            parts.append((report.begin_s, report.transfer_s, report.commit_s, switch_s, report.total_s - switch_s))
+        bound_publish = [report.total_s for report in bound_reports]
         command.zero_()
         raw_pg.broadcast(command, 0).wait()
         return {
@@ -214,6 +212,8 @@ async def measure_pair(size_mb: int, receivers: int, repeats: int, config, tmp: 
             # than a ratio of medians on a shared machine.
             "ratio": statistics.median(r / p for r, p in zip(raw, publish)),
             "ratio_without_switch": statistics.median(r / p[-1] for r, p in zip(raw, parts)),
+            "bound": statistics.median(bound_publish),
+            "bound_ratio": statistics.median(r / p for r, p in zip(bound_raw, bound_publish)),
         }
     finally:
         _stop(service_procs)
@@ -226,10 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[50, 400])
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=16.0)
+    parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size (default: BroadcastConfig's)")
     parser.add_argument("--solo-mb", type=float, default=None, help="tensors this large go alone (default: bucket)")
     parser.add_argument("--role", choices=["main", "receiver", "raw"], default="main", help=argparse.SUPPRESS)
-    parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -247,36 +247,45 @@ def main(argv: list[str] | None = None) -> None:
 
     from trainer.weight_broadcast import BroadcastConfig
 
-    config = BroadcastConfig(bucket_mb=args.bucket_mb, solo_mb=args.solo_mb, timeout_s=120, control_timeout_s=30)
+    sizes = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
+    config = BroadcastConfig(**sizes, solo_mb=args.solo_mb, timeout_s=120, control_timeout_s=30)
     torch.set_num_threads(1)  # the receivers run one thread each; so does the copy baseline
     print(f"weight sync on {os.cpu_count()} CPU cores (all processes share them), torch {torch.__version__}, "
-          f"gloo over loopback, buckets of {args.bucket_mb:g} MiB (tensors >= {args.bucket_mb if config.solo_mb is None else config.solo_mb:g} MiB "
-          f"sent alone), median of {args.repeats}", flush=True)
+          f"gloo over loopback, buckets of {config.bucket_mb:g} MiB (tensors >= "
+          f"{config.bucket_mb if config.solo_mb is None else config.solo_mb:g} MiB sent alone), median of {args.repeats}",
+          flush=True)
     header = (f"{'model':>7} {'recv':>4} {'copy s':>7} {'raw gloo s':>10} {'publish s':>9} {'GB/s':>6} "
               f"{'begin':>6} {'xfer':>6} {'commit':>6} {'switch':>6} {'1st s':>6} {'raw/pub':>7} {'raw/(pub-sw)':>12} "
-              f"{'copy/pub':>8}")
+              f"{'copy/pub':>8} {'bound s':>7} {'raw/bound':>9}")
     print(header, flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
         for size_mb in args.sizes_mb:
-            nbytes = 4 * sum(_numel(shape) for _, shape, _ in model_layout(size_mb))
-            copy_s = measure_copy(nbytes, args.repeats)
+            from safetensors.torch import load_file
+
+            model = write_model(pathlib.Path(tmp) / f"qwen2-{size_mb}mb", size_mb)
+            tensors = load_file(model / "model.safetensors")
+            copy_s = measure_copy(sum(t.numel() * t.element_size() for t in tensors.values()), args.repeats)
             for receivers in args.receivers:
-                row = asyncio.run(measure_pair(size_mb, receivers, args.repeats, config, pathlib.Path(tmp)))
+                row = asyncio.run(measure_pair(model, tensors, receivers, args.repeats, config, pathlib.Path(tmp)))
                 ratio = row["ratio"]
                 begin, transfer, commit, switch, _ = row["parts"]
                 print(f"{row['bytes'] / 1e6:>5.0f}MB {receivers:>4} {copy_s:>7.3f} {row['raw']:>10.3f} "
                       f"{row['publish']:>9.3f} {row['bytes'] / row['publish'] / 1e9:>6.2f} {begin:>6.3f} "
                       f"{transfer:>6.3f} {commit:>6.3f} {switch:>6.3f} {row['first']:>6.2f} {ratio:>7.2f} "
-                      f"{row['ratio_without_switch']:>12.2f} {copy_s / row['publish']:>8.2f}", flush=True)
-                results.append((size_mb, receivers, ratio))
+                      f"{row['ratio_without_switch']:>12.2f} {copy_s / row['publish']:>8.2f} {row['bound']:>7.3f} "
+                      f"{row['bound_ratio']:>9.2f}", flush=True)
+                results.append((size_mb, receivers, ratio, row["bound_ratio"]))
     print("raw/pub = median over rounds of raw gloo time / publish time of the adjacent round (1.0: publishing "
           "costs no more than the bare broadcast); "
-          "raw/(pub-sw) = the same without the receivers' switch (copying the staged tensors into the "
+          "raw/(pub-sw) = the same without the receivers' switch (the engine taking the staged tensors as its "
           "parameters, part of commit, which a raw broadcast does not do); 1st s = the first publish, which "
-          "forms the group and allocates the staging buffers")
-    for size_mb, receivers, ratio in results:
+          "forms the group and allocates the staging buffers; bound s = a publish of tensors bound to one buffer "
+          "(WeightBroadcaster.bind: one broadcast from their memory, no packing copy), raw/bound its ratio")
+    for size_mb, receivers, ratio, bound_ratio in results:
         print(f"result: publish_vs_raw_gloo_{size_mb}mb_{receivers}recv = {ratio:.2f} "
+              f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
+        print(f"result: publish_bound_vs_raw_gloo_{size_mb}mb_{receivers}recv = {bound_ratio:.2f} "
               f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
 
 

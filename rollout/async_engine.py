@@ -114,9 +114,10 @@ class AsyncEngine:
         """Abort a request; its completions end with reason abort. Returns whether it was running."""
         return await self._call(lambda: self._abort(request_id))
 
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
-        """Copy `weights` (name -> tensor) into the model between two steps; returns the seconds it took."""
-        return await self._call(lambda: self._switch_weights(weights, version))
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
+        """Copy `weights` (name -> tensor) into the model between two steps, or with `adopt` serve them
+        as they are (LLMEngine.load_weights); returns the seconds it took."""
+        return await self._call(lambda: self._switch_weights(weights, version, adopt))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread; open streams end with EngineDead."""
@@ -169,9 +170,9 @@ class AsyncEngine:
         if self._streams.get(request_id) is stream:
             self._abort(request_id)
 
-    def _switch_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
+    def _switch_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool) -> float:
         start = time.perf_counter()
-        self.engine.load_weights(weights, version)
+        self.engine.load_weights(weights, version, adopt=adopt)
         return time.perf_counter() - start
 
     def _deliver(self, outputs: list[TokenOutput]) -> None:

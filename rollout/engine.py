@@ -140,14 +140,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def load_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(
+        self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+        adopt: bool = False,
+    ) -> None:
         """Copy tensors into the parameters of the same name, in place, and serve them as `version`.
 
-        Sequences in flight keep their KV and continue; their later tokens carry the new version.
+        With `adopt`, the model serves the given tensors themselves instead (a complete update whose
+        memory the caller hands over, see CausalLM.adopt_weights). Sequences in flight keep their KV
+        and continue; their later tokens carry the new version.
         """
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         with torch.no_grad():
-            self.runner.model.load_weights(items)
+            if adopt:
+                self.runner.model.adopt_weights(items)
+            else:
+                self.runner.model.load_weights(items)
         self.weight_version = version
 
     def generate(

@@ -97,13 +97,46 @@ def add_merged_projections(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Give `owner` one ProjectionView per part plus buffers `<prefix>_weight` (and `_bias`) merging them."""
+    """Give `owner` one ProjectionView per part plus buffers `<prefix>_weight` (and `_bias`) merging them.
+
+    `owner.merged_projections[prefix]` lists the parts in merge order (see rebind_merged).
+    """
     weight = torch.zeros(sum(parts.values()), in_features, dtype=dtype, device=device)
     merged_bias = torch.zeros(sum(parts.values()), dtype=dtype, device=device) if bias else None
     owner.register_buffer(f"{prefix}_weight", weight, persistent=False)
     owner.register_buffer(f"{prefix}_bias", merged_bias, persistent=False)
+    if not hasattr(owner, "merged_projections"):
+        owner.merged_projections = {}
+    owner.merged_projections[prefix] = tuple(parts)
     start = 0
     for name, size in parts.items():
         part_bias = None if merged_bias is None else merged_bias[start : start + size]
         setattr(owner, name, ProjectionView(weight[start : start + size], part_bias))
         start += size
+
+
+def merge_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked along dim 0, without a copy when they already lie back to back in one storage
+    (as a weight update's staging buffers hold them when sent in merge order), else as a new tensor."""
+    first = parts[0]
+    rows = sum(part.shape[0] for part in parts)
+    end = first.data_ptr()
+    adjacent = True
+    for part in parts:
+        adjacent = (adjacent and part.is_contiguous() and part.dtype == first.dtype and part.device == first.device
+                    and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                    and part.data_ptr() == end)
+        end = part.data_ptr() + part.nbytes
+    if adjacent:
+        return first.as_strided((rows, *first.shape[1:]), first.stride())
+    return torch.cat(parts)
+
+
+def rebind_merged(owner: nn.Module, prefix: str, kind: str, merged: torch.Tensor) -> None:
+    """Make `merged` the storage of `owner`'s `<prefix>_<kind>` buffer and of its parts' `kind` parameters."""
+    setattr(owner, f"{prefix}_{kind}", merged)
+    start = 0
+    for name in owner.merged_projections[prefix]:
+        param = getattr(getattr(owner, name), kind)
+        param.data = merged[start : start + param.shape[0]]
+        start += param.shape[0]

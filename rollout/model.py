@@ -19,7 +19,7 @@ from torch import nn
 from rollout.attention import AttentionMetadata, paged_attention
 from rollout.config import ModelConfig
 from rollout.kv_cache import KVCache
-from rollout.layers import RMSNorm, RotaryEmbedding, add_merged_projections
+from rollout.layers import RMSNorm, RotaryEmbedding, add_merged_projections, merge_parts, rebind_merged
 
 # Checkpoint entries that are not parameters (older exports carry the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -132,6 +132,45 @@ class CausalLM(nn.Module):
         for _, param, tensor in targets:
             param.copy_(tensor)
         return {name for name, _, _ in targets}
+
+    def adopt_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Serve the given tensors as the parameters, without copying them where their layout allows.
+
+        The update must name every parameter. Afterwards the model holds none of its previous weight
+        storage, so the caller may reuse the memory of the version it replaced; it must not write the
+        given tensors while the model serves them. Merged projections (q/k/v, gate/up) take their parts
+        without a copy when these lie back to back in one storage in merge order; other layouts, other
+        dtypes or devices are copied into new tensors. All-or-nothing like load_weights.
+        """
+        params, merged_names = self._adoption_index()
+        new: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
+            if not name.endswith(_IGNORED_SUFFIXES):
+                target, param = self._parameter_for(name, tensor, params)
+                new[target] = tensor.detach().to(param.device, param.dtype)
+        if len(new) != len(params):
+            missing = sorted(set(params) - set(new))
+            raise ValueError(f"an adopted update must carry every parameter; it lacks {len(missing)}, e.g. {missing[:3]}")
+        merged = [(owner, prefix, kind, merge_parts([new.pop(name) for name in names]))
+                  for owner, prefix, kind, names in merged_names]
+        singles = [(params[name], tensor.contiguous()) for name, tensor in new.items()]
+        for owner, prefix, kind, tensor in merged:
+            rebind_merged(owner, prefix, kind, tensor)
+        for param, tensor in singles:
+            param.data = tensor
+
+    def _adoption_index(self) -> tuple[dict[str, nn.Parameter], list[tuple[nn.Module, str, str, list[str]]]]:
+        """The parameters by name, and (owner, prefix, kind, part parameter names) of every merged matrix.
+        Built once: the module tree never changes and adoption keeps the Parameter objects."""
+        if getattr(self, "_adoption_cache", None) is None:
+            merged = []
+            for owner_name, owner in self.named_modules():
+                for prefix, parts in getattr(owner, "merged_projections", {}).items():
+                    for kind in ("weight", "bias"):
+                        if getattr(owner, f"{prefix}_{kind}") is not None:
+                            merged.append((owner, prefix, kind, [f"{owner_name}.{part}.{kind}" for part in parts]))
+            self._adoption_cache = (dict(self.named_parameters()), merged)
+        return self._adoption_cache
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Load every parameter from the folder's *.safetensors files; a missing parameter is an error."""

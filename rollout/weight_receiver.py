@@ -6,6 +6,9 @@ that thread (with its timeout) and hands views of the staged tensors to
 `AsyncEngine.update_weights`, which switches between two decode steps. On any failure the worker keeps
 serving its old version and the call says why; nothing here can block the engine or the trainer past
 a deadline.
+
+The engine adopts the staged tensors (serves them without copying), so staging is double-buffered:
+one set holds the served version, the other receives the next; a switch swaps their roles.
 """
 
 import asyncio
@@ -48,7 +51,27 @@ class UpdatableEngine(Protocol):
 
     def parameter_layout(self) -> Layout: ...
 
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> float: ...
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
+        """Switch to `weights` as `version`. With `adopt` the engine may serve the tensors themselves: the
+        receiver leaves them untouched until a later update has replaced them."""
+        ...
+
+
+@dataclass
+class _Staging:
+    """The buffers an update lands in (one per bucket, see allocate_staging) and the named views into them."""
+
+    manifest: Manifest
+    buffers: list[torch.Tensor]
+    _views: dict[str, torch.Tensor] | None = None
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """name -> tensor over the staged bytes (no copy); made once per buffers and manifest."""
+        if self._views is None:
+            self._views = {}
+            for index, bucket in enumerate(self.buffers):
+                self._views.update(unpack_bucket(self.manifest, index, bucket))
+        return self._views
 
 
 @dataclass
@@ -59,7 +82,7 @@ class _Update:
     manifest: Manifest
     spec: GroupSpec
     deadline: float
-    staging: list[torch.Tensor]
+    staging: _Staging
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: Future = field(default_factory=Future)  # result: seconds the receive took
 
@@ -89,17 +112,18 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self.engine = engine
         self.layout = layout if layout is not None else engine.parameter_layout()
         self._pending: _Update | None = None
-        self._staging: list[torch.Tensor] | None = None
+        self._staging: _Staging | None = None  # free for the next update
+        self._served: _Staging | None = None  # adopted by the engine: never written
+        self._checked: tuple[weights_pb2.BeginUpdateRequest, Manifest] | None = None  # the last valid manifest
         self._group: Transfer | None = None
         self._group_lock = threading.Lock()
         self._switch_lock = asyncio.Lock()
 
     async def BeginUpdate(self, request, context):
-        manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
+        manifest = self._manifest_of(request)
         spec = GroupSpec.from_proto(request.group)
         if not request.timeout_s > 0:
             raise CodecError(f"timeout_s: must be > 0, got {request.timeout_s}")
-        check_layout(manifest, self.layout)
         async with self._switch_lock:
             current = self.engine.weight_version
             if request.version <= current:
@@ -142,12 +166,10 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"version {update.version} was aborted or superseded; serving version "
                                     f"{self.engine.weight_version}")
-            weights: dict[str, torch.Tensor] = {}
-            for index, bucket in enumerate(update.staging):
-                weights.update(unpack_bucket(update.manifest, index, bucket))
-            switch_s = await self.engine.update_weights(weights, update.version)
+            switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
             self._pending = None
-            self._staging = update.staging  # the engine copied them: reuse for the next version
+            # The engine serves this update's buffers now and none of the replaced version's.
+            self._staging, self._served = self._served, update.staging
         log.info("switched to weight version %d (receive %.3fs, switch %.3fs)", update.version, receive_s, switch_s)
         return weights_pb2.CommitUpdateResponse(current_version=self.engine.weight_version, receive_s=receive_s,
                                                 switch_s=switch_s)
@@ -165,7 +187,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         started = time.monotonic()
         try:
             group = self._join(update)
-            receive_buckets(group, update.manifest, update.deadline, update.staging, update.cancelled)
+            receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
         except TransferError as exc:
             self._drop_group(update.spec.group_name)
             update.done.set_exception(exc)
@@ -219,10 +241,23 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         if self._pending is not None:
             self._cancel(self._pending)
 
-    def _take_staging(self, manifest: Manifest, device: torch.device) -> list[torch.Tensor]:
+    def _manifest_of(self, request: weights_pb2.BeginUpdateRequest) -> Manifest:
+        """The request's manifest, checked against the layout; an update laid out like the last one
+        (the usual case: a trainer publishes the same tensors every time) reuses that check."""
+        checked = self._checked
+        if checked is not None and request.bucket_sizes == checked[0].bucket_sizes and request.tensors == checked[0].tensors:
+            return checked[1]
+        manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
+        check_layout(manifest, self.layout)
+        self._checked = (request, manifest)
+        return manifest
+
+    def _take_staging(self, manifest: Manifest, device: torch.device) -> _Staging:
         staging, self._staging = self._staging, None
-        if (staging is not None and [t.numel() for t in staging] == list(manifest.bucket_sizes)
-                and all(t.device == device for t in staging)):
+        if (staging is None or [t.numel() for t in staging.buffers] != list(manifest.bucket_sizes)
+                or any(t.device != device for t in staging.buffers)):
+            return _Staging(manifest, allocate_staging(manifest, device))
+        if staging.manifest is manifest or staging.manifest == manifest:
             return staging
-        return allocate_staging(manifest, device)
+        return _Staging(manifest, staging.buffers)
 

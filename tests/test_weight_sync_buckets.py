@@ -1,5 +1,7 @@
 """Bucket planning, packing and the manifest's wire form (pure logic, no processes)."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -7,7 +9,7 @@ from hypothesis import strategies as st
 
 from protos import weights_pb2
 from protos.codec import CodecError
-from services.weights import Manifest, pack_bucket, plan_buckets, unpack_bucket
+from services.weights import Manifest, allocate_staging, merge_order, pack_bucket, plan_buckets, unpack_bucket
 from services.weights.manifest import ALIGN_BYTES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float64, torch.int32]
@@ -76,6 +78,31 @@ def test_manifest_survives_the_wire():
     again = Manifest.from_proto(weights_pb2.BeginUpdateRequest.FromString(request.SerializeToString()).tensors, sizes)
     assert again == manifest
     assert again.layout() == {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def test_merge_order_sends_merged_projections_back_to_back_and_staging_keeps_them_adjacent():
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    shapes = {"model.embed_tokens.weight": (50, 32), mlp + "down_proj.weight": (32, 64),
+              mlp + "gate_proj.weight": (64, 32), mlp + "up_proj.weight": (64, 32),
+              attn + "k_proj.bias": (16,), attn + "k_proj.weight": (16, 32), attn + "o_proj.weight": (32, 32),
+              attn + "q_proj.bias": (32,), attn + "q_proj.weight": (32, 32), attn + "v_proj.bias": (16,),
+              attn + "v_proj.weight": (16, 32)}  # as a safetensors file lists a Qwen2 layer: sorted, biases interleaved
+    ordered = merge_order([(name, shape, torch.float32) for name, shape in shapes.items()])
+    assert [name for name, _, _ in ordered] == [
+        "model.embed_tokens.weight", mlp + "down_proj.weight", mlp + "gate_proj.weight", mlp + "up_proj.weight",
+        attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight", attn + "o_proj.weight",
+        attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"]
+    # Buckets smaller than q/k/v together: the staging buffers still hold them back to back.
+    manifest = plan_buckets(ordered, bucket_bytes=6000)
+    assert len(manifest.bucket_sizes) > 3
+    views = {}
+    for index, buffer in enumerate(allocate_staging(manifest, torch.device("cpu"))):
+        views.update(unpack_bucket(manifest, index, buffer))
+    for parts in (["q_proj.weight", "k_proj.weight", "v_proj.weight"], ["q_proj.bias", "k_proj.bias", "v_proj.bias"]):
+        tensors = [views[attn + part] for part in parts]
+        for before, after in itertools.pairwise(tensors):
+            assert after.data_ptr() == before.data_ptr() + before.nbytes
+    assert views[mlp + "up_proj.weight"].data_ptr() == views[mlp + "gate_proj.weight"].data_ptr() + 64 * 32 * 4
 
 
 def _spec(name="w", shape=(4,), dtype=3, bucket=0, offset=0):

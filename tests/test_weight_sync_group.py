@@ -12,13 +12,16 @@ import pytest
 import torch
 
 from services.weights import (
+    BucketSender,
     GroupSpec,
     TransferError,
     TransferTimeout,
     allocate_staging,
+    bind_to_buckets,
     deadline_after,
     host_store,
     make_group,
+    merge_order,
     plan_buckets,
     receive_buckets,
     send_buckets,
@@ -114,3 +117,38 @@ def test_an_aborted_receive_stops_without_waiting():
     assert time.monotonic() - started < 1
     receiver.close()
     sender.close()
+
+
+def test_bound_parameters_go_out_from_their_own_memory_after_in_place_updates():
+    gen = torch.Generator().manual_seed(2)
+    params = {name: torch.nn.Parameter(torch.randn(shape, generator=gen)) for name, shape in
+              [("a.weight", (16, 8)), ("a.bias", (8,)), ("b.weight", (64, 32)), ("c.weight", (5,))]}
+    values = {name: p.detach().clone() for name, p in params.items()}
+    manifest = plan_buckets(merge_order([(n, tuple(p.shape), p.dtype) for n, p in params.items()]), bucket_bytes=1024)
+    buffers = bind_to_buckets(params, manifest)
+    assert all(torch.equal(params[name], value) for name, value in values.items())  # values kept, memory moved
+    assert all(any(b.data_ptr() <= p.data_ptr() < b.data_ptr() + b.numel() for b in buffers) for p in params.values())
+    store = host_store("127.0.0.1", timeout_s=20)
+    specs = _specs(store, 2, "bound")
+
+    def receiver(spec: GroupSpec) -> list[dict[str, torch.Tensor]]:
+        group = make_group(spec, timeout_s=20)
+        received = []
+        for _ in range(2):
+            staging = allocate_staging(manifest, group.device)
+            receive_buckets(group, manifest, deadline_after(20), staging)
+            received.append({k: v for i, b in enumerate(staging) for k, v in unpack_bucket(manifest, i, b).items()})
+        return received
+
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(receiver, specs[1])
+        sender, bucket_sender = make_group(specs[0], timeout_s=20, store=store), BucketSender()
+        bucket_sender.send(sender, manifest, params, deadline_after(20))
+        with torch.no_grad():
+            for param in params.values():
+                param.mul_(2)  # what an optimizer step does
+        bucket_sender.send(sender, manifest, params, deadline_after(20))
+        first, second = future.result(timeout=30)
+    assert bucket_sender._buffers == []  # no bucket needed a packing buffer
+    for name, value in values.items():
+        assert torch.equal(first[name], value) and torch.equal(second[name], value * 2), name

@@ -11,11 +11,12 @@ from protos import weights_pb2, weights_pb2_grpc
 from rollout.async_engine import AsyncEngine
 from rollout.config import EngineConfig
 from rollout.engine import LLMEngine
+from rollout.sampling_params import SamplingParams
 from rollout.weight_receiver import WeightReceiver
 from services.client import connect
 from services.server import create_server
-from services.weights import GroupSpec, plan_buckets
-from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
+from services.weights import GroupSpec, deadline_after, host_store, make_group, merge_order, plan_buckets
+from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig, WeightBroadcaster
 
 torch.set_num_threads(1)
 
@@ -133,3 +134,75 @@ def test_the_receiver_refuses_what_it_cannot_apply_and_keeps_its_version(tied_mo
     assert codes["commit failed join"][0] in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert "still serving version 0" in codes["commit failed join"][1]
     assert codes["abort"][0] == grpc.StatusCode.OK
+
+
+def test_staging_is_double_buffered_and_a_failed_update_leaves_the_served_bytes_alone(tied_model_dir):
+    """The engine serves the staged tensors themselves, so an update lands in the other set of buffers:
+    versions 1 and 3 share one set, 2 the other; a transfer that dies half-way through version 4 writes
+    into the free set and the served version 3 keeps computing what it did."""
+    config = BroadcastConfig(bucket_mb=0.05, timeout_s=20)
+
+    async def scenario(engine, address):
+        model = engine.engine.runner.model
+        base = {name: param.clone() for name, param in model.named_parameters()}
+        updates = [{name: t + 0.01 * version for name, t in base.items()} for version in (1, 2, 3)]
+        where = []
+        async with WeightBroadcaster([address], config) as broadcaster:
+            for version, weights in enumerate(updates, start=1):
+                report = await broadcaster.publish(weights, version)
+                assert report.ok, report.failed
+                where.append(model.model.embed_tokens.weight.data_ptr())
+                assert all(torch.equal(param, weights[name]) for name, param in model.named_parameters())
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        before = await engine.generate_all("before", [5, 6, 7], greedy)
+
+        # Version 4, laid out as the broadcaster lays it out, from a trainer that stops after half the buckets.
+        key = [(name, tuple(t.shape), t.dtype) for name, t in updates[0].items()]
+        manifest = plan_buckets(merge_order(key), int(config.bucket_mb * (1 << 20)))
+        store = host_store("127.0.0.1", timeout_s=20)
+        spec = GroupSpec("gloo", "127.0.0.1", store.port, 2, 1, "half-way")
+        async with connect(address) as channel:
+            stub = weights_pb2_grpc.WeightSyncStub(channel)
+            await stub.BeginUpdate(_begin(address, manifest, 4, spec, timeout_s=20), timeout=10)
+            sender = await asyncio.to_thread(make_group, GroupSpec("gloo", "127.0.0.1", store.port, 2, 0, "half-way"),
+                                             20, store)
+            garbage = [torch.full((size,), 255, dtype=torch.uint8) for size in manifest.bucket_sizes]
+            for bucket in garbage[: len(garbage) // 2]:
+                sender.broadcast(bucket).wait(deadline_after(20))
+            with pytest.raises(grpc.RpcError) as failure:
+                await stub.CommitUpdate(weights_pb2.CommitUpdateRequest(version=4, timeout_s=1.0), timeout=10)
+            sender.close()
+        after = await engine.generate_all("after", [5, 6, 7], greedy)
+        served = all(torch.equal(param, updates[2][name]) for name, param in model.named_parameters())
+        return where, failure.value.code(), engine.weight_version, served, before, after
+
+    where, code, version, served, before, after = _run(tied_model_dir, scenario)
+    assert where[0] == where[2] != where[1]
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and version == 3
+    assert served and [c.token_ids for c in after] == [c.token_ids for c in before]
+    assert [c.logprobs for c in after] == [c.logprobs for c in before]
+
+
+def test_a_bound_model_is_published_from_its_own_memory_and_lands_bit_exact(tied_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32)
+
+    async def scenario(engine, address):
+        async with WeightBroadcaster([address], BroadcastConfig(timeout_s=20)) as broadcaster:
+            broadcaster.bind(dict(model.named_parameters()))
+            reports = []
+            for version in (1, 2):
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.add_(0.01)  # an optimizer step, in place
+                reports.append(await broadcaster.publish(model.state_dict(), version))
+            packed = broadcaster._sender._buffers
+        return reports, packed, dict(engine.engine.runner.model.named_parameters())
+
+    reports, packed, params = _run(tied_model_dir, scenario)
+    assert all(report.ok for report in reports), [report.failed for report in reports]
+    assert packed == []  # one bucket, sent straight from the parameters' memory
+    state = model.state_dict()
+    for name, param in params.items():
+        assert torch.equal(param, state[name]), name

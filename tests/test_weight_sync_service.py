@@ -210,7 +210,9 @@ def test_a_frozen_receiver_fails_the_publish_within_its_timeout_and_nobody_hangs
     # CommitUpdate); in every case the frozen worker is reported within the steps' deadlines, and the
     # healthy one either got the version (the group was formed without the frozen one) or kept its own.
     assert other.address in report.failed
-    assert elapsed < 3 + 2 * 2 + 2  # transfer deadline + Begin/Commit or Abort deadlines + slack
+    # Typically ~5 s (rendezvous deadline + an Abort deadline); a gloo rendezvous with a stopped member
+    # has taken 17 s on a loaded 2-core machine, still inside the bound every publish keeps.
+    assert elapsed < BroadcastConfig(timeout_s=3, control_timeout_s=2).publish_bound_s
     healthy = next(r for r in report.results if r.address == rollout.address)
     assert healthy_version == (version + 1 if healthy.ok else version)
     assert again.ok, again.failed

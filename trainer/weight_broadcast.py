@@ -39,13 +39,17 @@ from services.weights import (
     BucketSender,
     GroupSpec,
     Manifest,
+    TensorSlot,
     Transfer,
     TransferError,
+    bind_to_buckets,
     deadline_after,
     host_store,
     make_group,
+    merge_order,
     plan_buckets,
 )
+from services.weights.manifest import ALIGN_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +60,9 @@ class BroadcastConfig(Strict):
     """How the trainer publishes weights."""
 
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective for the tensors: gloo (CPU) or nccl (GPU).")
-    bucket_mb: float = Field(16.0, gt=0, description="Tensors are packed into buckets of up to this many MiB; "
-                             "packing the next bucket overlaps sending this one. On gloo, 16-32 MiB beat one "
-                             "broadcast per tensor: each collective has a fixed start-up cost.")
+    bucket_mb: float = Field(32.0, gt=0, description="Tensors are packed into buckets of up to this many MiB; "
+                             "packing the next bucket overlaps sending this one. On gloo, 32-64 MiB beat smaller "
+                             "buckets and one broadcast per tensor: each collective has a fixed cost in time and CPU.")
     solo_mb: float | None = Field(None, ge=0, description="Tensors of this many MiB or more travel alone, straight "
                                   "from their memory (no packing copy); None = bucket_mb.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer, and of every collective.")
@@ -71,6 +75,12 @@ class BroadcastConfig(Strict):
         None, description="Cast floating tensors to this dtype before sending (the rollout engine's); None = as is."
     )
     client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers.")
+
+    @property
+    def publish_bound_s(self) -> float:
+        """The longest one publish can take, whatever its receivers do: two Begin rounds, rendezvous +
+        transfer, commit and aborts, each within its own deadline."""
+        return 2 * self.timeout_s + 8 * self.control_timeout_s
 
 
 @dataclass
@@ -145,10 +155,24 @@ class WeightBroadcaster:
         self._stubs: dict[str, weights_pb2_grpc.WeightSyncStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._manifest: tuple[tuple, Manifest] | None = None
+        self._wire: tuple[Manifest, list[weights_pb2.TensorSpec], list[int]] | None = None  # its BeginUpdate fields
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         """Change who receives from the next publish on (replicas added or removed)."""
         self.receivers = list(receivers)
+
+    def bind(self, parameters: Mapping[str, torch.Tensor]) -> None:
+        """Move `parameters` (a model's, updated in place by its optimizer) into one buffer laid out as a
+        single bucket, so that every later publish of them is one broadcast straight from their memory:
+        no packing copy, no per-bucket cost. For a model held whole in this process, published while it
+        is not being updated (a publish overlapping the next optimizer step would send a mix of two
+        steps); with `dtype` set, publishes send cast copies instead, so binding is refused."""
+        if self.config.dtype is not None:
+            raise ValueError("bind: publishes cast the tensors to config.dtype, so they never send from the parameters")
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in self._prepare(parameters).items())
+        whole = sum(TensorSlot(name, shape, dtype, 0, 0).nbytes for name, shape, dtype in key) + ALIGN_BYTES * len(key)
+        self._manifest = (key, plan_buckets(merge_order(key), whole, solo_bytes=whole + 1))
+        bind_to_buckets(parameters, self._manifest[1])
 
     async def __aenter__(self) -> Self:
         return self
@@ -157,7 +181,8 @@ class WeightBroadcaster:
         await self.close()
 
     async def close(self) -> None:
-        self._drop_group()
+        await asyncio.to_thread(self._drop_group, self.config.control_timeout_s)
+        self._store = None
         for channel in self._channels:
             await channel.close()
         self._channels.clear()
@@ -214,7 +239,9 @@ class WeightBroadcaster:
     async def _begin(self, group: _Group, manifest: Manifest, version: int) -> dict[str, grpc.RpcError]:
         """BeginUpdate to the group's members, concurrently; the errors by address."""
         await self._ensure_store()
-        specs, bucket_sizes = manifest.to_proto()
+        if self._wire is None or self._wire[0] is not manifest:
+            self._wire = (manifest, *manifest.to_proto())
+        _, specs, bucket_sizes = self._wire
 
         async def one(rank: int, address: str) -> None:
             spec = group.spec(rank, self.config.master_addr, self._store.port, self.config.backend)
@@ -306,10 +333,11 @@ class WeightBroadcaster:
         return prepared
 
     def _plan(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
-        """The bucket layout, recomputed only when names, shapes or dtypes change."""
+        """The bucket layout (in merge order: receivers adopt the staged bytes without a copy), recomputed
+        only when names, shapes or dtypes change."""
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
         if self._manifest is None or self._manifest[0] != key:
-            self._manifest = (key, plan_buckets(key, self._bucket_bytes, self._solo_bytes))
+            self._manifest = (key, plan_buckets(merge_order(key), self._bucket_bytes, self._solo_bytes))
         return self._manifest[1]
 
     def _group_for(self, members: list[str]) -> _Group:
@@ -321,9 +349,9 @@ class WeightBroadcaster:
         self._group = _Group(tuple(members), f"relayrl-wsync-{self._token}-{self._groups_planned}")
         return self._group
 
-    def _drop_group(self) -> None:
+    def _drop_group(self, wait_s: float = 0.0) -> None:
         if self._group is not None and self._group.transfer is not None:
-            self._group.transfer.close()
+            self._group.transfer.close(wait_s)
         self._group = None
 
     async def _ensure_store(self) -> None:
@@ -346,12 +374,9 @@ class BlockingWeightBroadcaster:
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-broadcast", daemon=True)
         self._thread.start()
         self.broadcaster = WeightBroadcaster(receivers, config)
-        config = self.broadcaster.config
-        # Upper bound of one publish: Begin rounds, rendezvous + transfer, commit, aborts.
-        self._publish_bound_s = 2 * config.timeout_s + 8 * config.control_timeout_s
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
-        return self._run(self.broadcaster.publish(named_tensors, version), self._publish_bound_s)
+        return self._run(self.broadcaster.publish(named_tensors, version), self.broadcaster.config.publish_bound_s)
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         self._loop.call_soon_threadsafe(self.broadcaster.set_receivers, list(receivers))

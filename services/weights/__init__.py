@@ -1,9 +1,15 @@
 """Weight sync shared by trainer and rollout: the manifest and bucket layout (manifest.py, buckets.py),
 the process group that carries the bytes (transfer.py with gloo.py / nccl.py), and the bucket stream."""
 
-from services.weights.bucket_stream import BucketSender, allocate_staging, receive_buckets, send_buckets
+from services.weights.bucket_stream import (
+    BucketSender,
+    allocate_staging,
+    bind_to_buckets,
+    receive_buckets,
+    send_buckets,
+)
 from services.weights.buckets import pack_bucket, unpack_bucket
-from services.weights.manifest import Manifest, TensorSlot, plan_buckets
+from services.weights.manifest import Manifest, TensorSlot, merge_order, plan_buckets
 from services.weights.transfer import (
     GroupSpec,
     Transfer,
@@ -17,6 +23,6 @@ from services.weights.transfer import (
 
 __all__ = [
     "BucketSender", "GroupSpec", "Manifest", "TensorSlot", "Transfer", "TransferError", "TransferTimeout", "allocate_staging",
-    "backend_device", "deadline_after", "host_store", "make_group", "pack_bucket", "plan_buckets",
+    "backend_device", "bind_to_buckets", "deadline_after", "host_store", "make_group", "merge_order", "pack_bucket", "plan_buckets",
     "receive_buckets", "send_buckets", "unpack_bucket",
 ]

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from services.weights.buckets import as_bytes, pack_bucket
-from services.weights.manifest import Manifest
+from services.weights.buckets import pack_bucket, unpack_bucket
+from services.weights.manifest import Manifest, aligned
 from services.weights.transfer import Pending, Transfer, TransferError
 
 # Broadcasts in flight at once on the sender: hides each collective's start-up cost and lets packing
@@ -19,17 +19,39 @@ PACK_BUFFERS = 2
 
 def _direct_source(manifest: Manifest, index: int, tensors: Mapping[str, torch.Tensor],
                    device: torch.device) -> torch.Tensor | None:
-    """A bucket that is exactly one contiguous tensor already on `device` is sent from that tensor."""
+    """Bucket `index`'s bytes straight from the tensors' memory, when they already lie there as the bucket
+    lays them out (one tensor alone, or tensors bound to the bucket layout: see bind_to_buckets); else None."""
     group = manifest.by_bucket[index]
-    if len(group) != 1:
+    first = tensors[group[0].name]
+    if first.device != device:
         return None
-    tensor = tensors[group[0].name].detach()
-    if tensor.device != device or not tensor.is_contiguous():
+    storage = first.untyped_storage()
+    start = first.data_ptr() - group[0].offset
+    for slot in group:
+        tensor = tensors[slot.name]
+        if (tensor.data_ptr() != start + slot.offset or not tensor.is_contiguous() or tensor.dtype != slot.dtype
+                or tuple(tensor.shape) != slot.shape or tensor.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    offset = start - storage.data_ptr()
+    if offset < 0 or offset + manifest.bucket_sizes[index] > storage.nbytes():
         return None
-    if tuple(tensor.shape) != group[0].shape or tensor.dtype != group[0].dtype:
-        raise ValueError(f"tensor {group[0].name!r}: got {tuple(tensor.shape)} {tensor.dtype}, the manifest "
-                         f"says {group[0].shape} {group[0].dtype}")
-    return as_bytes(tensor)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (manifest.bucket_sizes[index],))
+
+
+def bind_to_buckets(parameters: Mapping[str, torch.Tensor], manifest: Manifest) -> list[torch.Tensor]:
+    """Move `parameters` into one buffer laid out as `manifest`'s buckets (values kept, `.data` re-pointed).
+
+    Tensors updated in place afterwards (an optimizer step) stay there, and every bucket is broadcast
+    straight from their memory, with no packing copy. Returns the buffers (the tensors' memory now).
+    """
+    device = parameters[manifest.slots[0].name].device
+    buffers = allocate_staging(manifest, device)
+    with torch.no_grad():
+        for index, buffer in enumerate(buffers):
+            for name, view in unpack_bucket(manifest, index, buffer).items():
+                view.copy_(parameters[name])
+                parameters[name].data = view
+    return buffers
 
 
 class BucketSender:
@@ -44,8 +66,9 @@ class BucketSender:
              deadline: float) -> None:
         """Broadcast every bucket in manifest order; return once all are sent.
 
-        A bucket holding one tensor goes straight from that tensor's memory; the others are packed
-        into reusable buffers while earlier buckets are on the wire.
+        A bucket whose tensors already lie in memory as it lays them out (one tensor alone, or tensors
+        bound with bind_to_buckets) goes straight from that memory; the others are packed into reusable
+        buffers while earlier buckets are on the wire.
         """
         missing = [slot.name for slot in manifest.slots if slot.name not in tensors]
         if missing:
@@ -83,8 +106,18 @@ def send_buckets(transfer: Transfer, manifest: Manifest, tensors: Mapping[str, t
 
 
 def allocate_staging(manifest: Manifest, device: torch.device) -> list[torch.Tensor]:
-    """One uint8 buffer per bucket, where a receiver lands the broadcast."""
-    return [torch.empty(size, dtype=torch.uint8, device=device) for size in manifest.bucket_sizes]
+    """One uint8 buffer per bucket, where a receiver lands the broadcast.
+
+    The buffers are slices of one allocation, back to back at aligned offsets: tensors sent one after
+    the other stay adjacent in memory across bucket boundaries, so an engine can serve merged
+    projections (q/k/v, gate/up) straight from the staged bytes.
+    """
+    starts, end = [], 0
+    for size in manifest.bucket_sizes:
+        starts.append(aligned(end))
+        end = starts[-1] + size
+    arena = torch.empty(end, dtype=torch.uint8, device=device)
+    return [arena[start : start + size] for start, size in zip(starts, manifest.bucket_sizes, strict=True)]
 
 
 def receive_buckets(

@@ -24,7 +24,8 @@ TORCH_TO_WIRE: dict[torch.dtype, int] = {
 WIRE_TO_TORCH: dict[int, torch.dtype] = {code: dtype for dtype, code in TORCH_TO_WIRE.items()}
 
 
-def _aligned(offset: int) -> int:
+def aligned(offset: int) -> int:
+    """`offset` rounded up to ALIGN_BYTES."""
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
 
@@ -117,6 +118,37 @@ class Manifest:
 TensorLayout = Mapping[str, torch.Tensor] | Iterable[tuple[str, Sequence[int], torch.dtype]]
 
 
+# Projections that engines merge into one matrix (the native engine and vLLM: qkv_proj, gate_up_proj),
+# in merge order.
+MERGED_PROJECTIONS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_MERGE_RANK = {part: (group, rank) for group, parts in enumerate(MERGED_PROJECTIONS) for rank, part in enumerate(parts)}
+
+
+def merge_order(tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The (name, shape, dtype) triples reordered so that merged projections travel back to back.
+
+    Names are `<module>.<part>.<kind>`. Modules keep their order; within one, weights come before
+    biases, and the parts of a merged projection (MERGED_PROJECTIONS) follow each other in merge order
+    where the first of them was. Qwen2 checkpoints interleave q.weight, q.bias, k.weight, ... and
+    safetensors files sort names (k_proj before q_proj); in this order a receiving engine that merges
+    q/k/v and gate/up serves the staged bytes without a copy.
+    """
+    triples = [(name, tuple(shape), dtype) for name, shape, dtype in tensors]
+    module_seen: dict[str, int] = {}
+    group_seen: dict[tuple[str, bool, int], int] = {}
+    keys = []
+    for index, (name, _, _) in enumerate(triples):
+        module, part, kind = (["", *name.rsplit(".", 2)])[-3:]
+        is_bias = kind == "bias"
+        module_index = module_seen.setdefault(module, index)
+        if part in _MERGE_RANK:
+            group, rank = _MERGE_RANK[part]
+            keys.append((module_index, is_bias, group_seen.setdefault((module, is_bias, group), index), rank))
+        else:
+            keys.append((module_index, is_bias, index, 0))
+    return [triple for _, triple in sorted(zip(keys, triples, strict=True), key=lambda pair: pair[0])]
+
+
 def plan_buckets(tensors: TensorLayout, bucket_bytes: int, solo_bytes: int | None = None) -> Manifest:
     """Lay tensors out, in order, into buckets of at most `bucket_bytes`.
 
@@ -139,7 +171,7 @@ def plan_buckets(tensors: TensorLayout, bucket_bytes: int, solo_bytes: int | Non
             raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be broadcast")
         nbytes = TensorSlot(name, shape, dtype, bucket=0, offset=0).nbytes
         alone = nbytes >= solo_bytes
-        offset = _aligned(sizes[-1]) if can_join else 0
+        offset = aligned(sizes[-1]) if can_join else 0
         if alone or not can_join or offset + nbytes > bucket_bytes:
             sizes.append(0)
             offset = 0

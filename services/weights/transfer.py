@@ -121,10 +121,13 @@ class Transfer(ABC):
     def _release(self) -> None:
         """Free the group (may block until stuck collectives time out)."""
 
-    def close(self) -> None:
-        """Drop the group without blocking: a group with a stuck collective only frees itself once that
-        collective's timeout passes, so it is released on a daemon thread."""
-        threading.Thread(target=self._release, name=f"release-{self.spec.group_name}", daemon=True).start()
+    def close(self, wait_s: float = 0.0) -> None:
+        """Drop the group, waiting at most `wait_s` for it to be freed: a group with a stuck collective only
+        frees itself once that collective's timeout passes, so it is released on a daemon thread. A process
+        about to exit waits: a group still being freed when the interpreter finalizes aborts the process."""
+        thread = threading.Thread(target=self._release, name=f"release-{self.spec.group_name}", daemon=True)
+        thread.start()
+        thread.join(wait_s)
 
 
 def make_group(spec: GroupSpec, timeout_s: float, store: dist.Store | None = None) -> Transfer:
