@@ -13,7 +13,10 @@ and its evaluations run through the rollout service while training continues.
 
 Choices made for the baseline: TRL keeps its defaults (DAPO token-level loss, group-std reward
 scaling, no KL) except bf16=False, gradient_checkpointing=False, a constant learning rate and the
-batch above. Both sides run at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out
+batch above. relayrl uses the same loss (token-level mean, group-std advantages, clip 0.2, no KL,
+gradient norm clipped at 1) and, being asynchronous, trains on samples up to --max-staleness policy
+versions old (default 2), with the PPO ratio taken against the logprobs of the policy that sampled
+them (the clipped importance ratio is the off-policy correction); TRL is on-policy. Both sides run at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out
 accuracy in both systems (TRL 0.34 -> 0.03 within 45 s), 3e-5 learned more slowly. TRL gets one
 torch thread: with two, on this shared 2-core machine, it made 6-7 steps in 30 s against 41-115.
 
@@ -50,6 +53,8 @@ class Run:
     # From the start of the clock to the first generated completions (process start-up, model
     # loads, first weight sync): what a longer budget amortises.
     startup_s: float
+    # Extra lines for the report (relayrl: where its trainer's time went, staleness).
+    notes: tuple[str, ...] = ()
 
     def time_to(self, accuracy: float) -> float | None:
         return next((p["elapsed_s"] for p in self.curve if p["accuracy"] >= accuracy), None)
@@ -57,6 +62,10 @@ class Run:
     def accuracy_near(self, elapsed: float) -> float:
         """The evaluation closest in time to `elapsed`."""
         return min(self.curve, key=lambda p: abs(p["elapsed_s"] - elapsed))["accuracy"]
+
+    def accuracy_at_step(self, step: int) -> float:
+        """The evaluation closest to optimizer step `step` (learning per step, whatever the speed)."""
+        return min(self.curve, key=lambda p: abs(p["step"] - step))["accuracy"]
 
     @property
     def steps(self) -> int:
@@ -86,6 +95,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-eval", type=int, default=200, help="held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=4, help="longest completion (3 digits + eos)")
     parser.add_argument("--sft-target", type=float, default=0.3, help="held-out accuracy the SFT warm-up stops at")
+    parser.add_argument("--max-staleness", type=int, default=2,
+                        help="relayrl: policy versions generation may run ahead of training (TRL is on-policy)")
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
     parser.add_argument("--only", choices=("trl", "relayrl"), help="run one side (development)")
     parser.add_argument("--workdir", default=str(REPO / "runs" / "vs_trl"), help="checkpoints, logs, curves")
@@ -157,6 +168,9 @@ def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
         "rl.group_size": 8,
         "rl.groups_per_batch": 8,
         "rl.temperature": 1.0,
+        "rl.max_staleness": args.max_staleness,
+        # TRL's default loss (`dapo`): token-level mean over the batch, group-std-scaled advantages.
+        "rl.algorithm.loss_agg": "token_mean",
     }
     argv = ["-m", "_vs_trl.relayrl_side", "--out", str(out)]
     for key, value in overrides.items():
@@ -164,8 +178,23 @@ def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
     _subprocess(argv, workdir / "relayrl.log", timeout_s=args.budget_s + 300,
                 points=workdir / "relayrl" / "metrics.jsonl", label="relayrl")
     result = json.loads(out.read_text())
+    run_dir = Path(result["run_dir"])
     return Run(result["system"], result["curve"], result["completions"], result["rl_seconds"],
-               _relayrl_startup_s(Path(result["run_dir"])))
+               _relayrl_startup_s(run_dir), _relayrl_notes(run_dir, result["rl_seconds"]))
+
+
+def _relayrl_notes(run_dir: Path, seconds: float) -> tuple[str, ...]:
+    """Where the trainer's wall-clock went, and how stale its batches were."""
+    steps = _read_points(run_dir / "trainer_metrics.jsonl")
+    waiting = sum(s["pull_s"] for s in steps)
+    publishing = sum(s["publish_s"] for s in steps)
+    computing = sum(s["step_s"] - s["pull_s"] for s in steps)
+    staleness = sum(s["staleness_mean"] for s in steps) / max(len(steps), 1)
+    where = (f"relayrl trainer, of {seconds:.0f} s: {computing:.0f} s computing steps, {waiting:.0f} s waiting for "
+             f"batches, {publishing:.0f} s publishing weights, the rest start-up and checkpoints")
+    stale = (f"relayrl samples were {staleness:.2f} policy versions old on average (asynchronous, bounded by "
+             f"max_staleness; ratio clipped against the sampling policy's logprobs); TRL's are on-policy")
+    return where, stale
 
 
 def _relayrl_startup_s(run_dir: Path) -> float:
@@ -190,12 +219,20 @@ def print_report(runs: list[Run], args: argparse.Namespace, start_accuracy: floa
         print(f"{mark:>6} s" + "".join(f"{run.accuracy_near(mark):.3f}".rjust(width) for run in runs))
     print("   end  " + "".join(f"{run.final_accuracy:.3f}".rjust(width) for run in runs))
 
+    print("\nthe same evaluations by optimizer step (learning per step)")
+    print("step".rjust(8) + "".join(n.rjust(width) for n in names))
+    last_common = min(run.steps for run in runs)
+    for i in range(1, 6):
+        mark = round(i * last_common / 5)
+        print(f"{mark:>8}" + "".join(f"{run.accuracy_at_step(mark):.3f}".rjust(width) for run in runs))
+
     print()
     rows = [("time to 0.8", lambda r: _seconds(r.time_to(0.8))),
             ("time to 0.9", lambda r: _seconds(r.time_to(0.9))),
             ("final accuracy", lambda r: f"{r.final_accuracy:.3f}"),
             ("best accuracy", lambda r: f"{max(p['accuracy'] for p in r.curve):.3f}"),
             ("optimizer steps", lambda r: str(r.steps)),
+            ("steps/min", lambda r: f"{60 * r.steps / r.seconds:.0f}"),
             ("completions", lambda r: str(r.completions)),
             ("training seconds", lambda r: f"{r.seconds:.0f}"),
             ("completions/s", lambda r: f"{r.completions_per_s:.1f}"),
@@ -204,6 +241,10 @@ def print_report(runs: list[Run], args: argparse.Namespace, start_accuracy: floa
     print("".ljust(18) + "".join(n.rjust(width) for n in names))
     for label, cell in rows:
         print(label.ljust(18) + "".join(cell(run).rjust(width) for run in runs))
+    print()
+    for run in runs:
+        for note in run.notes:
+            print(note)
 
 
 def print_results(relayrl: Run, trl: Run, budget_s: float) -> None:

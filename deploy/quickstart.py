@@ -60,7 +60,9 @@ class RLConfig(Strict):
     max_steps: int = Field(100_000, gt=0, description="Stop after this many optimizer steps (if sooner).")
     group_size: int = Field(8, ge=2, description="Completions per prompt.")
     groups_per_batch: int = Field(8, ge=1, description="Prompts per optimizer step.")
-    max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy; k = generation may run k versions ahead.")
+    max_staleness: int = Field(2, ge=0, description="0 = synchronous on-policy; k = generation may run k versions "
+                               "ahead (2 keeps the trainer fed here; the PPO ratio against the sampling policy's "
+                               "logprobs corrects for it).")
     temperature: float = Field(1.0, gt=0)
     max_tokens: int = Field(4, gt=0, description="Longest answer generated.")
     lr: float = Field(1e-4, gt=0, description="3e-4 collapsed the policy here (TRL's GRPOTrainer too); 1e-4 learns.")
@@ -68,6 +70,7 @@ class RLConfig(Strict):
     eval_interval_s: float = Field(15.0, gt=0, description="Held-out greedy accuracy every this many seconds.")
     algorithm: dict = Field(default_factory=lambda: {"name": "grpo"},
                             description="trainer.config.AlgorithmConfig fields (variants: Dr. GRPO, DAPO, ...).")
+    publish_overlap: bool = Field(True, description="Send new weights while the next step computes (trainer.config.PublishConfig.overlap).")
     driver_concurrency: int = Field(32, ge=1, description="Prompts the driver keeps in flight (more overlaps RPC latency; staleness stays bounded).")
 
 
@@ -263,7 +266,7 @@ def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
             "buffer": {"address": buffer.address},
             "max_steps": rl.max_steps,
             "max_staleness": rl.max_staleness,
-            "publish": {"receivers": [rollout.address]},
+            "publish": {"receivers": [rollout.address], "overlap": rl.publish_overlap},
             "seed": config.seed,
             "log_interval": 10,
             "metrics_path": str(run_dir / "trainer_metrics.jsonl"),

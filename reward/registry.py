@@ -39,6 +39,10 @@ class RewardSpec:
     # "module:function" called with the same arguments before scoring, outside the per-sample
     # timeout, to load what the function needs (a reward model's weights).
     prepare: str | None = None
+    # Safe to run in the server process: pure, no imports of user code, no pattern from the request,
+    # and run time bounded by the length of the response (the scorer caps that length). Saves a
+    # worker round trip per sample; everything else runs in workers that a timeout can kill.
+    inline: bool = False
 
 
 class UnknownFunction(LookupError):
@@ -52,8 +56,8 @@ class BadFunction(ValueError):
 BUILTINS: dict[str, RewardSpec] = {
     spec.name: spec
     for spec in (
-        RewardSpec("exact_match", "reward.match:exact_match"),
-        RewardSpec("numeric_match", "reward.match:numeric_match"),
+        RewardSpec("exact_match", "reward.match:exact_match", inline=True),
+        RewardSpec("numeric_match", "reward.match:numeric_match", inline=True),
         RewardSpec("regex_match", "reward.match:regex_match"),
         RewardSpec("math_verify", "reward.math:math_verify"),
         RewardSpec("code_exec", "reward.code:code_exec"),

@@ -3,6 +3,10 @@
 A sample whose function raises, hangs past its timeout or kills its worker comes back FAILED
 with a reason; the rest of the batch is scored as usual. Only request-level problems (an unknown
 function, arguments that do not fit it) fail the whole call.
+
+Built-ins marked `inline` (exact and numeric match) score responses of up to `inline_max_chars`
+characters in this process: a worker round trip costs more than such a check (milliseconds of
+IPC against microseconds). Longer responses, and every other function, go to the workers.
 """
 
 import asyncio
@@ -14,8 +18,8 @@ from typing import Any
 
 from protos.sample import Sample, SampleStatus
 from reward.metrics import FAILURES, LATENCY, SCORES
-from reward.registry import BadFunction, Registry, RewardSpec, call_args
-from reward.workers import Call, WorkerDied, WorkerPool
+from reward.registry import BadFunction, Registry, RewardSpec, call_args, check_args, load
+from reward.workers import Call, Reply, WorkerDied, WorkerPool, run_function
 
 
 @dataclass
@@ -51,6 +55,9 @@ class ScorerSettings:
     # How long a worker may take to import a function, check its arguments and run its prepare
     # hook (first use loads math-verify, torch, a reward model).
     load_timeout_s: float = 120.0
+    # `inline` functions score responses up to this many characters in the server process (their
+    # run time grows with the text, so the cap bounds it); 0 = always in workers.
+    inline_max_chars: int = 4096
 
 
 class Scorer:
@@ -78,6 +85,9 @@ class Scorer:
     def _pool(self, spec: RewardSpec) -> WorkerPool:
         return self.batch_pool if spec.batched else self.sample_pool
 
+    def _runs_inline(self, spec: RewardSpec, sample: Sample) -> bool:
+        return spec.inline and not spec.batched and len(sample.response_text) <= self.settings.inline_max_chars
+
     async def check(self, spec: RewardSpec, request_args: Mapping[str, Any]) -> dict[str, Any]:
         """The full arguments for `spec`, checked against its signature in a worker.
 
@@ -85,6 +95,9 @@ class Scorer:
         a failing prepare hook).
         """
         args = call_args(spec, request_args)
+        if spec.inline:
+            check_args(spec, load(spec), args)  # a long response may still go to a worker, which checks again
+            return args
         try:
             reply = await self._pool(spec).call(Call("check", spec, args, []), self.settings.load_timeout_s)
         except (TimeoutError, WorkerDied) as exc:
@@ -104,6 +117,8 @@ class Scorer:
             if sample.status == SampleStatus.FAILED:
                 outcomes[i] = ScoreOutcome.failed(f"not scored: generation failed ({sample.reason})")
                 FAILURES.labels(spec.name, "not_scored").inc()
+            elif self._runs_inline(spec, sample):
+                outcomes[i] = self._score_inline(sample, spec, args)
             else:
                 todo.append(i)
         size = self.settings.batch_chunk if spec.batched else 1
@@ -114,6 +129,12 @@ class Scorer:
             for i, outcome in zip(chunk, chunk_outcomes):
                 outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
+
+    def _score_inline(self, sample: Sample, spec: RewardSpec, args: Mapping[str, Any]) -> ScoreOutcome:
+        start = time.perf_counter()
+        reply = run_function(spec, load(spec), [sample], args)
+        LATENCY.labels(spec.name).observe(time.perf_counter() - start)
+        return self._outcomes(spec, [sample], reply)[0]
 
     async def _score_chunk(self, samples: list[Sample], spec: RewardSpec, args: Mapping[str, Any],
                            timeout_s: float) -> list[ScoreOutcome]:
@@ -126,6 +147,9 @@ class Scorer:
             return self._failed(spec, samples, "worker_died", f"reward worker died: {exc}")
         finally:
             LATENCY.labels(spec.name).observe(time.perf_counter() - start)
+        return self._outcomes(spec, samples, reply)
+
+    def _outcomes(self, spec: RewardSpec, samples: list[Sample], reply: Reply) -> list[ScoreOutcome]:
         if reply.kind != "ok":
             return self._failed(spec, samples, "error", reply.message)
         for output in reply.outputs:

@@ -45,6 +45,9 @@ class Config(Strict):
     max_batch_samples: int = Field(16384, gt=0, description="Most samples one Score request may carry.")
     load_timeout_s: float = Field(120.0, gt=0, description="Time a worker may take to import a function and "
                                   "prepare it (load a reward model).")
+    inline_max_chars: int = Field(4096, ge=0, description="Built-ins marked inline (exact/numeric match) score "
+                                  "responses up to this many characters in the server process, without a worker "
+                                  "round trip; longer ones go to workers. 0 = always in workers.")
     allow_custom: bool = Field(False, description="Let requests name any importable 'package.module:function'.")
     functions: dict[str, FunctionConfig] = Field(default_factory=dict, description="Extra named functions.")
     reward_models: dict[str, RewardModelConfig] = Field(
@@ -117,7 +120,7 @@ async def serve(config: Config) -> None:
     settings = ScorerSettings(
         max_concurrency=config.max_concurrency, model_workers=config.model_workers,
         threads_per_worker=config.threads_per_worker, batch_chunk=config.batch_chunk,
-        load_timeout_s=config.load_timeout_s,
+        load_timeout_s=config.load_timeout_s, inline_max_chars=config.inline_max_chars,
     )
     scorer = Scorer(build_registry(config), settings, allow_custom=config.allow_custom)
     scorer.start()

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -59,15 +59,20 @@ def _serve_call(call: Call) -> Reply:
         return Reply("bad_function", [], str(exc))
     if call.kind == "check":
         return _prepare(call)
+    return run_function(call.spec, fn, call.samples, call.args)
+
+
+def run_function(spec: RewardSpec, fn: Callable, samples: list[Sample], args: Mapping[str, Any]) -> Reply:
+    """Score `samples` with the loaded `fn` (in a worker, or inline in the server for safe built-ins)."""
     # A reward function's failure is the sample's result (FAILED with this reason), never the worker's end.
     try:
-        if call.spec.batched:
-            values = list(fn(call.samples, **call.args))
-            if len(values) != len(call.samples):
-                raise ValueError(f"{call.spec.name} returned {len(values)} results for {len(call.samples)} samples")
+        if spec.batched:
+            values = list(fn(samples, **args))
+            if len(values) != len(samples):
+                raise ValueError(f"{spec.name} returned {len(values)} results for {len(samples)} samples")
         else:
-            values = [fn(sample, **call.args) for sample in call.samples]
-        return Reply("ok", [as_output(value, call.spec.name) for value in values])
+            values = [fn(sample, **args) for sample in samples]
+        return Reply("ok", [as_output(value, spec.name) for value in values])
     except Exception as exc:  # noqa: BLE001
         return Reply("error", [], f"{type(exc).__name__}: {exc}"[:500])
 

@@ -168,6 +168,33 @@ def test_a_replacement_worker_is_prepared_before_it_takes_samples(loop):
     assert scorer.sample_pool.replaced == 1
 
 
+def test_safe_builtins_score_inline_and_long_responses_go_to_workers(loop, scorer):
+    samples = [text_sample(0, " 42. ", answer="42"), text_sample(1, "41", answer="42"), text_sample(2, "no key"),
+               text_sample(3, "1,234.5", answer=1234.5)]
+    unstarted = Scorer(Registry(BUILTINS), ScorerSettings(max_concurrency=1, load_timeout_s=60))  # no workers
+
+    def outcomes(scorer_, name, batch, args=None):
+        return [(o.reward, o.status, o.reason) for o in score(loop, scorer_, name, batch, args, timeout_s=10.0)]
+
+    inline = outcomes(unstarted, "exact_match", samples[:3])
+    assert inline == outcomes(scorer, "exact_match", samples[:3])
+    assert [r for r, _, _ in inline] == [1.0, 0.0, 0.0] and inline[2][1] == SampleStatus.FAILED
+    assert "metadata['answer'] is missing" in inline[2][2]
+    assert outcomes(unstarted, "numeric_match", samples[3:]) == [(1.0, SampleStatus.COMPLETED, "parsed 1234.5")]
+    with pytest.raises(BadFunction, match="unexpected keyword argument 'nope'"):
+        score(loop, unstarted, "exact_match", [], {"nope": 1})
+
+    # Over the cap a worker scores it (the started scorer answers; the unstarted one would wait forever).
+    capped = Scorer(scorer.registry, ScorerSettings(inline_max_chars=3))
+    capped.sample_pool = scorer.sample_pool
+    long_text = [text_sample(0, "  42  ", answer="42")]
+    assert outcomes(capped, "exact_match", long_text) == outcomes(unstarted, "exact_match", long_text)
+    with pytest.raises(asyncio.TimeoutError):
+        loop.run_until_complete(asyncio.wait_for(
+            Scorer(Registry(BUILTINS), ScorerSettings(inline_max_chars=3)).score(
+                long_text, BUILTINS["exact_match"], {}, 10.0), 0.5))
+
+
 def test_check_timeout():
     assert check_timeout(0, 30, 600) == 30 and check_timeout(2.5, 30, 600) == 2.5
     for bad in (-1, float("nan"), float("inf"), 601):

@@ -82,7 +82,8 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_path, service_factory):
+@pytest.mark.parametrize("overlap", [False, True], ids=["publish", "overlapped-publish"])
+def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_path, service_factory, overlap):
     from transformers import AutoModelForCausalLM
 
     from protos import rollout_pb2, rollout_pb2_grpc
@@ -103,7 +104,7 @@ def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_p
             "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
             "optim": {"lr": 1e-2},
             "max_steps": 2,
-            "publish": {"receivers": [rollout.address], "timeout_s": 30},
+            "publish": {"receivers": [rollout.address], "timeout_s": 30, "overlap": overlap},
             "metrics_path": str(tmp_path / "metrics.jsonl"),
             "checkpoint": {"dir": str(tmp_path / "checkpoints"), "export_dir": str(tmp_path / "export")},
         }

@@ -130,6 +130,12 @@ class BufferClientConfig(Strict):
     lease_timeout_s: float = Field(0.0, ge=0, description="Lease per batch; 0 = the buffer's default.")
     allow_partial_groups: bool = Field(False, description="Accept batches with incomplete groups.")
     consumer: str = Field("trainer", description="Name the buffer logs this consumer under.")
+    prefetch: bool = Field(
+        True,
+        description="Pull the next batch on a background thread while weights are published and checkpoints "
+        "written. It starts after the ack of the step before, so the buffer checks staleness against the version "
+        "that batch trains at.",
+    )
 
 
 class PublishConfig(Strict):
@@ -137,6 +143,12 @@ class PublishConfig(Strict):
 
     receivers: list[str] = Field(default_factory=list, description="host:port of each rollout worker; empty = no publish.")
     interval: int = Field(1, gt=0, description="Publish every this many optimizer steps.")
+    overlap: bool = Field(
+        False,
+        description="Send the weights on a background thread while the next step computes (one publish in "
+        "flight; the next one waits for it). The trainer stops waiting for the rollout to switch versions; the "
+        "buffer's staleness bound still holds, by the versions the samples carry.",
+    )
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective that carries the tensors.")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")

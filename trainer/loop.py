@@ -3,12 +3,18 @@
 Rank 0 talks to the buffer and hands every pulled batch to all ranks. A batch is acked only
 after the optimizer step(s) that used it, so after a crash its lease expires and the buffer
 delivers it again to the restarted trainer, which resumes from its last checkpoint.
+
+Two waits can leave the critical path (config): the next batch's pull, started right after the ack
+and running while weights are published and checkpoints written (`buffer.prefetch`), and the
+weight transfer itself, running while the next step computes (`publish.overlap`).
 """
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
@@ -45,6 +51,40 @@ class BatchSource(Protocol):
     def set_version(self, version: int) -> int: ...
 
 
+class Background:
+    """One call at a time on a daemon thread; its result or exception comes back from `wait`.
+
+    Daemon: a call stuck in a wait of its own (a pull for a batch that never comes) cannot keep a
+    stopping process alive; each such call has its own deadline too.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._future: Future | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._future is not None
+
+    def start(self, fn: Callable, *args) -> None:
+        if self._future is not None:
+            raise RuntimeError(f"{self.name}: a call is already in flight")
+        future = self._future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of wait(), who re-raises it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=self.name, daemon=True).start()
+
+    def wait(self, timeout_s: float):
+        """The call's result (its exception is raised here); None when nothing is in flight."""
+        future, self._future = self._future, None
+        return None if future is None else future.result(timeout_s)
+
+
 def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publish: Publisher | None = None) -> TrainState:
     """Train until config.max_steps optimizer steps; resume from the latest checkpoint if any."""
     learner = Learner(config, env)
@@ -52,12 +92,20 @@ def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publi
     if env.is_main:
         source.set_version(state.weight_version)
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
+    pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack
+    publish_wait_s = config.publish.timeout_s + 60.0
+    prefetch, sending = Background("relayrl-prefetch"), Background("relayrl-publish")
+    if publishing and config.publish.overlap and env.is_main:
+        publish = overlapped(publish, sending)
     if publishing and state.step > 0:
         publish_weights(learner, state.weight_version, publish, env)
     publish_s = 0.0  # the last publish's duration, reported with the steps after it
     while state.step < config.max_steps:
         started = time.monotonic()
-        leased: LeasedBatch = env.broadcast_object(source.pull(config.batch.global_batch_size) if env.is_main else None)
+        pulled = None
+        if env.is_main:  # the batch prefetched after the last step's ack, else a pull now
+            pulled = prefetch.wait(pull_wait_s) if prefetch.busy else source.pull(config.batch.global_batch_size)
+        leased: LeasedBatch = env.broadcast_object(pulled)
         batch_stats = {
             **measure_staleness(leased.samples, state.weight_version, config.max_staleness),
             "reward_mean": sum(s.reward for s in leased.samples) / len(leased.samples),
@@ -73,17 +121,30 @@ def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publi
         state.samples_trained += len(leased.samples)
         if env.is_main:
             source.ack(leased.lease_id, state.weight_version)
+            if config.buffer.prefetch and state.step < config.max_steps:
+                prefetch.start(source.pull, config.batch.global_batch_size)
         if publishing and _due(steps_before, state.step, config.publish.interval):
             publish_started = time.monotonic()
+            sending.wait(publish_wait_s)  # the previous overlapped publish, if any
             publish_weights(learner, state.weight_version, publish, env)
             publish_s = time.monotonic() - publish_started
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
             save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
+    sending.wait(publish_wait_s)
     if config.checkpoint.dir:
         save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
     if config.checkpoint.export_dir:
         export_hf(config.checkpoint.export_dir, learner.policy, config.model_path, env)
     return state
+
+
+def overlapped(send: Publisher, background: Background) -> Publisher:
+    """A publisher that hands each publish to `background` and returns at once."""
+
+    def start(named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        background.start(send, named_tensors, version)
+
+    return start
 
 
 def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
