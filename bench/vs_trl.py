@@ -16,9 +16,10 @@ scaling, no KL) except bf16=False, gradient_checkpointing=False, a constant lear
 batch above. relayrl uses the same loss (token-level mean, group-std advantages, clip 0.2, no KL,
 gradient norm clipped at 1) and, being asynchronous, trains on samples up to --max-staleness policy
 versions old (default 2), with the PPO ratio taken against the logprobs of the policy that sampled
-them (the clipped importance ratio is the off-policy correction); TRL is on-policy. Both sides run at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out
-accuracy in both systems (TRL 0.34 -> 0.03 within 45 s), 3e-5 learned more slowly. TRL gets one
-torch thread: with two, on this shared 2-core machine, it made 6-7 steps in 30 s against 41-115.
+them (the clipped importance ratio is the off-policy correction); TRL is on-policy. Both sides run
+at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out accuracy in both systems (TRL
+0.34 -> 0.03 within 45 s), 3e-5 learned more slowly. TRL gets one torch thread: with two, on this
+shared 2-core machine, it made 6-7 steps in 30 s against 41-115.
 
     python bench/vs_trl.py            # 600 s each (about 25 minutes in all)
     python bench/vs_trl.py --quick    # 60 s each: a smoke test

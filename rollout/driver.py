@@ -199,7 +199,7 @@ class Driver:
         if self.teacher is None:
             scored = await scoring
         else:
-            scored, _ = await asyncio.gather(scoring, self._add_teacher_logprobs(request.prompt_ids, reply, samples))
+            scored, _ = await asyncio.gather(scoring, self._add_teacher_logprobs(request.prompt_ids, reply, protos))
         for sample, proto, result in zip(samples, protos, scored, strict=True):
             sample.reward = proto.reward = result.reward
             sample.reward_details = dict(result.details)
@@ -208,20 +208,19 @@ class Driver:
                 sample.status, sample.reason = SampleStatus.FAILED, f"reward: {result.reason}"
                 proto.status, proto.reason = int(sample.status), sample.reason
                 self.stats["failed"] += 1
-            if sample.ref_logprobs.size:
-                proto.ref_logprobs.CopyFrom(encode_array(sample.ref_logprobs, "float32"))
         await self.storer.submit(protos)
         self.stats["groups"] += 1
         self.stats["samples"] += len(samples)
         self.stats["tokens"] += sum(s.response_ids.size for s in samples)
         self.stats["reward_sum"] += sum(s.reward for s in samples)
 
-    async def _add_teacher_logprobs(self, prompt_ids, reply, samples: list[Sample]) -> None:
+    async def _add_teacher_logprobs(self, prompt_ids, reply, protos: list) -> None:
         """The teacher's logprob of every sampled token, as the samples' ref_logprobs."""
         teacher = await self._call(self.teacher.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
             prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions]), "ComputeLogprobs")
-        for sample, logprobs in zip(samples, teacher.logprobs, strict=True):
-            sample.ref_logprobs = decode_array(logprobs, "ref_logprobs", "float32")
+        for proto, logprobs in zip(protos, teacher.logprobs, strict=True):
+            decode_array(logprobs, "ref_logprobs", "float32")  # a malformed reply fails here, not in the buffer
+            proto.ref_logprobs.CopyFrom(logprobs)
 
     async def run(self, prompts: list[Prompt], stop: asyncio.Event | None = None) -> None:
         cfg = self.config

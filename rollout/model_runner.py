@@ -61,11 +61,9 @@ class ModelRunner:
     def score(self, seqs: list[Sequence], starts: list[int]) -> list[list[float]]:
         """Logprobs (temperature 1) of tokens starts[i]: of each sequence given the tokens before them.
 
-        One prefill over the whole sequences (which hold blocks for every token); logits are made per
+        One prefill over the whole sequences (fresh: blocks for every token, none cached yet); logits are made per
         sequence, so a long sequence with a large vocabulary never holds [all tokens, vocab] at once.
         """
-        for seq in seqs:
-            seq.num_cached_tokens = 0
         input_ids, positions, meta, last_rows = self._prepare(seqs, is_prefill=True)
         hidden = self.model(input_ids, positions, self.cache, meta)
         results = []
