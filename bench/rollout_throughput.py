@@ -15,6 +15,13 @@ lines use CPU time. Runs of the two alternate, so slow phases of the machine hit
 Threads: torch runs with `--threads` (default 1) intra-op threads for both engines, because more
 threads than free cores makes both slower and noisier.
 
+Ceiling: the same weights multiply the same rows on both sides, and at batch 16-64 those matmuls run
+near this CPU's single-core peak. After the timed runs, one more native run per batch size goes
+under torch.profiler; the share of its CPU time spent in matmul kernels (aten::mm/addmm/bmm) gives
+the ratio the engine would reach if everything but its matmuls took no time at all:
+ceiling = ratio / matmul share. A target above that line needs fewer or faster matmuls (another
+dtype, another machine), not a better engine.
+
     python bench/rollout_throughput.py [--quick] [--threads N]
 """
 
@@ -84,6 +91,20 @@ def measure(runs: dict, repeats: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(c for c, _ in rs), statistics.median(w for _, w in rs)) for name, rs in rates.items()}
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def matmul_share(fn) -> float:
+    """Share of `fn()`'s CPU time spent inside matmul kernels, by torch.profiler's self times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and one repeat (under a minute)")
@@ -107,8 +128,9 @@ def main() -> None:
 
     print(f"tiny qwen2 hidden 256 x 4 layers, head_dim 64, float32, CPU, {args.threads} thread(s), "
           f"up to {max_tokens} new tokens, median of {repeats}")
-    print(f"{'batch':>5} | {'native tok/s cpu (wall)':>23} | {'transformers tok/s cpu (wall)':>29} | {'ratio cpu (wall)':>16}")
-    ratios = {}
+    print(f"{'batch':>5} | {'native tok/s cpu (wall)':>23} | {'transformers tok/s cpu (wall)':>29} | "
+          f"{'ratio cpu (wall)':>16} | {'matmul share':>12} | {'ceiling':>7}")
+    ratios, ceilings = {}, {}
     for batch in args.batches:
         prompts = make_prompts(batch, seed=batch)
         with torch.inference_mode():
@@ -116,14 +138,18 @@ def main() -> None:
                 "native": lambda s, p=prompts: run_engine(engine, p, max_tokens, s),
                 "hf": lambda s, p=prompts: run_transformers(hf_model, p, max_tokens, s),
             }, repeats)
+            share = matmul_share(lambda p=prompts: run_engine(engine, p, max_tokens, 20_000))
         (native_cpu, native_wall), (hf_cpu, hf_wall) = rates["native"], rates["hf"]
         ratios[batch] = native_cpu / hf_cpu
+        ceilings[batch] = ratios[batch] / share
         print(f"{batch:>5} | {native_cpu:>11.0f} ({native_wall:>9.0f}) | {hf_cpu:>17.0f} ({hf_wall:>9.0f}) | "
-              f"{ratios[batch]:>7.2f} ({native_wall / hf_wall:>6.2f})")
+              f"{ratios[batch]:>7.2f} ({native_wall / hf_wall:>6.2f}) | {share:>12.2f} | {ceilings[batch]:>7.2f}")
+    print("matmul share = the native engine's CPU time in matmul kernels (torch.profiler, one more run); ceiling = "
+          "ratio / matmul share, the ratio with everything but those matmuls free")
     for batch, ratio in ratios.items():
         target = ">= 3" if batch == 64 else "none"
         print(f"result: tokens_per_s_ratio_bs{batch} = {ratio:.2f} (baseline transformers generate, CPU time, "
-              f"target {target})")
+              f"target {target}; ceiling with its matmuls alone: {ceilings[batch]:.2f})")
 
 if __name__ == "__main__":
     main()

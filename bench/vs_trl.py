@@ -15,11 +15,11 @@ Choices made for the baseline: TRL keeps its defaults (DAPO token-level loss, gr
 scaling, no KL) except bf16=False, gradient_checkpointing=False, a constant learning rate and the
 batch above. relayrl uses the same loss (token-level mean, group-std advantages, clip 0.2, no KL,
 gradient norm clipped at 1) and, being asynchronous, trains on samples up to --max-staleness policy
-versions old (default 2), with the PPO ratio taken against the logprobs of the policy that sampled
-them (the clipped importance ratio is the off-policy correction); TRL is on-policy. Both sides run
-at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out accuracy in both systems (TRL
-0.34 -> 0.03 within 45 s), 3e-5 learned more slowly. TRL gets one torch thread: with two, on this
-shared 2-core machine, it made 6-7 steps in 30 s against 41-115.
+versions old (default 1, as the quickstart), with the PPO ratio taken against the logprobs of the
+policy that sampled them (the clipped importance ratio is the off-policy correction); TRL is
+on-policy. Both sides run at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out accuracy
+in both systems (TRL 0.34 -> 0.03 within 45 s), 3e-5 learned more slowly. TRL gets one torch
+thread: with two, on this shared 2-core machine, it made 6-7 steps in 30 s against 41-115.
 
     python bench/vs_trl.py            # 600 s each (about 25 minutes in all)
     python bench/vs_trl.py --quick    # 60 s each: a smoke test
@@ -96,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-eval", type=int, default=200, help="held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=4, help="longest completion (3 digits + eos)")
     parser.add_argument("--sft-target", type=float, default=0.3, help="held-out accuracy the SFT warm-up stops at")
-    parser.add_argument("--max-staleness", type=int, default=2,
+    parser.add_argument("--max-staleness", type=int, default=1,
                         help="relayrl: policy versions generation may run ahead of training (TRL is on-policy)")
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
     parser.add_argument("--only", choices=("trl", "relayrl"), help="run one side (development)")

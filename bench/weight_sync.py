@@ -3,15 +3,19 @@
 For models of ~50 MB and ~400 MB (float32 Qwen2 decoders: hidden 512, as many layers as the size
 takes) and 1, 2 and 4 receiver processes, one run measures:
 
-  publish   WeightBroadcaster.publish of the checkpoint's state dict (what a trainer sends): BeginUpdate
-            over gRPC, the buckets over the kept-alive gloo group, CommitUpdate (each receiver's native
-            engine switches to the received tensors between two steps). Receivers are real rollout
-            engines (AsyncEngine + WeightReceiver gRPC servers) in their own processes.
+  publish   what the trainer does when it holds its policy whole (one process, the default
+            `publish.bind`): WeightBroadcaster.publish of parameters bound to one buffer laid out as a
+            single bucket (WeightBroadcaster.bind) — BeginUpdate over gRPC, one broadcast straight from
+            their memory over the kept-alive gloo group, CommitUpdate (each receiver's native engine
+            switches to the received tensors between two steps). Receivers are real rollout engines
+            (AsyncEngine + WeightReceiver gRPC servers) in their own processes.
+  snapshot  what an overlapped publish (`publish.overlap`) adds to the trainer's step instead of the
+            whole publish: WeightBroadcaster.snapshot, one memcpy of the bound buffer, then the same send.
+  packed    the same publish of a gathered state dict (each tensor in its own memory, as a data-parallel
+            FSDP trainer gathers it): the broadcaster packs it into 32 MiB buckets while sending.
   raw gloo  ProcessGroupGloo.broadcast of one flat buffer of the same bytes to the same number of
-            plain processes, then a barrier (so the time covers arrival everywhere).
-  bound     the same publish from tensors bound to one buffer laid out as a single bucket
-            (WeightBroadcaster.bind, for a trainer that holds its model whole): one broadcast straight
-            from their memory, no packing copy. Measured after the publish rounds, with their own raw rounds.
+            plain processes, then a barrier (so the time covers arrival everywhere). Each kind of publish
+            alternates with its own raw rounds.
   copy      one in-memory Tensor.copy_ of the same bytes (a single thread).
 
 Raw and publish rounds alternate, and medians are quoted, because the machine is shared.
@@ -176,12 +180,17 @@ async def measure_pair(model: pathlib.Path, tensors: dict, receivers: int, repea
             raw_pg.barrier().wait()
             return time.perf_counter() - started
 
-        async def rounds(publish_tensors: dict, bind: bool) -> tuple[list, list, PublishReport]:
+        async def rounds(publish_tensors: dict, bind: bool) -> tuple[list, list, PublishReport, list]:
             """Warm-up publishes, then `repeats` (raw round, publish) pairs on one kept group."""
-            measured = []
+            measured, snapshots = [], []
             async with WeightBroadcaster(addresses, config) as broadcaster:
                 if bind:
                     broadcaster.bind(publish_tensors)
+                    broadcaster.snapshot()  # allocates its buffer
+                    for _ in range(repeats):
+                        started = time.perf_counter()
+                        broadcaster.snapshot()
+                        snapshots.append(time.perf_counter() - started)
                 first = await broadcaster.publish(publish_tensors, next(versions))  # forms the group
                 assert first.ok, first.failed
                 # The second publish allocates the second set of staging buffers (the engine serves the first).
@@ -192,28 +201,29 @@ async def measure_pair(model: pathlib.Path, tensors: dict, receivers: int, repea
                     raw = await asyncio.to_thread(raw_round)
                     measured.append((raw, await broadcaster.publish(publish_tensors, next(versions))))
                     assert measured[-1][1].ok and measured[-1][1].group_reused, measured[-1][1].failed
-            return [raw for raw, _ in measured], [report for _, report in measured], first
+            return [raw for raw, _ in measured], [report for _, report in measured], first, snapshots
 
         versions = itertools.count(1)
-        raw, reports, first = await rounds(tensors, bind=False)
-        bound_raw, bound_reports, _ = await rounds({name: t.clone() for name, t in tensors.items()}, bind=True)
+        raw, reports, first, snapshots = await rounds({name: t.clone() for name, t in tensors.items()}, bind=True)
+        packed_raw, packed_reports, _, _ = await rounds(tensors, bind=False)
         publish = [report.total_s for report in reports]
         parts = []
         for report in reports:
             switch_s = max(r.switch_s for r in report.results)
             parts.append((report.begin_s, report.transfer_s, report.commit_s, switch_s, report.total_s - switch_s))
-        bound_publish = [report.total_s for report in bound_reports]
+        packed_publish = [report.total_s for report in packed_reports]
         command.zero_()
         raw_pg.broadcast(command, 0).wait()
         return {
             "bytes": nbytes, "raw": statistics.median(raw), "publish": statistics.median(publish),
             "first": first.total_s, "parts": [statistics.median(p) for p in zip(*parts)],
+            "snapshot": statistics.median(snapshots),
             # Ratios of adjacent rounds share the machine's load of the moment: their median is steadier
             # than a ratio of medians on a shared machine.
             "ratio": statistics.median(r / p for r, p in zip(raw, publish)),
             "ratio_without_switch": statistics.median(r / p[-1] for r, p in zip(raw, parts)),
-            "bound": statistics.median(bound_publish),
-            "bound_ratio": statistics.median(r / p for r, p in zip(bound_raw, bound_publish)),
+            "packed": statistics.median(packed_publish),
+            "packed_ratio": statistics.median(r / p for r, p in zip(packed_raw, packed_publish)),
         }
     finally:
         _stop(service_procs)
@@ -256,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     header = (f"{'model':>7} {'recv':>4} {'copy s':>7} {'raw gloo s':>10} {'publish s':>9} {'GB/s':>6} "
               f"{'begin':>6} {'xfer':>6} {'commit':>6} {'switch':>6} {'1st s':>6} {'raw/pub':>7} {'raw/(pub-sw)':>12} "
-              f"{'copy/pub':>8} {'bound s':>7} {'raw/bound':>9}")
+              f"{'copy/pub':>8} {'snapshot':>8} {'packed s':>8} {'raw/packed':>10}")
     print(header, flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
@@ -273,19 +283,20 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{row['bytes'] / 1e6:>5.0f}MB {receivers:>4} {copy_s:>7.3f} {row['raw']:>10.3f} "
                       f"{row['publish']:>9.3f} {row['bytes'] / row['publish'] / 1e9:>6.2f} {begin:>6.3f} "
                       f"{transfer:>6.3f} {commit:>6.3f} {switch:>6.3f} {row['first']:>6.2f} {ratio:>7.2f} "
-                      f"{row['ratio_without_switch']:>12.2f} {copy_s / row['publish']:>8.2f} {row['bound']:>7.3f} "
-                      f"{row['bound_ratio']:>9.2f}", flush=True)
-                results.append((size_mb, receivers, ratio, row["bound_ratio"]))
+                      f"{row['ratio_without_switch']:>12.2f} {copy_s / row['publish']:>8.2f} {row['snapshot']:>8.3f} "
+                      f"{row['packed']:>8.3f} {row['packed_ratio']:>10.2f}", flush=True)
+                results.append((size_mb, receivers, ratio, row["packed_ratio"]))
     print("raw/pub = median over rounds of raw gloo time / publish time of the adjacent round (1.0: publishing "
           "costs no more than the bare broadcast); "
           "raw/(pub-sw) = the same without the receivers' switch (the engine taking the staged tensors as its "
           "parameters, part of commit, which a raw broadcast does not do); 1st s = the first publish, which "
-          "forms the group and allocates the staging buffers; bound s = a publish of tensors bound to one buffer "
-          "(WeightBroadcaster.bind: one broadcast from their memory, no packing copy), raw/bound its ratio")
-    for size_mb, receivers, ratio, bound_ratio in results:
+          "forms the group and allocates the staging buffers; snapshot = the memcpy an overlapped publish puts "
+          "on the trainer's step; packed s = a publish of a gathered state dict (packed into buckets while "
+          "sending; the data-parallel trainer's path), raw/packed its ratio")
+    for size_mb, receivers, ratio, packed_ratio in results:
         print(f"result: publish_vs_raw_gloo_{size_mb}mb_{receivers}recv = {ratio:.2f} "
               f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
-        print(f"result: publish_bound_vs_raw_gloo_{size_mb}mb_{receivers}recv = {bound_ratio:.2f} "
+        print(f"result: publish_packed_vs_raw_gloo_{size_mb}mb_{receivers}recv = {packed_ratio:.2f} "
               f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
 
 

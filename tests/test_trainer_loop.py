@@ -82,8 +82,11 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["publish", "overlapped-publish"])
-def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_path, service_factory, overlap):
+@pytest.mark.parametrize(
+    ("overlap", "bind"), [(False, True), (True, True), (True, False)],
+    ids=["publish-bound", "overlapped-publish-of-snapshots", "overlapped-publish-gathered"],
+)
+def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_path, service_factory, overlap, bind):
     from transformers import AutoModelForCausalLM
 
     from protos import rollout_pb2, rollout_pb2_grpc
@@ -104,7 +107,7 @@ def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_p
             "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
             "optim": {"lr": 1e-2},
             "max_steps": 2,
-            "publish": {"receivers": [rollout.address], "timeout_s": 30, "overlap": overlap},
+            "publish": {"receivers": [rollout.address], "timeout_s": 30, "overlap": overlap, "bind": bind},
             "metrics_path": str(tmp_path / "metrics.jsonl"),
             "checkpoint": {"dir": str(tmp_path / "checkpoints"), "export_dir": str(tmp_path / "export")},
         }
@@ -114,6 +117,9 @@ def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_p
     client, publisher = BufferClient(config.buffer), RolloutPublisher(config.publish)
     try:
         state = train(config, init_distributed("cpu"), client, publisher)
+        # Bound: every publish went out straight from the parameters' (or the snapshot's) memory, unpacked.
+        packing_buffers = publisher._broadcaster.broadcaster._sender._buffers
+        assert (packing_buffers == []) == bind, packing_buffers
     finally:
         client.close()
         publisher.close()

@@ -197,12 +197,24 @@ def test_a_bound_model_is_published_from_its_own_memory_and_lands_bit_exact(tied
                     for param in model.parameters():
                         param.add_(0.01)  # an optimizer step, in place
                 reports.append(await broadcaster.publish(model.state_dict(), version))
+            served_2 = {name: p.clone() for name, p in engine.engine.runner.model.named_parameters()}
+            expected_2 = {name: t.clone() for name, t in model.state_dict().items()}
+            # An overlapped publish: a snapshot, sent while the parameters take the next step.
+            snapshot = broadcaster.snapshot()
+            expected_3 = {name: t.clone() for name, t in model.state_dict().items()}
+            sending = asyncio.create_task(broadcaster.publish(snapshot, 3))
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(0.01)
+            reports.append(await sending)
             packed = broadcaster._sender._buffers
-        return reports, packed, dict(engine.engine.runner.model.named_parameters())
+        served_3 = dict(engine.engine.runner.model.named_parameters())
+        return reports, packed, (served_2, expected_2), (served_3, expected_3)
 
-    reports, packed, params = _run(tied_model_dir, scenario)
+    reports, packed, (served_2, expected_2), (served_3, expected_3) = _run(tied_model_dir, scenario)
     assert all(report.ok for report in reports), [report.failed for report in reports]
-    assert packed == []  # one bucket, sent straight from the parameters' memory
-    state = model.state_dict()
-    for name, param in params.items():
-        assert torch.equal(param, state[name]), name
+    assert packed == []  # one bucket, sent straight from the parameters' (then the snapshot's) memory
+    assert not torch.equal(model.model.embed_tokens.weight, expected_3["model.embed_tokens.weight"])
+    for name, param in served_3.items():
+        assert torch.equal(served_2[name], expected_2[name]), name
+        assert torch.equal(param, expected_3[name]), name

@@ -149,6 +149,12 @@ class PublishConfig(Strict):
         "flight; the next one waits for it). The trainer stops waiting for the rollout to switch versions; the "
         "buffer's staleness bound still holds, by the versions the samples carry.",
     )
+    bind: bool = Field(
+        True,
+        description="When the trainer holds its policy whole (one process, no dtype cast), keep the parameters in "
+        "one buffer laid out as the broadcast, so a publish sends straight from their memory (overlapped: from one "
+        "memcpy of it) instead of gathering a state dict and packing it into buckets.",
+    )
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective that carries the tensors.")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")

@@ -31,7 +31,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     ties_embeddings,
 )
-from trainer.config import TrainerConfig
+from trainer.config import PublishConfig, TrainerConfig
 from trainer.learner import Learner
 from trainer.parallel import DistEnv, gather_model_state
 
@@ -92,13 +92,14 @@ def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publi
     if env.is_main:
         source.set_version(state.weight_version)
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
+    weights = policy_weights(learner, env, publish, config.publish) if publishing else None
     pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack
     publish_wait_s = config.publish.timeout_s + 60.0
     prefetch, sending = Background("relayrl-prefetch"), Background("relayrl-publish")
     if publishing and config.publish.overlap and env.is_main:
         publish = overlapped(publish, sending)
     if publishing and state.step > 0:
-        publish_weights(learner, state.weight_version, publish, env)
+        publish_weights(weights, state.weight_version, publish, env)
     publish_s = 0.0  # the last publish's duration, reported with the steps after it
     while state.step < config.max_steps:
         started = time.monotonic()
@@ -126,7 +127,7 @@ def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publi
         if publishing and _due(steps_before, state.step, config.publish.interval):
             publish_started = time.monotonic()
             sending.wait(publish_wait_s)  # the previous overlapped publish, if any
-            publish_weights(learner, state.weight_version, publish, env)
+            publish_weights(weights, state.weight_version, publish, env)
             publish_s = time.monotonic() - publish_started
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
             save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
@@ -157,11 +158,34 @@ def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
     return state
 
 
-def publish_weights(learner: Learner, version: int, publish: Publisher | None, env: DistEnv) -> None:
-    """Gather the full policy on rank 0 and publish it there as `version` (collective)."""
-    full_state = gather_model_state(learner.policy, env)
+def policy_weights(
+    learner: Learner, env: DistEnv, publish: Publisher | None, config: PublishConfig
+) -> Callable[[], dict[str, torch.Tensor]]:
+    """What each publish sends: the policy under Hugging Face names on rank 0, {} elsewhere (collective).
+
+    A trainer that holds its policy whole (one process) and sends it uncast binds the parameters to the
+    broadcast's layout (`publish.bind`, see PublishConfig.bind): each publish then goes straight from their
+    memory, or, overlapped with the next step, from a one-copy snapshot of it. Otherwise every publish
+    gathers a full state dict, which the broadcaster packs into buckets.
+    """
+    tied = ties_embeddings(learner.policy)
+    can_bind = env.is_main and not env.distributed and config.bind and config.dtype is None
+    if can_bind and hasattr(publish, "bind"):
+        parameters = hf_state_dict(dict(learner.policy.named_parameters()), tied)
+        if set(parameters) == set(hf_state_dict(learner.policy.state_dict(), tied)):
+            publish.bind(parameters)
+            return publish.snapshot if config.overlap else lambda: parameters
+        log.info("publishing gathered state dicts: the policy's state holds tensors that are not parameters")
+    return lambda: hf_state_dict(gather_model_state(learner.policy, env), tied)
+
+
+def publish_weights(
+    weights: Callable[[], dict[str, torch.Tensor]], version: int, publish: Publisher | None, env: DistEnv
+) -> None:
+    """Take the policy's weights (collective) and publish them on rank 0 as `version`."""
+    tensors = weights()
     if env.is_main:
-        publish(hf_state_dict(full_state, ties_embeddings(learner.policy)), version)
+        publish(tensors, version)
 
 
 def measure_staleness(samples: Sequence[Sample], trainer_version: int, max_staleness: int | None) -> dict[str, float]:

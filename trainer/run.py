@@ -58,5 +58,13 @@ class RolloutPublisher:
         else:
             log.warning("weight version %d not taken by %s", version, report.failed)
 
+    def bind(self, parameters: dict[str, torch.Tensor]) -> None:
+        """Publish these parameters from their own memory from now on (WeightBroadcaster.bind)."""
+        self._broadcaster.bind(parameters)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A one-copy snapshot of the bound parameters to publish while they change."""
+        return self._broadcaster.snapshot()
+
     def close(self) -> None:
         self._broadcaster.close()

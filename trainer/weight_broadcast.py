@@ -42,12 +42,14 @@ from services.weights import (
     TensorSlot,
     Transfer,
     TransferError,
+    allocate_staging,
     bind_to_buckets,
     deadline_after,
     host_store,
     make_group,
     merge_order,
     plan_buckets,
+    unpack_bucket,
 )
 from services.weights.manifest import ALIGN_BYTES
 
@@ -156,6 +158,8 @@ class WeightBroadcaster:
         self._channels: list[grpc.aio.Channel] = []
         self._manifest: tuple[tuple, Manifest] | None = None
         self._wire: tuple[Manifest, list[weights_pb2.TensorSpec], list[int]] | None = None  # its BeginUpdate fields
+        self._bound: tuple[Manifest, list[torch.Tensor]] | None = None  # bind(): the layout, the parameters' buffers
+        self._snapshot: list[torch.Tensor] | None = None  # snapshot(): a second set of buffers in that layout
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         """Change who receives from the next publish on (replicas added or removed)."""
@@ -172,7 +176,25 @@ class WeightBroadcaster:
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in self._prepare(parameters).items())
         whole = sum(TensorSlot(name, shape, dtype, 0, 0).nbytes for name, shape, dtype in key) + ALIGN_BYTES * len(key)
         self._manifest = (key, plan_buckets(merge_order(key), whole, solo_bytes=whole + 1))
-        bind_to_buckets(parameters, self._manifest[1])
+        self._bound = (self._manifest[1], bind_to_buckets(parameters, self._manifest[1]))
+        self._snapshot = None
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the bound parameters as they are now (one memcpy into a second buffer kept for this),
+        by name and laid out like them: a publish of it also goes straight from its memory, while the
+        parameters change (a publish overlapping the next optimizer step). Valid until the next snapshot;
+        take it only when no publish of the previous one is in flight."""
+        if self._bound is None:
+            raise RuntimeError("snapshot: bind() the parameters first")
+        manifest, buffers = self._bound
+        if self._snapshot is None:
+            self._snapshot = allocate_staging(manifest, buffers[0].device)
+        views: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for index, (source, copy) in enumerate(zip(buffers, self._snapshot, strict=True)):
+                copy.copy_(source)
+                views.update(unpack_bucket(manifest, index, copy))
+        return views
 
     async def __aenter__(self) -> Self:
         return self
@@ -377,6 +399,14 @@ class BlockingWeightBroadcaster:
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
         return self._run(self.broadcaster.publish(named_tensors, version), self.broadcaster.config.publish_bound_s)
+
+    def bind(self, parameters: Mapping[str, torch.Tensor]) -> None:
+        """WeightBroadcaster.bind; call it while no publish is in flight."""
+        self.broadcaster.bind(parameters)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """WeightBroadcaster.snapshot; call it while no publish is in flight."""
+        return self.broadcaster.snapshot()
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         self._loop.call_soon_threadsafe(self.broadcaster.set_receivers, list(receivers))
