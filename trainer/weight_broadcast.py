@@ -3,12 +3,13 @@
 Control over gRPC (relayrl.weights.v1.WeightSync), data over a process group (services.weights):
 
     BeginUpdate(manifest, group) -> every receiver, concurrently; each validates and starts receiving
-    rendezvous (new groups only) -> broadcast the buckets from rank 0 (this process)
-    CommitUpdate -> every receiver, concurrently; each switches between two decode steps
+    rendezvous (new groups only) -> broadcast the buckets from rank 0 (this process), and meanwhile
+    CommitUpdate -> every receiver, concurrently; each answers once it holds every bucket and has
+                    switched between two decode steps
 
 Every step has a deadline. A receiver that fails Begin is left out of this publish (the group is formed
 without it); a failed rendezvous or transfer fails the publish for its members, who keep their old
-version. Failures are reported in the PublishReport, never raised, and the next publish tries every
+version (one that already held every bucket and switched says so in its result). Failures are reported in the PublishReport, never raised, and the next publish tries every
 receiver again.
 
 The group is kept across publishes while its membership is unchanged and every step succeeded:
@@ -107,7 +108,7 @@ class PublishReport:
     begin_s: float = 0.0  # BeginUpdate round(s)
     rendezvous_s: float = 0.0  # forming a new group (0 when reused)
     transfer_s: float = 0.0  # broadcasting every bucket
-    commit_s: float = 0.0  # CommitUpdate round
+    commit_s: float = 0.0  # waiting for the CommitUpdate replies after the last bucket went out
     total_s: float = 0.0
     group_reused: bool = False
 
@@ -291,6 +292,7 @@ class WeightBroadcaster:
         deadline = deadline_after(self.config.timeout_s)
         step = "rendezvous"
         started = time.perf_counter()
+        pending: list[asyncio.Task] = []
         try:
             if group.transfer is None:
                 spec = group.spec(0, self.config.master_addr, self._store.port, self.config.backend)
@@ -298,6 +300,9 @@ class WeightBroadcaster:
             report.rendezvous_s = time.perf_counter() - started
             step = "transfer"
             started = time.perf_counter()
+            # CommitUpdate travels with the buckets: a receiver answers once it holds them all and has switched,
+            # so no round trip is left to make after the last byte.
+            pending = [asyncio.create_task(self._commit(address, version, deadline)) for address in group.members]
             await asyncio.to_thread(self._sender.send, group.transfer, manifest, tensors, deadline)
             report.transfer_s = time.perf_counter() - started
         except TransferError as exc:
@@ -305,9 +310,12 @@ class WeightBroadcaster:
                 results[address] = ReceiverResult(address, False, f"{step} failed: {exc}")
             self._drop_group()
             await self._abort(list(group.members), version)
+            for result in await asyncio.gather(*pending):
+                if result.ok:  # it had every byte and switched before the abort came
+                    results[result.address] = result
             return
         started = time.perf_counter()
-        commits = await asyncio.gather(*(self._commit(address, version, deadline) for address in group.members))
+        commits = await asyncio.gather(*pending)
         report.commit_s = time.perf_counter() - started
         for result in commits:
             results[result.address] = result
