@@ -9,8 +9,8 @@ Control over gRPC (relayrl.weights.v1.WeightSync), data over a process group (se
 
 Every step has a deadline. A receiver that fails Begin is left out of this publish (the group is formed
 without it); a failed rendezvous or transfer fails the publish for its members, who keep their old
-version (one that already held every bucket and switched says so in its result). Failures are reported in the PublishReport, never raised, and the next publish tries every
-receiver again.
+version (one that already held every bucket and switched says so in its result). Failures are
+reported in the PublishReport, never raised, and the next publish tries every receiver again.
 
 The group is kept across publishes while its membership is unchanged and every step succeeded:
 a rendezvous costs ~0.2-0.5 s on loopback, more than the transfer of a small model. Any failure drops
