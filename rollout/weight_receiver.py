@@ -35,7 +35,7 @@ from services.weights import (
     deadline_after,
     make_group,
     receive_buckets,
-    unpack_bucket,
+    unpack_buckets,
 )
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,7 @@ class _Staging:
     def views(self) -> dict[str, torch.Tensor]:
         """name -> tensor over the staged bytes (no copy); made once per buffers and manifest."""
         if self._views is None:
-            self._views = {}
-            for index, bucket in enumerate(self.buffers):
-                self._views.update(unpack_bucket(self.manifest, index, bucket))
+            self._views = unpack_buckets(self.manifest, self.buffers)
         return self._views
 
 

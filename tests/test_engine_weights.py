@@ -9,7 +9,7 @@ from rollout.config import EngineConfig
 from rollout.engine import LLMEngine
 from rollout.sampling_params import SamplingParams
 from rollout.tiny import write_tiny_model
-from services.weights import allocate_staging, merge_order, pack_bucket, plan_buckets, unpack_bucket
+from services.weights import allocate_staging, merge_order, pack_bucket, plan_buckets, unpack_buckets
 
 torch.set_num_threads(1)
 
@@ -75,11 +75,9 @@ def _staged(weights: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[list[t
     buffers (slices of one allocation); returns the buffers and the named views into them."""
     manifest = plan_buckets(merge_order([(n, tuple(t.shape), t.dtype) for n, t in weights.items()]), bucket_bytes)
     staging = allocate_staging(manifest, torch.device("cpu"))
-    views = {}
     for index, buffer in enumerate(staging):
         pack_bucket(manifest, index, weights, out=buffer)
-        views.update(unpack_bucket(manifest, index, buffer))
-    return staging, views
+    return staging, unpack_buckets(manifest, staging)
 
 
 def _inside(tensor: torch.Tensor, staging: list[torch.Tensor]) -> bool:

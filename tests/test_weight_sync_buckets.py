@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 
 from protos import weights_pb2
 from protos.codec import CodecError
-from services.weights import Manifest, allocate_staging, merge_order, pack_bucket, plan_buckets, unpack_bucket
+from services.weights import (
+    Manifest,
+    allocate_staging,
+    merge_order,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+    unpack_buckets,
+)
 from services.weights.manifest import ALIGN_BYTES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float64, torch.int32]
@@ -95,9 +103,7 @@ def test_merge_order_sends_merged_projections_back_to_back_and_staging_keeps_the
     # Buckets smaller than q/k/v together: the staging buffers still hold them back to back.
     manifest = plan_buckets(ordered, bucket_bytes=6000)
     assert len(manifest.bucket_sizes) > 3
-    views = {}
-    for index, buffer in enumerate(allocate_staging(manifest, torch.device("cpu"))):
-        views.update(unpack_bucket(manifest, index, buffer))
+    views = unpack_buckets(manifest, allocate_staging(manifest, torch.device("cpu")))
     for parts in (["q_proj.weight", "k_proj.weight", "v_proj.weight"], ["q_proj.bias", "k_proj.bias", "v_proj.bias"]):
         tensors = [views[attn + part] for part in parts]
         for before, after in itertools.pairwise(tensors):

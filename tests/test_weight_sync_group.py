@@ -25,7 +25,7 @@ from services.weights import (
     plan_buckets,
     receive_buckets,
     send_buckets,
-    unpack_bucket,
+    unpack_buckets,
 )
 
 torch.set_num_threads(1)
@@ -58,10 +58,7 @@ def test_buckets_reach_every_receiver_bit_exact():
         staging = allocate_staging(manifest, group.device)
         for _ in range(2):  # the group carries several updates
             receive_buckets(group, manifest, deadline_after(20), staging)
-        received = {}
-        for index, bucket in enumerate(staging):
-            received.update(unpack_bucket(manifest, index, bucket))
-        return received
+        return unpack_buckets(manifest, staging)
 
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(receiver, spec) for spec in specs[1:]]
@@ -137,7 +134,7 @@ def test_bound_parameters_go_out_from_their_own_memory_after_in_place_updates():
         for _ in range(2):
             staging = allocate_staging(manifest, group.device)
             receive_buckets(group, manifest, deadline_after(20), staging)
-            received.append({k: v for i, b in enumerate(staging) for k, v in unpack_bucket(manifest, i, b).items()})
+            received.append(unpack_buckets(manifest, staging))
         return received
 
     with ThreadPoolExecutor(1) as pool:

@@ -169,7 +169,7 @@ def policy_weights(
     gathers a full state dict, which the broadcaster packs into buckets.
     """
     tied = ties_embeddings(learner.policy)
-    can_bind = env.is_main and not env.distributed and config.bind and config.dtype is None
+    can_bind = not env.distributed and config.bind and config.dtype is None
     if can_bind and hasattr(publish, "bind"):
         parameters = hf_state_dict(dict(learner.policy.named_parameters()), tied)
         if set(parameters) == set(hf_state_dict(learner.policy.state_dict(), tied)):

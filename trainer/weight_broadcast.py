@@ -50,7 +50,7 @@ from services.weights import (
     make_group,
     merge_order,
     plan_buckets,
-    unpack_bucket,
+    unpack_buckets,
 )
 from services.weights.manifest import ALIGN_BYTES
 
@@ -190,12 +190,10 @@ class WeightBroadcaster:
         manifest, buffers = self._bound
         if self._snapshot is None:
             self._snapshot = allocate_staging(manifest, buffers[0].device)
-        views: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for index, (source, copy) in enumerate(zip(buffers, self._snapshot, strict=True)):
+            for source, copy in zip(buffers, self._snapshot, strict=True):
                 copy.copy_(source)
-                views.update(unpack_bucket(manifest, index, copy))
-        return views
+        return unpack_buckets(manifest, self._snapshot)
 
     async def __aenter__(self) -> Self:
         return self
@@ -314,6 +312,10 @@ class WeightBroadcaster:
                 if result.ok:  # it had every byte and switched before the abort came
                     results[result.address] = result
             return
+        except BaseException:  # cancelled, or a bug: leave no CommitUpdate call behind
+            for task in pending:
+                task.cancel()
+            raise
         started = time.perf_counter()
         commits = await asyncio.gather(*pending)
         report.commit_s = time.perf_counter() - started

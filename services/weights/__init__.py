@@ -8,7 +8,7 @@ from services.weights.bucket_stream import (
     receive_buckets,
     send_buckets,
 )
-from services.weights.buckets import pack_bucket, unpack_bucket
+from services.weights.buckets import pack_bucket, unpack_bucket, unpack_buckets
 from services.weights.manifest import Manifest, TensorSlot, merge_order, plan_buckets
 from services.weights.transfer import (
     GroupSpec,
@@ -24,5 +24,5 @@ from services.weights.transfer import (
 __all__ = [
     "BucketSender", "GroupSpec", "Manifest", "TensorSlot", "Transfer", "TransferError", "TransferTimeout", "allocate_staging",
     "backend_device", "bind_to_buckets", "deadline_after", "host_store", "make_group", "merge_order", "pack_bucket", "plan_buckets",
-    "receive_buckets", "send_buckets", "unpack_bucket",
+    "receive_buckets", "send_buckets", "unpack_bucket", "unpack_buckets",
 ]

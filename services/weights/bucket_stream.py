@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from services.weights.buckets import pack_bucket, unpack_bucket
+from services.weights.buckets import pack_bucket, unpack_buckets
 from services.weights.manifest import Manifest, aligned
 from services.weights.transfer import Pending, Transfer, TransferError
 
@@ -47,10 +47,9 @@ def bind_to_buckets(parameters: Mapping[str, torch.Tensor], manifest: Manifest) 
     device = parameters[manifest.slots[0].name].device
     buffers = allocate_staging(manifest, device)
     with torch.no_grad():
-        for index, buffer in enumerate(buffers):
-            for name, view in unpack_bucket(manifest, index, buffer).items():
-                view.copy_(parameters[name])
-                parameters[name].data = view
+        for name, view in unpack_buckets(manifest, buffers).items():
+            view.copy_(parameters[name])
+            parameters[name].data = view
     return buffers
 
 

@@ -45,3 +45,11 @@ def unpack_bucket(manifest: Manifest, index: int, bucket: torch.Tensor) -> dict[
         slot.name: bucket[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
         for slot in manifest.by_bucket[index]
     }
+
+
+def unpack_buckets(manifest: Manifest, buckets: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Views (no copy) of every tensor of the manifest, by name; `buckets[i]` holds bucket i."""
+    views: dict[str, torch.Tensor] = {}
+    for index, bucket in enumerate(buckets):
+        views.update(unpack_bucket(manifest, index, bucket))
+    return views
