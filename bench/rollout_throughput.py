@@ -15,12 +15,12 @@ lines use CPU time. Runs of the two alternate, so slow phases of the machine hit
 Threads: torch runs with `--threads` (default 1) intra-op threads for both engines, because more
 threads than free cores makes both slower and noisier.
 
-Ceiling: the same weights multiply the same rows on both sides, and at batch 16-64 those matmuls run
-near this CPU's single-core peak. After the timed runs, one more native run per batch size goes
+Ceiling: the engine multiplies the same weights by only the rows it needs (transformers also keeps
+finished sequences in its batch). After the timed runs, one more native run per batch size goes
 under torch.profiler; the share of its CPU time spent in matmul kernels (aten::mm/addmm/bmm) gives
 the ratio the engine would reach if everything but its matmuls took no time at all:
 ceiling = ratio / matmul share. A target above that line needs fewer or faster matmuls (another
-dtype, another machine), not a better engine.
+dtype, another machine) more than less overhead around them.
 
     python bench/rollout_throughput.py [--quick] [--threads N]
 """
