@@ -124,7 +124,7 @@ def main() -> None:
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, seed=0,
     )
     hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    engine = LLMEngine(EngineConfig(model=str(folder), max_model_len=256, max_num_seqs=max(args.batches)))
+    engine = LLMEngine(EngineConfig(model=str(folder), max_model_len=256, max_num_seqs=max(args.batches), max_n=1))
 
     print(f"tiny qwen2 hidden 256 x 4 layers, head_dim 64, float32, CPU, {args.threads} thread(s), "
           f"up to {max_tokens} new tokens, median of {repeats}")
