@@ -75,6 +75,26 @@ class AckResponse(_message.Message):
     acked: int
     def __init__(self, acked: _Optional[int] = ...) -> None: ...
 
+class ExtendLeaseRequest(_message.Message):
+    __slots__ = ("lease_ids", "lease_timeout_s", "consumed", "trainer_version")
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_timeout_s: float
+    consumed: bool
+    trainer_version: int
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., lease_timeout_s: _Optional[float] = ..., consumed: _Optional[bool] = ..., trainer_version: _Optional[int] = ...) -> None: ...
+
+class ExtendLeaseResponse(_message.Message):
+    __slots__ = ("extended", "missing")
+    EXTENDED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    extended: int
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, extended: _Optional[int] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SetVersionRequest(_message.Message):
     __slots__ = ("version",)
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -92,7 +112,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pending", "leased", "acked", "dropped", "capacity", "accepted", "trainer_version", "max_staleness", "redelivered", "duplicates")
+    __slots__ = ("pending", "leased", "acked", "dropped", "capacity", "accepted", "trainer_version", "max_staleness", "redelivered", "duplicates", "consumed")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +130,7 @@ class StatsResponse(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     pending: int
     leased: int
     acked: int
@@ -120,4 +141,5 @@ class StatsResponse(_message.Message):
     max_staleness: int
     redelivered: int
     duplicates: int
-    def __init__(self, pending: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., capacity: _Optional[int] = ..., accepted: _Optional[int] = ..., trainer_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., redelivered: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+    consumed: int
+    def __init__(self, pending: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., capacity: _Optional[int] = ..., accepted: _Optional[int] = ..., trainer_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., redelivered: _Optional[int] = ..., duplicates: _Optional[int] = ..., consumed: _Optional[int] = ...) -> None: ...

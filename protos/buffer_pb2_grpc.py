@@ -54,6 +54,11 @@ class BufferStub:
                 request_serializer=protos_dot_buffer__pb2.AckRequest.SerializeToString,
                 response_deserializer=protos_dot_buffer__pb2.AckResponse.FromString,
                 _registered_method=True)
+        self.ExtendLease = channel.unary_unary(
+                '/relayrl.buffer.v1.Buffer/ExtendLease',
+                request_serializer=protos_dot_buffer__pb2.ExtendLeaseRequest.SerializeToString,
+                response_deserializer=protos_dot_buffer__pb2.ExtendLeaseResponse.FromString,
+                _registered_method=True)
         self.SetVersion = channel.unary_unary(
                 '/relayrl.buffer.v1.Buffer/SetVersion',
                 request_serializer=protos_dot_buffer__pb2.SetVersionRequest.SerializeToString,
@@ -94,6 +99,15 @@ class BufferServicer:
 
     def Ack(self, request, context):
         """Acknowledge a leased batch: its samples were trained on and are removed for good.
+        NOT_FOUND: the lease expired (its samples are pending again or re-leased) or never existed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtendLease(self, request, context):
+        """Push back the deadline of open leases (a trainer's heartbeat while it holds batches), and mark
+        them consumed: trained on, held only until the trainer's next checkpoint, then acked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +149,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=protos_dot_buffer__pb2.AckRequest.FromString,
                     response_serializer=protos_dot_buffer__pb2.AckResponse.SerializeToString,
+            ),
+            'ExtendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendLease,
+                    request_deserializer=protos_dot_buffer__pb2.ExtendLeaseRequest.FromString,
+                    response_serializer=protos_dot_buffer__pb2.ExtendLeaseResponse.SerializeToString,
             ),
             'SetVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.SetVersion,
@@ -255,6 +274,33 @@ class Buffer:
             '/relayrl.buffer.v1.Buffer/Ack',
             protos_dot_buffer__pb2.AckRequest.SerializeToString,
             protos_dot_buffer__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.buffer.v1.Buffer/ExtendLease',
+            protos_dot_buffer__pb2.ExtendLeaseRequest.SerializeToString,
+            protos_dot_buffer__pb2.ExtendLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

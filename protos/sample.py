@@ -49,6 +49,8 @@ class Sample:
     ref_logprobs: np.ndarray = field(default_factory=lambda: _empty("float32"))
     values: np.ndarray = field(default_factory=lambda: _empty("float32"))
     advantages: np.ndarray = field(default_factory=lambda: _empty("float32"))
+    # rollout_logprobs are of softmax(logits / temperature); 0 = unset, the raw distribution (1.0)
+    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -70,6 +72,8 @@ class Sample:
         for name in ("loss_mask", "rollout_logprobs", "weight_versions"):
             if getattr(self, name).size != n:
                 raise CodecError(f"{name}: has {getattr(self, name).size} entries for {n} response tokens")
+        if not self.temperature >= 0:  # NaN too
+            raise CodecError(f"temperature: must be >= 0, got {self.temperature}")
         for name in ("ref_logprobs", "values", "advantages"):
             size = getattr(self, name).size
             if size not in (0, n):
@@ -97,6 +101,7 @@ class Sample:
             ref_logprobs=encode_array(self.ref_logprobs, "float32"),
             values=encode_array(self.values, "float32"),
             advantages=encode_array(self.advantages, "float32"),
+            temperature=self.temperature,
         )
 
     @classmethod
@@ -129,6 +134,7 @@ class Sample:
             ref_logprobs=arr("ref_logprobs", "float32"),
             values=arr("values", "float32"),
             advantages=arr("advantages", "float32"),
+            temperature=msg.temperature,
         )
         sample.validate()
         return sample
