@@ -25,55 +25,55 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/rollout.proto\x12\x12relayrl.rollout.v1\x1a\x13protos/common.proto\"\xee\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".relayrl.rollout.v1.SamplingParams\x12\x13\n\x0brouting_key\x18\x05 \x01(\t\"\xee\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x31\n\x0fweight_versions\x18\x04 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .relayrl.rollout.v1.FinishReason\x12\x0c\n\x04text\x18\x06 \x01(\t\"r\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1e.relayrl.rollout.v1.Completion\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"\x85\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12*\n\x08logprobs\x18\x04 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x31\n\x0fweight_versions\x18\x05 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .relayrl.rollout.v1.FinishReason\x12\x0c\n\x04text\x18\x07 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x19\n\x17GetWeightVersionRequest\"+\n\x18GetWeightVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x15\n\x13GetModelInfoRequest\"\x9e\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12\x14\n\x0c\x65os_token_id\x18\x06 \x01(\x05\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\"k\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\"=\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x91\x01\n\x16\x41ppendToSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x18\n\x0bturn_reward\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_turn_reward\"-\n\x17\x41ppendToSessionResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\"b\n\x18GenerateInSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x32\n\x06params\x18\x02 \x01(\x0b\x32\".relayrl.rollout.v1.SamplingParams\"9\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\"A\n\x14\x43loseSessionResponse\x12)\n\x06sample\x18\x01 \x01(\x0b\x32\x19.relayrl.common.v1.Sample\"v\n\x16\x43omputeLogprobsRequest\x12,\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12.\n\x0cresponse_ids\x18\x02 \x03(\x0b\x32\x18.relayrl.common.v1.Array\"]\n\x17\x43omputeLogprobsResponse\x12*\n\x08logprobs\x18\x01 \x03(\x0b\x32\x18.relayrl.common.v1.Array\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03*\x90\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xdf\x07\n\x07Rollout\x12U\n\x08Generate\x12#.relayrl.rollout.v1.GenerateRequest\x1a$.relayrl.rollout.v1.GenerateResponse\x12Z\n\x0eGenerateStream\x12#.relayrl.rollout.v1.GenerateRequest\x1a!.relayrl.rollout.v1.GenerateChunk0\x01\x12L\n\x05\x41\x62ort\x12 .relayrl.rollout.v1.AbortRequest\x1a!.relayrl.rollout.v1.AbortResponse\x12m\n\x10GetWeightVersion\x12+.relayrl.rollout.v1.GetWeightVersionRequest\x1a,.relayrl.rollout.v1.GetWeightVersionResponse\x12\x61\n\x0cGetModelInfo\x12\'.relayrl.rollout.v1.GetModelInfoRequest\x1a(.relayrl.rollout.v1.GetModelInfoResponse\x12j\n\x0f\x43omputeLogprobs\x12*.relayrl.rollout.v1.ComputeLogprobsRequest\x1a+.relayrl.rollout.v1.ComputeLogprobsResponse\x12^\n\x0bOpenSession\x12&.relayrl.rollout.v1.OpenSessionRequest\x1a\'.relayrl.rollout.v1.OpenSessionResponse\x12j\n\x0f\x41ppendToSession\x12*.relayrl.rollout.v1.AppendToSessionRequest\x1a+.relayrl.rollout.v1.AppendToSessionResponse\x12\x66\n\x11GenerateInSession\x12,.relayrl.rollout.v1.GenerateInSessionRequest\x1a!.relayrl.rollout.v1.GenerateChunk0\x01\x12\x61\n\x0c\x43loseSession\x12\'.relayrl.rollout.v1.CloseSessionRequest\x1a(.relayrl.rollout.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/rollout.proto\x12\x12relayrl.rollout.v1\x1a\x13protos/common.proto\"\xee\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".relayrl.rollout.v1.SamplingParams\x12\x13\n\x0brouting_key\x18\x05 \x01(\t\"\x8c\x02\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x31\n\x0fweight_versions\x18\x04 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .relayrl.rollout.v1.FinishReason\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x1c\n\x14logprobs_temperature\x18\x07 \x01(\x02\"r\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1e.relayrl.rollout.v1.Completion\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"\x85\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12*\n\x08logprobs\x18\x04 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x31\n\x0fweight_versions\x18\x05 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .relayrl.rollout.v1.FinishReason\x12\x0c\n\x04text\x18\x07 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x19\n\x17GetWeightVersionRequest\"+\n\x18GetWeightVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x15\n\x13GetModelInfoRequest\"\x9e\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12\x14\n\x0c\x65os_token_id\x18\x06 \x01(\x05\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\"k\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\"=\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x91\x01\n\x16\x41ppendToSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x18\n\x0bturn_reward\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_turn_reward\"-\n\x17\x41ppendToSessionResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\"b\n\x18GenerateInSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x32\n\x06params\x18\x02 \x01(\x0b\x32\".relayrl.rollout.v1.SamplingParams\"9\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\"A\n\x14\x43loseSessionResponse\x12)\n\x06sample\x18\x01 \x01(\x0b\x32\x19.relayrl.common.v1.Sample\"\x8b\x01\n\x16\x43omputeLogprobsRequest\x12,\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12.\n\x0cresponse_ids\x18\x02 \x03(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\"]\n\x17\x43omputeLogprobsResponse\x12*\n\x08logprobs\x18\x01 \x03(\x0b\x32\x18.relayrl.common.v1.Array\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03*\x90\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xdf\x07\n\x07Rollout\x12U\n\x08Generate\x12#.relayrl.rollout.v1.GenerateRequest\x1a$.relayrl.rollout.v1.GenerateResponse\x12Z\n\x0eGenerateStream\x12#.relayrl.rollout.v1.GenerateRequest\x1a!.relayrl.rollout.v1.GenerateChunk0\x01\x12L\n\x05\x41\x62ort\x12 .relayrl.rollout.v1.AbortRequest\x1a!.relayrl.rollout.v1.AbortResponse\x12m\n\x10GetWeightVersion\x12+.relayrl.rollout.v1.GetWeightVersionRequest\x1a,.relayrl.rollout.v1.GetWeightVersionResponse\x12\x61\n\x0cGetModelInfo\x12\'.relayrl.rollout.v1.GetModelInfoRequest\x1a(.relayrl.rollout.v1.GetModelInfoResponse\x12j\n\x0f\x43omputeLogprobs\x12*.relayrl.rollout.v1.ComputeLogprobsRequest\x1a+.relayrl.rollout.v1.ComputeLogprobsResponse\x12^\n\x0bOpenSession\x12&.relayrl.rollout.v1.OpenSessionRequest\x1a\'.relayrl.rollout.v1.OpenSessionResponse\x12j\n\x0f\x41ppendToSession\x12*.relayrl.rollout.v1.AppendToSessionRequest\x1a+.relayrl.rollout.v1.AppendToSessionResponse\x12\x66\n\x11GenerateInSession\x12,.relayrl.rollout.v1.GenerateInSessionRequest\x1a!.relayrl.rollout.v1.GenerateChunk0\x01\x12\x61\n\x0c\x43loseSession\x12\'.relayrl.rollout.v1.CloseSessionRequest\x1a(.relayrl.rollout.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2240
-  _globals['_FINISHREASON']._serialized_end=2384
+  _globals['_FINISHREASON']._serialized_start=2292
+  _globals['_FINISHREASON']._serialized_end=2436
   _globals['_SAMPLINGPARAMS']._serialized_start=66
   _globals['_SAMPLINGPARAMS']._serialized_end=304
   _globals['_GENERATEREQUEST']._serialized_start=307
   _globals['_GENERATEREQUEST']._serialized_end=484
   _globals['_COMPLETION']._serialized_start=487
-  _globals['_COMPLETION']._serialized_end=725
-  _globals['_GENERATERESPONSE']._serialized_start=727
-  _globals['_GENERATERESPONSE']._serialized_end=841
-  _globals['_GENERATECHUNK']._serialized_start=844
-  _globals['_GENERATECHUNK']._serialized_end=1105
-  _globals['_ABORTREQUEST']._serialized_start=1107
-  _globals['_ABORTREQUEST']._serialized_end=1141
-  _globals['_ABORTRESPONSE']._serialized_start=1143
-  _globals['_ABORTRESPONSE']._serialized_end=1173
-  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_start=1175
-  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_end=1200
-  _globals['_GETWEIGHTVERSIONRESPONSE']._serialized_start=1202
-  _globals['_GETWEIGHTVERSIONRESPONSE']._serialized_end=1245
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1247
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1268
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1271
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1429
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1431
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1538
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=1540
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1601
-  _globals['_APPENDTOSESSIONREQUEST']._serialized_start=1604
-  _globals['_APPENDTOSESSIONREQUEST']._serialized_end=1749
-  _globals['_APPENDTOSESSIONRESPONSE']._serialized_start=1751
-  _globals['_APPENDTOSESSIONRESPONSE']._serialized_end=1796
-  _globals['_GENERATEINSESSIONREQUEST']._serialized_start=1798
-  _globals['_GENERATEINSESSIONREQUEST']._serialized_end=1896
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1898
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1955
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1957
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2022
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=2024
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=2142
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=2144
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=2237
-  _globals['_ROLLOUT']._serialized_start=2387
-  _globals['_ROLLOUT']._serialized_end=3378
+  _globals['_COMPLETION']._serialized_end=755
+  _globals['_GENERATERESPONSE']._serialized_start=757
+  _globals['_GENERATERESPONSE']._serialized_end=871
+  _globals['_GENERATECHUNK']._serialized_start=874
+  _globals['_GENERATECHUNK']._serialized_end=1135
+  _globals['_ABORTREQUEST']._serialized_start=1137
+  _globals['_ABORTREQUEST']._serialized_end=1171
+  _globals['_ABORTRESPONSE']._serialized_start=1173
+  _globals['_ABORTRESPONSE']._serialized_end=1203
+  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_start=1205
+  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_end=1230
+  _globals['_GETWEIGHTVERSIONRESPONSE']._serialized_start=1232
+  _globals['_GETWEIGHTVERSIONRESPONSE']._serialized_end=1275
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1277
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1298
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1301
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1459
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1461
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1568
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1570
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1631
+  _globals['_APPENDTOSESSIONREQUEST']._serialized_start=1634
+  _globals['_APPENDTOSESSIONREQUEST']._serialized_end=1779
+  _globals['_APPENDTOSESSIONRESPONSE']._serialized_start=1781
+  _globals['_APPENDTOSESSIONRESPONSE']._serialized_end=1826
+  _globals['_GENERATEINSESSIONREQUEST']._serialized_start=1828
+  _globals['_GENERATEINSESSIONREQUEST']._serialized_end=1926
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1928
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1985
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1987
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2052
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=2055
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=2194
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=2196
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=2289
+  _globals['_ROLLOUT']._serialized_start=2439
+  _globals['_ROLLOUT']._serialized_end=3430
 # @@protoc_insertion_point(module_scope)

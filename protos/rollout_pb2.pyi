@@ -60,20 +60,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text")
+    __slots__ = ("index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text", "logprobs_temperature")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _common_pb2.Array
     logprobs: _common_pb2.Array
     weight_versions: _common_pb2.Array
     finish_reason: FinishReason
     text: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs_temperature: float
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., logprobs_temperature: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "completions", "prompt_tokens")
@@ -206,12 +208,14 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids")
+    __slots__ = ("prompt_ids", "response_ids", "temperature")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Array
     response_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.Array]
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., response_ids: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ...) -> None: ...
+    temperature: float
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., response_ids: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ComputeLogprobsResponse(_message.Message):
     __slots__ = ("logprobs", "weight_version")

@@ -106,9 +106,13 @@ class AsyncEngine:
             if not finished:
                 self._submit(lambda: self._abort_stream(request_id, stream))
 
-    async def compute_logprobs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]]) -> tuple[list[list[float]], int]:
-        """Logprobs of each response's tokens given the prompt, and the weight version used (between two steps)."""
-        return await self._call(lambda: (self.engine.compute_logprobs(prompt_ids, responses), self.engine.weight_version))
+    async def compute_logprobs(
+        self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float = 1.0
+    ) -> tuple[list[list[float]], int]:
+        """Logprobs of each response's tokens given the prompt (under softmax(logits / temperature)), and the
+        weight version used (between two steps)."""
+        return await self._call(lambda: (self.engine.compute_logprobs(prompt_ids, responses, temperature),
+                                         self.engine.weight_version))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its completions end with reason abort. Returns whether it was running."""

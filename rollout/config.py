@@ -105,7 +105,7 @@ class EngineConfig:
     max_queue: int = 1024  # requests waiting to start; beyond it add_request raises QueueFull
     max_n: int = 16  # largest n (completions per prompt) a request may ask for
     seed: int = 0  # seeds the per-request seeds of requests that bring none
-    logprobs_mode: Literal["raw", "processed"] = "raw"  # see rollout/sampler.py
+    logprobs_mode: Literal["tempered", "raw", "processed"] = "tempered"  # see rollout/sampler.py
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     torch_dtype: torch.dtype = field(init=False)  # derived from dtype
 

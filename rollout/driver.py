@@ -188,6 +188,7 @@ class Driver:
                 loss_mask=np.ones(tokens.size, np.uint8),
                 rollout_logprobs=decode_array(completion.logprobs, "logprobs", "float32"),
                 weight_versions=versions,
+                temperature=completion.logprobs_temperature,
                 status=_STATUS.get(completion.finish_reason, SampleStatus.FAILED),
                 reason=rollout_pb2.FinishReason.Name(completion.finish_reason),
                 prompt_text=prompt.text,
@@ -217,7 +218,8 @@ class Driver:
     async def _add_teacher_logprobs(self, prompt_ids, reply, protos: list) -> None:
         """The teacher's logprob of every sampled token, as the samples' ref_logprobs."""
         teacher = await self._call(self.teacher.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
-            prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions]), "ComputeLogprobs")
+            prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions],
+            temperature=self.config.temperature or 1.0), "ComputeLogprobs")
         for proto, logprobs in zip(protos, teacher.logprobs, strict=True):
             decode_array(logprobs, "ref_logprobs", "float32")  # a malformed reply fails here, not in the buffer
             proto.ref_logprobs.CopyFrom(logprobs)

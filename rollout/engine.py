@@ -87,12 +87,17 @@ class LLMEngine:
                 outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT))
         return outputs
 
-    def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]]) -> list[list[float]]:
-        """Logprob of every token of each response given the prompt and the response tokens before it.
+    def compute_logprobs(
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Logprob of every token of each response given the prompt and the response tokens before it,
+        under softmax(logits / temperature).
 
         Runs between steps with blocks taken from the free list and returned at once. Raises
         InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
         """
+        if not temperature > 0:
+            raise InvalidRequest("temperature", f"must be > 0 to score under softmax(logits / temperature), got {temperature}")
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.model_config.vocab_size)
         seqs = []
@@ -115,7 +120,7 @@ class LLMEngine:
             for seq in chunk:
                 self.block_manager.allocate(seq)
             try:
-                scored = self.runner.score(chunk, [len(prompt)] * len(chunk))
+                scored = self.runner.score(chunk, [len(prompt)] * len(chunk), temperature)
             finally:
                 for seq in chunk:
                     self.block_manager.deallocate(seq)

@@ -58,8 +58,8 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist()
 
     @torch.inference_mode()
-    def score(self, seqs: list[Sequence], starts: list[int]) -> list[list[float]]:
-        """Logprobs (temperature 1) of tokens starts[i]: of each sequence given the tokens before them.
+    def score(self, seqs: list[Sequence], starts: list[int], temperature: float = 1.0) -> list[list[float]]:
+        """Logprobs under softmax(logits / temperature) of tokens starts[i]: of each sequence given the tokens before them.
 
         One prefill over the whole sequences (fresh: blocks for every token, none cached yet); logits are made per
         sequence, so a long sequence with a large vocabulary never holds [all tokens, vocab] at once.
@@ -71,6 +71,8 @@ class ModelRunner:
             first = last - len(seq) + 1  # the sequence's first row
             targets = input_ids[first + start : last + 1]
             logits = self.model.logits(hidden[first + start - 1 : last]).float()
+            if temperature != 1.0:
+                logits = logits / temperature
             chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             results.append((chosen - torch.logsumexp(logits, dim=-1)).tolist())
         return results

@@ -6,16 +6,24 @@ position, token id) (splitmix64), so one batched op serves every request, each w
 completion is reproducible whatever it was batched with and even after preemption.
 
 Logprobs (`logprobs_mode`):
-- "raw" (default): log_softmax of the model's logits at temperature 1, before top-k/top-p. This
-  is the policy distribution the trainer recomputes, so rollout and trainer logprobs compare.
+- "tempered" (default): log_softmax(logits / T) at the row's temperature T, before top-k/top-p: the
+  distribution the token was drawn from, up to the truncation. The trainer recomputes exactly this
+  (Sample.temperature carries T), so the PPO ratio and the importance weights compare like with like.
+  Greedy rows (T = 0) report the raw logprob (T = 1). top-k/top-p are not in the number: the trainer
+  cannot reproduce a truncation (verl and vLLM's default make the same choice); a truncated sampler is
+  corrected only up to the mass it cuts, which `top_p: 1, top_k: 0` (the default) makes zero.
+- "raw": log_softmax of the logits at temperature 1 whatever T was (what the policy would score at T = 1).
 - "processed": log-probability under the distribution actually sampled from (after temperature,
-  top-k and top-p); 0.0 for greedy rows, whose distribution is a point mass.
+  top-k and top-p); 0.0 for greedy rows, whose distribution is a point mass. Not reproducible by the
+  trainer when top-k/top-p cut anything: for inspection, not for off-policy correction.
 """
 
 import functools
 from dataclasses import dataclass
 
 import torch
+
+from rollout.sampling_params import LOGPROBS_MODES
 
 
 def as_int64(value: int) -> int:
@@ -66,9 +74,9 @@ class SamplingTensors:
 
 
 class Sampler:
-    def __init__(self, logprobs_mode: str = "raw"):
-        if logprobs_mode not in ("raw", "processed"):
-            raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {logprobs_mode!r}")
+    def __init__(self, logprobs_mode: str = "tempered"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: expected one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self._token_offsets: torch.Tensor | None = None  # token id * golden ratio, per vocabulary
 
@@ -85,21 +93,23 @@ class Sampler:
         """logits [B, V] -> (token ids [B] int64, logprobs [B] float32)."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
-        processed = None
-        if params.any_sampled:
-            sampled = params.temperatures > 0
-            processed = logits / torch.where(sampled, params.temperatures, 1.0).unsqueeze(1)
-            if params.any_filtered:
-                processed = _top_k_top_p(processed, params.top_ks, params.top_ps)
-            noise = self._gumbel(params.row_keys, logits.shape[1])
-            tokens = torch.where(sampled, (processed + noise).argmax(dim=-1), tokens)
-        if self.logprobs_mode == "raw" or processed is None:
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-            if self.logprobs_mode == "processed":
-                logprobs = torch.zeros_like(logprobs)
-            return tokens, logprobs
-        logprobs = torch.log_softmax(processed, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens, torch.where(params.temperatures > 0, logprobs, 0.0)
+        if not params.any_sampled:
+            return tokens, self._logprobs(logits, tokens, greedy_zero=self.logprobs_mode == "processed")
+        sampled = params.temperatures > 0
+        tempered = logits / torch.where(sampled, params.temperatures, 1.0).unsqueeze(1)
+        processed = _top_k_top_p(tempered, params.top_ks, params.top_ps) if params.any_filtered else tempered
+        noise = self._gumbel(params.row_keys, logits.shape[1])
+        tokens = torch.where(sampled, (processed + noise).argmax(dim=-1), tokens)
+        if self.logprobs_mode == "raw":
+            return tokens, self._logprobs(logits, tokens)
+        if self.logprobs_mode == "tempered":  # greedy rows were divided by 1: their raw logprob
+            return tokens, self._logprobs(tempered, tokens)
+        return tokens, torch.where(sampled, self._logprobs(processed, tokens), 0.0)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, greedy_zero: bool = False) -> torch.Tensor:
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return torch.zeros_like(logprobs) if greedy_zero else logprobs
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 from rollout.errors import InvalidRequest
 
+LOGPROBS_MODES = ("tempered", "raw", "processed")  # see rollout/sampler.py
+
+
+def logprobs_temperature(mode: str, temperature: float) -> float:
+    """The temperature T whose softmax(logits / T) a sampled token's reported logprob is of (1.0: raw)."""
+    return temperature if mode != "raw" and temperature > 0 else 1.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -16,7 +16,7 @@ from pydantic import Field
 from protos import rollout_pb2, rollout_pb2_grpc
 from protos.codec import CodecError, decode_array, encode_array
 from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
-from rollout.sampling_params import SamplingParams
+from rollout.sampling_params import SamplingParams, logprobs_temperature
 from rollout.sequence import FinishReason
 from services.config import ServerConfig, Strict
 
@@ -63,9 +63,10 @@ class EngineSettings(Strict):
     max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
     seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
-    logprobs_mode: Literal["raw", "processed"] = Field(
-        "raw", description="'raw': logprobs of the model at temperature 1 (what the trainer recomputes); "
-        "'processed': of the distribution sampled from.")
+    logprobs_mode: Literal["tempered", "raw", "processed"] = Field(
+        "tempered", description="'tempered': logprobs of softmax(logits / temperature), before top-k/top-p (what "
+        "the trainer recomputes, at Sample.temperature); 'raw': at temperature 1; 'processed': of the distribution "
+        "sampled from, after top-k/top-p (rollout/sampler.py).")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
 
 
@@ -96,6 +97,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         request_id, prompt, params = self._parse(request)
         with_logprobs = request.params.logprobs
+        logprobs_t = logprobs_temperature(self.engine.engine.config.logprobs_mode, params.temperature)
         completions = []
         for done in await self._generate_all(request_id, prompt, params, context):
             TOKENS_GENERATED.inc(len(done.token_ids))
@@ -106,6 +108,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 weight_versions=encode_array(done.weight_versions, "int64"),
                 finish_reason=_FINISH_REASONS[done.finish_reason],
                 text=self.decode_text(done.token_ids),
+                logprobs_temperature=logprobs_t,
             ))
         return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
 
@@ -146,7 +149,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         responses = [decode_array(r, field=f"response_ids[{i}]", expect="int32").tolist()
                      for i, r in enumerate(request.response_ids)]
         try:
-            logprobs, version = await self.engine.compute_logprobs(prompt, responses)
+            logprobs, version = await self.engine.compute_logprobs(prompt, responses, request.temperature or 1.0)
         except (InvalidRequest, QueueFull, EngineDead) as exc:
             await _abort_with_status(context, exc)
         return rollout_pb2.ComputeLogprobsResponse(

@@ -237,17 +237,18 @@ def test_update_weights_between_steps_tags_later_tokens(tiny_model_dir, tmp_path
 
 
 def test_compute_logprobs_scores_generated_tokens_and_refuses_bad_ids(rollout_process):
-    """A teacher's view: the logprobs ComputeLogprobs gives for sampled tokens are the ones Generate
-    reported for them (same weights); a bad id is INVALID_ARGUMENT naming the response."""
+    """A teacher's view: the logprobs ComputeLogprobs gives for sampled tokens at the sampling temperature
+    are the ones Generate reported for them (same weights; Generate says which temperature they are at);
+    a bad id is INVALID_ARGUMENT naming the response."""
     async def main():
         async with connect(rollout_process.address) as channel:
             stub = rollout_pb2_grpc.RolloutStub(channel)
             prompt = [1, 20, 21, 22]
-            generated = await stub.Generate(make_request(prompt, n=4, temperature=1.0, seed=9, ignore_eos=True,
+            generated = await stub.Generate(make_request(prompt, n=4, temperature=0.7, seed=9, ignore_eos=True,
                                                          max_tokens=12), timeout=30)
             responses = [c.token_ids for c in generated.completions]
             scored = await stub.ComputeLogprobs(rollout_pb2.ComputeLogprobsRequest(
-                prompt_ids=encode_array(prompt, "int32"), response_ids=responses), timeout=30)
+                prompt_ids=encode_array(prompt, "int32"), response_ids=responses, temperature=0.7), timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await stub.ComputeLogprobs(rollout_pb2.ComputeLogprobsRequest(
                     prompt_ids=encode_array(prompt, "int32"),
@@ -257,6 +258,7 @@ def test_compute_logprobs_scores_generated_tokens_and_refuses_bad_ids(rollout_pr
 
     generated, scored, bad, still_serving = asyncio.run(main())
     assert len(scored.logprobs) == 4 and scored.weight_version == 0
+    assert [c.logprobs_temperature for c in generated.completions] == [pytest.approx(0.7)] * 4
     for completion, logprobs in zip(generated.completions, scored.logprobs):
         np.testing.assert_allclose(decode_array(logprobs, expect="float32"),
                                    decode_array(completion.logprobs, expect="float32"), atol=1e-5)

@@ -31,6 +31,7 @@ class TrainBatch:
     versions: torch.Tensor  # weight version per token, int64 (-1 off the response)
     rewards: torch.Tensor  # [rows] float32
     group_index: torch.Tensor  # [rows] int64, groups numbered by first appearance
+    temperatures: torch.Tensor  # [rows] float32, the sampling temperature rollout_logprobs were taken at
     ref_logprobs: torch.Tensor | None = None  # reference / teacher logprobs
     advantages: torch.Tensor | None = None  # per token
     old_logprobs: torch.Tensor | None = None  # the policy the PPO ratio is taken against
@@ -111,6 +112,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> TrainBatch:
         versions=torch.from_numpy(versions),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         group_index=group_indices([s.group_id for s in samples]),
+        temperatures=torch.tensor([s.temperature or 1.0 for s in samples], dtype=torch.float32),
         ref_logprobs=torch.from_numpy(ref_logprobs) if carries_ref else None,
     )
 

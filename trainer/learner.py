@@ -112,14 +112,19 @@ class Learner:
             width = micro.input_ids.shape[1] - 1
             if needs_policy:
                 with self._autocast():
-                    out = run_policy(self.policy, micro.input_ids, micro.attention_mask)
+                    out = run_policy(self.policy, micro.input_ids, micro.attention_mask, self._temperatures(micro))
                 batch.old_logprobs[rows, :width] = out.logprobs.cpu() * micro.loss_mask.cpu()
                 if out.values is not None:
                     batch.old_values[rows, :width] = out.values.cpu() * micro.loss_mask.cpu()
             if needs_reference:
                 with self._autocast():
-                    out = run_policy(self.reference, micro.input_ids, micro.attention_mask)
+                    out = run_policy(self.reference, micro.input_ids, micro.attention_mask, self._temperatures(micro))
                 batch.ref_logprobs[rows, :width] = out.logprobs.cpu() * micro.loss_mask.cpu()
+
+    def _temperatures(self, batch: TrainBatch) -> torch.Tensor | None:
+        """RL objectives score the sampled tokens under the distribution they were drawn from (logits / T);
+        SFT and DPO score their data under the model itself (T = 1)."""
+        return batch.temperatures if self.algo.name in ("grpo", "ppo", "distill") else None
 
     def _estimate_advantages(self, batch: TrainBatch) -> None:
         """PPO: GAE on the critic's values, whitened over the whole pulled batch (all ranks)."""
@@ -148,7 +153,8 @@ class Learner:
         for index, (_, micro) in enumerate(micro_batches):
             self._sync_gradients(index == len(micro_batches) - 1)
             with self._autocast():
-                out = run_policy(self.policy, micro.input_ids, micro.attention_mask, entropy_grad=self.algo.entropy_coef > 0)
+                out = run_policy(self.policy, micro.input_ids, micro.attention_mask, self._temperatures(micro),
+                                 entropy_grad=self.algo.entropy_coef > 0)
             loss, metrics = objective(self.algo, micro, out)
             # FSDP averages gradients over ranks; every rank's loss is its share of the global sum.
             (loss * self.env.world_size).backward()

@@ -53,9 +53,8 @@ def load_policy(path: str | Path, *, value_head: bool = False, device: torch.dev
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logprob of each next token, [B, T-1]: log_softmax at temperature 1, gathered at the token.
-
-    The same number the rollout engine reports for a sampled token.
+    """Logprob of each next token, [B, T-1]: log_softmax of `logits` (already divided by the sampling
+    temperature), gathered at the token. The same number the rollout engine reports for a sampled token.
     """
     log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -71,10 +70,21 @@ class PolicyOutput:
 
 
 def run_policy(
-    model: PolicyModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, entropy_grad: bool = False
+    model: PolicyModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    entropy_grad: bool = False,
 ) -> PolicyOutput:
-    """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked), values."""
+    """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked), values.
+
+    Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
+    (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
+    logprobs of (rollout/sampler.py, logprobs_mode "tempered"), as verl divides its logits too.
+    """
     logits, values = model(input_ids, attention_mask)
+    if temperatures is not None and bool((temperatures != 1.0).any()):
+        logits = logits / temperatures.to(logits.device, logits.dtype)[:, None, None]
     logprobs = token_logprobs(logits, input_ids)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits[:, :-1])
