@@ -49,48 +49,53 @@ class Learner:
     def prepare(self, samples: Sequence[Sample]) -> list[TrainBatch]:
         """This rank's mini-batches of a pulled batch, with everything the objective reads.
 
-        Every rank holds the whole pulled batch: sequence-level quantities (GRPO advantages, loss
-        weights) are computed over all of it, then each rank keeps its own rows of each mini-batch.
+        A batch may hold any number of samples: fewer than batch.global_batch_size (a group lost a
+        FAILED member, the next group did not fit) or more (one group larger than the batch). Every
+        rank holds the whole pulled batch: sequence-level quantities (GRPO advantages, loss weights)
+        are computed over the real samples of each mini-batch, which is then padded with zero-weight
+        rows to a multiple of the world size, so every rank runs the same steps and micro-batches
+        and the padding counts in no loss or metric. FAILED samples are the caller's to filter out.
         """
-        if len(samples) != self.config.batch.global_batch_size:
-            raise ValueError(
-                f"got a batch of {len(samples)} samples, expected batch.global_batch_size="
-                f"{self.config.batch.global_batch_size}"
-            )
+        if not samples:
+            return []
         if self.algo.name == "dpo":
             samples = order_preference_pairs(samples)
         batch = collate(samples, self.pad_id)
         if self.algo.name == "grpo":
             advantages = grpo_advantages(batch.rewards, batch.group_index, self.algo.grpo_norm_std, self.algo.grpo_eps)
             batch.advantages = advantages[:, None] * batch.loss_mask
-        self._set_weights(batch)
-        local = batch.select(self._local_rows(batch.num_rows))
+        chunks, per_step = plan_mini_batches(
+            batch.num_rows, self.config.batch.mini_batches, self.env.world_size, unit=2 if self.algo.name == "dpo" else 1
+        )
+        batch = pad_rows(batch, chunks, per_step)
+        self._set_weights(batch, per_step)
+        local = batch.select(self._local_rows(len(chunks), per_step))
         self._recompute(local)
         if self.algo.name == "ppo":
             self._estimate_advantages(local)
         if self.algo.name in ("grpo", "ppo", "distill"):
             self._set_off_policy_correction(local)
-        rows = self.config.batch.rows_per_rank(self.env.world_size)
-        return [local.select(slice(m * rows, (m + 1) * rows)) for m in range(self.config.batch.mini_batches)]
+        rows = per_step // self.env.world_size
+        return [local.select(slice(m * rows, (m + 1) * rows)) for m in range(len(chunks))]
 
-    def _set_weights(self, batch: TrainBatch) -> None:
-        """Loss/metric weights computed over each whole mini-batch (all ranks' rows)."""
+    def _set_weights(self, batch: TrainBatch, per_step: int) -> None:
+        """Loss/metric weights computed over each whole mini-batch (all ranks' rows); padding rows
+        (loss_mask 0, see pad_rows) weigh 0 and count in no normalisation."""
+        real = batch.row_weights  # pad_rows: 1 for a sample, 0 for padding
         batch.loss_weights = torch.zeros_like(batch.loss_mask)
         batch.token_weights = torch.zeros_like(batch.loss_mask)
         batch.row_weights = torch.zeros_like(batch.rewards)
-        per_step = batch.num_rows // self.config.batch.mini_batches
         for start in range(0, batch.num_rows, per_step):
             rows = slice(start, start + per_step)
             mask = batch.loss_mask[rows]
             batch.loss_weights[rows] = loss_weights(mask, self.algo.loss_agg, self.algo.loss_norm_length)
             batch.token_weights[rows] = loss_weights(mask, "token_mean")
-            batch.row_weights[rows] = 1.0 / per_step
+            batch.row_weights[rows] = real[rows] / real[rows].sum()
 
-    def _local_rows(self, num_rows: int) -> torch.Tensor:
+    def _local_rows(self, steps: int, per_step: int) -> torch.Tensor:
         """Indices of this rank's rows: its contiguous share of every mini-batch."""
-        per_step = num_rows // self.config.batch.mini_batches
         per_rank = per_step // self.env.world_size
-        starts = [m * per_step + self.env.rank * per_rank for m in range(self.config.batch.mini_batches)]
+        starts = [m * per_step + self.env.rank * per_rank for m in range(steps)]
         return torch.cat([torch.arange(start, start + per_rank) for start in starts])
 
     @torch.no_grad()
@@ -164,10 +169,11 @@ class Learner:
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        sums["samples"] = (batch.row_weights > 0).sum().double()  # padding rows weigh 0
         names = sorted(sums)
         totals = self.env.all_reduce_sum(torch.stack([sums[name] for name in names]))
         result = dict(zip(names, totals.tolist(), strict=True))
-        result.update(grad_norm=grad_norm, lr=lr, samples=float(batch.num_rows * self.env.world_size))
+        result.update(grad_norm=grad_norm, lr=lr)
         return result
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[slice, TrainBatch]]:
@@ -197,3 +203,39 @@ class Learner:
         if self.config.dtype == "bfloat16" and self.env.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+
+def plan_mini_batches(num_rows: int, mini_batches: int, world_size: int, unit: int = 1) -> tuple[list[range], int]:
+    """Split `num_rows` rows (whole units of `unit` rows: DPO pairs) into at most `mini_batches` contiguous
+    chunks as even as possible (no chunk empty), and the padded size of each: the largest chunk rounded up
+    to a multiple of `world_size * unit`, so each rank takes the same whole number of units of every one."""
+    units = num_rows // unit
+    if units * unit != num_rows or units == 0:
+        raise ValueError(f"a batch of {num_rows} rows is not a positive number of units of {unit}")
+    steps = min(mini_batches, units)
+    sizes = [units // steps + (m < units % steps) for m in range(steps)]
+    starts = [sum(sizes[:m]) for m in range(steps)]
+    chunks = [range(start * unit, (start + size) * unit) for start, size in zip(starts, sizes, strict=True)]
+    step_units = -(-sizes[0] // world_size) * world_size
+    return chunks, step_units * unit
+
+
+def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatch:
+    """The batch laid out as `len(chunks)` mini-batches of `per_step` rows: chunk m's rows, then padding.
+
+    A padding row copies the shortest row (it never widens a micro-batch) with loss_mask and advantages
+    zeroed, so it adds nothing to any loss, advantage estimate or metric. `row_weights` comes back 1 for a
+    real row and 0 for padding (_set_weights turns it into the per-mini-batch row weights).
+    """
+    shortest = int(batch.attention_mask.sum(-1).argmin())
+    index, real = [], []
+    for chunk in chunks:
+        index += [*chunk, *[shortest] * (per_step - len(chunk))]
+        real += [1.0] * len(chunk) + [0.0] * (per_step - len(chunk))
+    padded = batch.select(torch.tensor(index, dtype=torch.int64))
+    padded.row_weights = torch.tensor(real, dtype=torch.float32)
+    padding = padded.row_weights == 0
+    padded.loss_mask[padding] = 0.0
+    if padded.advantages is not None:
+        padded.advantages[padding] = 0.0
+    return padded
