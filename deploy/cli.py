@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config field, e.g. --set server.address=0.0.0.0:50051 (repeatable)")
     serve.add_argument("--model", help="model folder (shortcut for --set model=PATH; rollout)")
     serve.add_argument("--address", help="host:port (shortcut for --set server.address=...)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback address with auth off (server.insecure=true)")
 
     health = sub.add_parser("health", help="standard gRPC health check of a running service")
     health.add_argument("address", help="HOST:PORT")
@@ -54,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from services.config import ConfigError, load_config
+    from services.server import InsecureAddress, check_exposure
 
     module = importlib.import_module(SERVICES[args.service])
     overrides = list(args.set)
@@ -61,9 +64,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides.append(f"model={args.model}")
     if args.address:
         overrides.append(f"server.address={args.address}")
+    if args.insecure:
+        overrides.append("server.insecure=true")
     try:
         config = load_config(module.Config, args.config, overrides)
-    except ConfigError as exc:
+        check_exposure(config.server.address, config.server)
+    except (ConfigError, InsecureAddress) as exc:
         print(f"relayrl serve {args.service}: {exc}", file=sys.stderr)
         return 2
     asyncio.run(module.serve(config))

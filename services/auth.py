@@ -1,5 +1,12 @@
-"""Bearer-token authentication mapped to roles, with a per-RPC allow-list."""
+"""Bearer-token authentication mapped to roles, with a per-RPC allow-list.
 
+Tokens are compared in constant time: each known token is kept as its SHA-256 digest and a presented
+token's digest is compared with every one of them by `hmac.compare_digest`, so neither the position
+of the first wrong byte nor which token matched shows in the time a refusal takes.
+"""
+
+import hashlib
+import hmac
 import pathlib
 from collections.abc import Sequence
 
@@ -23,12 +30,22 @@ class Authorizer:
     """
 
     def __init__(self, config: AuthConfig):
-        self.tokens = dict(config.tokens)
+        tokens = dict(config.tokens)
         if config.tokens_file:
             extra = yaml.safe_load(pathlib.Path(config.tokens_file).read_text()) or {}
-            self.tokens.update({str(k): str(v) for k, v in extra.items()})
+            tokens.update({str(k): str(v) for k, v in extra.items()})
+        self._digests = [(_digest(token), role) for token, role in tokens.items()]
         self.allow = {key: set(roles) for key, roles in config.allow.items()}
         self.open_methods = set(config.open_methods)
+
+    def role_of(self, token: str) -> str | None:
+        """The role of `token`, or None; every known token is compared, in constant time each."""
+        presented = _digest(token)
+        role = None
+        for digest, candidate in self._digests:
+            if hmac.compare_digest(digest, presented):
+                role = candidate
+        return role
 
     def roles_for(self, method: str) -> set[str] | None:
         service = method.lstrip("/").rpartition("/")[0]
@@ -46,9 +63,9 @@ class Authorizer:
             raise Denied(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
         header = header.decode() if isinstance(header, bytes) else header
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token not in self.tokens:
+        role = self.role_of(token)
+        if scheme.lower() != "bearer" or role is None:
             raise Denied(grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
-        role = self.tokens[token]
         allowed = self.roles_for(method)
         if allowed is not None and role not in allowed:
             raise Denied(
@@ -56,3 +73,7 @@ class Authorizer:
                 f"role '{role}' may not call {method} (allowed: {', '.join(sorted(allowed))})",
             )
         return role
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()

@@ -53,6 +53,8 @@ class ServerConfig(Strict):
     max_concurrent_rpcs: int | None = Field(None, gt=0, description="Calls served at once; beyond it RESOURCE_EXHAUSTED.")
     tls: TLSConfig | None = Field(None, description="TLS / mTLS; off by default (loopback).")
     auth: AuthConfig | None = Field(None, description="Bearer-token auth; off by default (loopback).")
+    insecure: bool = Field(False, description="Serve a non-loopback address with auth off (no bearer tokens, no mTLS). "
+                           "Without it such a server refuses to start: anyone who can reach it could call it.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 

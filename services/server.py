@@ -17,6 +17,7 @@ from protos.codec import CodecError
 from services.auth import Authorizer, Denied
 from services.config import ServerConfig
 from services.metrics import RPC_HANDLED, RPC_LATENCY, RPC_STARTED, split_method
+from services.net import is_loopback, split_host
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,21 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     )
 
 
+class InsecureAddress(ValueError):
+    """A server without authentication was asked to listen beyond loopback."""
+
+
+def check_exposure(address: str, config: ServerConfig) -> None:
+    """Refuse a non-loopback address unless callers must authenticate (tokens or mTLS) or `insecure` says so."""
+    authenticated = config.auth is not None or (config.tls is not None and config.tls.client_ca is not None)
+    if authenticated or config.insecure or is_loopback(split_host(address)):
+        return
+    raise InsecureAddress(
+        f"server.address={address} is reachable beyond this machine and auth is off: set server.auth (bearer "
+        "tokens) or server.tls.client_ca (mTLS), or pass --insecure (server.insecure=true) to serve it open anyway"
+    )
+
+
 async def create_server(
     address: str, services: Sequence[Registration], config: ServerConfig | None = None
 ) -> tuple[grpc.aio.Server, int]:
@@ -154,6 +170,7 @@ async def create_server(
     as `server.health` so a service can report NOT_SERVING while it cannot serve.
     """
     config = config or ServerConfig(address=address)
+    check_exposure(address, config)
     authorizer = Authorizer(config.auth) if config.auth else None
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),

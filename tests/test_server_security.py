@@ -147,3 +147,50 @@ async def test_mtls_requires_a_client_certificate(pki):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(None)
+
+
+def test_token_check_compares_every_known_token_in_constant_time(monkeypatch):
+    """The role is found by hmac.compare_digest over SHA-256 digests of every token (no dict lookup on the
+    secret, no early exit on the first match), and the plain tokens are not kept."""
+    import hmac
+
+    from services.auth import Authorizer
+
+    authorizer = Authorizer(AuthConfig(tokens={"tok-a": "agent", "tok-b": "admin", "tok-c": "trainer"}))
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((len(a), len(b))) or real(a, b))
+    assert authorizer.check("/relayrl.x.v1.X/Y", [("authorization", "Bearer tok-a")]) == "agent"
+    assert calls == [(32, 32)] * 3
+    calls.clear()
+    with pytest.raises(Exception, match="invalid bearer token"):
+        authorizer.check("/relayrl.x.v1.X/Y", [("authorization", "Bearer tok-" + "x" * 100)])
+    assert calls == [(32, 32)] * 3
+    assert "tok-a" not in repr(vars(authorizer))
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:0", "[::]:0", ":0", "10.1.2.3:50051"])
+async def test_an_open_server_refuses_a_non_loopback_address(address):
+    from services.server import InsecureAddress, check_exposure
+
+    with pytest.raises(InsecureAddress, match="--insecure"):
+        await create_server(address, [], ServerConfig(address=address))
+    check_exposure(address, ServerConfig(address=address, insecure=True))  # told so: allowed
+    check_exposure(address, ServerConfig(address=address, auth=AuthConfig(tokens={"t": "admin"})))
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:0", "127.0.0.2:0", "[::1]:0", "localhost:0"])
+def test_loopback_needs_no_auth(address):
+    from services.server import check_exposure
+
+    check_exposure(address, ServerConfig(address=address))
+
+
+def test_relayrl_serve_refuses_an_open_non_loopback_address():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "reward", "--address", "0.0.0.0:0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "auth is off" in result.stderr and "--insecure" in result.stderr

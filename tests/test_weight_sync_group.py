@@ -149,3 +149,23 @@ def test_bound_parameters_go_out_from_their_own_memory_after_in_place_updates():
     assert bucket_sender._buffers == []  # no bucket needed a packing buffer
     for name, value in values.items():
         assert torch.equal(first[name], value) and torch.equal(second[name], value * 2), name
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* write them) of sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A = LISTEN
+                    found.add(address)
+    return found
+
+
+def test_rendezvous_store_listens_on_the_configured_interface_only():
+    """TCPStore on its own listens on every interface whatever host it is given; a loopback trainer's store
+    must not be reachable from other machines."""
+    store = host_store("127.0.0.1", timeout_s=10)
+    assert _listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1, not 00000000 (any) or :: (any)

@@ -72,7 +72,7 @@ class BroadcastConfig(Strict):
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of each BeginUpdate/AbortUpdate call, and "
                                      "what CommitUpdate may add for the switch itself.")
     master_addr: str = Field("127.0.0.1", description="Address at which receivers reach this trainer's rendezvous store "
-                             "(and, if loopback, where gloo binds).")
+                             "and gloo group; both bind this interface only (loopback: unreachable from other hosts).")
     keep_group: bool = Field(True, description="Reuse the group across publishes while its members are unchanged.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to this dtype before sending (the rollout engine's); None = as is."

@@ -1,27 +1,19 @@
 """Weight transfer over gloo (CPU tensors, TCP): the default, and what tests use."""
 
 import datetime
-import ipaddress
 
 import torch
 import torch.distributed as dist
 
+from services.net import is_loopback
 from services.weights.transfer import GroupSpec, Pending, Transfer, TransferError, TransferTimeout, remaining
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _device(master_addr: str) -> dist.ProcessGroupGloo.Device:
-    # With a loopback master every member is on this host: bind loopback rather than whatever the
-    # hostname resolves to. Otherwise gloo's default (GLOO_SOCKET_IFNAME, else the hostname) applies.
-    if _is_loopback(master_addr):
+def _device(master_addr: str, rank: int) -> dist.ProcessGroupGloo.Device:
+    # Rank 0 (the trainer) binds the configured interface, master_addr itself. With a loopback master
+    # every member is on this host: bind loopback rather than whatever the hostname resolves to.
+    # Other receivers use gloo's default (GLOO_SOCKET_IFNAME, else the hostname's address).
+    if rank == 0 or is_loopback(master_addr):
         return dist.ProcessGroupGloo.create_device(hostname=master_addr)
     return dist.ProcessGroupGloo.create_default_device()
 
@@ -48,7 +40,7 @@ class GlooTransfer(Transfer):
         super().__init__(spec)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        options._devices = [_device(spec.master_addr)]
+        options._devices = [_device(spec.master_addr, spec.rank)]
         try:
             self.pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
                 store, spec.rank, spec.world_size, options

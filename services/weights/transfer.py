@@ -4,6 +4,7 @@ One small interface, one file per backend (gloo.py, nccl.py), chosen by `GroupSp
 """
 
 import datetime
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -79,9 +80,20 @@ def remaining(deadline: float, what: str) -> float:
 
 
 def host_store(bind_host: str, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store, hosted by rank 0 on a free port (read it from `.port`)."""
-    return dist.TCPStore(bind_host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """The rendezvous store, hosted by rank 0 on a free port of `bind_host` only (read it from `.port`).
+
+    TCPStore on its own listens on every interface whatever host it is given; the store gets a socket
+    already bound to `bind_host` instead, so a loopback trainer is unreachable from other machines.
+    """
+    family, _, _, _, address = socket.getaddrinfo(bind_host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # The store owns the descriptor from here (detach: the socket object must not close it).
+    return dist.TCPStore(bind_host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 def join_store(spec: GroupSpec, timeout_s: float) -> dist.TCPStore:

@@ -1,0 +1,27 @@
+"""Which addresses stay on this machine."""
+
+import ipaddress
+import socket
+
+
+def split_host(address: str) -> str:
+    """The host of 'host:port' ('[::1]:port' -> '::1')."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address `host` names is a loopback address ('' and 0.0.0.0 / :: are every interface)."""
+    if host == "localhost":
+        return True
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
