@@ -2,9 +2,14 @@
 
     for each prompt: Generate n completions (rollout) -> Score them (reward) -> Put the group (buffer)
 
-How far generation may run ahead of training is decided in one place, `_wait_for_policy`: the
-group that will feed training batch `b` starts only once the rollout serves weight version
->= b - max_staleness. max_staleness = 0 is synchronous (on-policy) RL.
+How far generation may run ahead of training is decided in one place, `_admit`: a group starts only
+while the version it will train at (from what the buffer holds, what the trainer consumes and what is
+in flight; rollout/admission.py) lags the version generating it by at most max_staleness.
+max_staleness = 0 is synchronous (on-policy) RL.
+
+Every group and sample id carries a producer id (fresh at each start unless configured), so a restarted
+driver never reuses an id the buffer holds; samples the buffer already stored come back as duplicates,
+counted in the stats and logged.
 """
 
 import argparse
@@ -14,6 +19,7 @@ import json
 import logging
 import pathlib
 import random
+import secrets
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +32,7 @@ from pydantic import Field
 from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, encode_array
 from protos.sample import Sample, SampleStatus
+from rollout.admission import Gauge, Pipeline, admit
 from rollout.call_merger import CallMerger
 from services.client import connect
 from services.config import Strict, load_config
@@ -55,6 +62,13 @@ class DriverConfig(Strict):
     group_size: int = Field(8, ge=1, description="Completions per prompt (the GRPO group).")
     groups_per_batch: int = Field(8, ge=1, description="Groups in one training batch.")
     max_staleness: int = Field(1, ge=0, description="Versions a sample may lag the trainer; 0 = on-policy.")
+    versions_per_batch: int = Field(
+        1, ge=1, description="Weight versions the trainer advances per batch it takes (its batch.mini_batches).")
+    admission_poll_s: float = Field(
+        0.025, gt=0, description="Poll buffer Stats and the rollout's GetWeightVersion at most this often.")
+    producer_id: str | None = Field(
+        None, description="Goes into every group and sample id; None = a fresh random token at each start, so "
+        "a restarted driver never reuses an id (the buffer would drop its new samples as duplicates).")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(8, gt=0)
@@ -120,23 +134,41 @@ class Driver:
         batch_samples = config.groups_per_batch * config.group_size
         self.scorer = CallMerger(self._score, config.merge_window_s, batch_samples)
         self.storer = CallMerger(self._put, config.merge_window_s, batch_samples)
+        self.producer_id = config.producer_id or secrets.token_hex(4)
+        self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s)
         self.version = 0
         self.groups_started = 0
-        self.stats = {"groups": 0, "samples": 0, "tokens": 0, "reward_sum": 0.0, "failed": 0, "retries": 0}
+        self.in_flight_samples = 0  # of groups started and not yet stored
+        self.stored_samples = 0  # of groups whose Put returned
+        self.stats = {"groups": 0, "samples": 0, "tokens": 0, "reward_sum": 0.0, "failed": 0, "retries": 0,
+                      "accepted": 0, "duplicates": 0}
         self.started_at = time.monotonic()
 
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close()
 
-    async def _wait_for_policy(self, batch_index: int, stop: asyncio.Event) -> None:
-        """The one place asynchrony is bounded: group for batch b waits for version >= b - max_staleness."""
-        needed = batch_index - self.config.max_staleness
-        while self.version < needed and not stop.is_set():
-            reply = await self.rollout.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=10)
-            self.version = max(self.version, reply.version)
-            if self.version < needed:
-                await asyncio.sleep(0.02)
+    async def _admit(self, stop: asyncio.Event) -> bool:
+        """The one place asynchrony is bounded: wait until one more group may start (False: stopped)."""
+        cfg = self.config
+        while not stop.is_set():
+            reading = await self.gauge.read(self.stored_samples)
+            queued = reading.buffered + self.in_flight_samples + (self.stored_samples - reading.put_mark)
+            pipeline = Pipeline(reading.trainer_version, reading.served_version, queued)
+            if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
+                     cfg.max_staleness):
+                return True
+            await self.gauge.pause()
+        return False
+
+    async def _poll_pipeline(self) -> tuple[int, int, int]:
+        stats, served = await asyncio.gather(
+            self._call(self.buffer.Stats, buffer_pb2.StatsRequest(), "Stats"),
+            self._call(self.rollout.GetWeightVersion, rollout_pb2.GetWeightVersionRequest(), "GetWeightVersion"))
+        self.version = served.version
+        # -1: no trainer has reported yet; its first batch trains at version 0 or later.
+        trainer_version = max(stats.trainer_version, 0)
+        return trainer_version, served.version, stats.pending + stats.leased - stats.consumed
 
     async def _call(self, rpc, request, what: str):
         """Call with retries on transient statuses (a restarted service, back-pressure)."""
@@ -157,12 +189,18 @@ class Driver:
         return list(reply.results)
 
     async def _put(self, protos: list) -> list:
-        await self._call(self.buffer.Put, buffer_pb2.PutRequest(samples=protos), "Put")
+        reply = await self._call(self.buffer.Put, buffer_pb2.PutRequest(samples=protos), "Put")
+        self.stats["accepted"] += reply.accepted
+        self.stats["duplicates"] += reply.duplicates
+        if reply.duplicates:
+            log.warning("the buffer already held %d of %d samples put (a retried Put it had stored, or an id "
+                        "reused by another producer); %d duplicates so far", reply.duplicates, len(protos),
+                        self.stats["duplicates"])
         return [None] * len(protos)
 
     async def run_group(self, prompt: Prompt, group_index: int) -> None:
         cfg = self.config
-        group_id = f"{prompt.prompt_id}#{cfg.seed}.{group_index}"
+        group_id = f"{prompt.prompt_id}#{self.producer_id}.{group_index}"
         request = rollout_pb2.GenerateRequest(
             request_id=group_id,
             prompt_ids=encode_array(prompt.ids, "int32"),
@@ -176,8 +214,6 @@ class Driver:
         for completion in reply.completions:
             tokens = decode_array(completion.token_ids, "token_ids", "int32")
             versions = decode_array(completion.weight_versions, "weight_versions", "int64")
-            if versions.size:
-                self.version = max(self.version, int(versions.max()))
             samples.append(Sample(
                 sample_id=f"{group_id}/{completion.index}",
                 prompt_id=prompt.prompt_id,
@@ -215,6 +251,15 @@ class Driver:
         self.stats["tokens"] += sum(s.response_ids.size for s in samples)
         self.stats["reward_sum"] += sum(s.reward for s in samples)
 
+    async def _run_counted(self, prompt: Prompt, group_index: int) -> None:
+        """run_group, its samples counted in flight (from admission) until their Put returns."""
+        size = self.config.group_size
+        try:
+            await self.run_group(prompt, group_index)
+        finally:
+            self.in_flight_samples -= size
+            self.stored_samples += size
+
     async def _add_teacher_logprobs(self, prompt_ids, reply, protos: list) -> None:
         """The teacher's logprob of every sampled token, as the samples' ref_logprobs."""
         teacher = await self._call(self.teacher.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
@@ -232,16 +277,16 @@ class Driver:
         reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
         try:
             while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
-                await self._wait_for_policy(self.groups_started // cfg.groups_per_batch, stop)
-                if stop.is_set():
-                    break
                 while len(in_flight) >= cfg.concurrency:
                     done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         task.result()  # a failed group stops the driver with its error
+                if not await self._admit(stop):
+                    break
                 index = self.groups_started
                 self.groups_started += 1
-                in_flight.add(asyncio.create_task(self.run_group(next(stream), index)))
+                self.in_flight_samples += cfg.group_size  # counted now: the next admission reads it
+                in_flight.add(asyncio.create_task(self._run_counted(next(stream), index)))
             for task in asyncio.as_completed(in_flight):
                 await task
         finally:
@@ -255,7 +300,8 @@ class Driver:
         elapsed = time.monotonic() - self.started_at
         s = self.stats
         return {
-            "time": time.time(), "elapsed_s": elapsed, "version": self.version, **s,
+            "time": time.time(), "elapsed_s": elapsed, "producer_id": self.producer_id, "version": self.version,
+            **s, "admission_polls": self.gauge.polls,
             "completions_per_s": s["samples"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
             "mean_reward": s["reward_sum"] / s["samples"] if s["samples"] else 0.0,

@@ -1,0 +1,178 @@
+"""Admission control reads what the trainer consumes; producer ids stay unique across driver restarts.
+
+The rule (rollout/admission.py) on its own, then the Driver against real buffer, reward and rollout
+processes, with a stand-in trainer that pulls, acks and publishes weights the way trainer/loop.py does.
+"""
+
+import asyncio
+
+import grpc
+import pytest
+from safetensors.torch import load_file
+
+from deploy.tasks import arithmetic_tasks, write_jsonl
+from protos import buffer_pb2, buffer_pb2_grpc
+from protos.sample import Sample
+from rollout.admission import Pipeline, admit, expected_lag
+from rollout.driver import Driver, DriverConfig, load_prompts
+from services.client import connect
+
+G, B = 8, 64  # group size, batch size (8 groups)
+
+
+def test_mini_batches_advance_the_trainer_several_versions_per_batch():
+    # The second batch from now trains 2 versions later with mini_batches=2, 1 version with 1.
+    second_batch = Pipeline(trainer_version=4, served_version=4, queued=B - G + 1)
+    assert admit(second_batch, G, B, versions_per_batch=1, max_staleness=1)
+    assert expected_lag(second_batch, G, B, versions_per_batch=2) == 2
+    assert not admit(second_batch, G, B, versions_per_batch=2, max_staleness=1)
+    assert admit(Pipeline(4, 4, queued=B - G), G, B, versions_per_batch=2, max_staleness=1)
+
+
+def test_a_rollout_behind_the_trainer_admits_only_what_the_lag_allows():
+    # Publishing every k steps: the served version trails the trainer's.
+    assert not admit(Pipeline(trainer_version=6, served_version=4, queued=0), G, B, 1, max_staleness=1)
+    assert admit(Pipeline(6, 5, queued=0), G, B, 1, max_staleness=1)
+    assert not admit(Pipeline(6, 5, queued=B), G, B, 1, max_staleness=1)
+    assert admit(Pipeline(6, 5, queued=B), G, B, 1, max_staleness=2)
+
+
+def test_dropped_groups_and_restarts_count_only_what_is_queued():
+    # Whatever the driver started before (dropped groups, an earlier driver process), only what is
+    # queued decides: an empty pipeline admits, a full one does not.
+    assert admit(Pipeline(trainer_version=50, served_version=50, queued=0), G, B, 1, max_staleness=0)
+    assert not admit(Pipeline(0, 0, queued=2 * B), G, B, 1, max_staleness=1)
+    assert admit(Pipeline(0, 0, queued=2 * B - G), G, B, 1, max_staleness=1)
+    # max_staleness 0: one batch's worth at a time.
+    assert admit(Pipeline(3, 3, queued=B - G), G, B, 1, max_staleness=0)
+    assert not admit(Pipeline(3, 3, queued=B - G + 1), G, B, 1, max_staleness=0)
+
+
+# ---------------------------------------------------------------- against real services
+
+GROUP, GROUPS_PER_BATCH = 4, 2
+BATCH = GROUP * GROUPS_PER_BATCH
+
+
+@pytest.fixture
+def pipeline(tmp_path, service_factory, tiny_model_dir):
+    engine = {"engine.torch_threads": 1, "engine.max_model_len": 64}
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir), **engine})
+    reward = service_factory("reward", {})
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "max_staleness": 1})
+    prompts = write_jsonl(arithmetic_tasks(digits=1), tmp_path / "prompts.jsonl")
+
+    def config(**overrides) -> DriverConfig:
+        return DriverConfig.model_validate({
+            "rollout": rollout.address, "reward": reward.address, "buffer": buffer.address,
+            "prompts": str(prompts), "tokenizer": str(tiny_model_dir), "group_size": GROUP,
+            "groups_per_batch": GROUPS_PER_BATCH, "max_staleness": 1, "max_tokens": 4, "concurrency": 8,
+            **overrides})
+
+    return config, buffer, rollout, tiny_model_dir
+
+
+async def run_driver(config: DriverConfig, seconds: float | None = None) -> Driver:
+    """Run a driver to its max_groups, or for `seconds`; returns it (stats, groups started)."""
+    driver = Driver(config)
+    stop = asyncio.Event()
+    try:
+        task = asyncio.create_task(driver.run(load_prompts(config), stop))
+        if seconds is None:
+            await asyncio.wait_for(task, 120)
+        else:
+            await asyncio.sleep(seconds)
+            stop.set()
+            await asyncio.wait_for(task, 60)
+    finally:
+        await driver.close()
+    return driver
+
+
+async def buffer_stats(address: str) -> buffer_pb2.StatsResponse:
+    async with connect(address) as channel:
+        return await buffer_pb2_grpc.BufferStub(channel).Stats(buffer_pb2.StatsRequest(), timeout=10)
+
+
+def test_a_restarted_driver_with_the_same_seed_gets_its_samples_stored(pipeline):
+    config, buffer, _, _ = pipeline
+
+    async def main():
+        # max_staleness high: nothing consumes here, and admission is not what this test is about.
+        first = await run_driver(config(max_groups=3, max_staleness=100))
+        second = await run_driver(config(max_groups=3, max_staleness=100))
+        return first, second, await buffer_stats(buffer.address)
+
+    first, second, stats = asyncio.run(main())
+    assert first.stats["accepted"] == second.stats["accepted"] == 3 * GROUP
+    assert second.stats["duplicates"] == 0 and stats.duplicates == 0
+    assert stats.accepted == 6 * GROUP
+    assert first.producer_id != second.producer_id
+
+
+def test_a_restarted_driver_admits_nothing_while_the_buffer_holds_enough(pipeline):
+    config, buffer, _, _ = pipeline
+
+    async def main():
+        first = await run_driver(config(), seconds=6)  # fills the pipeline: 2 batches at max_staleness 1
+        held = (await buffer_stats(buffer.address))
+        second = await run_driver(config(), seconds=3)
+        return first, held, second
+
+    first, held, second = asyncio.run(main())
+    assert (first.groups_started, held.pending) == (2 * GROUPS_PER_BATCH, 2 * BATCH), (first.stats, held)
+    assert second.groups_started == 0, "a restarted driver ran ahead of what the buffer already holds"
+
+
+async def stand_in_trainer(buffer_address: str, rollout_address: str, weights: dict, batches: int,
+                           versions_per_batch: int, publish_every: int) -> list[int]:
+    """Pull, 'train' (a pause), ack with the advanced version, publish every k batches (as trainer/loop.py).
+
+    Returns the lag of each batch: the trainer's version minus its samples' oldest version.
+    """
+    from trainer.weight_broadcast import WeightBroadcaster
+
+    lags, version = [], 0
+    async with connect(buffer_address) as channel, WeightBroadcaster([rollout_address]) as broadcaster:
+        stub = buffer_pb2_grpc.BufferStub(channel)
+        for index in range(batches):
+            request = buffer_pb2.PullRequest(batch_size=BATCH, max_batches=1, lease_timeout_s=60)
+            batch = None
+            async for batch in stub.Pull(request, timeout=60):
+                pass
+            samples = [Sample.from_proto(s) for s in batch.samples]
+            lags.append(batch.trainer_version - min(s.oldest_version for s in samples))
+            await asyncio.sleep(0.3)
+            version += versions_per_batch
+            await stub.Ack(buffer_pb2.AckRequest(lease_id=batch.lease_id, trainer_version=version), timeout=10)
+            if (index + 1) % publish_every == 0:
+                report = await broadcaster.publish(weights, version)
+                assert report.ok, report.failed
+    return lags
+
+
+@pytest.mark.parametrize("versions_per_batch, publish_every", [(2, 1), (1, 2)], ids=["mini_batches=2", "publish/2"])
+def test_admission_keeps_every_batch_within_max_staleness(pipeline, versions_per_batch, publish_every):
+    config, buffer, rollout, model_dir = pipeline
+    weights = load_file(model_dir / "model.safetensors")
+
+    async def main():
+        driver = Driver(config(versions_per_batch=versions_per_batch))
+        stop = asyncio.Event()
+        running = asyncio.create_task(driver.run(load_prompts(driver.config), stop))
+        try:
+            lags = await asyncio.wait_for(
+                stand_in_trainer(buffer.address, rollout.address, weights, 8, versions_per_batch, publish_every), 150)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 60)
+            await driver.close()
+        return lags, await buffer_stats(buffer.address), driver
+
+    try:
+        lags, stats, driver = asyncio.run(main())
+    except (TimeoutError, grpc.aio.AioRpcError) as exc:
+        pytest.fail(f"the stand-in trainer starved: {exc!r}")
+    assert max(lags) <= 1, f"lags {lags} beyond max_staleness 1"
+    assert stats.dropped.get("stale", 0) == 0, f"the buffer dropped {dict(stats.dropped)}"
+    assert driver.gauge.polls > 0
