@@ -11,6 +11,10 @@ def _options(config: ClientConfig) -> list[tuple[str, object]]:
     options: list[tuple[str, object]] = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        # A restarted service (the local launcher restarts what dies) is found again within ~2 s, not
+        # after grpc's default backoff of up to 120 s.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
     if config.server_name:
         options.append(("grpc.ssl_target_name_override", config.server_name))
