@@ -119,9 +119,9 @@ def test_mini_batches_of_an_odd_batch_are_padded_with_rows_that_weigh_nothing(ti
         before = load_policy(tiny_model_dir)
         before.load_state_dict(learner.policy.state_dict())
         expected_loss, expected_grads = hand_loss(before, chunk, "sft")
-        grads = []
+        grads: list[dict[str, torch.Tensor]] = []
         hook = learner.optimizer.register_step_pre_hook(
-            lambda *_: grads.append({name: p.grad.clone() for name, p in learner.policy.named_parameters()}))
+            lambda *_, into=grads: into.append({name: p.grad.clone() for name, p in learner.policy.named_parameters()}))
         metrics = learner.train_step(mini, step)
         hook.remove()
         assert metrics["samples"] == len(chunk) and metrics["tokens"] == sum(int(s.loss_mask.sum()) for s in chunk)
@@ -140,12 +140,12 @@ def test_a_group_larger_than_the_batch_trains_in_one_step(tiny_model_dir):
 
 
 def test_plan_mini_batches_splits_evenly_and_pads_for_every_rank():
-    assert plan_mini_batches(63, 1, 1) == ([range(0, 63)], 63)
-    assert plan_mini_batches(63, 1, 2) == ([range(0, 63)], 64)
-    assert plan_mini_batches(63, 2, 2) == ([range(0, 32), range(32, 63)], 32)
-    assert plan_mini_batches(7, 4, 2) == ([range(0, 2), range(2, 4), range(4, 6), range(6, 7)], 2)
-    assert plan_mini_batches(3, 4, 1) == ([range(0, 1), range(1, 2), range(2, 3)], 1)  # no empty step
+    assert plan_mini_batches(63, 1, 1) == ([range(63)], 63)
+    assert plan_mini_batches(63, 1, 2) == ([range(63)], 64)
+    assert plan_mini_batches(63, 2, 2) == ([range(32), range(32, 63)], 32)
+    assert plan_mini_batches(7, 4, 2) == ([range(2), range(2, 4), range(4, 6), range(6, 7)], 2)
+    assert plan_mini_batches(3, 4, 1) == ([range(1), range(1, 2), range(2, 3)], 1)  # no empty step
     # DPO pairs stay whole: 5 pairs over 2 steps and 2 ranks.
-    assert plan_mini_batches(10, 2, 2, unit=2) == ([range(0, 6), range(6, 10)], 8)
+    assert plan_mini_batches(10, 2, 2, unit=2) == ([range(6), range(6, 10)], 8)
     with pytest.raises(ValueError, match="units of 2"):
         plan_mini_batches(5, 1, 1, unit=2)

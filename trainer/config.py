@@ -115,7 +115,13 @@ class CheckpointConfig(Strict):
     """Where and how often the trainer saves its state."""
 
     dir: str | None = Field(None, description="Checkpoint folder; None = no checkpoints. Resumes from its latest.")
-    interval: int = Field(10, gt=0, description="Save every this many optimizer steps (and at the end).")
+    interval: int = Field(
+        10,
+        gt=0,
+        description="Save every this many optimizer steps (and at the end). Batches trained since the last save are "
+        "acked only after the next one: their leases stay open (heartbeat) until then, so the buffer must hold "
+        "about interval x global_batch_size samples beyond what rollout keeps pending.",
+    )
     keep_last: int = Field(2, gt=0, description="Checkpoints kept; older ones are deleted.")
     export_dir: str | None = Field(None, description="At the end, write the policy here as a Hugging Face folder.")
 
@@ -127,15 +133,35 @@ class BufferClientConfig(Strict):
     client: ClientConfig = Field(default_factory=ClientConfig, description="TLS / token for the buffer.")
     pull_timeout_s: float = Field(10.0, gt=0, description="Deadline of one Pull call (one batch).")
     max_wait_s: float = Field(600.0, gt=0, description="Give up (TimeoutError) after waiting this long for a batch.")
-    lease_timeout_s: float = Field(0.0, ge=0, description="Lease per batch; 0 = the buffer's default.")
+    lease_timeout_s: float = Field(
+        0.0, ge=0, description="Lease per batch, and how far each heartbeat pushes it back; 0 = the buffer's default."
+    )
+    heartbeat_s: float | None = Field(
+        None,
+        gt=0,
+        description="Extend every held lease (pulled, in training, or trained and waiting for the next checkpoint) "
+        "this often; None = lease_timeout_s / 3 (10 s when lease_timeout_s is 0: the buffer's default is 60 s).",
+    )
+    retry_deadline_s: float = Field(
+        120.0,
+        gt=0,
+        description="Keep retrying a call (Ack, ExtendLease, SetVersion, Stats) that fails UNAVAILABLE or "
+        "DEADLINE_EXCEEDED, on a fresh channel with backoff, for this long (a buffer restart), then fail.",
+    )
     allow_partial_groups: bool = Field(False, description="Accept batches with incomplete groups.")
     consumer: str = Field("trainer", description="Name the buffer logs this consumer under.")
     prefetch: bool = Field(
         True,
         description="Pull the next batch on a background thread while weights are published and checkpoints "
-        "written. It starts after the ack of the step before, so the buffer checks staleness against the version "
-        "that batch trains at.",
+        "written. It starts once the step before is marked consumed (with its version), so the buffer checks "
+        "staleness against the version that batch trains at.",
     )
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        if self.heartbeat_s is not None:
+            return self.heartbeat_s
+        return self.lease_timeout_s / 3 if self.lease_timeout_s > 0 else 10.0
 
 
 class PublishConfig(Strict):

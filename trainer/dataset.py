@@ -30,9 +30,15 @@ class DatasetSource:
         self.batches += 1
         return LeasedBatch(lease_id=f"dataset-{self.batches}", samples=picked, trainer_version=0)
 
-    def ack(self, lease_id: str, trainer_version: int) -> int:
+    def ack(self, lease_id: str, trainer_version: int | None = None) -> int:
         self.acked += 1
         return 1
 
+    def extend(self, lease_ids: list[str], consumed: bool = False, trainer_version: int | None = None) -> list[str]:
+        return []
+
     def set_version(self, version: int) -> int:
+        return 0
+
+    def trainer_version(self) -> int:
         return 0

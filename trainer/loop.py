@@ -1,12 +1,14 @@
-"""The training loop: pull a batch, train on it, ack it, publish weights, checkpoint.
+"""The training loop: pull a batch, train on it, publish weights, checkpoint, then ack what the checkpoint holds.
 
-Rank 0 talks to the buffer and hands every pulled batch to all ranks. A batch is acked only
-after the optimizer step(s) that used it, so after a crash its lease expires and the buffer
-delivers it again to the restarted trainer, which resumes from its last checkpoint.
+Rank 0 talks to the buffer and hands every pulled batch to all ranks. Leases are kept open by a heartbeat
+and acked only once a checkpoint that includes their training is durable (trainer/leases.py), so after a
+crash every acknowledged sample was trained exactly once in the resumed model's history. Weight versions
+are a job-wide counter: a trainer continues from the highest version its checkpoint, the buffer or any
+rollout worker has seen, and a version the workers refuse as not newer moves the counter on.
 
-Two waits can leave the critical path (config): the next batch's pull, started right after the ack
-and running while weights are published and checkpoints written (`buffer.prefetch`), and the
-weight transfer itself, running while the next step computes (`publish.overlap`).
+Two waits can leave the critical path (config): the next batch's pull, started right after the step's
+lease is marked consumed and running while weights are published and checkpoints written
+(`buffer.prefetch`), and the weight transfer itself, running while the next step computes (`publish.overlap`).
 """
 
 import json
@@ -16,12 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from protos.sample import Sample
-from trainer.buffer_client import LeasedBatch
 from trainer.checkpoint import (
     TrainState,
     export_hf,
@@ -33,22 +33,17 @@ from trainer.checkpoint import (
 )
 from trainer.config import PublishConfig, TrainerConfig
 from trainer.learner import Learner
+from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.parallel import DistEnv, gather_model_state
 
 log = logging.getLogger(__name__)
 
-# publish(named_tensors, version): hand new weights (Hugging Face names) to the rollout side.
-Publisher = Callable[[dict[str, torch.Tensor], int], object]
-
-
-class BatchSource(Protocol):
-    """Where batches come from (the buffer client); used on rank 0 only."""
-
-    def pull(self, batch_size: int) -> LeasedBatch: ...
-
-    def ack(self, lease_id: str, trainer_version: int) -> int: ...
-
-    def set_version(self, version: int) -> int: ...
+# publish(named_tensors, version) -> the version the receivers serve now (None: not known, e.g. no receivers):
+# hand new weights (Hugging Face names) to the rollout side. It may publish under a higher version than asked
+# when the receivers refuse `version` as not newer (RolloutPublisher); the trainer's counter follows.
+Publisher = Callable[[dict[str, torch.Tensor], int], int | None]
+# The ledger of samples trained and not yet acknowledged, in TrainState.extra (see trainer/leases.py).
+LEDGER_KEY = "unacked_samples"
 
 
 class Background:
@@ -85,67 +80,146 @@ class Background:
         return None if future is None else future.result(timeout_s)
 
 
-def train(config: TrainerConfig, env: DistEnv, source: BatchSource | None, publish: Publisher | None = None) -> TrainState:
+def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publish: Publisher | None = None) -> TrainState:
     """Train until config.max_steps optimizer steps; resume from the latest checkpoint if any."""
     learner = Learner(config, env)
     state = resume(config, learner, env)
+    book = None
     if env.is_main:
-        source.set_version(state.weight_version)
+        book = LeaseBook(source, config.buffer.heartbeat_interval_s, ack_on_checkpoint=config.checkpoint.dir is not None,
+                         ledger=state.extra.get(LEDGER_KEY))
+    try:
+        return _train(config, env, learner, state, book, publish)
+    finally:
+        if book is not None:
+            book.close()
+
+
+def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainState, book: LeaseBook | None,
+           publish: Publisher | None) -> TrainState:
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
     weights = policy_weights(learner, env, publish, config.publish) if publishing else None
+    publish_now = continue_versions(state, book, publish, env)
+    if env.is_main:
+        book.source.set_version(state.weight_version)
+        book.checkpointed(state.weight_version)  # the resumed checkpoint holds its ledger's training: ack it
+    publisher = Publishing(weights, publish, config.publish.overlap, env, config.publish.timeout_s + 60.0)
+    if publishing and publish_now:
+        publisher(state)
     pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack
-    publish_wait_s = config.publish.timeout_s + 60.0
-    prefetch, sending = Background("relayrl-prefetch"), Background("relayrl-publish")
-    if publishing and config.publish.overlap and env.is_main:
-        publish = overlapped(publish, sending)
-    if publishing and state.step > 0:
-        publish_weights(weights, state.weight_version, publish, env)
-    publish_s = 0.0  # the last publish's duration, reported with the steps after it
+    prefetch = Background("relayrl-prefetch")
     while state.step < config.max_steps:
         started = time.monotonic()
-        pulled = None
-        if env.is_main:  # the batch prefetched after the last step's ack, else a pull now
-            pulled = prefetch.wait(pull_wait_s) if prefetch.busy else source.pull(config.batch.global_batch_size)
-        leased: LeasedBatch = env.broadcast_object(pulled)
-        batch_stats = {
-            **measure_staleness(leased.samples, state.weight_version, config.max_staleness),
-            "reward_mean": sum(s.reward for s in leased.samples) / len(leased.samples),
-            "pull_s": time.monotonic() - started,
-            "publish_s": publish_s,
-        }
+        work = None
+        if env.is_main:  # the batch prefetched after the last step, else a pull now
+            pulled = prefetch.wait(pull_wait_s) if prefetch.busy else book.pull(config.batch.global_batch_size)
+            work = book.work(pulled)
+        work = env.broadcast_object(work)
         steps_before = state.step
-        for mini_batch in learner.prepare(leased.samples):
-            metrics = learner.train_step(mini_batch, state.step)
-            state.step += 1
-            state.weight_version += 1
-            report(config, env, state, {**metrics, **batch_stats, "step_s": time.monotonic() - started}, leased)
-        state.samples_trained += len(leased.samples)
+        if work.train:
+            batch_stats = {
+                **measure_staleness(work.train, state.weight_version, config.max_staleness),
+                "reward_mean": sum(s.reward for s in work.train) / len(work.train),
+                "failed": float(work.failed),
+                "already_trained": float(len(work.already_trained)),
+                "pull_s": time.monotonic() - started,
+                "publish_s": publisher.seconds,
+            }
+            mini_batches = learner.prepare(work.train)
+            for index, mini_batch in enumerate(mini_batches):
+                metrics = learner.train_step(mini_batch, state.step)
+                state.step += 1
+                state.weight_version += 1
+                last = index == len(mini_batches) - 1
+                report(config, env, state, {**metrics, **batch_stats, "step_s": time.monotonic() - started}, work, last)
+            state.samples_trained += len(work.train)
         if env.is_main:
-            source.ack(leased.lease_id, state.weight_version)
+            book.consumed(work, state.weight_version)
             if config.buffer.prefetch and state.step < config.max_steps:
-                prefetch.start(source.pull, config.batch.global_batch_size)
+                prefetch.start(book.pull, config.batch.global_batch_size)
         if publishing and _due(steps_before, state.step, config.publish.interval):
-            publish_started = time.monotonic()
-            sending.wait(publish_wait_s)  # the previous overlapped publish, if any
-            publish_weights(weights, state.weight_version, publish, env)
-            publish_s = time.monotonic() - publish_started
+            publisher(state)
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
-            save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
-    sending.wait(publish_wait_s)
+            checkpoint(config, learner, state, env, book)
+    publisher.finish(state)
     if config.checkpoint.dir:
-        save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
+        checkpoint(config, learner, state, env, book)
     if config.checkpoint.export_dir:
         export_hf(config.checkpoint.export_dir, learner.policy, config.model_path, env)
     return state
 
 
-def overlapped(send: Publisher, background: Background) -> Publisher:
-    """A publisher that hands each publish to `background` and returns at once."""
+def checkpoint(config: TrainerConfig, learner: Learner, state: TrainState, env: DistEnv, book: LeaseBook | None) -> None:
+    """Save a checkpoint that records what is trained and not yet acked, then ack it (collective)."""
+    if env.is_main:
+        state.extra[LEDGER_KEY] = book.ledger.entries()
+    save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
+    if env.is_main:
+        book.checkpointed(state.weight_version)
 
-    def start(named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        background.start(send, named_tensors, version)
 
-    return start
+def continue_versions(state: TrainState, book: LeaseBook | None, publish: Publisher | None, env: DistEnv) -> bool:
+    """Continue the job's weight-version counter (collective); whether to publish the trainer's weights now.
+
+    A trainer that starts from anything but the base weights at version 0 (a resumed checkpoint, or versions
+    seen beyond its own: warm rollout workers, a buffer that outlived the last trainer) publishes what it
+    holds under the next version above every one the checkpoint, the buffer or a receiver has seen.
+    """
+    held = state.weight_version
+    if env.is_main:
+        served = getattr(publish, "served_versions", dict)()
+        seen = {"checkpoint": held, "buffer": book.source.trainer_version(),
+                **{f"receiver {address}": version for address, version in served.items() if version is not None}}
+        known = max(seen.values())
+        if state.step > 0 or known > held:
+            state.weight_version = known + 1
+            log.info("continuing weight versions at %d (seen: %s)", state.weight_version, seen)
+    state.weight_version = env.broadcast_object(state.weight_version)
+    return state.weight_version != held
+
+
+class Publishing:
+    """Publishes the policy as weight versions (collective); one overlapped publish may be in flight.
+
+    A publish that landed under a higher version than asked (the receivers refused it as not newer) moves the
+    trainer's counter by as much, on every rank.
+    """
+
+    def __init__(self, weights: Callable[[], dict[str, torch.Tensor]] | None, publish: Publisher | None,
+                 overlap: bool, env: DistEnv, wait_s: float) -> None:
+        self.weights, self.publish, self.env, self.wait_s = weights, publish, env, wait_s
+        self.sending = Background("relayrl-publish") if overlap and env.is_main else None
+        self._requested = 0
+        self.seconds = 0.0  # the last publish's duration, reported with the steps after it
+
+    def __call__(self, state: TrainState) -> None:
+        started = time.monotonic()
+        self._wait(state)  # the previous overlapped publish, if any
+        tensors = self.weights()
+        if self.env.is_main:
+            if self.sending is not None:
+                self._requested = state.weight_version
+                self.sending.start(self.publish, tensors, state.weight_version)
+            else:
+                self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
+        state.weight_version = self.env.broadcast_object(state.weight_version)
+        self.seconds = time.monotonic() - started
+
+    def finish(self, state: TrainState) -> None:
+        """Wait for an overlapped publish still in flight (collective)."""
+        self._wait(state)
+        state.weight_version = self.env.broadcast_object(state.weight_version)
+
+    def _wait(self, state: TrainState) -> None:
+        if self.sending is not None and self.sending.busy:
+            self._adopt(state, self._requested, self.sending.wait(self.wait_s))
+
+    @staticmethod
+    def _adopt(state: TrainState, requested: int, landed: int | None) -> None:
+        if landed is not None and landed > requested:
+            log.warning("weight version %d landed as %d: trainer versions move on by %d", requested, landed,
+                        landed - requested)
+            state.weight_version += landed - requested
 
 
 def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
@@ -179,15 +253,6 @@ def policy_weights(
     return lambda: hf_state_dict(gather_model_state(learner.policy, env), tied)
 
 
-def publish_weights(
-    weights: Callable[[], dict[str, torch.Tensor]], version: int, publish: Publisher | None, env: DistEnv
-) -> None:
-    """Take the policy's weights (collective) and publish them on rank 0 as `version`."""
-    tensors = weights()
-    if env.is_main:
-        publish(tensors, version)
-
-
 def measure_staleness(samples: Sequence[Sample], trainer_version: int, max_staleness: int | None) -> dict[str, float]:
     """How many versions behind the trainer the batch's samples are; fails beyond max_staleness."""
     lags = [trainer_version - s.oldest_version for s in samples if s.oldest_version >= 0]
@@ -197,19 +262,25 @@ def measure_staleness(samples: Sequence[Sample], trainer_version: int, max_stale
             f"the buffer handed out a sample {worst} versions old at trainer version {trainer_version} "
             f"(max_staleness={max_staleness})"
         )
-    return {"staleness_max": float(worst), "staleness_mean": sum(lags) / len(lags) if lags else 0.0}
+    if lags and min(lags) < 0:  # versions are job-wide and only grow: a sample from a later version is a bug
+        log.warning("a sample of weight version %d reached the trainer at version %d", trainer_version - min(lags),
+                    trainer_version)
+    return {"staleness_max": float(worst), "staleness_min": float(min(lags, default=0)),
+            "staleness_mean": sum(lags) / len(lags) if lags else 0.0}
 
 
 def report(
-    config: TrainerConfig, env: DistEnv, state: TrainState, metrics: dict[str, float], leased: LeasedBatch
+    config: TrainerConfig, env: DistEnv, state: TrainState, metrics: dict[str, float], work: Work, last: bool
 ) -> None:
-    """Log one step (every log_interval) and append it to the metrics file (rank 0)."""
+    """Log one step (every log_interval) and append it to the metrics file (rank 0). With metrics_sample_ids,
+    the last step of a batch records the ids it trained (and those it acked as trained before)."""
     if not env.is_main:
         return
     if config.metrics_path:
         record = {"step": state.step, "weight_version": state.weight_version, **metrics}
         if config.metrics_sample_ids:
-            record.update(lease_id=leased.lease_id, sample_ids=[s.sample_id for s in leased.samples])
+            record.update(lease_id=work.lease_id, sample_ids=[s.sample_id for s in work.train] if last else [],
+                          already_trained=work.already_trained if last else [])
         with open(Path(config.metrics_path), "a") as f:
             f.write(json.dumps(record) + "\n")
     if state.step % config.log_interval == 0 or state.step == config.max_steps:

@@ -36,11 +36,18 @@ def run(config: TrainerConfig) -> TrainState:
         return train(config, env, source, publisher)
 
 
-class RolloutPublisher:
-    """publish(named_tensors, version) to the rollout workers, blocking; failures are logged, not raised.
+class WeightVersionConflict(RuntimeError):
+    """Receivers keep refusing the trainer's versions as not newer: another trainer publishes to them."""
 
-    A worker that misses an update keeps serving its old version (the buffer's staleness bound
-    still holds) and is tried again at the next publish.
+
+class RolloutPublisher:
+    """publish(named_tensors, version) to the rollout workers, blocking; returns the version published.
+
+    A worker that cannot take an update (down, or a failed transfer) keeps serving its old version (the
+    buffer's staleness bound still holds): that is logged and it is tried again at the next publish. A
+    version refused as not newer than what a worker serves means this trainer's counter is behind: the
+    weights go out again once, under the next version above every worker's, and that version is returned
+    (the loop's counter follows); refused again, WeightVersionConflict is raised.
     """
 
     def __init__(self, config: PublishConfig) -> None:
@@ -51,12 +58,29 @@ class RolloutPublisher:
             BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s, dtype=config.dtype),
         )
 
-    def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+    def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
         report = self._broadcaster.publish(named_tensors, version)
+        if report.not_newer:
+            served = self._broadcaster.served_versions()
+            retry = max([version, *(v for v in served.values() if v is not None)]) + 1
+            log.warning("weight version %d refused as not newer by %s (serving %s): publishing it as version %d",
+                        version, report.not_newer, served, retry)
+            report = self._broadcaster.publish(named_tensors, retry)
+            if report.not_newer:
+                raise WeightVersionConflict(
+                    f"weight version {retry} refused as not newer by {report.not_newer} right after they served "
+                    f"{served}: is another trainer publishing to them?"
+                )
+            version = retry
         if report.ok:
             log.info("published weight version %d (%.1f MB) in %.2fs", version, report.bytes / 1e6, report.total_s)
         else:
             log.warning("weight version %d not taken by %s", version, report.failed)
+        return version
+
+    def served_versions(self) -> dict[str, int | None]:
+        """The version each worker serves now (None: it did not answer)."""
+        return self._broadcaster.served_versions()
 
     def bind(self, parameters: dict[str, torch.Tensor]) -> None:
         """Publish these parameters from their own memory from now on (WeightBroadcaster.bind)."""

@@ -10,7 +10,11 @@ Control over gRPC (relayrl.weights.v1.WeightSync), data over a process group (se
 Every step has a deadline. A receiver that fails Begin is left out of this publish (the group is formed
 without it); a failed rendezvous or transfer fails the publish for its members, who keep their old
 version (one that already held every bucket and switched says so in its result). Failures are
-reported in the PublishReport, never raised, and the next publish tries every receiver again.
+reported in the PublishReport, never raised, and the next publish tries every receiver again. A receiver
+that refuses the version as not newer than the one it serves is marked `not_newer` in its result: the
+caller's counter is behind (a restarted trainer), and `served_versions()` says where the receivers are.
+A receiver that restarted (at version 0) is simply in the next publish: a kept group it no longer holds
+is answered ABORTED and a new group is formed with it.
 
 The group is kept across publishes while its membership is unchanged and every step succeeded:
 a rendezvous costs ~0.2-0.5 s on loopback, more than the transfer of a small model. Any failure drops
@@ -33,7 +37,7 @@ import grpc
 import torch
 from pydantic import Field
 
-from protos import weights_pb2, weights_pb2_grpc
+from protos import rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 from services.client import connect
 from services.config import ClientConfig, Strict
 from services.weights import (
@@ -94,6 +98,7 @@ class ReceiverResult:
     ok: bool
     error: str | None = None
     version: int | None = None  # the version it serves after this publish, when it said so
+    not_newer: bool = False  # BeginUpdate refused the version: the receiver serves this one or a later one
     receive_s: float = 0.0
     switch_s: float = 0.0
 
@@ -120,6 +125,11 @@ class PublishReport:
     @property
     def failed(self) -> dict[str, str]:
         return {r.address: r.error or "failed" for r in self.results if not r.ok}
+
+    @property
+    def not_newer(self) -> list[str]:
+        """Receivers that refused this version as not newer than the one they serve."""
+        return [r.address for r in self.results if r.not_newer]
 
 
 @dataclass
@@ -157,6 +167,7 @@ class WeightBroadcaster:
         self._store = None
         self._stubs: dict[str, weights_pb2_grpc.WeightSyncStub] = {}
         self._channels: list[grpc.aio.Channel] = []
+        self._channel_of: dict[str, grpc.aio.Channel] = {}
         self._manifest: tuple[tuple, Manifest] | None = None
         self._wire: tuple[Manifest, list[weights_pb2.TensorSpec], list[int]] | None = None  # its BeginUpdate fields
         self._bound: tuple[Manifest, list[torch.Tensor]] | None = None  # bind(): the layout, the parameters' buffers
@@ -208,6 +219,25 @@ class WeightBroadcaster:
             await channel.close()
         self._channels.clear()
         self._stubs.clear()
+        self._channel_of.clear()
+
+    async def served_versions(self, addresses: Sequence[str] | None = None) -> dict[str, int | None]:
+        """The weight version each receiver (a rollout worker) serves now (GetWeightVersion); None for one
+        that does not answer within control_timeout_s."""
+        addresses = list(self.receivers if addresses is None else addresses)
+
+        async def one(address: str) -> int | None:
+            self._stub(address)
+            stub = rollout_pb2_grpc.RolloutStub(self._channel_of[address])
+            try:
+                reply = await stub.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(),
+                                                    timeout=self.config.control_timeout_s)
+            except grpc.RpcError as exc:
+                log.warning("GetWeightVersion of %s: %s", address, _describe(exc))
+                return None
+            return reply.version
+
+        return dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses)), strict=True))
 
     async def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
         """Send `named_tensors` as version `version` to every receiver; see the module docstring."""
@@ -251,7 +281,9 @@ class WeightBroadcaster:
                 # ABORTED on a reused group: the receiver no longer holds it (it restarted); a new group
                 # fixes that, so it stays in.
                 if not (reused and error.code() == grpc.StatusCode.ABORTED):
-                    results[address] = ReceiverResult(address, False, f"BeginUpdate {_describe(error)}")
+                    not_newer = error.code() == grpc.StatusCode.FAILED_PRECONDITION and "not newer" in error.details()
+                    results[address] = ReceiverResult(address, False, f"BeginUpdate {_describe(error)}",
+                                                      not_newer=not_newer)
                     members.remove(address)
         for address in members:
             results[address] = ReceiverResult(address, False, "BeginUpdate kept failing while the group changed")
@@ -394,6 +426,7 @@ class WeightBroadcaster:
         if address not in self._stubs:
             channel = connect(address, self.config.client)
             self._channels.append(channel)
+            self._channel_of[address] = channel
             self._stubs[address] = weights_pb2_grpc.WeightSyncStub(channel)
         return self._stubs[address]
 
@@ -409,6 +442,9 @@ class BlockingWeightBroadcaster:
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
         return self._run(self.broadcaster.publish(named_tensors, version), self.broadcaster.config.publish_bound_s)
+
+    def served_versions(self, addresses: Sequence[str] | None = None) -> dict[str, int | None]:
+        return self._run(self.broadcaster.served_versions(addresses), 2 * self.broadcaster.config.control_timeout_s)
 
     def bind(self, parameters: Mapping[str, torch.Tensor]) -> None:
         """WeightBroadcaster.bind; call it while no publish is in flight."""

@@ -1,0 +1,208 @@
+"""Leases and exactly-once against a real buffer process: a step slower than the lease, a FAILED group
+member, a trainer SIGKILLed between checkpoints, a buffer SIGKILLed and restarted under a running trainer.
+
+The audit of the crash tests: the final model's history is each incarnation's step records up to the
+checkpoint the next one resumed from; what the buffer acknowledged is every sample put minus what it still
+holds (drained at the end). Every acknowledged sample must appear exactly once in that history."""
+
+import signal
+import time
+
+import pytest
+from test_trainer_loop import (
+    BATCH,
+    GROUP,
+    make_samples,
+    put,
+    records,
+    start_trainer,
+    stats,
+    trainer_overrides,
+)
+
+from protos import buffer_pb2, buffer_pb2_grpc
+from protos.sample import SampleStatus
+from services.client import connect_sync
+
+
+def drain(address: str) -> set[str]:
+    """Lease (and never ack) everything the buffer still holds; their ids."""
+    held = stats(address)
+    assert held.leased == 0, held
+    ids: set[str] = set()
+    with connect_sync(address) as channel:
+        stub = buffer_pb2_grpc.BufferStub(channel)
+        while len(ids) < held.pending:
+            request = buffer_pb2.PullRequest(batch_size=GROUP, max_batches=1, lease_timeout_s=600)
+            for batch in stub.Pull(request, timeout=10):
+                ids |= {s.sample_id for s in batch.samples}
+    return ids
+
+
+def lineage(runs: list[list[dict]]) -> list[dict]:
+    """The final model's steps: each run's records up to the step the next run resumed from."""
+    steps: list[dict] = []
+    for run, following in zip(runs, [*runs[1:], None]):
+        resumed_from = following[0]["step"] - 1 if following else float("inf")
+        steps = [r for r in steps if r["step"] <= run[0]["step"] - 1] + [r for r in run if r["step"] <= resumed_from]
+    return steps
+
+
+def assert_exactly_once(history: list[dict], all_ids: set[str], address: str, everything_acked: bool) -> None:
+    assert [r["step"] for r in history] == list(range(1, len(history) + 1))
+    trained = [sample_id for r in history for sample_id in r["sample_ids"]]
+    assert len(trained) == len(set(trained)), "a sample was trained twice in the final model's history"
+    acked = all_ids - drain(address)
+    assert acked <= set(trained), f"acked but never trained in the final model's history: {sorted(acked - set(trained))[:8]}"
+    if everything_acked:
+        assert acked == set(trained)
+
+
+def test_a_step_slower_than_the_lease_is_neither_redelivered_nor_fatal(tiny_model_dir, tmp_path, service_factory):
+    """Publishing takes 5 s, the lease 2 s: the heartbeat keeps the trained lease (held until the checkpoint)
+    and the prefetched one open. Before, the prefetched lease expired and its Ack failed NOT_FOUND."""
+    from trainer.buffer_client import BufferClient
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "lease_timeout_s": 2.0})
+    put(buffer.address, make_samples(3 * BATCH))
+    config = TrainerConfig.model_validate({
+        "model_path": str(tiny_model_dir),
+        "buffer": {"address": buffer.address, "max_wait_s": 30, "lease_timeout_s": 2.0},
+        "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
+        "max_steps": 2,
+        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "interval": 1},
+        "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "metrics_sample_ids": True,
+    })
+    published = []
+
+    def slow_publish(named_tensors, version):
+        time.sleep(5.0)
+        published.append(version)
+        return version
+
+    client = BufferClient(config.buffer)
+    try:
+        state = train(config, init_distributed("cpu"), client, slow_publish)
+    finally:
+        client.close()
+    after = stats(buffer.address)
+    assert (state.step, published) == (2, [1, 2])
+    assert (after.redelivered, after.acked, after.leased, after.pending) == (0, 2 * BATCH, 0, BATCH)
+    trained = [i for r in records(tmp_path / "metrics.jsonl") for i in r["sample_ids"]]
+    assert len(trained) == len(set(trained)) == 2 * BATCH
+
+
+def test_a_failed_group_member_is_counted_and_training_proceeds(tiny_model_dir, tmp_path, service_factory):
+    """One group loses a member to FAILED (dropped at Put): its whole-group batch is short, and trains."""
+    from trainer.buffer_client import BufferClient
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    samples = make_samples(3 * BATCH)
+    samples[1].status, samples[1].reason = SampleStatus.FAILED, "reward timeout"
+    put(buffer.address, samples)
+    config = TrainerConfig.model_validate({
+        "model_path": str(tiny_model_dir),
+        "buffer": {"address": buffer.address, "max_wait_s": 10, "lease_timeout_s": 5.0},
+        "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
+        "max_steps": 3,
+        "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "metrics_sample_ids": True,
+    })
+    client = BufferClient(config.buffer)
+    try:
+        state = train(config, init_distributed("cpu"), client)
+    finally:
+        client.close()
+    steps = records(tmp_path / "metrics.jsonl")
+    # FIFO, whole groups: the short group and the next one (7 samples), then two full groups at a time.
+    assert state.step == 3 and [r["samples"] for r in steps] == [2 * GROUP - 1, BATCH, BATCH]
+    assert "s1" not in {i for r in steps for i in r["sample_ids"]}
+    after = stats(buffer.address)
+    assert after.dropped["failed"] == 1 and after.acked == 3 * BATCH - 1 and after.pending == 0
+
+
+def test_failed_samples_that_reach_the_trainer_are_counted_never_trained(tiny_model_dir):
+    from trainer.leases import LeaseBook
+
+    class OneBatch:
+        def pull(self, batch_size):
+            from trainer.buffer_client import LeasedBatch
+
+            samples = make_samples(BATCH)
+            samples[2].status = SampleStatus.FAILED
+            return LeasedBatch("lease-1", samples, 0)
+
+        def extend(self, lease_ids, consumed=False, trainer_version=None):
+            return []
+
+    book = LeaseBook(OneBatch(), interval_s=60, ack_on_checkpoint=True)
+    try:
+        work = book.work(book.pull(BATCH))
+    finally:
+        book.close()
+    assert work.failed == 1 and len(work.train) == BATCH - 1 and "s2" not in {s.sample_id for s in work.train}
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_between_checkpoints_trains_every_acked_sample_exactly_once(
+    tiny_model_dir, tmp_path, service_factory
+):
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "lease_timeout_s": 2.0})
+    samples = make_samples(24 * BATCH)
+    put(buffer.address, samples)
+    max_steps, interval = 12, 4
+    overrides = trainer_overrides(tiny_model_dir, buffer.address, tmp_path, max_steps,
+                                  **{"checkpoint.interval": str(interval), "buffer.lease_timeout_s": "2"})
+    first_metrics, second_metrics = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first = start_trainer([*overrides, "--set", f"metrics_path={first_metrics}"], tmp_path / "first.log")
+    deadline = time.monotonic() + 180
+    # Two steps past the checkpoint at step 4: before, both were acked already and lost with the crash.
+    while len(records(first_metrics)) < interval + 2:
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the first trainer did not reach step 6 within 180 s"
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == f"step_{interval:08d}"
+
+    second = start_trainer([*overrides, "--set", f"metrics_path={second_metrics}"], tmp_path / "second.log")
+    assert second.wait(240) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert records(second_metrics)[0]["step"] == interval + 1
+    history = lineage([records(first_metrics), records(second_metrics)])
+    assert len(history) == max_steps
+    assert_exactly_once(history, {s.sample_id for s in samples}, buffer.address, everything_acked=True)
+
+
+@pytest.mark.slow
+def test_the_trainer_survives_a_buffer_restart_and_trains_every_acked_sample_once(
+    tiny_model_dir, tmp_path, service_factory, free_port
+):
+    address = f"127.0.0.1:{free_port}"
+    settings = {"data_dir": str(tmp_path / "buffer"), "server.address": address, "lease_timeout_s": 3.0}
+    buffer = service_factory("buffer", settings)
+    samples = make_samples(24 * BATCH)
+    put(address, samples)
+    max_steps = 14
+    metrics = tmp_path / "metrics.jsonl"
+    overrides = trainer_overrides(tiny_model_dir, address, tmp_path, max_steps,
+                                  **{"checkpoint.interval": "3", "buffer.lease_timeout_s": "3", "metrics_path": str(metrics)})
+    trainer = start_trainer(overrides, tmp_path / "trainer.log")
+    deadline = time.monotonic() + 180
+    while len(records(metrics)) < 4:
+        assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the trainer did not reach step 4 within 180 s"
+        time.sleep(0.01)
+    buffer.kill()
+    time.sleep(1.0)
+    service_factory("buffer", settings)  # same address, same data: leases are gone, samples are not
+    assert trainer.wait(240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    history = records(metrics)
+    assert len(history) == max_steps
+    assert_exactly_once(history, {s.sample_id for s in samples}, address, everything_acked=False)

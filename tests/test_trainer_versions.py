@@ -1,0 +1,92 @@
+"""Weight versions are one counter for the whole job: a fresh trainer and a resumed one, against the same
+warm rollout worker, each land their first publish above what the worker serves; staleness is never negative;
+a version refused as not newer is published again above the worker's, not logged and forgotten."""
+
+import numpy as np
+import torch
+from test_trainer_loop import BATCH, make_samples, put, records, stats
+
+from protos import rollout_pb2, rollout_pb2_grpc
+from services.client import connect_sync
+
+
+def served_version(address: str) -> int:
+    with connect_sync(address) as channel:
+        return rollout_pb2_grpc.RolloutStub(channel).GetWeightVersion(rollout_pb2.GetWeightVersionRequest(),
+                                                                      timeout=10).version
+
+
+def put_generated_at(address: str, version: int, prefix: str) -> None:
+    """What a driver puts: samples tagged with the version the worker served when it made them."""
+    samples = make_samples(BATCH, prefix=prefix)
+    for s in samples:
+        s.weight_versions = np.full(s.response_ids.size, version, dtype=np.int64)
+    put(address, samples)
+
+
+def run_trainer(model, buffer: str, rollout: str, tmp_path, name: str, max_steps: int, checkpoints: str | None):
+    from trainer.buffer_client import BufferClient
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+    from trainer.run import RolloutPublisher
+
+    config = TrainerConfig.model_validate({
+        "model_path": str(model),
+        "buffer": {"address": buffer, "max_wait_s": 30},
+        "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
+        "optim": {"lr": 1e-2},
+        "max_steps": max_steps,
+        "publish": {"receivers": [rollout], "timeout_s": 30},
+        "metrics_path": str(tmp_path / f"{name}.jsonl"),
+        "checkpoint": {"dir": checkpoints},
+    })
+    client, publisher = BufferClient(config.buffer), RolloutPublisher(config.publish)
+    try:
+        return train(config, init_distributed("cpu"), client, publisher), records(tmp_path / f"{name}.jsonl")
+    finally:
+        client.close()
+        publisher.close()
+
+
+def test_fresh_and_resumed_trainers_continue_the_versions_of_a_warm_worker(tiny_model_dir, tmp_path, service_factory):
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir)})
+    checkpoints = str(tmp_path / "checkpoints")
+
+    put_generated_at(buffer.address, 0, "a")
+    first, steps = run_trainer(tiny_model_dir, buffer.address, rollout.address, tmp_path, "first", 1, checkpoints)
+    assert first.weight_version == served_version(rollout.address) == 1
+    assert min(r["staleness_min"] for r in steps) >= 0
+
+    # A fresh trainer (no checkpoint) against the warm worker: its base weights go out above version 1 first.
+    put_generated_at(buffer.address, 1, "b")
+    fresh, steps = run_trainer(tiny_model_dir, buffer.address, rollout.address, tmp_path, "fresh", 1, None)
+    assert (fresh.step, fresh.weight_version, served_version(rollout.address)) == (1, 3, 3)
+    assert [r["weight_version"] for r in steps] == [3] and steps[0]["staleness_min"] == 2 - 1 >= 0
+
+    # The first trainer resumes from its checkpoint (step 1, version 1): it publishes that state as 4, trains 5.
+    put_generated_at(buffer.address, 3, "c")
+    resumed, steps = run_trainer(tiny_model_dir, buffer.address, rollout.address, tmp_path, "resumed", 2, checkpoints)
+    assert (resumed.step, resumed.weight_version, served_version(rollout.address)) == (2, 5, 5)
+    assert [r["weight_version"] for r in steps] == [5] and steps[0]["staleness_min"] == 4 - 3
+    assert stats(buffer.address).trainer_version == 5
+
+
+def test_a_version_refused_as_not_newer_is_published_again_above_the_workers(tiny_model_dir, service_factory):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config import PublishConfig
+    from trainer.run import RolloutPublisher
+
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir)})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    weights = {name: t + 0.01 for name, t in model.state_dict().items()}
+    publisher = RolloutPublisher(PublishConfig(receivers=[rollout.address], timeout_s=30))
+    try:
+        assert publisher(weights, 3) == 3 and served_version(rollout.address) == 3
+        # A counter that is behind (a restarted trainer): the publish lands as the worker's version + 1.
+        assert publisher(weights, 2) == 4 and served_version(rollout.address) == 4
+        assert publisher.served_versions() == {rollout.address: 4}
+    finally:
+        publisher.close()
