@@ -1,4 +1,9 @@
-"""The local launcher: each service as its own process on this machine, found by address."""
+"""The local launcher: each service as its own process on this machine, found by address.
+
+A service started here can be started again on the same address with the same settings
+(`ServiceProcess.restart`): clients reconnect to it as they are, and a buffer recovers its log from
+the same data_dir. deploy/supervisor.py decides when.
+"""
 
 import json
 import os
@@ -30,6 +35,10 @@ class ServiceProcess:
     log_path: pathlib.Path
     metrics_port: int | None = None
     port_file: pathlib.Path = field(default=None)  # type: ignore[assignment]
+    # How it was started, so restart() can start it again the same way.
+    overrides: dict = field(default_factory=dict)
+    config_path: str | os.PathLike | None = None
+    env: Mapping[str, str] | None = None
 
     @property
     def pid(self) -> int:
@@ -57,6 +66,17 @@ class ServiceProcess:
         if self.alive():
             self.proc.kill()
         return self.proc.wait(30)
+
+    def restart(self, timeout: float = 120.0) -> None:
+        """Kill this process if it still runs, then start the service again on the same address.
+
+        Raises LaunchError if it does not serve again within `timeout` (the port taken, a crash at start).
+        """
+        self.kill()
+        fresh = start_service(self.name, {**self.overrides, "server.address": self.address},
+                              config_path=self.config_path, log_dir=self.log_path.parent, env=self.env,
+                              timeout=timeout)
+        self.proc, self.port_file, self.metrics_port = fresh.proc, fresh.port_file, fresh.metrics_port
 
     def log_tail(self, lines: int = 40) -> str:
         if not self.log_path.exists():
@@ -119,7 +139,9 @@ def start_service(
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
                                 cwd=pathlib.Path(__file__).resolve().parent.parent)
-    service = ServiceProcess(name, proc, address="", log_path=log_path, port_file=port_file)
+    service = ServiceProcess(name, proc, address="", log_path=log_path, port_file=port_file,
+                             overrides={k: v for k, v in overrides.items() if k != "server.port_file"},
+                             config_path=config_path, env=env)
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if not service.alive():

@@ -104,9 +104,14 @@ class Progress:
         self.refresh(elapsed)
         return point
 
-    def finish(self, summary) -> None:
+    def close(self) -> None:
+        """Stop the live table (idempotent; also after a failed run)."""
         if self.live is not None:
             self.live.stop()
+            self.live = None
+
+    def finish(self, summary) -> None:
+        self.close()
         table = Table(title="relayrl quickstart: summary", show_header=False)
         table.add_column("", style="bold")
         table.add_column("", justify="right")
@@ -119,6 +124,7 @@ class Progress:
             ("completions generated", summary.completions),
             ("RL wall-clock", f"{summary.rl_seconds:.0f}s"),
             ("completions/s", f"{summary.completions / max(summary.rl_seconds, 1e-9):.1f}"),
+            ("restarts", ", ".join(f"{name} {n}" for name, n in summary.restarts.items()) or "none"),
             ("plot", str(self.run_dir / "progress.png")),
             ("metrics", str(self.metrics_path)),
         ):

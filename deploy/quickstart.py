@@ -3,16 +3,18 @@
     build model + task -> SFT warm-up -> start buffer, reward, rollout as processes
     -> driver (generate, score, put) and trainer (pull, GRPO step, ack, publish) run asynchronously
     -> held-out accuracy over time, a summary table, a plot and metrics JSONL
+
+Every process of the RL phase is supervised (deploy/supervisor.py): a service that dies or freezes is
+started again on its own address (the buffer recovers its log), the trainer resumes from its latest
+checkpoint, the driver starts afresh under a new producer id. The run ends at its time budget or step
+count, never because something died; a process that keeps dying fails the run (exit 1, naming it).
 """
 
 import asyncio
 import json
 import logging
-import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import yaml
 from pydantic import Field
 
+from deploy.supervisor import SuperviseConfig
 from services.config import Strict, load_config
 
 log = logging.getLogger("relayrl.quickstart")
@@ -72,6 +75,13 @@ class RLConfig(Strict):
                             description="trainer.config.AlgorithmConfig fields (variants: Dr. GRPO, DAPO, ...).")
     publish_overlap: bool = Field(True, description="Send new weights while the next step computes (trainer.config.PublishConfig.overlap).")
     driver_concurrency: int = Field(32, ge=1, description="Prompts the driver keeps in flight (more overlaps RPC latency; staleness stays bounded).")
+    checkpoint_interval: int = Field(10, gt=0, description="Trainer checkpoint every this many steps: a restarted "
+                                     "trainer resumes from it, and the batches trained since are held in the buffer "
+                                     "(leased) until it is saved.")
+    buffer_capacity_batches: int = Field(32, gt=0, description="Buffer capacity in batches (pending + leased, "
+                                         "including those held until the next checkpoint).")
+    metrics_sample_ids: bool = Field(False, description="List each step's sample ids in trainer_metrics.jsonl "
+                                     "(audits what was trained, e.g. across restarts).")
 
 
 class QuickstartConfig(Strict):
@@ -83,6 +93,7 @@ class QuickstartConfig(Strict):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     rollout: dict = Field(default_factory=dict, description="Extra --set overrides for the rollout service.")
+    supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
 
 
 @dataclass
@@ -95,6 +106,7 @@ class Summary:
     completions: int
     rl_seconds: float
     curve: list[dict] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
     run_dir: str = ""
 
 
@@ -147,8 +159,18 @@ def sft_warmup(config: QuickstartConfig, init_dir: pathlib.Path, out_dir: pathli
 # ---------------------------------------------------------------- evaluation
 
 
-async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_tokens: int, concurrency: int = 64) -> float:
-    """Held-out greedy exact match through the rollout service (the weights it serves right now)."""
+_EVAL_RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+
+
+async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_tokens: int, concurrency: int = 64,
+                   retry_for_s: float = 300.0) -> float:
+    """Held-out greedy exact match through the rollout service (the weights it serves right now).
+
+    A rollout that restarts (or is frozen and then restarted) is waited for: each request is retried on
+    UNAVAILABLE / DEADLINE_EXCEEDED for up to `retry_for_s`.
+    """
+    import grpc
+
     from protos import rollout_pb2, rollout_pb2_grpc
     from protos.codec import encode_array
     from services.client import connect
@@ -158,11 +180,19 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
         stub = rollout_pb2_grpc.RolloutStub(channel)
 
         async def one(ids: list[int], answer: str) -> bool:
+            request = rollout_pb2.GenerateRequest(
+                prompt_ids=encode_array(ids, "int32"),
+                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1))
+            give_up = time.monotonic() + retry_for_s
             async with semaphore:
-                reply = await stub.Generate(rollout_pb2.GenerateRequest(
-                    prompt_ids=encode_array(ids, "int32"),
-                    params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1),
-                ), timeout=120)
+                while True:
+                    try:
+                        reply = await stub.Generate(request, timeout=30)
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code().name not in _EVAL_RETRYABLE or time.monotonic() > give_up:
+                            raise
+                        await asyncio.sleep(0.5)
             return reply.completions[0].text.strip() == answer
 
         results = await asyncio.gather(*(one(ids, answer) for ids, answer in prompts))
@@ -177,35 +207,21 @@ def _write_yaml(path: pathlib.Path, data: dict) -> pathlib.Path:
     return path
 
 
-def _start_process(args: list[str], log_path: pathlib.Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    with open(log_path, "ab") as out:
-        return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=pathlib.Path(__file__).resolve().parent.parent)
-
-
-def _stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def _read_jsonl(path: pathlib.Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
+def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> Summary:
+    """The whole run. `supervisor` (a deploy.supervisor.Supervisor, default one from config.supervise)
+    lets a caller watch the processes it starts and restarts."""
     import torch
     from transformers import AutoTokenizer
 
     from deploy.launcher import start_service
     from deploy.progress import Progress
+    from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
     from rollout.tiny import write_tiny_model
 
@@ -226,9 +242,10 @@ def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
                                     hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
                                     num_heads=config.model.num_heads, num_kv_heads=config.model.num_kv_heads,
                                     head_dim=config.model.head_dim)
-        policy_dir = run_dir / "model-sft"
-        with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size}"):
-            sft_warmup(config, init_dir, policy_dir, train_tasks)
+        policy_dir = run_dir / "model-sft" if config.sft.steps else init_dir
+        if config.sft.steps:
+            with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size}"):
+                sft_warmup(config, init_dir, policy_dir, train_tasks)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     eval_prompts = [([tokenizer.bos_token_id, *tokenizer.encode(t.prompt, add_special_tokens=False)], t.answer)
                     for t in eval_tasks]
@@ -236,18 +253,16 @@ def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
     rl = config.rl
     batch_size = rl.group_size * rl.groups_per_batch
 
-    services, procs = [], []
+    supervisor = supervisor or Supervisor(config.supervise)
     try:
         with progress.phase("starting buffer, reward and rollout services"):
             logs = run_dir / "logs"
-            buffer = start_service("buffer", {"data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                                              "capacity": 16 * batch_size}, log_dir=logs)
-            services.append(buffer)
-            reward = start_service("reward", {}, log_dir=logs)
-            services.append(reward)
-            rollout = start_service("rollout", {"model": str(policy_dir), "engine.seed": config.seed,
-                                                **config.rollout}, log_dir=logs)
-            services.append(rollout)
+            buffer = supervisor.add_service(start_service("buffer", {
+                "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
+                "capacity": rl.buffer_capacity_batches * batch_size}, log_dir=logs))
+            reward = supervisor.add_service(start_service("reward", {}, log_dir=logs))
+            rollout = supervisor.add_service(start_service("rollout", {
+                "model": str(policy_dir), "engine.seed": config.seed, **config.rollout}, log_dir=logs))
         sft_accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
         progress.note(f"held-out accuracy at the start of RL: {sft_accuracy:.3f}")
 
@@ -270,22 +285,21 @@ def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
             "seed": config.seed,
             "log_interval": 10,
             "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
-            "checkpoint": {"dir": str(run_dir / "checkpoints"), "interval": 100},
+            "metrics_sample_ids": rl.metrics_sample_ids,
+            "checkpoint": {"dir": str(run_dir / "checkpoints"), "interval": rl.checkpoint_interval},
         })
         started = time.monotonic()
-        procs.append(_start_process(["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log"))
-        procs.append(_start_process(["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log"))
+        supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",
+                               exit_zero_is_done=True)
+        supervisor.add_process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log")
         progress.start_rl(rl.time_budget_s, sft_accuracy)
         curve = [progress.point(0.0, sft_accuracy)]
         next_eval = started + rl.eval_interval_s
         while True:
+            supervisor.check()  # RunFailed: something kept dying
             now = time.monotonic()
-            trainer_done = procs[0].poll() is not None
-            if trainer_done or now - started >= rl.time_budget_s:
+            if supervisor.done("trainer") or now - started >= rl.time_budget_s:
                 break
-            for proc, name in zip(procs, ("trainer", "driver")):
-                if proc.poll() not in (None, 0):
-                    raise RuntimeError(f"{name} exited with code {proc.returncode}; see {logs / (name + '.log')}")
             if now >= next_eval:
                 next_eval = now + rl.eval_interval_s
                 accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
@@ -294,22 +308,23 @@ def run_quickstart(config: QuickstartConfig, console=None) -> Summary:
             progress.refresh(time.monotonic() - started)
             time.sleep(0.5)
         rl_seconds = time.monotonic() - started
-        for proc in procs:
-            _stop_process(proc)
+        for name in ("driver", "trainer"):
+            supervisor.stop_member(name)
         final = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
         curve.append(progress.point(rl_seconds, final))
+        supervisor.check()
     finally:
-        for proc in procs:
-            _stop_process(proc)
-        for service in reversed(services):
-            service.stop()
+        supervisor.stop()
+        progress.close()
     trainer_metrics = _read_jsonl(run_dir / "trainer_metrics.jsonl")
     driver_stats = _read_jsonl(run_dir / "driver_stats.jsonl")
+    # Each driver process (a new producer id after a restart) counts from zero: sum their last records.
+    completions = sum({d.get("producer_id"): d["samples"] for d in driver_stats}.values())
     summary = Summary(
         seed=config.seed, sft_accuracy=sft_accuracy, final_accuracy=final,
         best_accuracy=max(p["accuracy"] for p in curve), steps=trainer_metrics[-1]["step"] if trainer_metrics else 0,
-        completions=driver_stats[-1]["samples"] if driver_stats else 0, rl_seconds=rl_seconds, curve=curve,
-        run_dir=str(run_dir),
+        completions=completions, rl_seconds=rl_seconds, curve=curve, run_dir=str(run_dir),
+        restarts=supervisor.restarts(),
     )
     progress.finish(summary)
     return summary
@@ -323,6 +338,12 @@ def main(config_path: str | None = None, overrides: list[str] | None = None) -> 
     except ConfigError as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
         return 2
+    from deploy.supervisor import RunFailed
+
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = run_quickstart(config)
+    try:
+        summary = run_quickstart(config)
+    except RunFailed as exc:
+        print(f"relayrl run failed: {exc}", file=sys.stderr)
+        return 1
     return 0 if summary.final_accuracy > summary.sft_accuracy else 1

@@ -1,0 +1,270 @@
+"""Supervision of a local run: a process that dies or freezes is started again, within bounds.
+
+Each member (a service, the trainer, the driver) has a watcher thread. A member is down when its
+process has exited (the trainer's exit 0 is its end, not a death) or, for a service, when its health
+check has gone unanswered for `health_timeout_s` (a frozen process: SIGKILLed first). A member that
+is down is started again after a backoff, services on their own address; one that goes down more than
+`max_restarts` times within `restart_window_s` fails the run: `check()` raises RunFailed naming it,
+with the tail of its log.
+"""
+
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import Field
+
+from deploy.launcher import LaunchError, ServiceProcess
+from services.config import Strict
+
+log = logging.getLogger("relayrl.supervisor")
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class SuperviseConfig(Strict):
+    """How the local launcher restarts what dies."""
+
+    max_restarts: int = Field(3, ge=0, description="Restarts of one process within restart_window_s; one more "
+                              "death fails the run (non-zero exit naming it).")
+    restart_window_s: float = Field(600.0, gt=0, description="The window max_restarts counts over.")
+    backoff_s: float = Field(1.0, ge=0, description="Wait before a restart, doubled for each consecutive failed "
+                             "start, at most 30 s.")
+    health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks of a service.")
+    health_timeout_s: float = Field(15.0, gt=0, description="A service unanswered for this long is frozen: it is "
+                                    "SIGKILLed and started again.")
+    start_timeout_s: float = Field(120.0, gt=0, description="A (re)started process must serve within this.")
+
+
+class RunFailed(RuntimeError):
+    """A member went down more often than its restarts allow: the run cannot recover."""
+
+    def __init__(self, name: str, problem: str, log_path: pathlib.Path, tail: str):
+        self.name = name
+        super().__init__(f"{name} {problem}, and its restarts are exhausted: the run cannot recover.\n"
+                         f"last lines of {log_path}:\n{tail}")
+
+
+class Process:
+    """A client process (trainer, driver) as a supervised member: `python ARGS`, logging to `log_path`."""
+
+    def __init__(self, name: str, args: Sequence[str], log_path: pathlib.Path, exit_zero_is_done: bool = False):
+        self.name, self.args, self.log_path = name, list(args), log_path
+        self.exit_zero_is_done = exit_zero_is_done
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, timeout: float) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, *self.args], stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, cwd=_ROOT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (the trainer and driver finish cleanly), SIGKILL after `timeout` seconds."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Service:
+    """A service process (deploy.launcher) as a supervised member, restarted on its own address."""
+
+    def __init__(self, service: ServiceProcess):
+        self.service, self.name, self.exit_zero_is_done = service, service.name, False
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+    @property
+    def pid(self) -> int:
+        return self.service.pid
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.service.log_path
+
+    def start(self, timeout: float) -> None:
+        self.service.restart(timeout)
+
+    def exit_code(self) -> int | None:
+        return self.service.proc.poll()
+
+    def kill(self) -> None:
+        self.service.kill()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.service.stop(timeout)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.service.log_tail(lines)
+
+
+@dataclass
+class Record:
+    """What happened to one member: its deaths (time, problem) and restarts."""
+
+    deaths: list[tuple[float, str]] = field(default_factory=list)
+    restarts: int = 0
+    done: bool = False
+    retired: bool = False  # stopped on purpose: no longer watched
+
+
+def _healthy(address: str, timeout: float) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Supervisor:
+    """Watches members, restarts them when they go down, and fails the run when one cannot recover."""
+
+    def __init__(self, config: SuperviseConfig | None = None):
+        self.config = config or SuperviseConfig()
+        self.members: dict[str, Process | Service] = {}
+        self.records: dict[str, Record] = {}
+        self.failure: RunFailed | None = None
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # a restart and stop() never run at once
+
+    def add_service(self, service: ServiceProcess) -> ServiceProcess:
+        """Watch a started service (deploy.launcher.start_service)."""
+        self._watch(Service(service))
+        return service
+
+    def add_process(self, name: str, args: Sequence[str], log_path: pathlib.Path,
+                    exit_zero_is_done: bool = False) -> Process:
+        """Start `python ARGS` and watch it; with `exit_zero_is_done` an exit 0 ends it for good."""
+        member = Process(name, args, log_path, exit_zero_is_done)
+        member.start(self.config.start_timeout_s)
+        self._watch(member)
+        return member
+
+    def _watch(self, member: Process | Service) -> None:
+        self.members[member.name] = member
+        self.records[member.name] = Record()
+        thread = threading.Thread(target=self._run_watch, args=(member,), name=f"watch-{member.name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def done(self, name: str) -> bool:
+        """Whether `name` ended for good (the trainer reached its step count)."""
+        return self.records[name].done
+
+    def check(self) -> None:
+        """Raise RunFailed if a member could not be recovered."""
+        if self.failure is not None:
+            raise self.failure
+
+    def restarts(self) -> dict[str, int]:
+        return {name: record.restarts for name, record in self.records.items() if record.restarts}
+
+    def stop_member(self, name: str) -> None:
+        """Stop one member on purpose (SIGTERM): it is not restarted."""
+        with self._lock:
+            self.records[name].retired = True
+        self.members[name].stop()
+
+    def stop(self) -> None:
+        """Stop watching, then stop every member, the last added first."""
+        self._stopping.set()
+        with self._lock:  # a restart under way finishes first; none starts after this
+            pass
+        for thread in self._threads:
+            thread.join(10)
+        for member in reversed(list(self.members.values())):
+            member.stop()
+
+    # ------------------------------------------------------------------ one member's watcher
+
+    def _run_watch(self, member: Process | Service) -> None:
+        record = self.records[member.name]
+        while not self._stopping.is_set() and not record.retired:
+            problem = self._problem(member)
+            if problem is None:
+                self._stopping.wait(self.config.health_interval_s if isinstance(member, Service) else 0.25)
+                continue
+            if problem == "done":
+                record.done = True
+                return
+            if record.retired:
+                return
+            if not self._recover(member, record, problem):
+                return
+
+    def _problem(self, member: Process | Service) -> str | None:
+        code = member.exit_code()
+        if code is not None:
+            return "done" if code == 0 and member.exit_zero_is_done else f"exited with code {code}"
+        if not isinstance(member, Service):
+            return None
+        deadline = time.monotonic() + self.config.health_timeout_s
+        while not _healthy(member.address, min(self.config.health_interval_s, 5.0)):
+            if self._stopping.is_set() or member.exit_code() is not None:
+                return None  # a death is seen on the next round
+            if time.monotonic() >= deadline:
+                return f"answered no health check for {self.config.health_timeout_s:.0f}s (frozen)"
+            self._stopping.wait(0.2)
+        return None
+
+    def _recover(self, member: Process | Service, record: Record, problem: str) -> bool:
+        """Restart `member` (with backoff, retried while starts fail); False when restarts are exhausted."""
+        cfg = self.config
+        attempt = 0
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            record.deaths.append((now, problem))
+            recent = [t for t, _ in record.deaths if now - t <= cfg.restart_window_s]
+            log.warning("%s (pid %d) %s", member.name, member.pid, problem)
+            if len(recent) > cfg.max_restarts:
+                self.failure = RunFailed(member.name, f"{problem} ({len(recent)} times in "
+                                         f"{cfg.restart_window_s:.0f}s)", member.log_path, member.log_tail())
+                log.error("%s", self.failure)
+                return False
+            member.kill()
+            if self._stopping.wait(min(cfg.backoff_s * 2**attempt, 30.0)):
+                return False
+            with self._lock:
+                if self._stopping.is_set() or record.retired:
+                    return False
+                try:
+                    member.start(cfg.start_timeout_s)
+                except LaunchError as exc:
+                    problem, attempt = f"failed to start again: {str(exc).splitlines()[0]}", attempt + 1
+                    continue
+            record.restarts += 1
+            log.warning("%s restarted (pid %d, restart %d)", member.name, member.pid, record.restarts)
+            return True
+        return False
