@@ -36,19 +36,21 @@ def test_masked_mean_ignores_masked_entries_and_empty_rows_give_zero():
 
 
 @pytest.mark.parametrize(
-    ("agg", "norm_length", "expected"),
+    ("agg", "norm_length", "norm_seqs", "expected"),
     [
-        ("token_mean", None, 40 / 6),  # (1+2+3+4+10+20) / 6 tokens
-        ("seq_mean_token_mean", None, (2.5 + 15.0) / 2),  # the empty third row does not count
-        ("seq_mean_token_sum_norm", None, (10 / 4 + 30 / 4) / 2),  # longest response: 4 tokens
-        ("seq_mean_token_sum_norm", 8, (10 / 8 + 30 / 8) / 2),
+        ("token_mean", None, False, 40 / 6),  # (1+2+3+4+10+20) / 6 tokens
+        ("seq_mean_token_sum", None, False, (10 + 30) / 2),  # the empty third row does not count
+        ("seq_mean_token_mean", None, False, (2.5 + 15.0) / 2),
+        ("seq_mean_token_sum_norm", None, False, (10 + 30) / 4),  # verl: not divided by the sequences; longest: 4
+        ("seq_mean_token_sum_norm", 8, False, (10 + 30) / 8),
+        ("seq_mean_token_sum_norm", 8, True, (10 / 8 + 30 / 8) / 2),  # the Dr. GRPO paper's 1/G
     ],
 )
-def test_aggregations(agg, norm_length, expected):
-    close(aggregate(VALUES, MASK, agg, norm_length), expected)
+def test_aggregations(agg, norm_length, norm_seqs, expected):
+    close(aggregate(VALUES, MASK, agg, norm_length, norm_seqs), expected)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_weights_of_the_whole_batch_make_row_splits_add_up(agg):
     weights = loss_weights(MASK, agg)
     parts = sum((VALUES[rows] * weights[rows]).sum() for rows in (slice(0, 1), slice(1, 3)))
@@ -66,8 +68,14 @@ def test_sft_loss_is_negative_logprob():
 
 def test_dpo_loss_by_hand():
     # margin = (-1 - -2) - (-3 - -2) = 2; beta 0.5 -> -log sigmoid(1) = log(1 + e^-1)
-    loss = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5)
-    close(loss, [math.log(1 + math.exp(-1))])
+    pair = torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0])
+    close(dpo_loss(*pair, beta=0.5), [math.log(1 + math.exp(-1))])
+    close(dpo_loss(*pair, beta=0.25, loss_type="hinge"), [0.5])  # relu(1 - 0.25 * 2)
+    # ipo: log-ratios per token, 1/2 and -1/4: ((0.5 + 0.25) - 1 / (2 * 0.5))^2
+    ipo = dpo_loss(*pair, beta=0.5, loss_type="ipo", chosen_tokens=torch.tensor([2.0]), rejected_tokens=torch.tensor([4.0]))
+    close(ipo, [0.25**2])
+    with pytest.raises(ValueError, match="number of response tokens"):
+        dpo_loss(*pair, beta=0.5, loss_type="ipo")
     # Policy equal to the reference: log 2 whatever the logprobs.
     same = dpo_loss(torch.tensor([-4.0]), torch.tensor([-7.0]), torch.tensor([-4.0]), torch.tensor([-7.0]), beta=0.1)
     close(same, [math.log(2)])
@@ -77,17 +85,37 @@ def test_ppo_clipped_surrogate_with_asymmetric_range():
     ratios = torch.tensor([1.5, 0.5, 1.1, 0.7, 1.25])
     advantages = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0])
     old = torch.full((5,), -2.0)
-    loss, clipped = ppo_policy_loss(old + ratios.log(), old, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, clipped, dual = ppo_policy_loss(old + ratios.log(), old, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
     # 1.5*A+ clipped to 1.28; 0.5*A+ unclipped (min); 1.1*A- inside; 0.7*A- clipped to 0.8; 1.25 inside [0.8, 1.28].
     close(loss, [-1.28, -0.5, 1.1, 0.8, -1.25], tol=1e-5)
     close(clipped, [1.0, 0.0, 0.0, 1.0, 0.0])
-    symmetric, _ = ppo_policy_loss(old + ratios.log(), old, advantages, clip_eps_low=0.2, clip_eps_high=0.2)
+    close(dual, [0.0] * 5)
+    symmetric, _, _ = ppo_policy_loss(old + ratios.log(), old, advantages, clip_eps_low=0.2, clip_eps_high=0.2)
     close(symmetric[-1], -1.2, tol=1e-5)
+
+
+def test_ppo_dual_clip_bounds_the_loss_of_negative_advantages():
+    ratios = torch.tensor([5.0, 5.0, 2.0])
+    advantages = torch.tensor([-1.0, 1.0, -1.0])
+    logprobs = ratios.log().requires_grad_(True)
+    loss, _, dual = ppo_policy_loss(logprobs, torch.zeros(3), advantages, 0.2, 0.2, clip_ratio_c=3.0)
+    # A < 0 with ratio 5: the surrogate 5 is capped at -A * 3 = 3; A > 0 is never dual-clipped (clipped to 1.2).
+    close(loss, [3.0, -1.2, 2.0], tol=1e-5)
+    close(dual, [1.0, 0.0, 0.0])
+    loss.sum().backward()
+    close(logprobs.grad, [0.0, 0.0, 2.0], tol=1e-5)  # no gradient through a dual-clipped token
+    off, _, _ = ppo_policy_loss(ratios.log(), torch.zeros(3), advantages, 0.2, 0.2, clip_ratio_c=None)
+    close(off, [5.0, -1.2, 2.0], tol=1e-5)
+
+
+def test_ppo_log_ratio_is_clamped_so_an_outlier_token_stays_finite():
+    loss, _, _ = ppo_policy_loss(torch.tensor([100.0]), torch.tensor([0.0]), torch.tensor([-1.0]), 0.2, 0.2, None)
+    close(loss, [math.exp(20.0)], tol=1e-6 * math.exp(20.0))
 
 
 def test_ppo_gradient_vanishes_outside_the_clip_range():
     logprobs = torch.tensor([math.log(1.5), math.log(1.1)], requires_grad=True)
-    loss, _ = ppo_policy_loss(logprobs, torch.zeros(2), torch.ones(2), 0.2, 0.2)
+    loss, _, _ = ppo_policy_loss(logprobs, torch.zeros(2), torch.ones(2), 0.2, 0.2)
     loss.sum().backward()
     close(logprobs.grad, [0.0, -1.1], tol=1e-6)  # d(-r*A)/d logp = -r*A inside the range
 
@@ -103,9 +131,22 @@ def test_value_loss_clipped_by_hand():
 def test_kl_estimators_by_hand():
     logprobs, ref = torch.tensor([math.log(0.5), -1.0]), torch.tensor([math.log(0.25), -1.0])
     close(kl_penalty(logprobs, ref, "k1"), [math.log(2), 0.0])
+    close(kl_penalty(logprobs, ref, "abs"), [math.log(2), 0.0])
+    close(kl_penalty(ref, logprobs, "abs"), [math.log(2), 0.0])
+    close(kl_penalty(logprobs, ref, "k2"), [0.5 * math.log(2) ** 2, 0.0])
     close(kl_penalty(logprobs, ref, "k3"), [0.5 - math.log(0.5) - 1, 0.0])
     with pytest.raises(ValueError, match="kl_estimator"):
-        kl_penalty(logprobs, ref, "k2")
+        kl_penalty(logprobs, ref, "k4")
+
+
+def test_k3_is_clamped_and_has_no_gradient_beyond_the_clamp():
+    # log q/p = 25: unclamped k3 would be e^25 - 26 ~ 7e10; verl clamps log q/p to 20 and k3 to 10.
+    logprobs = torch.tensor([-30.0, -30.0, -2.0], requires_grad=True)
+    kl = kl_penalty(logprobs, torch.tensor([-5.0, -55.0, -5.0]), "k3")
+    # log q/p = 25, -25 (e^-20 + 20 - 1 = 19 before the cap), -3 (inside both clamps).
+    close(kl, [10.0, 10.0, math.exp(-3) + 3 - 1], tol=1e-5)
+    kl.sum().backward()
+    close(logprobs.grad, [0.0, 0.0, 1 - math.exp(-3)], tol=1e-6)
 
 
 def test_entropy_from_logits():
@@ -137,16 +178,20 @@ def test_grpo_advantages_by_hand():
     close(advantages, [0.5 / math.sqrt(1 / 3)] + [-0.5 / math.sqrt(1 / 3)] * 2 + [0.5 / math.sqrt(1 / 3)], tol=1e-5)
 
 
-def test_grpo_edge_cases_all_equal_and_group_of_one_give_zero():
+def test_grpo_edge_cases_all_equal_give_zero_and_a_group_of_one_its_score():
     rewards = torch.tensor([1.0, 2.0, 0.1, 0.1, 0.1, 7.0])
     groups = torch.tensor([0, 0, 1, 1, 1, 2])
     advantages = grpo_advantages(rewards, groups)
     assert not torch.isnan(advantages).any()
-    close(advantages, [-0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5), 0, 0, 0, 0], tol=1e-5)
-    assert (advantages[2:] == 0).all()  # exactly, not approximately
+    # verl: a group of one has mean 0 and std 1, so its advantage is 7 / (1 + eps).
+    close(advantages, [-0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5), 0, 0, 0, 7.0 / (1 + 1e-6)], tol=1e-5)
+    assert (advantages[2:5] == 0).all()  # exactly, not approximately
     dr_grpo = grpo_advantages(rewards, groups, norm_std=False)
-    close(dr_grpo, [-0.5, 0.5, 0, 0, 0, 0])
-    assert (dr_grpo[2:] == 0).all()
+    close(dr_grpo, [-0.5, 0.5, 0, 0, 0, 7.0])
+    assert (dr_grpo[2:5] == 0).all()
+    zero = grpo_advantages(rewards, groups, group_of_one="zero")
+    assert (zero[2:] == 0).all()
+    close(zero[:2], advantages[:2])
 
 
 def test_terminal_rewards_sit_on_the_last_trained_token():
@@ -177,6 +222,9 @@ def test_whiten_over_masked_entries_and_moments_add_across_parts():
     values = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     whitened = whiten(values, mask, masked_moments(values, mask))
-    close(whitened, [[-1 / math.sqrt(2 / 3), 0.0, 1 / math.sqrt(2 / 3), 0.0]], tol=1e-5)
+    close(whitened, [[-1.0, 0.0, 1.0, 0.0]], tol=1e-5)  # unbiased variance (verl): ((1 + 0 + 1) / 2) = 1
+    biased = whiten(values, mask, masked_moments(values, mask), unbiased=False)
+    close(biased, [[-1 / math.sqrt(2 / 3), 0.0, 1 / math.sqrt(2 / 3), 0.0]], tol=1e-5)
+    close(whiten(values, torch.tensor([[0.0, 1.0, 0.0, 0.0]]), masked_moments(values, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))), [[0.0] * 4])
     split = masked_moments(values[:, :2], mask[:, :2]) + masked_moments(values[:, 2:], mask[:, 2:])
     close(split, masked_moments(values, mask))

@@ -1,29 +1,49 @@
-"""Advantage estimators: GRPO group normalisation, GAE for PPO, and masked whitening."""
+"""Advantage estimators: GRPO group normalisation, GAE for PPO, masked whitening, KL in the reward.
+
+Each follows verl's `trainer/ppo/core_algos.py`; tests/test_reference_verl.py checks them against it.
+"""
+
+from typing import Literal
 
 import torch
 
+from trainer.losses import KLEstimator, kl_penalty
+
+GroupOfOne = Literal["score", "zero"]
+
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_index: torch.Tensor, norm_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    norm_std: bool = True,
+    eps: float = 1e-6,
+    group_of_one: GroupOfOne = "score",
 ) -> torch.Tensor:
     """Sequence advantages (r - mean_group) / (std_group + eps); `norm_std=False` skips the std (Dr. GRPO).
 
     `group_index[i]` is the group (prompt) of sample i, in [0, num_groups). The std is the
-    unbiased one. A group of one and a group whose rewards are all equal give advantage exactly 0.
+    unbiased one. A group whose rewards are all equal gets advantage exactly 0 (verl: 0 up to
+    rounding). A group of one: `score` (verl) takes mean 0 and std 1, so its advantage is
+    r / (1 + eps) (r without the std); `zero` gives it 0, as a group with no baseline to compare to.
     """
     rewards64 = rewards.double()
     num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
     counts = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards64))
     means = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, rewards64) / counts
-    centered = rewards64 - means[group_index]
+    single = (counts == 1)[group_index]
+    centered = rewards64 - torch.where(single, torch.zeros_like(rewards64), means[group_index])
     if norm_std:
         squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, centered**2)
-        stds = (squares / (counts - 1).clamp(min=1)).sqrt()
+        stds = torch.where(counts == 1, torch.ones_like(counts), (squares / (counts - 1).clamp(min=1)).sqrt())
         centered = centered / (stds[group_index] + eps)
     highest = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, group_index, rewards64, "amax")
     lowest = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, group_index, rewards64, "amin")
-    all_equal = (highest == lowest)[group_index]
-    return torch.where(all_equal, torch.zeros_like(centered), centered).to(rewards.dtype)
+    zero = (highest == lowest)[group_index] & ~single
+    if group_of_one == "zero":
+        zero = zero | single
+    elif group_of_one != "score":
+        raise ValueError(f"grpo_group_of_one: unknown rule {group_of_one!r}")
+    return torch.where(zero, torch.zeros_like(centered), centered).to(rewards.dtype)
 
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -65,10 +85,35 @@ def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([(values64 * mask64).sum(), (values64**2 * mask64).sum(), mask64.sum()])
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(values - mean) / std over masked entries, from `masked_moments` (possibly summed over ranks)."""
+def whiten(
+    values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: float = 1e-8, unbiased: bool = True
+) -> torch.Tensor:
+    """(values - mean) / sqrt(var + eps) over masked entries, from `masked_moments` (possibly summed over ranks).
+
+    The variance is the unbiased one (N - 1), as verl's masked_whiten; `unbiased=False` divides by N.
+    Masked-out entries come back 0 (verl leaves them whitened; no loss reads them). A single entry
+    whitens to 0 (verl raises).
+    """
     total, total_sq, count = moments.unbind()
     count = count.clamp(min=1)
     mean = total / count
     var = (total_sq / count - mean**2).clamp(min=0)
+    if unbiased:
+        var = var * count / (count - 1).clamp(min=1)
     return (((values.double() - mean) * torch.rsqrt(var + eps)) * mask).to(values.dtype)
+
+
+def kl_reward_penalty(
+    token_rewards: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    estimator: KLEstimator = "k1",
+) -> torch.Tensor:
+    """KL to the reference as a reward penalty (verl's use_kl_in_reward / apply_kl_penalty):
+    token rewards minus coef * KL estimate on every trained token, before advantages are estimated.
+
+    `logprobs` are the policy's before the update (verl: old_log_probs); verl's default estimator is k1.
+    """
+    return token_rewards - coef * kl_penalty(logprobs, ref_logprobs, estimator) * mask

@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 from services.config import ClientConfig, Strict
 
 AlgorithmName = Literal["sft", "dpo", "ppo", "grpo", "distill"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 # Each algorithm's usual loss aggregation when `loss_agg` is not set.
 DEFAULT_LOSS_AGG: dict[str, LossAgg] = {
@@ -23,30 +23,64 @@ class AlgorithmConfig(Strict):
     """What is optimised. RLVR is `grpo` or `ppo` fed by verifiable rewards (the reward service).
 
     Common variants: Dr. GRPO = `grpo_norm_std: false, loss_agg: seq_mean_token_sum_norm`;
-    DAPO = `loss_agg: token_mean, clip_eps_high: 0.28`.
+    DAPO = `loss_agg: token_mean, clip_eps_high: 0.28`; GSPO = `policy_loss: gspo, loss_agg: seq_mean_token_mean`.
+    Defaults follow verl (trainer/ppo/core_algos.py) and TRL (DPOTrainer); tests/test_reference_*.py checks them.
     """
 
     name: AlgorithmName = Field("grpo", description="sft, dpo, ppo (with a value head), grpo, distill (on-policy).")
     loss_agg: LossAgg | None = Field(
         None,
         description="How per-token losses become one number: token_mean (DAPO), seq_mean_token_mean (GRPO), "
-        "seq_mean_token_sum_norm (Dr. GRPO). None = the algorithm's default.",
+        "seq_mean_token_sum_norm (Dr. GRPO: the token sum over a constant), seq_mean_token_sum. "
+        "None = the algorithm's default.",
     )
     loss_norm_length: int | None = Field(
-        None, gt=0, description="The constant of seq_mean_token_sum_norm (e.g. max response tokens); None = longest in batch."
+        None,
+        gt=0,
+        description="The constant of seq_mean_token_sum_norm (verl: the maximum response length); None = longest in batch.",
+    )
+    loss_norm_seqs: bool = Field(
+        False,
+        description="seq_mean_token_sum_norm: also divide by the number of sequences (the Dr. GRPO paper's 1/G); "
+        "verl does not.",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="grpo/ppo policy term: ppo = clipped token ratio (+ dual clip); gspo = clipped sequence ratio "
+        "(geometric mean of the token ratios).",
     )
     clip_eps_low: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip below: 1 - eps_low.")
     clip_eps_high: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip above: 1 + eps_high (DAPO uses 0.28).")
+    clip_ratio_c: float | None = Field(
+        3.0,
+        gt=1,
+        description="Dual clip (policy_loss ppo): a token with negative advantage loses at most -A * clip_ratio_c "
+        "(verl's default 3); None = off.",
+    )
     grpo_norm_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO).")
     grpo_eps: float = Field(1e-6, gt=0, description="GRPO: added to the group std.")
+    grpo_group_of_one: Literal["score", "zero"] = Field(
+        "score",
+        description="GRPO: advantage of a group of one sample. score = its reward over std 1 (verl); zero = 0.",
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount.")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
     value_clip_eps: float = Field(0.2, ge=0, description="PPO: value clip range around the old values.")
     value_coef: float = Field(0.5, ge=0, description="PPO: weight of the value loss.")
-    whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the batch.")
+    whiten_advantages: bool = Field(
+        True, description="PPO: normalise GAE advantages over the batch (mean 0, unbiased variance 1, as verl)."
+    )
     dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature of the implicit reward.")
+    dpo_loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid",
+        description="DPO loss as TRL's: sigmoid (DPO), hinge (SLiC), ipo (squared, on length-normalised log-ratios).",
+    )
     kl_coef: float = Field(0.0, ge=0, description="Weight of KL(policy || reference) in the loss; 0 = off.")
-    kl_estimator: Literal["k1", "k3"] = Field("k3", description="Per-token KL estimator.")
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field(
+        "k3",
+        description="Per-token KL estimator (as verl's kl_penalty): k1 = log p - log q, abs = |k1|, k2 = k1^2 / 2, "
+        "k3 = q/p - log(q/p) - 1 clamped to 10 (verl's low_var_kl, its default for a KL loss).",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss).")
     off_policy: Literal["none", "tis", "decoupled"] = Field(
         "none",

@@ -1,18 +1,36 @@
-"""Per-token losses and their aggregation: pure tensor functions, each written once.
+"""Per-token losses, their aggregation and off-policy corrections: pure tensor functions, each written once.
 
 Per-token tensors have shape [batch, tokens] and come with a float `mask` of the same shape
 (1 = a trained-on response token). Losses return per-token values; `aggregate` turns them into
 one scalar. Aggregation is expressed as per-token weights (`loss_weights`) so that a loss split
 over micro-batches and data-parallel ranks sums back to exactly the full-batch loss.
+
+Each function follows a reference implementation (verl's `trainer/ppo/core_algos.py` and
+`rollout_corr_helper.py`, TRL's `DPOTrainer`) and tests/test_reference_*.py checks it against
+numbers computed by that code; where a convention differs, the docstring says so.
 """
 
+import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-KLEstimator = Literal["k1", "k3"]
+LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3", "abs"]
+DPOLossType = Literal["sigmoid", "ipo", "hinge"]
+ISLevel = Literal["token", "sequence"]
+RejectionStatistic = Literal[
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+]  # fmt: skip
+
+# Log-ratios are clamped to +-LOG_RATIO_BOUND before exp (verl's bound): one outlier token cannot overflow.
+LOG_RATIO_BOUND = 20.0
+# The k3 estimator is clamped to +-K3_BOUND (verl): zero gradient beyond, so one token cannot blow up a step.
+K3_BOUND = 10.0
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -24,31 +42,44 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
-def loss_weights(mask: torch.Tensor, agg: LossAgg, norm_length: float | None = None) -> torch.Tensor:
-    """Per-token weights w with `aggregate(x) == (x * w).sum()` for the whole batch.
+def loss_weights(
+    mask: torch.Tensor, agg: LossAgg, norm_length: float | None = None, norm_seqs: bool = False
+) -> torch.Tensor:
+    """Per-token weights w with `aggregate(x) == (x * w).sum()` for the whole batch (verl's `agg_loss`).
 
     - token_mean: every trained token counts the same (DAPO's token-level loss);
+    - seq_mean_token_sum: each sequence's token sum, then mean over sequences;
     - seq_mean_token_mean: mean over each sequence's tokens, then over sequences (GRPO);
-    - seq_mean_token_sum_norm: each sequence's token sum divided by a constant `norm_length`
-      (default: the longest response in the batch), then mean over sequences (Dr. GRPO).
-    Sequences with no trained token get weight 0 and do not count in the sequence mean.
+    - seq_mean_token_sum_norm: the sum over all tokens divided by a constant `norm_length` (Dr. GRPO).
+      As verl's, it does not divide by the number of sequences; `norm_seqs=True` does (the Dr. GRPO
+      paper's 1/G). verl's default constant is the padded response width (its configured maximum
+      response length); ours, `norm_length=None`, is the longest response in the batch: set
+      `norm_length` to the maximum response length to match verl.
+    Sequences with no trained token get weight 0 and do not count in a sequence mean.
+
+    The batch is the whole mini-batch (all micro-batches and ranks), so the loss does not depend on
+    how it is split; verl computes its sequence means per micro-batch (or from its global batch info).
     """
     mask = mask.float()
     tokens_per_seq = mask.sum(-1, keepdim=True)
     if agg == "token_mean":
         return mask / tokens_per_seq.sum().clamp(min=1)
     num_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
+    if agg == "seq_mean_token_sum":
+        return mask / num_seqs
     if agg == "seq_mean_token_mean":
         return mask / tokens_per_seq.clamp(min=1) / num_seqs
     if agg == "seq_mean_token_sum_norm":
         length = norm_length if norm_length is not None else tokens_per_seq.max().clamp(min=1)
-        return mask / length / num_seqs
+        return mask / length / (num_seqs if norm_seqs else 1)
     raise ValueError(f"loss_agg: unknown aggregation {agg!r}")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, norm_length: float | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, norm_length: float | None = None, norm_seqs: bool = False
+) -> torch.Tensor:
     """One scalar from per-token values (see `loss_weights`)."""
-    return (values * loss_weights(mask, agg, norm_length)).sum()
+    return (values * loss_weights(mask, agg, norm_length, norm_seqs)).sum()
 
 
 def sft_loss(logprobs: torch.Tensor) -> torch.Tensor:
@@ -62,10 +93,30 @@ def dpo_loss(
     ref_chosen_logprobs: torch.Tensor,
     ref_rejected_logprobs: torch.Tensor,
     beta: float,
+    loss_type: DPOLossType = "sigmoid",
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-pair sigmoid DPO loss from sequence logprobs (sums over response tokens), shape [pairs]."""
-    margin = (chosen_logprobs - ref_chosen_logprobs) - (rejected_logprobs - ref_rejected_logprobs)
-    return -F.logsigmoid(beta * margin)
+    """Per-pair DPO loss from sequence logprobs (sums over response tokens), shape [pairs] (TRL's DPOTrainer).
+
+    With the margin d = (chosen - ref_chosen) - (rejected - ref_rejected):
+    - sigmoid: -log sigmoid(beta * d) (the DPO paper);
+    - hinge: relu(1 - beta * d) (SLiC);
+    - ipo: (d' - 1 / (2 beta))^2 where d' uses each sequence's log-ratio divided by its number of
+      response tokens (`chosen_tokens`, `rejected_tokens`, at least 1), as TRL does.
+    """
+    chosen_scores = chosen_logprobs - ref_chosen_logprobs
+    rejected_scores = rejected_logprobs - ref_rejected_logprobs
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * (chosen_scores - rejected_scores))
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * (chosen_scores - rejected_scores))
+    if loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("dpo_loss_type 'ipo' needs the number of response tokens of each sequence")
+        delta = chosen_scores / chosen_tokens.clamp(min=1) - rejected_scores / rejected_tokens.clamp(min=1)
+        return (delta - 1 / (2 * beta)) ** 2
+    raise ValueError(f"dpo_loss_type: unknown loss {loss_type!r}")
 
 
 def ppo_policy_loss(
@@ -74,35 +125,74 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     clip_eps_low: float,
     clip_eps_high: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate per token, with an asymmetric range [1 - eps_low, 1 + eps_high] (DAPO).
+    clip_ratio_c: float | None = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate per token with an asymmetric range [1 - eps_low, 1 + eps_high] (DAPO) and
+    dual clip (Ye et al. 2019): for a negative advantage the loss is at most -A * clip_ratio_c.
 
-    Returns (loss, clipped) where `clipped` is 1.0 where the clipped branch was taken.
+    As verl's `compute_policy_loss_vanilla`: the log-ratio is clamped to +-20 before exp, and
+    `clip_ratio_c` (> 1) defaults to 3; None turns the dual clip off.
+    Returns (loss, clipped, dual_clipped): 1.0 where the clipped branch, and where the dual clip, was taken.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, (clipped < unclipped).float()
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipped_taken = (clipped > unclipped).float()
+    if clip_ratio_c is None:
+        return loss, clipped_taken, torch.zeros_like(loss)
+    lower_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    dual_clipped = (negative & (loss > lower_bound)).float()
+    return torch.where(negative, torch.minimum(loss, lower_bound), loss), clipped_taken, dual_clipped
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): the clipped surrogate on the sequence-level ratio
+    s_i = exp(mean over i's tokens of (log p - log p_old)), as verl's `compute_policy_loss_gspo`.
+
+    Per token the ratio is sg[s_i] * p / sg[p], so each token's gradient is s_i * grad log p; the log
+    of it is clamped at 10. GSPO averages per sequence: aggregate with seq_mean_token_mean, as verl does.
+    Rows need all their tokens (a row is never split across micro-batches). Returns (loss, clipped).
+    """
+    seq_log_ratio = masked_sum(logprobs - old_logprobs, mask, -1) / mask.sum(-1).clamp(min=1)
+    log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_eps: float) -> torch.Tensor:
-    """Clipped value loss per token: 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2)."""
+    """Clipped value loss per token: 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2) (verl's compute_value_loss)."""
     clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) on tokens sampled from the policy.
+    """Per-token estimate of KL(policy || reference) on tokens sampled from the policy (Schulman 2020), as verl's.
 
-    k1 = log p - log q (unbiased, high variance, can be negative);
-    k3 = q/p - log(q/p) - 1 (unbiased, non-negative, Schulman's estimator).
+    k1 = log p - log q (unbiased, high variance, can be negative); abs = |k1|; k2 = 0.5 * k1^2;
+    k3 = q/p - log(q/p) - 1 (unbiased, non-negative), with log(q/p) clamped to +-20 and k3 to +-10.
     """
-    log_ratio = ref_logprobs - logprobs
+    log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
-        return -log_ratio
+        return log_ratio
+    if estimator == "abs":
+        return log_ratio.abs()
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
     if estimator == "k3":
-        return torch.exp(log_ratio) - log_ratio - 1.0
+        reverse = torch.clamp(-log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return torch.clamp(torch.exp(reverse) - reverse - 1.0, -K3_BOUND, K3_BOUND)
     raise ValueError(f"kl_estimator: unknown estimator {estimator!r}")
 
 
@@ -128,13 +218,102 @@ def distill_reverse_kl(
     return ratio * reverse_kl, reverse_kl
 
 
-def tis_weights(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling: min(pi_prox / pi_behav, cap), detached.
+# -- off-policy corrections (verl's rollout_corr_helper) -------------------------------------------
 
-    Corrects the mismatch between the rollout engine's logprobs (behaviour) and the trainer's
-    own recomputation (proximal) by truncating large weights at `cap` (keeps every token).
+
+def tis_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    cap: float,
+    mask: torch.Tensor | None = None,
+    level: ISLevel = "token",
+) -> torch.Tensor:
+    """Truncated importance sampling: min(pi_prox / pi_behav, cap), detached (verl's rollout_is).
+
+    Corrects the mismatch between the rollout engine's logprobs (behaviour) and the trainer's own
+    recomputation (proximal) by truncating large weights at `cap` (keeps every token). `level`:
+    token = a weight per token; sequence = one weight per sequence, the product of its token ratios
+    (needs `mask`). Log-ratios are clamped to +-20 (per token, or the sequence's sum) before exp.
+    Masked-out tokens get weight 0 when `mask` is given.
     """
-    return torch.exp(proximal_logprobs - behaviour_logprobs).detach().clamp(max=cap)
+    log_ratio = proximal_logprobs - behaviour_logprobs
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("sequence-level importance weights need the loss mask")
+        log_ratio = masked_sum(log_ratio, mask, -1).unsqueeze(-1).expand_as(proximal_logprobs)
+    elif level != "token":
+        raise ValueError(f"is_level: unknown level {level!r}")
+    weights = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    if mask is not None:
+        weights = weights * mask
+    return weights.clamp(max=cap).detach()
+
+
+def is_weight_moments(weights: torch.Tensor, mask: torch.Tensor, level: ISLevel = "token") -> torch.Tensor:
+    """[sum, count] of the importance weights (float64) that batch normalisation divides by, summable across ranks.
+
+    token: over all trained tokens; sequence: over sequences with a trained token, each counted once
+    (its weight's mean over its tokens), as verl's rollout_is_batch_normalize.
+    """
+    weights64, mask64 = weights.double(), mask.double()
+    if level == "token":
+        return torch.stack([(weights64 * mask64).sum(), mask64.sum()])
+    seq_weights = masked_mean(weights64, mask64, -1)
+    has_tokens = (mask64.sum(-1) > 0).double()
+    return torch.stack([(seq_weights * has_tokens).sum(), has_tokens.sum()])
+
+
+def normalize_is_weights(weights: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
+    """Importance weights divided by their batch mean (from `is_weight_moments`), so they average 1.
+
+    Left as they are when the mean is not above 1e-8 (verl's rule)."""
+    total, count = moments.unbind()
+    mean = total / count.clamp(min=1e-8)
+    return (weights.double() / mean).to(weights.dtype) if mean > 1e-8 else weights
+
+
+def rejection_mask(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    statistic: RejectionStatistic,
+    upper: float,
+    lower: float | None = None,
+) -> torch.Tensor:
+    """`mask` with the tokens (token_*) or whole sequences (seq_*) whose divergence statistic is out of
+    bounds set to 0 (verl's rollout_rs; chain several by multiplying their masks).
+
+    `log_ratio` = log pi_prox - log pi_behav, clamped to +-20. Per token, as verl defines them:
+    k1 = -log_ratio, k2 = 0.5 log_ratio^2, k3 = exp(log_ratio) - 1 - log_ratio. Sequence statistics
+    are the sum, mean or max of the token statistic over the sequence's trained tokens. A k2/k3
+    statistic is kept while <= `upper`; a k1 statistic while log(lower) <= k1 <= log(upper), i.e.
+    `lower` and `upper` bound the ratio pi_behav / pi_prox (lower defaults to 1 / upper).
+    """
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    level, _, estimator = statistic.rpartition("_")
+    if estimator == "k1":
+        token_stat = -log_ratio
+    elif estimator == "k2":
+        token_stat = 0.5 * log_ratio**2
+    elif estimator == "k3":
+        token_stat = torch.exp(log_ratio) - 1.0 - log_ratio
+    else:
+        raise ValueError(f"rejection: unknown statistic {statistic!r}")
+    if level == "token":
+        stat = token_stat
+    elif level == "seq_sum":
+        stat = masked_sum(token_stat, mask, -1).unsqueeze(-1)
+    elif level == "seq_mean":
+        stat = masked_mean(token_stat, mask, -1).unsqueeze(-1)
+    elif level == "seq_max" and estimator != "k1":
+        masked = token_stat.masked_fill(mask <= 0, -torch.inf).max(-1, keepdim=True).values
+        stat = torch.where(torch.isinf(masked), torch.zeros_like(masked), masked)
+    else:
+        raise ValueError(f"rejection: unknown statistic {statistic!r}")
+    if estimator == "k1":
+        keep = (stat >= math.log(lower if lower is not None else 1.0 / upper)) & (stat <= math.log(upper))
+    else:
+        keep = stat <= upper
+    return mask * keep.to(mask.dtype).expand_as(mask)
 
 
 def decoupled_weights(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:

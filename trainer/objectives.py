@@ -9,7 +9,15 @@ import torch
 
 from trainer.batch import TrainBatch
 from trainer.config import AlgorithmConfig
-from trainer.losses import distill_reverse_kl, dpo_loss, kl_penalty, ppo_policy_loss, sft_loss, value_loss
+from trainer.losses import (
+    distill_reverse_kl,
+    dpo_loss,
+    gspo_policy_loss,
+    kl_penalty,
+    ppo_policy_loss,
+    sft_loss,
+    value_loss,
+)
 from trainer.model import PolicyOutput
 
 Metrics = dict[str, torch.Tensor]
@@ -39,10 +47,11 @@ def dpo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[to
     """Rows come as (chosen, rejected) pairs; a pair weighs what its two rows weigh."""
     sequence_logprobs = (out.logprobs * batch.loss_mask).sum(-1)
     ref_sequence_logprobs = (batch.ref_logprobs * batch.loss_mask).sum(-1)
+    tokens = batch.loss_mask.sum(-1)
     pair_weights = batch.row_weights[0::2] + batch.row_weights[1::2]
     losses = dpo_loss(
         sequence_logprobs[0::2], sequence_logprobs[1::2], ref_sequence_logprobs[0::2], ref_sequence_logprobs[1::2],
-        algo.dpo_beta,
+        algo.dpo_beta, algo.dpo_loss_type, tokens[0::2], tokens[1::2],
     )
     margins = algo.dpo_beta * (
         (sequence_logprobs[0::2] - ref_sequence_logprobs[0::2]) - (sequence_logprobs[1::2] - ref_sequence_logprobs[1::2])
@@ -54,12 +63,21 @@ def dpo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[to
 
 
 def policy_gradient(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
-    """GRPO and PPO's policy part: clipped surrogate, off-policy weighted when configured."""
-    losses, clipped = ppo_policy_loss(out.logprobs, batch.old_logprobs, batch.advantages, algo.clip_eps_low, algo.clip_eps_high)
+    """GRPO and PPO's policy part: clipped surrogate (token or sequence ratio), off-policy weighted when configured."""
+    if algo.policy_loss == "gspo":
+        losses, clipped = gspo_policy_loss(
+            out.logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, algo.clip_eps_low, algo.clip_eps_high
+        )
+        dual_clipped = torch.zeros_like(clipped)
+    else:
+        losses, clipped, dual_clipped = ppo_policy_loss(
+            out.logprobs, batch.old_logprobs, batch.advantages, algo.clip_eps_low, algo.clip_eps_high, algo.clip_ratio_c
+        )
     if batch.is_weights is not None:
         losses = losses * batch.is_weights
     metrics = {
         "clip_fraction": (clipped * batch.token_weights).sum(),
+        "dual_clip_fraction": (dual_clipped * batch.token_weights).sum(),
         "ratio": (torch.exp(out.logprobs - batch.old_logprobs).detach() * batch.token_weights).sum(),
     }
     return (losses * batch.loss_weights).sum(), metrics
