@@ -181,8 +181,9 @@ def test_killed_trainer_resumes_and_trains_no_sample_twice(tiny_model_dir, tmp_p
     assert [r["step"] for r in lineage] == list(range(1, max_steps + 1))
     trained = [sample_id for r in lineage for sample_id in r["sample_ids"]]
     assert len(trained) == len(set(trained)) == max_steps * BATCH
-    # Batches acked by the first run were never handed to the second one.
-    acked_by_first = {sample_id for r in records(first_metrics)[: killed_at - 1] for sample_id in r["sample_ids"]}
+    # Batches acked by the first run (those its checkpoint holds: acks wait for the checkpoint) were never
+    # trained again by the second one.
+    acked_by_first = {sample_id for r in records(first_metrics) if r["step"] <= resumed_from for sample_id in r["sample_ids"]}
     assert not acked_by_first & {sample_id for r in records(second_metrics) for sample_id in r["sample_ids"]}
     after = stats(buffer.address)
     assert after.leased == 0 and after.acked + after.pending == 24 * BATCH

@@ -238,3 +238,25 @@ def test_a_killed_receiver_is_reported_and_the_others_still_update(rollout, trai
     assert set(second.failed) == {other.address} and "UNAVAILABLE" in second.failed[other.address]
     assert not second.group_reused and elapsed < 10
     assert weight_version(rollout.address) == version + 2
+
+
+def test_a_restarted_receiver_gets_the_next_publish_from_version_0(trainer_model, tiny_model_dir, service_factory,
+                                                                  free_port):
+    """A rollout worker that dies and comes back on its address (at version 0) is in the next publish: the kept
+    group it no longer holds is answered ABORTED and a new one is formed with it."""
+    address = f"127.0.0.1:{free_port}"
+    worker = service_factory("rollout", {"model": str(tiny_model_dir), "server.address": address})
+
+    async def run():
+        async with WeightBroadcaster([address], BroadcastConfig(timeout_s=20, control_timeout_s=5)) as broadcaster:
+            first = await broadcaster.publish(perturbed(trainer_model, seed=8), 3)
+            worker.kill()
+            service_factory("rollout", {"model": str(tiny_model_dir), "server.address": address})
+            restarted_at = weight_version(address)
+            second = await broadcaster.publish(perturbed(trainer_model, seed=9), 4)
+            return first, restarted_at, second
+
+    first, restarted_at, second = asyncio.run(run())
+    assert first.ok and restarted_at == 0
+    assert second.ok and not second.group_reused, second.failed
+    assert weight_version(address) == 4
