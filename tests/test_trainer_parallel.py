@@ -19,9 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 SAVE_AT = 2
 # Each algorithm exercises a different path: GRPO with truncated IS, KL and entropy; PPO with a
-# value head, GAE whitened across ranks, decoupled weights and 2 mini-batches; DPO pairs.
+# value head, GAE whitened across ranks, decoupled weights and 2 mini-batches; DPO pairs; a short batch (a
+# group lost a FAILED member: 7 samples) in 2 mini-batches of 4 rows, the second padded with a zero-weight row.
 RUNS = {
     "grpo": {"algorithm": {"name": "grpo", "off_policy": "tis", "kl_coef": 0.05, "entropy_coef": 0.01}},
+    "grpo-short": {"algorithm": {"name": "grpo", "off_policy": "tis"}, "batch": {"mini_batches": 2, "micro_batch_size": 2},
+                   "samples": 7},
     "ppo": {"algorithm": {"name": "ppo", "off_policy": "decoupled"}, "batch": {"mini_batches": 2, "micro_batch_size": 2}},
     "dpo": {"algorithm": {"name": "dpo"}, "batch": {"micro_batch_size": 2}},
 }
@@ -76,7 +79,7 @@ def run_steps(model: str, checkpoints: str, env, resume: bool) -> dict[str, list
         state = TrainState()
         if resume:
             state = load_checkpoint(latest_checkpoint(checkpoint_dir), learner.policy, learner.optimizer, env)
-        samples = make_samples(name)
+        samples = make_samples(name, overrides.get("samples", 8))
         losses = []
         while state.step < STEPS:
             for mini_batch in learner.prepare(samples):
