@@ -150,6 +150,48 @@ def test_failed_samples_that_reach_the_trainer_are_counted_never_trained(tiny_mo
     assert work.failed == 1 and len(work.train) == BATCH - 1 and "s2" not in {s.sample_id for s in work.train}
 
 
+def test_a_lost_lease_is_redelivered_and_acked_without_training_again(tmp_path, service_factory):
+    """A consumed lease expires before its checkpoint (a frozen trainer): the Ack answers NOT_FOUND, counted
+    as redelivered; the same samples come again and are acked without being trained twice."""
+    from trainer.buffer_client import BufferClient
+    from trainer.config import BufferClientConfig
+    from trainer.leases import LeaseBook
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    put(buffer.address, make_samples(BATCH))
+    client = BufferClient(BufferClientConfig(address=buffer.address, lease_timeout_s=1.0, max_wait_s=10))
+    book = LeaseBook(client, interval_s=60, ack_on_checkpoint=True)  # no heartbeat within this test
+    try:
+        first = book.work(book.pull(BATCH))
+        assert len(first.train) == BATCH
+        book.consumed(first, trainer_version=1)
+        time.sleep(1.5)
+        book.checkpointed(trainer_version=1)
+        assert (book.redelivered, book.acked, len(book.ledger)) == (1, 0, BATCH)
+        again = book.work(book.pull(BATCH))
+        assert again.train == [] and sorted(again.already_trained) == sorted(s.sample_id for s in first.train)
+        book.consumed(again, trainer_version=1)
+        book.checkpointed(trainer_version=1)
+        assert (book.acked, len(book.ledger), book.skipped) == (BATCH, 0, BATCH)
+    finally:
+        book.close()
+        client.close()
+    after = stats(buffer.address)
+    assert (after.acked, after.pending, after.leased, after.redelivered) == (BATCH, 0, 0, BATCH)
+
+
+def test_the_ledger_moves_a_redelivered_sample_to_its_new_lease():
+    from trainer.leases import Ledger
+
+    ledger = Ledger({"l1": ["a", "b"]})
+    ledger.record("l2", ["b", "c"])
+    assert ledger.entries() == {"l1": ["a"], "l2": ["b", "c"]} and "b" in ledger
+    ledger.settle("l2")
+    assert ledger.entries() == {"l1": ["a"]} and "b" not in ledger and len(ledger) == 1
+    ledger.record("l3", ["a"])
+    assert ledger.leases() == ["l3"]
+
+
 @pytest.mark.slow
 def test_a_trainer_killed_between_checkpoints_trains_every_acked_sample_exactly_once(
     tiny_model_dir, tmp_path, service_factory
