@@ -5,17 +5,29 @@ import math
 import pytest
 import torch
 
-from trainer.advantages import gae, grpo_advantages, masked_moments, terminal_rewards, whiten
+from trainer.advantages import (
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    kl_reward_penalty,
+    masked_moments,
+    rloo_advantages,
+    terminal_rewards,
+    whiten,
+)
 from trainer.losses import (
     aggregate,
     decoupled_weights,
     distill_reverse_kl,
     dpo_loss,
     entropy_from_logits,
+    is_weight_moments,
     kl_penalty,
     loss_weights,
     masked_mean,
+    normalize_is_weights,
     ppo_policy_loss,
+    rejection_mask,
     sft_loss,
     tis_weights,
     value_loss,
@@ -228,3 +240,41 @@ def test_whiten_over_masked_entries_and_moments_add_across_parts():
     close(whiten(values, torch.tensor([[0.0, 1.0, 0.0, 0.0]]), masked_moments(values, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))), [[0.0] * 4])
     split = masked_moments(values[:, :2], mask[:, :2]) + masked_moments(values[:, 2:], mask[:, 2:])
     close(split, masked_moments(values, mask))
+
+
+def test_rloo_leaves_each_sample_out_of_its_baseline():
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 5.0]), torch.tensor([0, 0, 0, 1])
+    close(rloo_advantages(rewards, groups), [1.0, -0.5, -0.5, 5.0])  # 1 - mean(0, 0); 0 - mean(1, 0); group of one
+    close(rloo_advantages(rewards, groups, group_of_one="zero"), [1.0, -0.5, -0.5, 0.0])
+
+
+def test_discounted_returns_restart_at_masked_tokens_unless_told_to_step_over_them():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])  # an environment token at column 1
+    close(discounted_returns(rewards, mask, 0.5), [[0.0, 0.0, 0.5, 1.0]])  # verl: the return does not cross it
+    close(discounted_returns(rewards, mask, 0.5, steps_over_masked=True), [[0.25, 0.0, 0.5, 1.0]])
+
+
+def test_kl_reward_penalty_subtracts_on_trained_tokens_only():
+    rewards = torch.tensor([[0.0, 1.0, 0.0]])
+    penalised = kl_reward_penalty(rewards, torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-2.0, -1.5, -3.0]]),
+                                  torch.tensor([[1.0, 1.0, 0.0]]), coef=0.1)  # fmt: skip
+    close(penalised, [[-0.1, 0.95, 0.0]])
+
+
+def test_batch_normalised_weights_average_one_over_tokens_or_sequences():
+    weights = torch.tensor([[2.0, 1.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    close(normalize_is_weights(weights, is_weight_moments(weights, mask, "token")), weights / (3.5 / 3))
+    close(normalize_is_weights(weights, is_weight_moments(weights, mask, "sequence")), weights / ((1.5 + 0.5) / 2))
+
+
+def test_rejection_masks_drop_tokens_or_whole_sequences():
+    log_ratio = torch.tensor([[0.0, 1.0, 0.1], [0.2, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    close(rejection_mask(log_ratio, mask, "token_k2", upper=0.1), [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    close(rejection_mask(log_ratio, mask, "seq_max_k2", upper=0.1), [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    # k1 = -log_ratio kept in [log(1/2), log 2]: log_ratio 1 > log 2 is rejected.
+    close(rejection_mask(log_ratio, mask, "token_k1", upper=2.0), [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="rejection"):
+        rejection_mask(log_ratio, mask, "seq_max_k1", upper=2.0)

@@ -88,6 +88,35 @@ def test_gspo_objective_equals_verl_gspo(case):
     close(metrics["clip_fraction"], case["clipfrac"])
 
 
+@pytest.mark.parametrize(
+    ("policy_loss", "case", "expected"),
+    [("cispo", c, c["aggregated"]["seq-mean-token-mean"]) for c in VERL["policy_loss_cispo"]]
+    + [("sapo", c, c["loss"]) for c in VERL["policy_loss_sapo"]],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_cispo_and_sapo_objectives_equal_verl(policy_loss, case, expected):
+    params = {f"sapo_{k}": v for k, v in case["params"].items()} if policy_loss == "sapo" else case["params"]
+    algo = AlgorithmConfig(name="grpo", policy_loss=policy_loss, loss_agg="seq_mean_token_mean", **params)
+    batch = micro_batch(MASK, "seq_mean_token_mean", old_logprobs=INPUTS["old_logprobs"], advantages=INPUTS["advantages"])
+    loss, _ = objective(algo, batch, policy_output(INPUTS["logprobs"]))
+    close(loss, expected)
+
+
+@pytest.mark.parametrize("case", [c for c in VERL["policy_loss_reinforce"] if c["mode"] == "seq-mean-token-sum"],
+                         ids=lambda c: f"w{c['is_weights'] is not None}")  # fmt: skip
+def test_reinforce_objective_equals_verl(case):
+    """REINFORCE with the importance weights a correction put on the batch (here verl's bypass-mode weights)."""
+    weights = None if case["is_weights"] is None else f64(case["is_weights"])
+    algo = AlgorithmConfig(name="grpo", policy_loss="reinforce", loss_agg="seq_mean_token_sum")
+    batch = micro_batch(MASK, "seq_mean_token_sum", old_logprobs=INPUTS["old_logprobs"], advantages=INPUTS["advantages"],
+                        is_weights=weights)  # fmt: skip
+    logprobs = INPUTS["logprobs"].clone().requires_grad_(True)
+    loss, _ = objective(algo, batch, policy_output(logprobs))
+    loss.backward()
+    close(loss, case["loss"])
+    close(logprobs.grad, case["grad"])
+
+
 @pytest.mark.parametrize("case", TRL["dpo_losses"][0]["cases"], ids=lambda c: f"{c['loss_type']}-{c['beta']}")
 def test_dpo_objective_equals_trl(case):
     """Rows (chosen, rejected) interleaved; each row's sequence logprob sits on its first response token. The

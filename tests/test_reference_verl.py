@@ -15,16 +15,27 @@ import pathlib
 import pytest
 import torch
 
-from trainer.advantages import gae, grpo_advantages, kl_reward_penalty, masked_moments, whiten
+from trainer.advantages import (
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    kl_reward_penalty,
+    masked_moments,
+    rloo_advantages,
+    whiten,
+)
 from trainer.losses import (
     aggregate,
+    cispo_policy_loss,
     gspo_policy_loss,
     is_weight_moments,
     kl_penalty,
     loss_weights,
     normalize_is_weights,
     ppo_policy_loss,
+    reinforce_loss,
     rejection_mask,
+    sapo_policy_loss,
     tis_weights,
     value_loss,
 )
@@ -94,6 +105,50 @@ def test_gspo_policy_loss_equals_compute_policy_loss_gspo(case):
     close(aggregate(clipped, MASK, "token_mean"), case["clipfrac"])
 
 
+@pytest.mark.parametrize("case", DATA["policy_loss_cispo"], ids=lambda c: str(c["params"]["clip_eps_high"]))
+@pytest.mark.parametrize("mode", list(AGG))
+def test_cispo_policy_loss_equals_compute_policy_loss_cispo(case, mode):
+    """core_algos.compute_policy_loss_cispo: every aggregation, gradient (through log p only), clip fraction."""
+    logprobs = INPUTS["logprobs"].clone().requires_grad_(True)
+    p = case["params"]
+    losses, clipped = cispo_policy_loss(
+        logprobs, INPUTS["old_logprobs"], INPUTS["advantages"], p["clip_eps_low"], p["clip_eps_high"]
+    )
+    total = aggregate(losses, MASK, AGG[mode], norm_length=WIDTH)
+    total.backward()
+    close(total, case["aggregated"][mode])
+    close(logprobs.grad, case["grad"][mode])
+    close(aggregate(clipped, MASK, "token_mean"), case["clipfrac"])
+
+
+@pytest.mark.parametrize("case", DATA["policy_loss_sapo"], ids=lambda c: f"{c['params']['tau_pos']}-{c['params']['tau_neg']}")
+def test_sapo_policy_loss_equals_compute_policy_loss_sapo(case):
+    """core_algos.compute_policy_loss_sapo (which aggregates by seq-mean-token-mean): loss and gradient."""
+    logprobs = INPUTS["logprobs"].clone().requires_grad_(True)
+    losses = sapo_policy_loss(logprobs, INPUTS["old_logprobs"], INPUTS["advantages"], **case["params"])
+    total = aggregate(losses, MASK, "seq_mean_token_mean")
+    total.backward()
+    close(total, case["loss"])
+    close(logprobs.grad, case["grad"])
+
+
+@pytest.mark.parametrize("case", DATA["policy_loss_reinforce"], ids=lambda c: f"{c['mode']}-w{c['is_weights'] is not None}")
+def test_reinforce_loss_equals_compute_policy_loss_reinforce(case):
+    """core_algos.compute_policy_loss_reinforce, plain and with bypass-mode weights (token TIS of the current
+    policy against the rollout's, rollout_corr_helper.compute_rollout_correction_weights); ours computes
+    those weights with tis_weights from the detached logprobs."""
+    logprobs = INPUTS["logprobs"].clone().requires_grad_(True)
+    losses = reinforce_loss(logprobs, INPUTS["advantages"])
+    if case["is_weights"] is not None:
+        weights = tis_weights(logprobs.detach(), INPUTS["old_logprobs"], 2.0, MASK)
+        close(weights, case["is_weights"])
+        losses = losses * weights
+    total = aggregate(losses, MASK, AGG[case["mode"]])
+    total.backward()
+    close(total, case["loss"])
+    close(logprobs.grad, case["grad"])
+
+
 def test_aggregation_equals_agg_loss():
     """core_algos.agg_loss on one micro-batch (dp 1): seq-mean-token-sum-norm is the token sum over a constant."""
     values, expected = f64(DATA["agg_loss"]["values"]), DATA["agg_loss"]["expected"]
@@ -114,6 +169,16 @@ def test_grpo_advantages_equal_compute_grpo_outcome_advantage():
         close(advantages[:, None] * mask, case["advantages"])
 
 
+def test_rloo_and_reinforce_pp_baseline_equal_verl():
+    """core_algos.compute_rloo_outcome_advantage (a group of one keeps its score) and
+    compute_reinforce_plus_plus_baseline_outcome_advantage (group mean subtracted, then whitened over the batch)."""
+    (data,) = DATA["grpo_outcome_advantage"]
+    rewards, groups, mask = f64(data["rewards"]), torch.tensor(data["group_index"]), f64(data["mask"])
+    close(rloo_advantages(rewards, groups)[:, None] * mask, data["rloo"])
+    centred = grpo_advantages(rewards, groups, norm_std=False)[:, None] * mask
+    close(whiten(centred, mask, masked_moments(centred, mask)), data["reinforce_plus_plus_baseline"])
+
+
 @pytest.mark.parametrize("case", DATA["gae_advantage_return"][0]["cases"], ids=lambda c: f"{c['gamma']}-{c['lam']}")
 def test_gae_and_whitening_equal_compute_gae_advantage_return(case):
     """core_algos.compute_gae_advantage_return (GAE, then masked_whiten with the unbiased variance).
@@ -126,6 +191,17 @@ def test_gae_and_whitening_equal_compute_gae_advantage_return(case):
     whitened = whiten(advantages, mask, masked_moments(advantages, mask))
     close(whitened * mask, f64(case["advantages"]) * mask)
     close(returns * mask, f64(case["returns"]) * mask)
+
+
+@pytest.mark.parametrize("case", DATA["gae_advantage_return"][0]["cases"], ids=lambda c: str(c["gamma"]))
+def test_reinforce_pp_equals_compute_reinforce_plus_plus_outcome_advantage(case):
+    """core_algos.compute_reinforce_plus_plus_outcome_advantage: discounted returns restarting at masked tokens
+    (the last row has a masked span), whitened over the batch. Compared on trained tokens."""
+    data = DATA["gae_advantage_return"][0]
+    rewards, mask = f64(data["token_rewards"]), f64(data["mask"])
+    returns = discounted_returns(rewards, mask, case["gamma"])
+    close(returns, f64(case["reinforce_plus_plus_returns"]) * mask)
+    close(whiten(returns, mask, masked_moments(returns, mask)), case["reinforce_plus_plus_advantages"])
 
 
 def test_value_loss_equals_compute_value_loss():

@@ -46,6 +46,43 @@ def grpo_advantages(
     return torch.where(zero, torch.zeros_like(centered), centered).to(rewards.dtype)
 
 
+def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, group_of_one: GroupOfOne = "score") -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each reward minus the mean of the other rewards of its group,
+    (r - mean) * n / (n - 1), as verl's `compute_rloo_outcome_advantage`. A group of one: `score` keeps
+    its reward (verl's rloo), `zero` gives 0 (verl's rloo_vectorized)."""
+    rewards64 = rewards.double()
+    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    counts = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards64))
+    means = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, rewards64) / counts
+    n = counts[group_index]
+    loo = (rewards64 - means[group_index]) * n / (n - 1).clamp(min=1)
+    if group_of_one not in ("score", "zero"):
+        raise ValueError(f"group_of_one: unknown rule {group_of_one!r}")
+    single = torch.zeros_like(rewards64) if group_of_one == "zero" else rewards64
+    return torch.where(n == 1, single, loo).to(rewards.dtype)
+
+
+def discounted_returns(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, steps_over_masked: bool = False
+) -> torch.Tensor:
+    """Per-token discounted returns (REINFORCE++, Hu 2025), as verl's `compute_reinforce_plus_plus_outcome_advantage`
+    before its whitening (whiten these with `masked_moments` / `whiten` for its advantages).
+
+    As verl, the running return restarts at a masked-out token: tokens before a masked span (environment
+    tokens of a multi-turn sample) do not see rewards after it. `steps_over_masked=True` steps over masked
+    tokens instead, as `gae` does. Masked-out tokens get return 0 (verl: their reward plus the discounted
+    return after them; no loss reads them).
+    """
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[-1])):
+        is_step = mask[:, t] > 0
+        step_return = token_rewards[:, t] + gamma * running
+        returns[:, t] = torch.where(is_step, step_return, torch.zeros_like(step_return))
+        running = torch.where(is_step, step_return, running if steps_over_masked else torch.zeros_like(running))
+    return returns
+
+
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token rewards [batch, tokens]: each sequence's scalar reward on its last trained token."""
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)

@@ -44,11 +44,14 @@ class AlgorithmConfig(Strict):
         description="seq_mean_token_sum_norm: also divide by the number of sequences (the Dr. GRPO paper's 1/G); "
         "verl does not.",
     )
-    policy_loss: Literal["ppo", "gspo"] = Field(
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo", "reinforce"] = Field(
         "ppo",
-        description="grpo/ppo policy term: ppo = clipped token ratio (+ dual clip); gspo = clipped sequence ratio "
-        "(geometric mean of the token ratios).",
+        description="grpo/ppo policy term, as verl's: ppo = clipped token ratio (+ dual clip); gspo = clipped "
+        "sequence ratio (geometric mean of the token ratios); cispo = clipped, detached ratio times log p; sapo = "
+        "smooth gate on the ratio (sapo_tau_pos/neg); reinforce = -A log p (no ratio; is_weights still apply).",
     )
+    sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO: gate temperature where the advantage is positive.")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="SAPO: gate temperature elsewhere (verl's default 1.05).")
     clip_eps_low: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip below: 1 - eps_low.")
     clip_eps_high: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip above: 1 + eps_high (DAPO uses 0.28).")
     clip_ratio_c: float | None = Field(

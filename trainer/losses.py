@@ -171,6 +171,38 @@ def gspo_policy_loss(
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * log p, as verl's
+    `compute_policy_loss_cispo`: every token keeps a gradient; only the weight is clipped.
+    Returns (loss, clipped): 1.0 where the ratio was outside the range."""
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    return -clipped_ratio.detach() * advantages * logprobs, (ratio != clipped_ratio).float()
+
+
+def sapo_policy_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float
+) -> torch.Tensor:
+    """SAPO (Qwen 2025): a smooth gate instead of the clip, -f(ratio) * A with f(r) = sigmoid(tau (r - 1)) * 4 / tau,
+    tau = tau_pos where A > 0 and tau_neg elsewhere, as verl's `compute_policy_loss_sapo` (log-ratio clamped
+    to +-20). verl aggregates it by seq_mean_token_mean."""
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    taus = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    return -torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus) * advantages
+
+
+def reinforce_loss(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """REINFORCE: -A * log p per token, no ratio and no clip (verl's compute_policy_loss_reinforce; its
+    importance weights, when given, multiply this as every correction here does)."""
+    return -advantages * logprobs
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_eps: float) -> torch.Tensor:
     """Clipped value loss per token: 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2) (verl's compute_value_loss)."""
     clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)

@@ -10,11 +10,14 @@ import torch
 from trainer.batch import TrainBatch
 from trainer.config import AlgorithmConfig
 from trainer.losses import (
+    cispo_policy_loss,
     distill_reverse_kl,
     dpo_loss,
     gspo_policy_loss,
     kl_penalty,
     ppo_policy_loss,
+    reinforce_loss,
+    sapo_policy_loss,
     sft_loss,
     value_loss,
 )
@@ -63,16 +66,8 @@ def dpo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[to
 
 
 def policy_gradient(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
-    """GRPO and PPO's policy part: clipped surrogate (token or sequence ratio), off-policy weighted when configured."""
-    if algo.policy_loss == "gspo":
-        losses, clipped = gspo_policy_loss(
-            out.logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, algo.clip_eps_low, algo.clip_eps_high
-        )
-        dual_clipped = torch.zeros_like(clipped)
-    else:
-        losses, clipped, dual_clipped = ppo_policy_loss(
-            out.logprobs, batch.old_logprobs, batch.advantages, algo.clip_eps_low, algo.clip_eps_high, algo.clip_ratio_c
-        )
+    """GRPO and PPO's policy part (algo.policy_loss), off-policy weighted when configured."""
+    losses, clipped, dual_clipped = policy_term(algo, batch, out)
     if batch.is_weights is not None:
         losses = losses * batch.is_weights
     metrics = {
@@ -81,6 +76,21 @@ def policy_gradient(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput)
         "ratio": (torch.exp(out.logprobs - batch.old_logprobs).detach() * batch.token_weights).sum(),
     }
     return (losses * batch.loss_weights).sum(), metrics
+
+
+def policy_term(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, ...]:
+    """Per-token policy loss and where it was clipped / dual-clipped (1.0), for algo.policy_loss."""
+    logprobs, old, advantages = out.logprobs, batch.old_logprobs, batch.advantages
+    if algo.policy_loss == "ppo":
+        return ppo_policy_loss(logprobs, old, advantages, algo.clip_eps_low, algo.clip_eps_high, algo.clip_ratio_c)
+    none = torch.zeros_like(logprobs)
+    if algo.policy_loss == "gspo":
+        return (*gspo_policy_loss(logprobs, old, advantages, batch.loss_mask, algo.clip_eps_low, algo.clip_eps_high), none)
+    if algo.policy_loss == "cispo":
+        return (*cispo_policy_loss(logprobs, old, advantages, algo.clip_eps_low, algo.clip_eps_high), none)
+    if algo.policy_loss == "sapo":
+        return sapo_policy_loss(logprobs, old, advantages, algo.sapo_tau_pos, algo.sapo_tau_neg), none, none
+    return reinforce_loss(logprobs, advantages), none, none
 
 
 def ppo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:

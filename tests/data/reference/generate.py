@@ -80,7 +80,7 @@ class ActorConfig(dict):
 
 
 class AlgoConfig(dict):
-    pass
+    __getattr__ = dict.__getitem__
 
 
 class Batch(dict):
@@ -103,7 +103,9 @@ def load_verl(repo: str, commit: str) -> types.SimpleNamespace:
         extract(git_show(repo, commit, "verl/trainer/ppo/core_algos.py"), {
             "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "agg_loss", "compute_policy_loss_vanilla",
             "compute_policy_loss_gspo", "compute_value_loss", "kl_penalty", "kl_penalty_forward", "FixedKLController",
-            "AdaptiveKLController",
+            "AdaptiveKLController", "compute_policy_loss_cispo", "compute_policy_loss_sapo", "compute_policy_loss_reinforce",
+            "compute_rloo_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
+            "compute_reinforce_plus_plus_baseline_outcome_advantage",
         }),
         {**common, "verl_F": verl_F, "ActorConfig": ActorConfig, "AlgoConfig": AlgoConfig, "DictConfig": dict},
     )  # fmt: skip
@@ -211,6 +213,49 @@ def gspo_cases(verl) -> list[dict]:
     return cases
 
 
+def cispo_cases(verl) -> list[dict]:
+    cases = []
+    for clip_low, clip_high in [(0.2, 0.2), (0.2, 0.28)]:
+        config = ActorConfig(clip_ratio=0.2, clip_ratio_low=clip_low, clip_ratio_high=clip_high)
+        aggregated, grads = {}, {}
+        for mode in AGG_MODES:
+            logp = LOGP.clone().requires_grad_(True)
+            loss, metrics = verl.core.compute_policy_loss_cispo(OLD, logp, ADVANTAGES, MASK, mode, config)
+            loss.backward()
+            aggregated[mode], grads[mode] = loss.item(), t(logp.grad)
+        cases.append({"params": {"clip_eps_low": clip_low, "clip_eps_high": clip_high}, "aggregated": aggregated,
+                      "grad": grads, "clipfrac": metrics["actor/pg_clipfrac"]})  # fmt: skip
+    return cases
+
+
+def sapo_cases(verl) -> list[dict]:
+    cases = []
+    for tau_pos, tau_neg in [(1.0, 1.05), (2.0, 4.0)]:
+        config = ActorConfig(tau_pos=tau_pos, tau_neg=tau_neg)
+        logp = LOGP.clone().requires_grad_(True)
+        loss, _ = verl.core.compute_policy_loss_sapo(OLD, logp, ADVANTAGES, MASK, "seq-mean-token-mean", config)
+        loss.backward()
+        cases.append({"params": {"tau_pos": tau_pos, "tau_neg": tau_neg}, "loss": loss.item(), "grad": t(logp.grad)})
+    return cases
+
+
+def reinforce_cases(verl) -> list[dict]:
+    """compute_policy_loss_reinforce, with no weights and with verl's bypass-mode weights: token TIS of the
+    current policy against the rollout one (OLD here), computed by compute_rollout_correction_weights."""
+    weights, _ = verl.corr.compute_rollout_correction_weights(LOGP - OLD, MASK, "token", 2.0, False)
+    cases = []
+    for with_weights in (False, True):
+        for mode in ("seq-mean-token-sum", "token-mean"):
+            logp = LOGP.clone().requires_grad_(True)
+            loss, _ = verl.core.compute_policy_loss_reinforce(
+                OLD, logp, ADVANTAGES, MASK, mode, ActorConfig(), weights if with_weights else None
+            )
+            loss.backward()
+            cases.append({"is_weights": t(weights) if with_weights else None, "mode": mode, "loss": loss.item(),
+                          "grad": t(logp.grad)})  # fmt: skip
+    return cases
+
+
 def agg_cases(verl) -> dict:
     values = torch.arange(30, dtype=torch.float64).reshape(5, 6) / 7 - 2
     out = {mode: verl.core.agg_loss(values, MASK, mode).item() for mode in AGG_MODES}
@@ -232,7 +277,10 @@ def grpo_cases(verl) -> list[dict]:
     for norm_std in (True, False):
         scores, _ = verl.core.compute_grpo_outcome_advantage(token_rewards.clone(), mask, index, 1e-6, norm_std)
         cases.append({"norm_std": norm_std, "advantages": t(scores)})
-    return [{"rewards": t(rewards), "group_index": [ord(g) - ord("a") for g in index], "mask": t(mask), "cases": cases}]
+    rloo, _ = verl.core.compute_rloo_outcome_advantage(token_rewards.clone(), mask, index)
+    baseline, _ = verl.core.compute_reinforce_plus_plus_baseline_outcome_advantage(token_rewards.clone(), mask, index)
+    return [{"rewards": t(rewards), "group_index": [ord(g) - ord("a") for g in index], "mask": t(mask), "cases": cases,
+             "rloo": t(rloo), "reinforce_plus_plus_baseline": t(baseline)}]  # fmt: skip
 
 
 def gae_cases(verl) -> list[dict]:
@@ -244,7 +292,11 @@ def gae_cases(verl) -> list[dict]:
     out = []
     for gamma, lam in [(1.0, 1.0), (0.9, 0.8), (0.99, 0.95)]:
         advantages, returns = verl.core.compute_gae_advantage_return(token_rewards, values, mask, gamma, lam)
-        out.append({"gamma": gamma, "lam": lam, "advantages": t(advantages), "returns": t(returns)})
+        rf_advantages, rf_returns = verl.core.compute_reinforce_plus_plus_outcome_advantage(
+            token_rewards, mask, AlgoConfig(gamma=gamma)
+        )
+        out.append({"gamma": gamma, "lam": lam, "advantages": t(advantages), "returns": t(returns),
+                    "reinforce_plus_plus_advantages": t(rf_advantages), "reinforce_plus_plus_returns": t(rf_returns)})  # fmt: skip
     return [{"token_rewards": t(token_rewards), "values": t(values), "mask": t(mask), "cases": out}]
 
 
@@ -354,6 +406,9 @@ def main() -> None:
         "inputs": inputs,
         "policy_loss_vanilla": policy_cases(verl),
         "policy_loss_gspo": gspo_cases(verl),
+        "policy_loss_cispo": cispo_cases(verl),
+        "policy_loss_sapo": sapo_cases(verl),
+        "policy_loss_reinforce": reinforce_cases(verl),
         "agg_loss": agg_cases(verl),
         "grpo_outcome_advantage": grpo_cases(verl),
         "gae_advantage_return": gae_cases(verl),
