@@ -93,6 +93,7 @@ class QuickstartConfig(Strict):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     rollout: dict = Field(default_factory=dict, description="Extra --set overrides for the rollout service.")
+    buffer: dict = Field(default_factory=dict, description="Extra --set overrides for the buffer service.")
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
 
 
@@ -259,7 +260,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
             logs = run_dir / "logs"
             buffer = supervisor.add_service(start_service("buffer", {
                 "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                "capacity": rl.buffer_capacity_batches * batch_size}, log_dir=logs))
+                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs))
             reward = supervisor.add_service(start_service("reward", {}, log_dir=logs))
             rollout = supervisor.add_service(start_service("rollout", {
                 "model": str(policy_dir), "engine.seed": config.seed, **config.rollout}, log_dir=logs))
