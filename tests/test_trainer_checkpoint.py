@@ -102,3 +102,16 @@ def test_export_is_a_hugging_face_folder_with_the_trained_weights(tiny_model_dir
         torch.testing.assert_close(exported(ids).logits, learner.policy(ids, torch.ones_like(ids))[0], rtol=0, atol=1e-5)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.decode(tokenizer.encode("12+7=19")) == "12+7=19"
+
+
+def test_a_crashed_runs_folder_that_never_became_latest_is_replaced(tiny_model_dir, tmp_path):
+    """A run saved step 2 and died before `latest` named it; the resumed run reaches step 2 again: its own
+    state is saved (the acks that follow must rest on it), not skipped as already there."""
+    learner = learner_for(tiny_model_dir)
+    save_checkpoint(tmp_path, learner.policy, learner.optimizer, TrainState(step=1), ENV)
+    stale = tmp_path / "step_00000002"
+    stale.mkdir()
+    (stale / "state.json").write_text(json.dumps({"step": 2, "weight_version": 99}))
+    save_checkpoint(tmp_path, learner.policy, learner.optimizer, TrainState(step=2, weight_version=2), ENV)
+    assert latest_checkpoint(tmp_path) == stale
+    assert load_checkpoint(stale, learner.policy, learner.optimizer, ENV).weight_version == 2

@@ -35,7 +35,8 @@ LATEST_FILE = "latest"
 
 @dataclass
 class TrainState:
-    """Where training stands. Buffer acks, not this state, say which samples were trained on."""
+    """Where training stands. `extra["unacked_samples"]` (trainer/loop.py) lists, by lease, the samples this
+    state was trained on whose ack the buffer has not confirmed: a resumed trainer acks them, never trains them."""
 
     step: int = 0
     weight_version: int = 0
@@ -89,7 +90,7 @@ def save_checkpoint(
     final = root / f"step_{state.step:08d}"
     model_state = gather_model_state(policy, env)
     optimizer_state = gather_optimizer_state(policy, optimizer, env)
-    if env.is_main and not final.exists():
+    if env.is_main and latest_checkpoint(root) != final:  # else saved already (at this step, by this run)
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -98,6 +99,9 @@ def save_checkpoint(
         _torch_save(optimizer_state, staging / OPTIMIZER_FILE)
         _fsync_write(staging / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1).encode())
         _fsync_dir(staging)
+        # A folder of this step that `latest` does not name is a crashed run's, which never became the latest
+        # (and whose acks never went out): this run's state replaces it.
+        shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
         _fsync_write(root / f".{LATEST_FILE}.tmp", final.name.encode())
         os.replace(root / f".{LATEST_FILE}.tmp", root / LATEST_FILE)
