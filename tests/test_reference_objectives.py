@@ -76,10 +76,18 @@ def test_dual_clip_is_on_by_default_as_in_verl():
     close(loss, default["aggregated"]["token-mean"])
 
 
+def test_gspo_and_sapo_aggregate_by_sequence_mean_by_default_as_in_verl():
+    for name in ("grpo", "ppo"):
+        assert AlgorithmConfig(name=name, policy_loss="gspo").loss_agg == "seq_mean_token_mean"
+        assert AlgorithmConfig(name=name, policy_loss="sapo").loss_agg == "seq_mean_token_mean"
+    assert AlgorithmConfig(name="ppo").loss_agg == "token_mean"
+    assert AlgorithmConfig(name="grpo", policy_loss="gspo", loss_agg="token_mean").loss_agg == "token_mean"
+
+
 @pytest.mark.parametrize("case", VERL["policy_loss_gspo"], ids=lambda c: str(c["params"]["clip_eps_low"]))
 def test_gspo_objective_equals_verl_gspo(case):
-    algo = AlgorithmConfig(name="grpo", policy_loss="gspo", loss_agg="seq_mean_token_mean", **case["params"])
-    batch = micro_batch(MASK, "seq_mean_token_mean", old_logprobs=INPUTS["old_logprobs"], advantages=INPUTS["advantages"])
+    algo = AlgorithmConfig(name="grpo", policy_loss="gspo", **case["params"])
+    batch = micro_batch(MASK, algo.loss_agg, old_logprobs=INPUTS["old_logprobs"], advantages=INPUTS["advantages"])
     logprobs = INPUTS["logprobs"].clone().requires_grad_(True)
     loss, metrics = objective(algo, batch, policy_output(logprobs))
     loss.backward()

@@ -23,7 +23,8 @@ class AlgorithmConfig(Strict):
     """What is optimised. RLVR is `grpo` or `ppo` fed by verifiable rewards (the reward service).
 
     Common variants: Dr. GRPO = `grpo_norm_std: false, loss_agg: seq_mean_token_sum_norm`;
-    DAPO = `loss_agg: token_mean, clip_eps_high: 0.28`; GSPO = `policy_loss: gspo, loss_agg: seq_mean_token_mean`.
+    DAPO = `loss_agg: token_mean, clip_eps_high: 0.28`; GSPO = `policy_loss: gspo` (aggregated by seq_mean_token_mean
+    unless loss_agg says otherwise, as SAPO); CISPO = `policy_loss: cispo, clip_eps_high: ...`.
     Defaults follow verl (trainer/ppo/core_algos.py) and TRL (DPOTrainer); tests/test_reference_*.py checks them.
     """
 
@@ -96,7 +97,9 @@ class AlgorithmConfig(Strict):
     @model_validator(mode="after")
     def _fill_defaults(self) -> "AlgorithmConfig":
         if self.loss_agg is None:
-            self.loss_agg = DEFAULT_LOSS_AGG[self.name]
+            # verl aggregates GSPO and SAPO by seq-mean-token-mean whatever its loss_agg_mode; here it is the default.
+            sequence_mean = self.policy_loss in ("gspo", "sapo") and self.name in ("grpo", "ppo")
+            self.loss_agg = "seq_mean_token_mean" if sequence_mean else DEFAULT_LOSS_AGG[self.name]
         return self
 
     @property
