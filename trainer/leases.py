@@ -171,6 +171,12 @@ class LeaseBook:
         self.failed = 0  # FAILED samples seen (never trained)
         self._unacked.extend(self.ledger.leases())
 
+    def counters(self) -> dict[str, float]:
+        """Running totals for the step metrics."""
+        return {"acked_total": float(self.acked), "redelivered_leases": float(self.redelivered),
+                "already_trained_total": float(self.skipped), "failed_total": float(self.failed),
+                "lost_leases": float(self.keeper.lost), "unacked_samples": float(len(self.ledger))}
+
     def pull(self, batch_size: int) -> LeasedBatch:
         """Pull a batch and hold its lease from this moment on (also while it waits as a prefetch)."""
         batch = self.source.pull(batch_size)

@@ -131,7 +131,9 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 state.step += 1
                 state.weight_version += 1
                 last = index == len(mini_batches) - 1
-                report(config, env, state, {**metrics, **batch_stats, "step_s": time.monotonic() - started}, work, last)
+                counters = book.counters() if env.is_main else {}
+                report(config, env, state, {**metrics, **batch_stats, **counters, "step_s": time.monotonic() - started},
+                       work, last)
             state.samples_trained += len(work.train)
         if env.is_main:
             book.consumed(work, state.weight_version)
