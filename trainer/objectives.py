@@ -10,6 +10,7 @@ import torch
 from trainer.batch import TrainBatch
 from trainer.config import AlgorithmConfig
 from trainer.losses import (
+    LOG_RATIO_BOUND,
     cispo_policy_loss,
     distill_reverse_kl,
     dpo_loss,
@@ -73,7 +74,8 @@ def policy_gradient(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput)
     metrics = {
         "clip_fraction": (clipped * batch.token_weights).sum(),
         "dual_clip_fraction": (dual_clipped * batch.token_weights).sum(),
-        "ratio": (torch.exp(out.logprobs - batch.old_logprobs).detach() * batch.token_weights).sum(),
+        "ratio": (torch.exp((out.logprobs - batch.old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).detach()
+                  * batch.token_weights).sum(),
     }
     return (losses * batch.loss_weights).sum(), metrics
 
