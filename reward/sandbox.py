@@ -1,9 +1,13 @@
-"""Run untrusted Python in a confined subprocess: rlimits, wall-clock kill, private dir, no network.
+"""Run untrusted Python in a confined subprocess: rlimits, wall-clock kill, private dir, no network,
+a minimal root filesystem, a seccomp filter and a memory cgroup where the machine allows them.
 
 The confinement itself happens in reward/jail.py (a launcher between this process and the
-program); this side prepares the files, starts it, enforces the wall-clock timeout by killing
-its whole process group, and collects the output. `SandboxResult.isolation` says which
-measures took effect on this machine, so a weaker sandbox never passes for a strong one.
+program); this side prepares the files, the allow-list of the root filesystem (reward/rootfs.py),
+the seccomp filter (reward/seccomp.py) and the run's memory cgroup (reward/cgroup.py), starts the
+launcher, enforces the wall-clock timeout by killing its whole process group, and collects the
+output. `SandboxResult.isolation` says which measures took effect on this machine, so a weaker
+sandbox never passes for a strong one. The program shares no descriptor with this process but
+its stdin, stdout and stderr files: what it says is plain bytes, for the caller to judge.
 """
 
 import json
@@ -20,6 +24,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from reward import rootfs, seccomp
+from reward.cgroup import MemoryCgroup
+
 JAIL = pathlib.Path(__file__).with_name("jail.py")
 _SEARCH_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -31,7 +38,9 @@ class SandboxLimits(BaseModel):
 
     timeout_s: float = Field(10.0, gt=0, le=300, description="Wall-clock limit; then the process group is killed.")
     cpu_s: int = Field(5, gt=0, le=300, description="RLIMIT_CPU seconds (SIGXCPU, then SIGKILL one second later).")
-    memory_mb: int = Field(1024, ge=64, le=16384, description="RLIMIT_AS: address space per process.")
+    memory_mb: int = Field(1024, ge=64, le=16384, description="RLIMIT_AS (address space per process) and, "
+                                                               "where a memory cgroup can be made, the memory "
+                                                               "of all the run's processes together.")
     file_size_mb: int = Field(16, gt=0, le=1024, description="RLIMIT_FSIZE: largest file (and captured output).")
     workdir_mb: int = Field(64, gt=0, le=4096, description="Size of the private tmpfs working directory (as root).")
     max_processes: int = Field(32, gt=0, le=4096, description="RLIMIT_NPROC (per sandbox when the uid is dropped).")
@@ -57,16 +66,17 @@ class SandboxResult:
     timed_out: bool
     wall_s: float
     isolation: dict[str, object] = field(default_factory=dict)
-    # What the program wrote to the side channel whose fd is in $RELAYRL_RESULT_FD.
-    channel: bytes = b""
+    # Processes of the run the kernel killed for passing the memory cgroup's limit.
+    oom_kills: int = 0
 
     def describe(self) -> str:
         """A one-line account of how the run ended."""
+        memory = f" ({self.oom_kills} process(es) killed at the memory limit)" if self.oom_kills else ""
         if self.timed_out:
-            return f"wall-clock timeout after {self.wall_s:.1f}s"
+            return f"wall-clock timeout after {self.wall_s:.1f}s{memory}"
         if self.returncode is not None and self.returncode < 0:
-            return f"killed by {signal.Signals(-self.returncode).name}"
-        return f"exit code {self.returncode}"
+            return f"killed by {signal.Signals(-self.returncode).name}{memory}"
+        return f"exit code {self.returncode}{memory}"
 
 
 def _usable_by_anyone(path: str) -> bool:
@@ -127,35 +137,49 @@ def run_python(
 ) -> SandboxResult:
     """Run `python -I main` with `files` in a fresh private directory under `limits`."""
     workdir = tempfile.mkdtemp(prefix="relayrl-sbx-")
+    cgroup = MemoryCgroup.create(limits.memory_mb << 20) if limits.isolate else None
     try:
         for name, content in files.items():
             data = content.encode() if isinstance(content, str) else content
             pathlib.Path(workdir, name).write_bytes(data)
-        return _launch(workdir, [sandbox_python(limits), "-I", main], limits, stdin)
+        # The real path: inside the minimal root only the interpreter's own file is there.
+        python = os.path.realpath(sandbox_python(limits))
+        return _launch(workdir, [python, "-I", main], limits, stdin, cgroup)
     finally:
+        if cgroup is not None:
+            cgroup.remove()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _launch(workdir: str, argv: list[str], limits: SandboxLimits, stdin: bytes) -> SandboxResult:
-    with (tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as out,
-          tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as channel):
+def _confinement(argv: list[str], limits: SandboxLimits, cgroup: MemoryCgroup | None) -> dict[str, object]:
+    """The parts of the launcher's spec that say how to confine: root filesystem, seccomp, cgroup."""
+    if not limits.isolate:
+        return {"root": None, "seccomp": None, "cgroup_procs": None}
+    numbers = seccomp.syscall_table(os.uname().machine)
+    program = seccomp.filter_program()
+    root = {**rootfs.layout(argv[0]), "pivot_root_nr": numbers["pivot_root"]} if numbers else None
+    return {"root": root, "seccomp": program.hex() if program else None,
+            "cgroup_procs": cgroup.procs if cgroup else None}
+
+
+def _launch(workdir: str, argv: list[str], limits: SandboxLimits, stdin: bytes,
+            cgroup: MemoryCgroup | None) -> SandboxResult:
+    with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         stdin_file.write(stdin)
         stdin_file.seek(0)
         report_r, report_w = os.pipe()
-        env = {
-            "PATH": _SEARCH_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1", "RELAYRL_RESULT_FD": str(channel.fileno()),
-        }
+        env = {"PATH": _SEARCH_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1"}
         spec = {
             "argv": argv, "workdir": workdir, "env": env, "isolate": limits.isolate,
             "uid_base": limits.uid_base, "workdir_mb": limits.workdir_mb,
-            "rlimits": _rlimits(limits), "report_fd": report_w,
+            "rlimits": _rlimits(limits), "report_fd": report_w, **_confinement(argv, limits, cgroup),
         }
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(JAIL), json.dumps(spec)],
-                stdin=stdin_file, stdout=out, stderr=err, pass_fds=(report_w, channel.fileno()),
+                stdin=stdin_file, stdout=out, stderr=err, pass_fds=(report_w,),
                 start_new_session=True, env={}, cwd="/",
             )
         finally:
@@ -182,5 +206,5 @@ def _launch(workdir: str, argv: list[str], limits: SandboxLimits, stdin: bytes) 
             timed_out=timed_out,
             wall_s=wall_s,
             isolation=json.loads(report),
-            channel=_read_head(channel, limits.file_size_mb << 20),
+            oom_kills=cgroup.oom_kills() if cgroup else 0,
         )
