@@ -165,6 +165,8 @@ def test_a_lost_lease_is_redelivered_and_acked_without_training_again(tmp_path, 
         first = book.work(book.pull(BATCH))
         assert len(first.train) == BATCH
         book.consumed(first, trainer_version=1)
+        held = stats(buffer.address)
+        assert (held.leased, held.consumed, held.trainer_version) == (BATCH, BATCH, 1)  # trained, awaiting a checkpoint
         time.sleep(1.5)
         book.checkpointed(trainer_version=1)
         assert (book.redelivered, book.acked, len(book.ledger)) == (1, 0, BATCH)
