@@ -82,8 +82,7 @@ print(json.dumps({{
     assert seen["write_own"] == "ok"
     assert pathlib.Path(seen["cwd"]).name.startswith("relayrl-sbx-")
     assert "RELAYRL_TEST_SECRET" not in seen["env"]
-    assert set(seen["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "RELAYRL_RESULT_FD",
-                                "LC_CTYPE"}
+    assert set(seen["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "LC_CTYPE"}
     # What the report claims is what the program met.
     assert report.get("network_cut", False) == (seen["connect"] != "ok")
     if report.get("network_cut"):
