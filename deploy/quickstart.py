@@ -292,7 +292,8 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
         started = time.monotonic()
         supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",
                                exit_zero_is_done=True)
-        supervisor.add_process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log")
+        supervisor.add_process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log",
+                               heartbeat=run_dir / "driver_stats.jsonl")
         progress.start_rl(rl.time_budget_s, sft_accuracy)
         curve = [progress.point(0.0, sft_accuracy)]
         next_eval = started + rl.eval_interval_s

@@ -1,8 +1,9 @@
 """Supervision of a local run: a process that dies or freezes is started again, within bounds.
 
 Each member (a service, the trainer, the driver) has a watcher thread. A member is down when its
-process has exited (the trainer's exit 0 is its end, not a death) or, for a service, when its health
-check has gone unanswered for `health_timeout_s` (a frozen process: SIGKILLed first). A member that
+process has exited (the trainer's exit 0 is its end, not a death) or is frozen (SIGKILLed first): a
+service whose health check has gone unanswered for `health_timeout_s`, a client process whose heartbeat
+file (the driver's stats, written every 2 s) has not been touched for as long. A member that
 is down is started again after a backoff, services on their own address; one that goes down more than
 `max_restarts` times within `restart_window_s` fails the run: `check()` raises RunFailed naming it,
 with the tail of its log.
@@ -56,13 +57,23 @@ class RunFailed(RuntimeError):
 class Process:
     """A client process (trainer, driver) as a supervised member: `python ARGS`, logging to `log_path`."""
 
-    def __init__(self, name: str, args: Sequence[str], log_path: pathlib.Path, exit_zero_is_done: bool = False):
+    def __init__(self, name: str, args: Sequence[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
+                 heartbeat: pathlib.Path | None = None):
         self.name, self.args, self.log_path = name, list(args), log_path
-        self.exit_zero_is_done = exit_zero_is_done
+        self.exit_zero_is_done, self.heartbeat = exit_zero_is_done, heartbeat
         self.proc: subprocess.Popen | None = None
-        self.address = ""
+        self.started_at = 0.0
+
+    def silence(self) -> tuple[float, bool]:
+        """(seconds since the heartbeat file or the start was last touched, whether it was touched since
+        the start); (0, True) without a heartbeat."""
+        if self.heartbeat is None:
+            return 0.0, True
+        touched = self.heartbeat.stat().st_mtime if self.heartbeat.exists() else 0.0
+        return time.time() - max(touched, self.started_at), touched > self.started_at
 
     def start(self, timeout: float) -> None:
+        self.started_at = time.time()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, *self.args], stdout=out, stderr=subprocess.STDOUT,
@@ -165,9 +176,10 @@ class Supervisor:
         return service
 
     def add_process(self, name: str, args: Sequence[str], log_path: pathlib.Path,
-                    exit_zero_is_done: bool = False) -> Process:
-        """Start `python ARGS` and watch it; with `exit_zero_is_done` an exit 0 ends it for good."""
-        member = Process(name, args, log_path, exit_zero_is_done)
+                    exit_zero_is_done: bool = False, heartbeat: pathlib.Path | None = None) -> Process:
+        """Start `python ARGS` and watch it; with `exit_zero_is_done` an exit 0 ends it for good; with a
+        `heartbeat` file, one untouched for health_timeout_s means frozen."""
+        member = Process(name, args, log_path, exit_zero_is_done, heartbeat)
         member.start(self.config.start_timeout_s)
         self._watch(member)
         return member
@@ -229,6 +241,9 @@ class Supervisor:
         if code is not None:
             return "done" if code == 0 and member.exit_zero_is_done else f"exited with code {code}"
         if not isinstance(member, Service):
+            silent, beating = member.silence()
+            if silent > (self.config.health_timeout_s if beating else self.config.start_timeout_s):
+                return f"left its heartbeat {member.heartbeat.name} untouched for {silent:.0f}s (frozen)"
             return None
         deadline = time.monotonic() + self.config.health_timeout_s
         while not _healthy(member.address, min(self.config.health_interval_s, 5.0)):

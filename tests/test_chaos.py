@@ -130,6 +130,8 @@ def test_the_run_survives_every_process_killed_once_and_one_frozen(tmp_path):
     lost = len(held) - (stats.pending + stats.leased)
 
     history, discounted = final_history(run_dir / "trainer_metrics.jsonl")
+    rewards = [r["reward_mean"] for r in history if "reward_mean" in r]
+    early, late = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     trained = Counter(i for record in history for i in record.get("sample_ids", []))
     duplicated = sorted(i for i, n in trained.items() if n > 1)
     acked_untrained = sorted(i for i in acked if trained[i] == 0)
@@ -142,7 +144,8 @@ def test_the_run_survives_every_process_killed_once_and_one_frozen(tmp_path):
         # Trained, then lost from the buffer's leases by its restart and dropped as stale when they came back.
         "trained then dropped": len(set(trained) & dropped_ids), "held at end": len(held),
         "lost": lost, "duplicated": len(duplicated), "acked untrained": len(acked_untrained),
-        "steps": summary.steps, "accuracy": (summary.sft_accuracy, summary.best_accuracy, summary.final_accuracy),
+        "steps": summary.steps, "reward first/last 20 steps": (round(early, 3), round(late, 3)),
+        "held-out accuracy start/best/final": (summary.sft_accuracy, summary.best_accuracy, summary.final_accuracy),
     }
     print("chaos tally:", json.dumps(tally, indent=1))
 
@@ -154,6 +157,6 @@ def test_the_run_survives_every_process_killed_once_and_one_frozen(tmp_path):
     assert acked and not (acked & dropped_ids)
     assert lost == 0 and not duplicated, tally
     assert not acked_untrained, acked_untrained[:10]
-    rewards = [r["reward_mean"] for r in history if "reward_mean" in r]
-    early, late = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert late > early + 0.05, f"mean reward did not rise: first 20 steps {early:.3f}, last 20 {late:.3f}"
+    # 0.245 -> 0.445 when first run (200 held-out prompts: about +-0.03 of noise).
+    assert summary.final_accuracy > summary.sft_accuracy + 0.05, tally

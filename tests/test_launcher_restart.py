@@ -97,6 +97,19 @@ def test_a_client_process_is_restarted_and_a_finished_one_is_not(tmp_path, super
     assert supervisor.restarts().get("driver") == 1  # stopped on purpose: not restarted
 
 
+def test_a_frozen_client_process_is_found_by_its_heartbeat(tmp_path, supervisor):
+    beat = tmp_path / "driver_stats.jsonl"
+    touch_forever = f"import pathlib, time\nwhile True:\n    pathlib.Path({str(beat)!r}).touch(); time.sleep(0.5)"
+    driver = supervisor.add_process("driver", ["-c", touch_forever], tmp_path / "driver.log", heartbeat=beat)
+    wait_for(beat.exists, 30, "the first heartbeat")
+    pid = driver.pid
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: supervisor.restarts().get("driver") == 1, 30, "the frozen driver restarted")
+    assert driver.pid != pid and "heartbeat" in supervisor.records["driver"].deaths[0][1]
+    time.sleep(FAST.health_timeout_s + 1)
+    assert supervisor.restarts() == {"driver": 1}  # the restarted one beats: left alone
+
+
 def test_the_evaluator_waits_for_a_restarted_rollout(tmp_path, supervisor, tiny_model_dir):
     from deploy.quickstart import evaluate
 
