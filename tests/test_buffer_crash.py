@@ -177,3 +177,44 @@ async def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path, fr
     assert full_log.count("recovered ") == 5 and "cut a torn tail" in full_log, context  # 4 kills, 1 torn write
     print(f"seed {seed}: {len(ledger.ambiguous)} acks lost in flight, {stats.redelivered} redelivered since the "
           f"last restart; recoveries:\n" + "\n".join(line for line in full_log.splitlines() if "recovered " in line))
+
+
+async def test_a_consumed_lease_lost_with_the_buffer_is_redelivered_and_acked_ids_stay_refused(tmp_path, free_port):
+    """Through a real buffer process, SIGKILLed: what the trainer's exactly-once protocol relies on."""
+    address = f"127.0.0.1:{free_port}"
+    overrides = {"data_dir": str(tmp_path / "data"), "server.address": address, "segment_bytes": 4096}
+    buffer = start_service("buffer", overrides, log_dir=tmp_path / "logs", timeout=60)
+    try:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stub = buffer_pb2_grpc.BufferStub(channel)
+            await stub.Put(group_request(0, [0, 1]), timeout=5)
+            pull = buffer_pb2.PullRequest(batch_size=GROUP, max_batches=1, lease_timeout_s=1)
+            (trained,) = [batch async for batch in stub.Pull(pull, timeout=5)]
+            (consumed,) = [batch async for batch in stub.Pull(pull, timeout=5)]
+            await stub.Ack(buffer_pb2.AckRequest(lease_id=trained.lease_id), timeout=5)
+            heartbeat = buffer_pb2.ExtendLeaseRequest(lease_ids=[consumed.lease_id], lease_timeout_s=1)
+            for _ in range(4):  # past the lease timeout: the heartbeat keeps the lease open
+                await asyncio.sleep(0.3)
+                assert (await stub.ExtendLease(heartbeat, timeout=5)).extended == 1
+            extension = buffer_pb2.ExtendLeaseRequest(lease_ids=[consumed.lease_id], consumed=True, trainer_version=4)
+            assert (await stub.ExtendLease(extension, timeout=5)).extended == 1
+            stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+            assert (stats.leased, stats.consumed, stats.trainer_version) == (GROUP, GROUP, 4)
+            for start in range(2, 40, GROUPS_PER_PUT):  # roll the log over: compaction copies and deletes
+                await stub.Put(group_request(1, list(range(start, start + GROUPS_PER_PUT))), timeout=5)
+
+            await asyncio.to_thread(buffer.restart, 60)
+            assert (await stub.ExtendLease(extension, timeout=10)).missing == [consumed.lease_id]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Ack(buffer_pb2.AckRequest(lease_id=consumed.lease_id), timeout=5)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "delivered again" in err.value.details()
+            (again,) = [batch async for batch in stub.Pull(pull, timeout=5)]
+            assert [s.sample_id for s in again.samples] == [s.sample_id for s in consumed.samples]
+            reply = await stub.Put(group_request(0, [0, 1]), timeout=5)  # the acked group and the held one
+            assert (reply.accepted, reply.duplicates) == (0, 2 * GROUP)
+            stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+            assert (stats.acked, stats.trainer_version, stats.consumed) == (GROUP, 4, 0)
+    finally:
+        log_tail = buffer.log_tail(30)
+        buffer.stop(timeout=10)
+    assert "compacted log segments" in log_tail or "compacted log segments" in buffer.log_path.read_text(), log_tail

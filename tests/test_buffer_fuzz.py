@@ -21,7 +21,7 @@ from services.buffer.service import SERVICE_NAME, registration
 from services.client import connect_sync
 from services.server import create_server
 
-METHODS = ["Put", "PutStream", "Pull", "Ack", "SetVersion", "Stats"]
+METHODS = ["Put", "PutStream", "Pull", "Ack", "ExtendLease", "SetVersion", "Stats"]
 # INTERNAL only where the bytes do not even parse as the request message (grpc's own answer).
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
             grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -147,6 +147,9 @@ pull_requests = st.builds(
 ack_requests = st.builds(buffer_pb2.AckRequest, lease_id=st.text(max_size=40),
                          trainer_version=st.none() | st.integers(-(2**63), 2**63 - 1))
 version_requests = st.builds(buffer_pb2.SetVersionRequest, version=st.integers(-(2**63), 2**63 - 1))
+extend_requests = st.builds(buffer_pb2.ExtendLeaseRequest, lease_ids=st.lists(st.text(max_size=40), max_size=3),
+                            lease_timeout_s=st.floats(allow_nan=True, allow_infinity=True), consumed=st.booleans(),
+                            trainer_version=st.none() | st.integers(-(2**63), 2**63 - 1))
 
 
 @FUZZ
@@ -173,9 +176,10 @@ def test_random_pulls(channel, request):
 
 
 @FUZZ
-@given(ack=ack_requests, version=version_requests)
-def test_random_acks_and_versions(channel, ack, version):
+@given(ack=ack_requests, version=version_requests, extension=extend_requests)
+def test_random_acks_and_versions(channel, ack, version, extension):
     assert_refused_cleanly(call(channel, "Ack", ack.SerializeToString()))
+    assert_refused_cleanly(call(channel, "ExtendLease", extension.SerializeToString()))
     assert_refused_cleanly(call(channel, "SetVersion", version.SerializeToString()))
     assert_refused_cleanly(call(channel, "Stats", buffer_pb2.StatsRequest().SerializeToString()))
     assert_serving(channel)

@@ -204,3 +204,143 @@ async def test_fsync_policies(tmp_path, policy):
     assert buffer.durability.durable == buffer.log.appended or policy == "never"
     assert buffer.stats().pending == 20
     await buffer.close()
+
+
+class Clock:
+    """The buffer's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def opened_at(cfg: BufferConfig, clock: Clock) -> ReplayBuffer:
+    buffer = ReplayBuffer.open(cfg, clock=clock)
+    await buffer.start()
+    return buffer
+
+
+def dir_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.suffix == ".seg")
+
+
+def pending_ids(buffer: ReplayBuffer) -> set[str]:
+    return set(buffer.store._entries)
+
+
+async def put_and_ack(buffer: ReplayBuffer, sample_ids: list[str], tokens: int = 40, version: int = 0) -> None:
+    for sample_id in sample_ids:
+        await buffer.put([make_sample(sample_id, tokens=tokens, version=version)])
+        batch = await buffer.lease_batch(PullSpec(batch_size=1))
+        await buffer.ack(batch.lease_id)
+
+
+async def test_disk_stays_bounded_by_live_data_while_one_sample_stays_pending(tmp_path):
+    segment = 8192
+    cfg = config(tmp_path, segment_bytes=segment)
+    buffer = await opened_at(cfg, Clock())
+    await buffer.put([make_sample("h-0", group="h", size=2)])  # half a group: never handed out
+    sample_bytes = len(make_sample("s0000", tokens=40))
+    largest = 0
+    for i in range(0, 2000, 50):
+        await put_and_ack(buffer, [f"s{j:04d}" for j in range(i, i + 50)])
+        largest = max(largest, dir_bytes(tmp_path))
+    stored = 2001
+    # Live data: the pending sample and 8 bytes per id ever stored (retired ids stay refused).
+    live = len(make_sample("h-0", group="h", size=2)) + 8 * stored
+    bound = live / cfg.compact_live_ratio + 3 * segment + sample_bytes
+    assert largest <= bound, f"log grew to {largest} bytes for {live} live ({stored * sample_bytes} put in all)"
+    assert stored * sample_bytes > 4 * bound  # without compaction past the pending sample it would not fit
+    del buffer  # a crash: no close
+
+    recovered = await opened_at(cfg, Clock())
+    assert pending_ids(recovered) == {"h-0"}
+    stats = recovered.stats()
+    assert (stats.accepted, stats.acked, stats.pending) == (2001, 2000, 1)
+    assert (await recovered.put([make_sample("s0007"), make_sample("h-0", group="h", size=2)])).duplicates == 2
+    await recovered.put([make_sample("h-1", group="h", size=2)])
+    batch = await recovered.lease_batch(PullSpec(batch_size=2))
+    assert {common_pb2.Sample.FromString(p).sample_id for p in batch.payloads} == {"h-0", "h-1"}
+    await recovered.close()
+
+
+async def test_a_crash_in_the_middle_of_compaction_keeps_every_sample_once(tmp_path):
+    cfg = config(tmp_path, segment_bytes=8192)
+    keep = make_sample("k-0", group="k", size=2, tokens=40)  # half a group: stays pending
+    buffer = await opened_at(cfg, Clock())
+    await buffer.put([keep])
+    await put_and_ack(buffer, [f"s{i:03d}" for i in range(60)])
+    first = buffer.log.segments()[0]
+    assert first > 1, "compaction copied k-0 forward and deleted its segment"
+    await buffer.close()
+    # As if the process died after the copies' fsync and before the delete: the original is back.
+    original = await opened_at(config(tmp_path / "orig"), Clock())
+    await original.put([keep])
+    await original.close()
+    (tmp_path / "orig" / "0000000001.seg").rename(tmp_path / f"{first - 1:010d}.seg")
+    recovered = await opened_at(cfg, Clock())
+    assert pending_ids(recovered) == {"k-0"} and recovered.stats().pending == 1
+    assert recovered.store.open_groups() == {"k": (2, 1)}  # the copy is no second arrival
+    await recovered.put([make_sample("k-1", group="k", size=2)])
+    batch = await recovered.lease_batch(PullSpec(batch_size=2))
+    assert [common_pb2.Sample.FromString(p).sample_id for p in batch.payloads] == ["k-0", "k-1"]
+    assert batch.payloads[0] == keep
+    await recovered.close()
+
+
+async def test_acked_and_dropped_ids_stay_refused_after_compaction_and_restart(tmp_path):
+    cfg = config(tmp_path, segment_bytes=4096, max_staleness=0)
+    buffer = await opened_at(cfg, Clock())
+    await put_and_ack(buffer, ["x"])
+    await buffer.put([make_sample("bad", status=SampleStatus.FAILED), make_sample("old", version=0)])
+    await buffer.set_version(1)  # "old" is dropped as stale
+    await put_and_ack(buffer, [f"s{i:03d}" for i in range(40)], version=1)
+    assert buffer.log.segments()[0] > 1, "the segments holding x, bad and old were compacted away"
+    await buffer.close()
+
+    recovered = await opened_at(cfg, Clock())
+    result = await recovered.put([make_sample(i, version=5) for i in ("x", "bad", "old", "s003")])
+    assert (result.accepted, result.duplicates) == (0, 4)
+    assert recovered.stats().pending == 0 and pending_ids(recovered) == set()
+    assert (await recovered.put([make_sample("fresh", version=5)])).accepted == 1
+    await recovered.close()
+
+
+async def test_incomplete_groups_expire_durably_and_late_members_are_dropped(tmp_path):
+    clock = Clock()
+    cfg = config(tmp_path, incomplete_group_timeout_s=600)
+    buffer = await opened_at(cfg, clock)
+    await buffer.put([make_sample("g-0", group="g", size=4), make_sample("g-1", group="g", size=4)])
+    await buffer.put([make_sample("a-0", group="a", size=2), make_sample("a-1", group="a", size=2)])
+    batch = await buffer.lease_batch(PullSpec(batch_size=2))
+    await buffer.ack(batch.lease_id)  # group a was handed out and acked
+    clock.now += 599
+    assert buffer.stats().dropped == {} and buffer.stats().pending == 2
+    clock.now += 1
+    stats = buffer.stats()
+    assert stats.dropped == {"incomplete_group": 2} and stats.pending == 0
+    # Members arriving after their group was closed, or done: dropped at once, no new group opens.
+    result = await buffer.put([make_sample("g-2", group="g", size=4), make_sample("a-2", group="a", size=2)])
+    assert (result.accepted, result.duplicates) == (2, 0)
+    assert buffer.stats().dropped == {"incomplete_group": 2, "late_member": 2}
+    assert pending_ids(buffer) == set() and buffer.store.open_groups() == {}
+    del buffer  # a crash
+
+    recovered = await opened_at(cfg, Clock())
+    assert pending_ids(recovered) == set() and recovered.stats().dropped == {"incomplete_group": 2, "late_member": 2}
+    await recovered.put([make_sample("g-3", group="g", size=4), make_sample("a-3", group="a", size=2),
+                         make_sample("n-0", group="n", size=2)])
+    assert pending_ids(recovered) == {"n-0"} and recovered.stats().dropped["late_member"] == 4
+    await recovered.close()
+
+
+async def test_a_member_beyond_its_group_size_is_dropped_as_late(tmp_path):
+    buffer = await opened_at(config(tmp_path), Clock())
+    await buffer.put([make_sample(f"g-{i}", group="g", size=2) for i in range(3)])
+    assert buffer.stats().dropped == {"late_member": 1}
+    batch = await buffer.lease_batch(PullSpec(batch_size=2))
+    assert [common_pb2.Sample.FromString(p).sample_id for p in batch.payloads] == ["g-0", "g-1"]
+    assert buffer.stats().pending == 0
+    await buffer.close()

@@ -256,3 +256,61 @@ async def test_metrics_count_what_the_buffer_does(tmp_path):
     assert value("relayrl_buffer_acked_samples_total") - before["relayrl_buffer_acked_samples_total"] == 1
     assert value("relayrl_buffer_dropped_samples_total", reason="failed") - failed_before == 1
     assert value("relayrl_buffer_fsync_seconds_count") > before["relayrl_buffer_fsync_seconds_count"]
+
+
+async def extend(stub, *lease_ids: str, **fields) -> buffer_pb2.ExtendLeaseResponse:
+    return await stub.ExtendLease(buffer_pb2.ExtendLeaseRequest(lease_ids=lease_ids, **fields), timeout=5)
+
+
+async def test_extend_lease_keeps_a_batch_past_its_timeout_and_marks_it_consumed(tmp_path):
+    async with running_buffer(tmp_path) as (stub, _):
+        await stub.Put(put_request(*(make_sample(f"s{i}") for i in range(4))), timeout=5)
+        (batch,) = await pull(stub, batch_size=2, lease_timeout_s=0.4)
+        for _ in range(4):  # a heartbeat: 0.8 s in all, twice the lease timeout
+            await asyncio.sleep(0.2)
+            reply = await extend(stub, batch.lease_id, "unknown", lease_timeout_s=0.4)
+            assert (reply.extended, list(reply.missing)) == (1, ["unknown"])
+        reply = await extend(stub, batch.lease_id, lease_timeout_s=0.4, consumed=True, trainer_version=3)
+        assert (reply.extended, list(reply.missing)) == (1, [])
+        stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+        assert (stats.leased, stats.consumed, stats.pending, stats.trainer_version, stats.redelivered) == (2, 2, 2, 3, 0)
+        assert (await stub.Ack(buffer_pb2.AckRequest(lease_id=batch.lease_id), timeout=5)).acked == 2
+        stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+        assert (stats.leased, stats.consumed, stats.acked) == (0, 0, 2)
+
+
+async def test_an_expired_consumed_lease_is_delivered_again_and_its_ack_is_not_found(tmp_path):
+    async with running_buffer(tmp_path) as (stub, _):
+        await stub.Put(put_request(make_sample("s0"), make_sample("s1")), timeout=5)
+        (first,) = await pull(stub, batch_size=2, lease_timeout_s=5)
+        await extend(stub, first.lease_id, lease_timeout_s=0.2, consumed=True)  # no heartbeat follows
+        (again,) = await pull(stub, batch_size=2)
+        assert [s.sample_id for s in again.samples] == ["s0", "s1"]
+        await expect_status(grpc.StatusCode.NOT_FOUND, stub.Ack(buffer_pb2.AckRequest(lease_id=first.lease_id)),
+                            "delivered again")
+        assert list((await extend(stub, first.lease_id, again.lease_id)).missing) == [first.lease_id]
+        stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+        assert (stats.redelivered, stats.leased, stats.consumed) == (2, 2, 0)
+
+
+async def test_consumed_leases_do_not_hold_back_a_pull_streams_prefetch(tmp_path):
+    async with running_buffer(tmp_path) as (stub, _):
+        await stub.Put(put_request(*(make_sample(f"s{i}") for i in range(3))), timeout=5)
+        call = stub.Pull(buffer_pb2.PullRequest(batch_size=1, max_unacked=1), timeout=10)
+        first = await call.read()
+        second = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.3)
+        assert not second.done(), "the stream waits while its batch is being trained on"
+        await extend(stub, first.lease_id, consumed=True)  # trained; held until the checkpoint
+        assert (await asyncio.wait_for(second, 5)).samples[0].sample_id == "s1"
+        call.cancel()
+
+
+async def test_extend_lease_refuses_bad_requests(tmp_path):
+    async with running_buffer(tmp_path) as (stub, _):
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, extend(stub, "x", lease_timeout_s=-1), "lease_timeout_s")
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, extend(stub, "x", lease_timeout_s=float("nan")),
+                            "lease_timeout_s")
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, extend(stub, "x", trainer_version=-1), "trainer_version")
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, extend(stub, ""), "lease_ids")
+        assert (await extend(stub)).extended == 0

@@ -13,9 +13,9 @@ from services.buffer.store import (
 )
 
 
-def arrive(store: SampleStore, samples: list[NewSample]) -> None:
+def arrive(store: SampleStore, samples: list[NewSample], now: float = 0) -> None:
     store.check_groups(samples)
-    store.add(samples)
+    store.add(samples, now)
     store.publish(s.sample_id for s in samples)
 
 
@@ -142,14 +142,14 @@ def test_a_dropped_member_still_completes_its_group():
     store = SampleStore(capacity=100, max_staleness=None)
     members = group("g", 3)
     arrive(store, members[:2])
-    store.count_arrival(members[2])  # a failed sample: never held, but it arrived
+    store.count_arrival(members[2], now=0)  # a failed sample: never held, but it arrived
     assert ids(store.lease(PullSpec(batch_size=2), now=0)) == ["g-0", "g-1"]
 
 
 def test_capacity_counts_staged_pending_and_leased():
     store = SampleStore(capacity=5, max_staleness=None)
     arrive(store, group("a", 2))
-    store.add([NewSample("staged", "s", 1, 0)])
+    store.add([NewSample("staged", "s", 1, 0)], now=0)
     store.lease(PullSpec(batch_size=2), now=0)
     assert store.free == 2
     assert store.count(EntryState.STAGED) == 1 and store.count(EntryState.LEASED) == 2
@@ -161,6 +161,77 @@ def test_open_groups_roundtrip_for_checkpoints():
     arrive(store, group("a", 4, members=1) + group("b", 2))
     assert store.open_groups() == {"a": (4, 1)}
     restored = SampleStore(capacity=100, max_staleness=None)
-    restored.restore_groups(store.open_groups())
+    restored.restore_groups(store.open_groups(), now=0)
     arrive(restored, [NewSample(f"a-{i}", "a", 4, 0) for i in range(1, 4)])
     assert len(ids(restored.lease(PullSpec(batch_size=3), now=0))) == 3
+
+
+def test_extend_moves_deadlines_and_marks_leases_consumed():
+    store = SampleStore(capacity=100, max_staleness=None)
+    arrive(store, group("a", 2) + group("b", 2))
+    first = store.lease(PullSpec(batch_size=2, lease_timeout_s=5), now=0)
+    second = store.lease(PullSpec(batch_size=2, lease_timeout_s=5), now=0)
+    assert store.extend([first.lease_id, "gone", first.lease_id], deadline=12, consumed=True) == ["gone"]
+    assert store.consumed == 2 and store.count(EntryState.LEASED) == 4
+    assert not store.awaits_training(first.lease_id) and store.awaits_training(second.lease_id)
+    assert [lease.lease_id for lease in store.expire(now=6)] == [second.lease_id]  # first's deadline moved
+    assert store.expire(now=11.9) == [] and store.consumed == 2
+    store.extend([first.lease_id], deadline=20, consumed=False)  # a heartbeat keeps it consumed
+    assert store.consumed == 2
+    assert [lease.lease_id for lease in store.expire(now=20)] == [first.lease_id]  # consumed, still redelivered
+    assert store.consumed == 0 and store.count(EntryState.PENDING) == 4
+    again = store.lease(PullSpec(batch_size=2), now=21)
+    assert ids(again) == ids(first)
+    store.extend([again.lease_id], deadline=30, consumed=True)
+    store.ack(again.lease_id)
+    assert store.consumed == 0 and store.extend([again.lease_id], deadline=40, consumed=True) == [again.lease_id]
+
+
+def test_incomplete_groups_close_after_the_timeout_and_drop_what_they_hold():
+    done: list[str] = []
+    store = SampleStore(capacity=100, max_staleness=None, on_group_done=done.append)
+    arrive(store, group("a", 4, members=3), now=10)
+    arrive(store, group("b", 2, members=1), now=20)
+    arrive(store, group("c", 2), now=20)  # complete: never expires
+    assert store.expire_groups(now=609.9, timeout=600) == []
+    assert sorted(store.expire_groups(now=610, timeout=600)) == ["a-0", "a-1", "a-2"]
+    assert done == ["a"] and store.awaited("a") is None and store.open_groups() == {"b": (2, 1)}
+    assert store.expire_groups(now=620, timeout=600) == ["b-0"]
+    assert len(store) == 2 and store.open_groups() == {} and done == ["a", "b"]
+
+
+def test_a_closed_group_keeps_its_leased_members_and_hands_them_out_as_they_are():
+    store = SampleStore(capacity=100, max_staleness=None)
+    arrive(store, group("a", 4, members=2), now=0)
+    partial = store.lease(PullSpec(batch_size=1, whole_groups=False, lease_timeout_s=5), now=0)
+    assert store.expire_groups(now=600, timeout=600) == ["a-1"]  # a-0 is in a trainer's hands
+    assert store.awaited("a") == 0  # closed: no member is awaited, a late one is refused by the caller
+    store.expire(now=700)
+    arrive(store, group("z", 3), now=700)
+    # The closed group goes out as it is, first in line (its lease expired), with company to fill the batch.
+    assert ids(store.lease(PullSpec(batch_size=4), now=700)) == ids(partial) + ["z-0", "z-1", "z-2"]
+
+
+def test_a_group_with_a_failed_member_goes_out_as_a_short_group():
+    store = SampleStore(capacity=100, max_staleness=None)
+    members = group("g", 8)
+    arrive(store, members[:3] + members[4:])
+    store.count_arrival(members[3], now=0)  # FAILED at Put: dropped, but it arrived
+    arrive(store, group("h", 8) + group("k", 8))
+    spec = PullSpec(batch_size=8)
+    assert ids(store.lease(spec, now=0)) == [m.sample_id for m in members if m.sample_id != "g-3"]  # 7 samples
+    assert len(ids(store.lease(spec, now=0))) == 8
+    wide = SampleStore(capacity=100, max_staleness=None)
+    arrive(wide, members[:3] + members[4:])
+    wide.count_arrival(members[3], now=0)
+    arrive(wide, group("h", 8) + group("k", 8))
+    assert len(ids(wide.lease(PullSpec(batch_size=16), now=0))) == 15  # g (7) + h (8): k does not fit
+
+
+def test_a_group_whose_members_all_failed_completes_and_is_forgotten():
+    done: list[str] = []
+    store = SampleStore(capacity=100, max_staleness=None, on_group_done=done.append)
+    for member in group("f", 4):
+        store.count_arrival(member, now=0)
+    assert done == ["f"] and store.awaited("f") is None and store.open_groups() == {}
+    assert store.expire_groups(now=1e9, timeout=1) == []

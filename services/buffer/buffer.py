@@ -6,9 +6,23 @@ Rules that keep "acknowledged means on disk" true:
   PUT records are durable (commit.py), an Ack after its ACK record is.
 - Put samples are handed out only once durable (STAGED until then), so a trainer never trains on
   a sample a crash could take back.
-- A segment is deleted (compaction, at roll-over, right after the fsync that seals it) only when
-  every sample it stored has been acked or dropped by a record appended before that fsync.
-  Sample ids stay known for deduplication while their PUT's segment lives.
+- Compaction runs after a roll-over, once the caller's records are written (the index and the
+  log agree then). It deletes sealed segments oldest first: those whose live bytes are at most
+  `compact_live_ratio` of their size, and more while the whole log is larger than live bytes /
+  ratio + 2 segments. Live bytes are the held samples' and the retired ids' hashes (8 bytes each).
+  Before it deletes a segment it copies forward what must outlive it: each held sample (a COPY
+  record: the stored bytes and the use count) and the hashes of the ids its records retired (a
+  RETIRED record); then it fsyncs the active segment, then it deletes. So the log stays under
+  about live bytes / ratio + 3 segments. A crash at any point leaves every fact in some segment:
+  before the fsync the originals are all there; after it, the copies. Recovery keeps the first
+  PUT of an id and moves it to the location of a later COPY.
+- An id once stored is a duplicate for the life of the data dir: held ids are in the index, the
+  others (acked, dropped; also the ids of groups done or closed) are hashes in retired.py, logged
+  by the ACK, DROP and RETIRED records that compaction copies forward.
+- Groups: one still incomplete `incomplete_group_timeout_s` after its first member arrived (in this
+  process: a restart starts the wait again) is closed, its held members dropped ("incomplete_group").
+  A member arriving for a group that is complete, closed or done is stored and dropped at once
+  ("late_member"), so it never opens a group that cannot complete.
 - Recovery replays the log from the first live segment's checkpoint: every sample put and not
   acked or dropped is pending again; leases are not logged, so open ones are simply delivered again.
 """
@@ -22,6 +36,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from protos import common_pb2
@@ -32,14 +47,20 @@ from services.buffer.commit import Durability, FsyncPolicy
 from services.buffer.config import BufferConfig
 from services.buffer.log import HEADER, Location, LogCorruption, Record, RecordKind, SegmentLog
 from services.buffer.records import (
+    COPY_HEADER,
     Checkpoint,
+    copy_record,
+    decode_copy,
     decode_drop,
     decode_ids,
+    decode_retired,
     decode_version,
     drop_record,
     ids_record,
+    retired_record,
     version_record,
 )
+from services.buffer.retired import RetiredIds, group_hash, sample_hashes
 from services.buffer.store import EntryState, NewSample, PullSpec, SampleStore
 
 log = logging.getLogger(__name__)
@@ -77,6 +98,7 @@ class LeasedBatch:
 class BufferStats:
     pending: int
     leased: int
+    consumed: int  # of leased: in leases marked consumed
     staged: int
     acked: int
     dropped: dict[str, int]
@@ -112,7 +134,8 @@ class ReplayBuffer:
         self.config = config
         self.log = segment_log
         self.clock = clock
-        self.store = SampleStore(config.capacity, config.max_staleness, config.seed)
+        self.store = SampleStore(config.capacity, config.max_staleness, config.seed, self._group_done)
+        self.retired = RetiredIds()
         self.durability = Durability(
             segment_log, FsyncPolicy(config.fsync), config.fsync_window_ms / 1000, metrics.FSYNC_SECONDS.observe
         )
@@ -121,18 +144,22 @@ class ReplayBuffer:
         self.dropped: Counter[str] = Counter()
         self.duplicates = 0
         self.redelivered = 0
-        self._segment_of: dict[str, int] = {}  # id -> segment of its PUT, for every id in a live segment
-        self._ids_by_segment: defaultdict[int, list[str]] = defaultdict(list)
-        self._held_by_segment: Counter[int] = Counter()  # samples still held, by their PUT's segment
+        self._where: dict[str, Location] = {}  # held sample id -> its PUT (or COPY) payload
+        self._held_in: defaultdict[int, dict[str, None]] = defaultdict(dict)  # segment -> held ids there, in order
+        self._live_bytes: Counter[int] = Counter()  # segment -> what compaction must copy from it
+        self._facts: defaultdict[int, list[np.ndarray]] = defaultdict(list)  # segment -> hashes it retired
+        self._done_groups: list[int] = []  # hashes of groups done, not logged yet (the next append does)
+        self._started = False
+        self._compact_due = False
         self._pending_changed = _Signal()  # wakes Pull
         self._room_freed = _Signal()  # wakes a blocked Put
         self._lease_closed = _Signal()  # wakes a Pull stream at its prefetch limit
 
     @classmethod
-    def open(cls, config: BufferConfig) -> "ReplayBuffer":
+    def open(cls, config: BufferConfig, clock: Callable[[], float] = time.monotonic) -> "ReplayBuffer":
         """Open the log in `config.data_dir` and recover every sample not yet acked or dropped."""
         segment_log = SegmentLog.open(config.data_dir, config.segment_bytes, Checkpoint().encode())
-        buffer = cls(config, segment_log)
+        buffer = cls(config, segment_log, clock)
         buffer._recover()
         return buffer
 
@@ -140,9 +167,13 @@ class ReplayBuffer:
         self.durability.start()
         for state in EntryState:
             metrics.SAMPLES.labels(state.value).set_function(lambda s=state: self.store.count(s))
+        self._started = True
+        self._compact_due = True  # whatever recovery found
+        self._compact_if_due()
 
     async def close(self) -> None:
         """Make everything appended durable and close the log."""
+        self._started = False
         await self.durability.close()
         self.log.close()
 
@@ -161,6 +192,7 @@ class ReplayBuffer:
         samples = [(payload, _parse(payload)) for payload in payloads]
         deadline = self.clock() + self.config.block_timeout_s
         while True:
+            self._expire_groups()
             fresh = self._fresh(samples)
             need = sum(sample.status is not SampleStatus.FAILED for _, sample in fresh)
             if need <= self.store.free:
@@ -200,7 +232,8 @@ class ReplayBuffer:
         seen: set[str] = set()
         fresh = []
         for payload, sample in samples:
-            if sample.sample_id not in self._segment_of and sample.sample_id not in seen:
+            sample_id = sample.sample_id
+            if sample_id not in seen and sample_id not in self.store and not self.retired.has_sample(sample_id):
                 seen.add(sample.sample_id)
                 fresh.append((payload, sample))
         return fresh
@@ -208,29 +241,38 @@ class ReplayBuffer:
     def _stage(self, fresh: list[tuple[Payload, Sample]], duplicates: int) -> StagedPut:
         new = [_index_view(sample) for _, sample in fresh]
         self.store.check_groups(new)
+        late = self._late_members(new)
+        # Stored, and dropped: a generation error is never a silent zero-reward sample, and a late
+        # member never opens a group that cannot complete.
+        drops = {
+            n.sample_id: "late_member" if n.sample_id in late else "failed"
+            for n, (_, s) in zip(new, fresh)
+            if n.sample_id in late or s.status is SampleStatus.FAILED
+        }
         payloads = [payload for payload, _ in fresh]
-        failed = [n.sample_id for n, (_, s) in zip(new, fresh) if s.status is SampleStatus.FAILED]
-        failed_ids = set(failed)
         records = [(RecordKind.PUT, payload) for payload in payloads]
-        if failed:  # a generation error is never a silent zero-reward sample: stored, and dropped
-            records.append(drop_record("failed", failed))
+        dropped = _by_reason(drops)
+        records += [drop_record(reason, sample_ids) for reason, sample_ids in dropped.items()]
         locations = self._append(records) if records else []
+        now = self.clock()
         held = []
         for sample, location in zip(new, locations):
-            self._note_put(sample.sample_id, location.segment)
-            if sample.sample_id in failed_ids:
-                self.store.count_arrival(sample)
-            else:
+            reason = drops.get(sample.sample_id)
+            if reason is None:
                 held.append(replace(sample, ref=location))
-                self._held_by_segment[location.segment] += 1
-        self.store.add(held)
+            elif reason == "failed":  # a failed member still completes its group; a late one is no arrival
+                self.store.count_arrival(sample, now)
+        self.store.add(held, now)
+        self._note_held(held)
         self.accepted += len(new)
         self.duplicates += duplicates
         metrics.ACCEPTED.inc(len(new))
         metrics.ACCEPTED_BYTES.inc(sum(map(len, payloads)))
         metrics.DUPLICATES.inc(duplicates)
-        if failed:
-            self._count_drops("failed", len(failed))
+        for reason, sample_ids in dropped.items():
+            self._retire(sample_ids, self.log.active_segment)
+            self._count_drops(reason, len(sample_ids))
+        self._compact_if_due()
         result = PutResult(accepted=len(new), duplicates=duplicates)
         return StagedPut([sample.sample_id for sample in held], self.log.appended, result)
 
@@ -240,6 +282,7 @@ class ReplayBuffer:
         """Wait until a batch per `spec` can be leased (the caller's deadline bounds the wait)."""
         while True:
             self._expire_leases()
+            self._expire_groups()
             self._drop_stale()
             lease = self.store.lease(spec, self.clock())
             if lease is not None:
@@ -250,10 +293,11 @@ class ReplayBuffer:
         return LeasedBatch(lease.lease_id, payloads, self.store.trainer_version)
 
     async def wait_for_acks(self, lease_ids: list[str], max_open: int) -> list[str]:
-        """Wait until fewer than `max_open` of `lease_ids` are open; returns those still open."""
+        """Wait until fewer than `max_open` of `lease_ids` await training (open, not marked
+        consumed: a consumed lease waits only for the trainer's checkpoint); returns those."""
         while True:
             self._expire_leases()
-            still_open = [lease_id for lease_id in lease_ids if self.store.is_open(lease_id)]
+            still_open = [lease_id for lease_id in lease_ids if self.store.awaits_training(lease_id)]
             if len(still_open) < max_open:
                 return still_open
             await self._lease_closed.wait(self._until_next_expiry())
@@ -281,14 +325,32 @@ class ReplayBuffer:
         stale = self._version_records(trainer_version, records)
         self._append(records)
         self._resolve(done)
+        self._retire(done, self.log.active_segment)
         self.acked += len(done)
         metrics.ACKED.inc(len(done))
         self._account_stale(stale)
+        self._compact_if_due()
         if reused:
             self._pending_changed.fire()
         self._room_freed.fire()
         await self.durability.wait(self.log.appended)
         return len(done) + len(reused)
+
+    async def extend_leases(
+        self, lease_ids: Sequence[str], lease_timeout_s: float, consumed: bool, trainer_version: int | None
+    ) -> tuple[int, list[str]]:
+        """Move the deadline of each open lease to now + `lease_timeout_s` (0: the configured
+        default), mark them consumed if asked, and apply `trainer_version` as set_version does.
+        Returns (leases extended, ids of those not open: expired, acked or unknown; the samples of
+        an expired one were or will be delivered again, consumed or not)."""
+        self._expire_leases()
+        timeout = lease_timeout_s or self.config.lease_timeout_s
+        missing = self.store.extend(lease_ids, self.clock() + timeout, consumed)
+        if consumed:
+            self._lease_closed.fire()  # a Pull stream's prefetch counts only leases awaiting training
+        if trainer_version is not None:
+            await self.set_version(trainer_version)
+        return len(dict.fromkeys(lease_ids)) - len(missing), missing
 
     async def set_version(self, version: int) -> int:
         """The trainer is at `version`; returns the number of pending samples dropped as stale."""
@@ -296,14 +358,17 @@ class ReplayBuffer:
         stale = self._version_records(version, records)
         self._append(records)
         self._account_stale(stale)
+        self._compact_if_due()
         await self.durability.wait(self.log.appended)
         return len(stale)
 
     def stats(self) -> BufferStats:
         self._expire_leases()
+        self._expire_groups()
         return BufferStats(
             pending=self.store.count(EntryState.PENDING),
             leased=self.store.count(EntryState.LEASED),
+            consumed=self.store.consumed,
             staged=self.store.count(EntryState.STAGED),
             acked=self.acked,
             dropped=dict(self.dropped),
@@ -331,12 +396,53 @@ class ReplayBuffer:
         if stale:
             self._append([drop_record("stale", stale)])
             self._account_stale(stale)
+            self._compact_if_due()
 
     def _account_stale(self, stale: list[str]) -> None:
         if stale:
             self._resolve(stale)
+            self._retire(stale, self.log.active_segment)
             self._count_drops("stale", len(stale))
             self._room_freed.fire()
+
+    def _expire_groups(self) -> None:
+        dropped = self.store.expire_groups(self.clock(), self.config.incomplete_group_timeout_s)
+        if dropped:
+            self._append([drop_record("incomplete_group", dropped)])
+            self._resolve(dropped)
+            self._retire(dropped, self.log.active_segment)
+            self._count_drops("incomplete_group", len(dropped))
+            log.info("dropped %d members of groups incomplete after %gs", len(dropped),
+                     self.config.incomplete_group_timeout_s)
+            self._compact_if_due()
+            self._room_freed.fire()
+
+    def _late_members(self, samples: list[NewSample]) -> set[str]:
+        """Ids of group members beyond what their group still waits for (none once it is complete,
+        closed or done: see retired.py)."""
+        awaited: dict[str, int] = {}
+        late = set()
+        for sample in samples:
+            if sample.group_size <= 1:
+                continue
+            group_id = sample.group_id
+            if group_id not in awaited:
+                known = self.store.awaited(group_id)
+                if known is None:
+                    known = 0 if self.retired.has_group(group_id) else sample.group_size
+                awaited[group_id] = known
+            if awaited[group_id] > 0:
+                awaited[group_id] -= 1
+            else:
+                late.add(sample.sample_id)
+        return late
+
+    def _group_done(self, group_id: str) -> None:
+        """The store forgot a group (complete and empty): later members of it are late."""
+        key = group_hash(group_id)
+        if key not in self.retired:
+            self.retired.add(np.array([key], dtype=np.uint64))
+            self._done_groups.append(key)
 
     def _count_drops(self, reason: str, count: int) -> None:
         self.dropped[reason] += count
@@ -359,16 +465,26 @@ class ReplayBuffer:
     # --- the log ------------------------------------------------------------------------------
 
     def _append(self, records: list[tuple[RecordKind, bytes]]) -> list[Location]:
-        """Append records, rolling over (and compacting) first when the segment is full.
+        """Append records, rolling over first when the segment is full (compaction follows once
+        the caller is done); returns their locations. Groups done since the last append are logged
+        first, as a RETIRED record.
 
         Callers update their accounting only after this returns, so a checkpoint never counts a
         record that is not in an earlier segment, and compaction never relies on an unwritten one.
         """
+        done = np.array(self._done_groups, dtype=np.uint64)
+        if len(done):
+            records = [retired_record(done), *records]
+            self._done_groups = []
         size = sum(HEADER.size + 1 + len(payload) for _, payload in records)
         if self.log.needs_roll(size):
             self.log.roll(self._checkpoint().encode())
-            self._compact()
-        return self.log.append(records)
+            self._compact_due = True
+        locations = self.log.append(records)
+        if len(done):
+            self._note_facts(done, self.log.active_segment)
+            return locations[1:]
+        return locations
 
     def _checkpoint(self) -> Checkpoint:
         return Checkpoint(
@@ -379,24 +495,86 @@ class ReplayBuffer:
             open_groups=self.store.open_groups(),
         )
 
-    def _compact(self) -> None:
-        """Delete the oldest sealed segments whose samples are all acked or dropped."""
-        for index in self.log.segments()[:-1]:
-            if self._held_by_segment[index] > 0:
-                break
-            self.log.delete_segment(index)
-            for sample_id in self._ids_by_segment.pop(index, []):
-                del self._segment_of[sample_id]
-            self._held_by_segment.pop(index, None)
-            log.info("compacted log segment %d", index)
+    def _compact_if_due(self) -> None:
+        """Compact after a roll-over. Called where the index, the log and the accounting agree: at
+        the end of each operation that appends (recovery's in start())."""
+        while self._compact_due and self._started:
+            self._compact_due = False
+            self._compact()
 
-    def _note_put(self, sample_id: str, segment: int) -> None:
-        self._segment_of[sample_id] = segment
-        self._ids_by_segment[segment].append(sample_id)
+    def _compact(self) -> None:
+        """Delete the oldest sealed segments the policy picks, after copying forward their held
+        samples and the hashes their records retired (see the module docstring)."""
+        victims = self._victims()
+        if not victims:
+            return
+        moved = [(sample_id, self._where[sample_id]) for index in victims for sample_id in self._held_in[index]]
+        records = [copy_record(self.store.uses_of(sample_id), self.log.read(where)) for sample_id, where in moved]
+        facts = [hashes for index in victims for hashes in self._facts.get(index, [])]
+        retired = np.unique(np.concatenate(facts)) if facts else np.empty(0, dtype=np.uint64)
+        if len(retired):
+            records.append(retired_record(retired))
+        locations = self._append(records)
+        for (sample_id, _), location in zip(moved, locations):
+            self._move(sample_id, _copied_sample(location))
+        if len(retired):
+            self._note_facts(retired, self.log.active_segment)
+        self.log.sync()  # the copies are durable before their originals go
+        for index in victims:
+            self.log.delete_segment(index)
+            self._held_in.pop(index, None)
+            self._live_bytes.pop(index, None)
+            self._facts.pop(index, None)
+        log.info("compacted log segments %s: copied %d held samples and %d retired ids forward",
+                 victims, len(moved), len(retired))
+
+    def _victims(self) -> list[int]:
+        """Sealed segments to compact, oldest first: each one at most `compact_live_ratio` live,
+        and any while the log is larger than live bytes / ratio + 2 segments."""
+        ratio = self.config.compact_live_ratio
+        segments = self.log.segments()
+        sizes = {index: self.log.segment_size(index) for index in segments}
+        total = sum(sizes.values())
+        limit = sum(self._live_bytes.values()) / ratio + 2 * self.config.segment_bytes
+        victims = []
+        for index in segments[:-1]:
+            live = self._live_bytes[index]
+            if live > ratio * sizes[index] and total <= limit:
+                break
+            victims.append(index)
+            total -= sizes[index] - live
+        return victims
+
+    def _note_held(self, samples: list[NewSample]) -> None:
+        for sample in samples:
+            self._where[sample.sample_id] = sample.ref
+            self._held_in[sample.ref.segment][sample.sample_id] = None
+            self._live_bytes[sample.ref.segment] += sample.ref.length
+
+    def _move(self, sample_id: str, location: Location, uses: int | None = None) -> None:
+        self._resolve([sample_id])
+        self._where[sample_id] = location
+        self._held_in[location.segment][sample_id] = None
+        self._live_bytes[location.segment] += location.length
+        self.store.relocate(sample_id, location, uses)
 
     def _resolve(self, sample_ids: list[str]) -> None:
+        """These samples are no longer held (their segments need not keep them)."""
         for sample_id in sample_ids:
-            self._held_by_segment[self._segment_of[sample_id]] -= 1
+            where = self._where.pop(sample_id)
+            del self._held_in[where.segment][sample_id]
+            self._live_bytes[where.segment] -= where.length
+
+    def _retire(self, sample_ids: list[str], segment: int) -> None:
+        """These ids are done with, by a record in `segment`: duplicates from now on."""
+        if sample_ids:
+            hashes = sample_hashes(sample_ids)
+            self.retired.add(hashes)
+            self._note_facts(hashes, segment)
+
+    def _note_facts(self, hashes: np.ndarray, segment: int) -> None:
+        self._facts[segment].append(hashes)
+        self._live_bytes[segment] += hashes.nbytes
 
     # --- recovery -----------------------------------------------------------------------------
 
@@ -408,49 +586,93 @@ class ReplayBuffer:
         checkpoint = Checkpoint.decode(first.payload)
         self.accepted, self.acked, self.dropped = checkpoint.accepted, checkpoint.acked, checkpoint.dropped
         self.store.trainer_version = checkpoint.trainer_version
-        self.store.restore_groups(checkpoint.open_groups)
-        failed_unrecorded: set[str] = set()  # FAILED puts whose DROP record was torn off
+        now = self.clock()
+        self.store.restore_groups(checkpoint.open_groups, now)
+        unrecorded: dict[str, str] = {}  # stored-and-dropped puts whose DROP record was torn off -> reason
+        # Samples held again by a COPY are older than any PUT left (compaction copies from the
+        # oldest segments): they are published first, so FIFO order survives compaction.
+        puts: list[str] = []
         for record in records:
+            segment = record.location.segment
             if record.kind is RecordKind.PUT:
-                self._recover_put(record, failed_unrecorded)
+                self._recover_put(record, unrecorded, now, puts)
+            elif record.kind is RecordKind.COPY:
+                self._recover_copy(record)
             elif record.kind is RecordKind.ACK:
                 sample_ids = decode_ids(record.payload)
                 self._resolve(self.store.discard(sample_ids))
+                self._retire(sample_ids, segment)
                 self.acked += len(sample_ids)
             elif record.kind is RecordKind.USE:
                 self.store.mark_used(decode_ids(record.payload))
             elif record.kind is RecordKind.DROP:
                 reason, sample_ids = decode_drop(record.payload)
-                failed_unrecorded.difference_update(sample_ids)
+                for sample_id in sample_ids:
+                    unrecorded.pop(sample_id, None)
                 self._resolve(self.store.discard(sample_ids))
+                self._retire(sample_ids, segment)
                 self.dropped[reason] += len(sample_ids)
+            elif record.kind is RecordKind.RETIRED:
+                hashes = decode_retired(record.payload)
+                self.retired.add(hashes)
+                self._note_facts(hashes, segment)
             elif record.kind is RecordKind.VERSION:
                 self.store.trainer_version = decode_version(record.payload)
-        if failed_unrecorded:
-            self._append([drop_record("failed", sorted(failed_unrecorded))])
-            self.dropped["failed"] += len(failed_unrecorded)
+        self.store.publish(puts)
+        self.store.close_groups([g for g in self.store.incomplete_groups() if self.retired.has_group(g)])
+        for reason, sample_ids in _by_reason(unrecorded).items():
+            self._append([drop_record(reason, sample_ids)])
+            self._retire(sample_ids, self.log.active_segment)
+            self.dropped[reason] += len(sample_ids)
         self._drop_stale()
         log.info(
-            "recovered %s: %d samples pending, %d accepted, %d acked, dropped %s, trainer version %d%s",
+            "recovered %s: %d samples pending, %d accepted, %d acked, dropped %s, %d ids retired, "
+            "trainer version %d%s",
             self.config.data_dir, len(self.store), self.accepted, self.acked, dict(self.dropped),
-            self.store.trainer_version,
+            len(self.retired), self.store.trainer_version,
             f", cut a torn tail of {self.log.truncated_bytes} bytes" if self.log.truncated_bytes else "",
         )
 
-    def _recover_put(self, record: Record, failed_unrecorded: set[str]) -> None:
+    def _recover_put(self, record: Record, unrecorded: dict[str, str], now: float, puts: list[str]) -> None:
         sample = _parse(record.payload)
-        if sample.sample_id in self._segment_of:
+        if sample.sample_id in self.store or self.retired.has_sample(sample.sample_id):
             return
         new = replace(_index_view(sample), ref=record.location)
-        self._note_put(sample.sample_id, record.location.segment)
         self.accepted += 1
-        if sample.status is SampleStatus.FAILED:
-            self.store.count_arrival(new)
-            failed_unrecorded.add(sample.sample_id)
-            return
-        self.store.add([new])
-        self.store.publish([sample.sample_id])
-        self._held_by_segment[record.location.segment] += 1
+        if self._late_members([new]):
+            unrecorded[sample.sample_id] = "late_member"
+        elif sample.status is SampleStatus.FAILED:
+            self.store.count_arrival(new, now)
+            unrecorded[sample.sample_id] = "failed"
+        else:
+            self.store.add([new], now)
+            self._note_held([new])
+            puts.append(sample.sample_id)
+
+    def _recover_copy(self, record: Record) -> None:
+        """A held sample copied forward: it moves here, or (its PUT compacted away) is held again."""
+        uses, payload = decode_copy(record.payload)
+        sample = _parse(payload)
+        location = _copied_sample(record.location)
+        if sample.sample_id in self.store:
+            self._move(sample.sample_id, location, uses)
+        elif not self.retired.has_sample(sample.sample_id):
+            new = replace(_index_view(sample), ref=location)
+            self.store.add_moved(new, uses)
+            self.store.publish([sample.sample_id])
+            self._note_held([new])
+
+
+def _copied_sample(location: Location) -> Location:
+    """Where the sample's bytes lie in a COPY record at `location` (after the use count)."""
+    return Location(location.segment, location.offset + COPY_HEADER.size, location.length - COPY_HEADER.size)
+
+
+def _by_reason(drops: dict[str, str]) -> dict[str, list[str]]:
+    grouped: defaultdict[str, list[str]] = defaultdict(list)
+    for sample_id, reason in drops.items():
+        grouped[reason].append(sample_id)
+    return dict(grouped)
 
 
 def _parse(payload: Payload) -> Sample:

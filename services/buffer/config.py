@@ -23,7 +23,15 @@ class BufferConfig(Strict):
     fsync_window_ms: float = Field(2.0, ge=0, description="Group commit: wait this long after the first "
                                    "waiting call before the shared fsync ('batch' only).")
     segment_bytes: int = Field(32 << 20, ge=4096, description="Roll over to a new log segment past this size; "
-                               "old segments whose samples are all acked or dropped are deleted then.")
+                               "old segments are compacted then (see compact_live_ratio).")
+    compact_live_ratio: float = Field(
+        0.5, gt=0, lt=1, description="Compaction deletes a sealed segment once at most this share of it is live "
+        "(held samples, and 8 bytes per id ever stored, copied forward first), and older ones too while the log "
+        "exceeds live bytes / this + 2 segments: the log stays under about that + 1 segment.")
+    incomplete_group_timeout_s: float = Field(
+        600.0, gt=0, description="A group still missing members this long after its first one arrived is closed: "
+        "its held members are dropped ('incomplete_group'); a member arriving for a closed, complete or finished "
+        "group is dropped at once ('late_member'). Counted from the arrival this process saw (a restart waits anew).")
     lease_timeout_s: float = Field(60.0, gt=0, description="Default time a pulled batch may stay unacked before "
                                    "its samples are delivered again.")
     max_reuse: int = Field(4, ge=1, description="Default hand-outs per sample under uniform replay.")

@@ -42,6 +42,8 @@ class RecordKind(enum.IntEnum):
     USE = 4  # sample ids handed out once more and returned (uniform replay)
     DROP = 5  # a reason and sample ids dropped for it
     VERSION = 6  # the trainer's weight version
+    COPY = 7  # a held sample's PUT copied forward by compaction: u32 use count | serialized sample
+    RETIRED = 8  # 64-bit hashes of ids done with (retired.py), copied forward by compaction
 
 
 class LogCorruption(RuntimeError):
@@ -234,6 +236,13 @@ class SegmentLog:
         if len(data) != location.length:
             raise LogCorruption(f"segment {location.segment}: short read at {location.offset}")
         return data
+
+    def sync(self) -> None:
+        """fsync the active segment here and now (compaction, before it deletes what it copied)."""
+        os.fdatasync(self._write_fd)
+
+    def segment_size(self, index: int) -> int:
+        return self._tail if index == self._active else self._path(index).stat().st_size
 
     def sync_target(self) -> tuple[int, int]:
         """(a duplicate fd of the active segment, bytes appended so far): fsync the fd in any

@@ -1,13 +1,16 @@
 """What the buffer writes into its log besides samples: acks, uses, drops, versions, checkpoints.
 
-A PUT record's payload is the sample's serialized `common_pb2.Sample`, stored as received. The
-other payloads are small msgpack values defined here.
+A PUT record's payload is the sample's serialized `common_pb2.Sample`, stored as received; a COPY
+record's is the same bytes behind a u32 use count; a RETIRED record's is little-endian uint64 id
+hashes (retired.py). The other payloads are small msgpack values defined here.
 """
 
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 
 import msgpack
+import numpy as np
 
 from services.buffer.log import RecordKind
 
@@ -74,3 +77,24 @@ def decode_drop(payload: bytes | memoryview) -> tuple[str, list[str]]:
 
 def decode_version(payload: bytes | memoryview) -> int:
     return msgpack.unpackb(payload)
+
+
+COPY_HEADER = struct.Struct("<I")  # the use count before a copied sample's bytes
+
+
+def copy_record(uses: int, payload: bytes) -> tuple[RecordKind, bytes]:
+    return RecordKind.COPY, COPY_HEADER.pack(uses) + payload
+
+
+def decode_copy(payload: bytes | memoryview) -> tuple[int, memoryview]:
+    """(use count, the sample's bytes)."""
+    (uses,) = COPY_HEADER.unpack_from(payload)
+    return uses, memoryview(payload)[COPY_HEADER.size :]
+
+
+def retired_record(hashes: np.ndarray) -> tuple[RecordKind, bytes]:
+    return RecordKind.RETIRED, hashes.astype("<u8", copy=False).tobytes()
+
+
+def decode_retired(payload: bytes | memoryview) -> np.ndarray:
+    return np.frombuffer(payload, dtype="<u8").astype(np.uint64)

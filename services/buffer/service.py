@@ -117,10 +117,26 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         except LeaseNotFound:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"lease {request.lease_id!r} is not open: already acked, expired (its samples are delivered "
-                "again) or never issued by this buffer process",
+                f"lease {request.lease_id!r} is not open: it expired or was issued by an earlier buffer process "
+                "(its samples were or will be delivered again), was acked already, or never existed",
             )
         return buffer_pb2.AckResponse(acked=acked)
+
+    async def ExtendLease(
+        self, request: buffer_pb2.ExtendLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> buffer_pb2.ExtendLeaseResponse:
+        request = require(request)
+        version = request.trainer_version if request.HasField("trainer_version") else None
+        if not math.isfinite(request.lease_timeout_s) or request.lease_timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"lease_timeout_s: must be a finite number >= 0, got {request.lease_timeout_s}")
+        if version is not None and version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"trainer_version: must be >= 0, got {version}")
+        if any(not lease_id for lease_id in request.lease_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_ids: must not hold an empty id")
+        extended, missing = await self.buffer.extend_leases(
+            list(request.lease_ids), request.lease_timeout_s, request.consumed, version)
+        return buffer_pb2.ExtendLeaseResponse(extended=extended, missing=missing)
 
     async def SetVersion(
         self, request: buffer_pb2.SetVersionRequest, context: grpc.aio.ServicerContext
@@ -136,6 +152,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.StatsResponse(
             pending=stats.pending + stats.staged,
             leased=stats.leased,
+            consumed=stats.consumed,
             acked=stats.acked,
             dropped=stats.dropped,
             capacity=stats.capacity,

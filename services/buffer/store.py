@@ -7,9 +7,15 @@ Life of a sample:
 
     add() -> STAGED   written, waiting for its fsync: counts against capacity, never handed out
     publish() -> PENDING
-    lease() -> LEASED   in a trainer's hands under a lease
+    lease() -> LEASED   in a trainer's hands under a lease (extend() moves its deadline and may
+                        mark it consumed: trained on, held until the trainer's checkpoint acks it)
     ack() -> gone       (uniform replay: PENDING again until its reuse limit)
-    expire()            an unacked lease's samples go back to PENDING, first in line
+    expire()            an unacked lease's samples go back to PENDING, first in line (consumed or not)
+
+A group is complete once `group_size` members arrived (failed ones included), or once it is
+closed: expire_groups() closes a group still incomplete `timeout` after its first member arrived,
+dropping the members it holds that no trainer has (see `expire_groups`). A group is forgotten when
+complete and empty; `on_group_done` hears of it, so the caller can refuse its late members.
     drop_stale()        pending samples too old for the trainer's version are removed
 
 A group is the unit of hand-out: a GRPO group (`group_size` > 1 samples sharing a group id) or a
@@ -24,7 +30,7 @@ import itertools
 import random
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,10 +88,11 @@ class Group:
     arrived: int = 0  # samples that ever arrived, including dropped and acked ones
     pending: int = 0  # members in PENDING
     members: dict[str, Entry] = field(default_factory=dict)
+    closed: bool = False  # given up on the members still missing (expire_groups)
 
     @property
     def complete(self) -> bool:
-        return self.arrived >= self.size
+        return self.closed or self.arrived >= self.size
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ class Lease:
     entries: list[Entry]  # groups contiguous
     deadline: float
     max_reuse: int
+    consumed: bool = False  # trained on; held only until the trainer acks it after its checkpoint
 
 
 class GroupQueue:
@@ -150,7 +158,13 @@ class SampleStore:
     """Index of held samples. `capacity` bounds staged + pending + leased samples; the caller
     checks `free` before `add` (it decides between rejecting and waiting)."""
 
-    def __init__(self, capacity: int, max_staleness: int | None, seed: int | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness: int | None,
+        seed: int | None = None,
+        on_group_done: Callable[[str], None] | None = None,
+    ):
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.trainer_version = -1
@@ -163,6 +177,9 @@ class SampleStore:
         self._heap_tiebreak = itertools.count()
         self._rng = random.Random(seed)
         self._counts = dict.fromkeys(EntryState, 0)
+        self._consumed = 0  # samples in consumed leases
+        self._incomplete: OrderedDict[GroupKey, float] = OrderedDict()  # group -> first arrival, oldest first
+        self.on_group_done = on_group_done  # called with the id of every multi-member group forgotten
 
     # --- counts -------------------------------------------------------------------------------
 
@@ -178,6 +195,11 @@ class SampleStore:
 
     def count(self, state: EntryState) -> int:
         return self._counts[state]
+
+    @property
+    def consumed(self) -> int:
+        """Samples in leases marked consumed (a subset of LEASED)."""
+        return self._consumed
 
     @property
     def open_leases(self) -> int:
@@ -204,28 +226,62 @@ class SampleStore:
                 )
             sizes[key] = sample.group_size
 
-    def add(self, samples: Iterable[NewSample]) -> None:
-        """Index new samples as STAGED (the caller deduplicated them and checked `free`)."""
+    def awaited(self, group_id: str) -> int | None:
+        """Members group `group_id` still waits for (0: complete), None if no such group is held."""
+        group = self._groups.get(("group", group_id))
+        return None if group is None else (0 if group.complete else group.size - group.arrived)
+
+    def add(self, samples: Iterable[NewSample], now: float) -> None:
+        """Index new samples as STAGED (the caller deduplicated them, checked `free` and refused
+        late members of complete groups, see `awaited`)."""
         for sample in samples:
-            if sample.sample_id in self._entries:
-                raise ValueError(f"sample {sample.sample_id!r} is already held")
-            entry = Entry(sample.sample_id, sample.group_key, sample.oldest_version, sample.ref)
-            group = self._arrive(sample)
-            group.members[sample.sample_id] = entry
-            self._entries[sample.sample_id] = entry
-            self._counts[EntryState.STAGED] += 1
+            self._hold(sample, self._arrive(sample, now))
 
-    def count_arrival(self, sample: NewSample) -> None:
+    def add_moved(self, sample: NewSample, uses: int) -> None:
+        """Recovery: a sample copied forward from a segment compacted away. Its arrival was counted
+        before the checkpoint recovery started from: its group is that checkpoint's open group (if
+        restored), or a complete one."""
+        key = sample.group_key
+        if key not in self._groups:
+            size = max(sample.group_size, 1)
+            self._groups[key] = Group(key, size, arrived=size)
+        self._hold(sample, self._groups[key]).uses = uses
+
+    def _hold(self, sample: NewSample, group: Group) -> Entry:
+        if sample.sample_id in self._entries:
+            raise ValueError(f"sample {sample.sample_id!r} is already held")
+        entry = Entry(sample.sample_id, sample.group_key, sample.oldest_version, sample.ref)
+        group.members[sample.sample_id] = entry
+        self._entries[sample.sample_id] = entry
+        self._counts[EntryState.STAGED] += 1
+        return entry
+
+    def count_arrival(self, sample: NewSample, now: float) -> None:
         """A sample that arrived but is never held (failed): it still completes its group."""
-        self._refresh(self._arrive(sample))
+        self._refresh(self._arrive(sample, now))
 
-    def _arrive(self, sample: NewSample) -> Group:
+    def _arrive(self, sample: NewSample, now: float) -> Group:
         key = sample.group_key
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = Group(key, max(sample.group_size, 1))
+            if group.size > 1:
+                self._incomplete[key] = now
         group.arrived += 1
+        if group.complete:
+            self._incomplete.pop(key, None)
         return group
+
+    def relocate(self, sample_id: str, ref: Any, uses: int | None = None) -> None:
+        """The sample's payload now lies at `ref` (compaction copied it forward); recovery also
+        restores its use count from the copy."""
+        entry = self._entries[sample_id]
+        entry.ref = ref
+        if uses is not None:
+            entry.uses = uses
+
+    def uses_of(self, sample_id: str) -> int:
+        return self._entries[sample_id].uses
 
     def publish(self, sample_ids: Iterable[str]) -> None:
         """STAGED -> PENDING: durable now, may be handed out."""
@@ -280,6 +336,37 @@ class SampleStore:
                 dropped.append(sample_id)
         return dropped
 
+    def expire_groups(self, now: float, timeout: float) -> list[str]:
+        """Close groups still incomplete `timeout` after their first member arrived; returns the
+        ids of the members dropped: those no trainer holds. A member under a lease (partial-group
+        pulls) stays with its lease and, closed, its group goes out as it is if it comes back."""
+        dropped = []
+        while self._incomplete:
+            key, since = next(iter(self._incomplete.items()))
+            if since + timeout > now:
+                break
+            del self._incomplete[key]
+            group = self._groups[key]
+            group.closed = True
+            for entry in [e for e in group.members.values() if e.state is not EntryState.LEASED]:
+                self._remove(entry)
+                dropped.append(entry.sample_id)
+            if self._groups.get(key) is group:  # still holds leased members, or held none
+                self._refresh(group)
+        return dropped
+
+    def incomplete_groups(self) -> list[str]:
+        return [key[1] for key in self._incomplete]
+
+    def close_groups(self, group_ids: Iterable[str]) -> None:
+        """Recovery: these groups were closed or done before; wait for no more members."""
+        for group_id in group_ids:
+            group = self._groups.get(("group", group_id))
+            if group is not None:
+                group.closed = True
+                self._incomplete.pop(group.key, None)
+                self._refresh(group)
+
     # --- hand-out -----------------------------------------------------------------------------
 
     def lease(self, spec: PullSpec, now: float) -> Lease | None:
@@ -324,6 +411,7 @@ class SampleStore:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             raise LeaseNotFound(lease_id)
+        self._consumed -= len(lease.entries) if lease.consumed else 0
         done, reused = [], []
         for entry in lease.entries:
             entry.uses += 1
@@ -345,11 +433,32 @@ class SampleStore:
     def release(self, lease_id: str) -> None:
         """Close a lease without using its samples: they are pending again, first in line."""
         lease = self._leases.pop(lease_id)
+        self._consumed -= len(lease.entries) if lease.consumed else 0
         for entry in reversed(lease.entries):  # moved to the front one by one: keeps their order
             self._make_pending(entry, front=True)
 
+    def extend(self, lease_ids: Iterable[str], deadline: float, consumed: bool) -> list[str]:
+        """Move the deadline of open leases to `deadline` (and mark them consumed if asked; a
+        consumed lease stays consumed); returns the ids of those not open."""
+        missing = []
+        for lease_id in dict.fromkeys(lease_ids):
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                missing.append(lease_id)
+                continue
+            lease.deadline = deadline
+            if consumed and not lease.consumed:
+                lease.consumed = True
+                self._consumed += len(lease.entries)
+        return missing
+
     def is_open(self, lease_id: str) -> bool:
         return lease_id in self._leases
+
+    def awaits_training(self, lease_id: str) -> bool:
+        """Open and not yet marked consumed."""
+        lease = self._leases.get(lease_id)
+        return lease is not None and not lease.consumed
 
     def next_deadline(self) -> float | None:
         return min((lease.deadline for lease in self._leases.values()), default=None)
@@ -364,10 +473,13 @@ class SampleStore:
             if group.key[0] == "group" and not group.complete
         }
 
-    def restore_groups(self, open_groups: dict[str, tuple[int, int]]) -> None:
-        """Recovery: groups some of whose samples arrived in segments compacted away."""
+    def restore_groups(self, open_groups: dict[str, tuple[int, int]], now: float) -> None:
+        """Recovery: groups some of whose samples arrived in segments compacted away (their
+        incomplete-group timeout starts again at `now`)."""
         for group_id, (size, arrived) in open_groups.items():
-            self._groups[("group", group_id)] = Group(("group", group_id), size, arrived)
+            key = ("group", group_id)
+            self._groups[key] = Group(key, size, arrived)
+            self._incomplete[key] = now
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -406,3 +518,6 @@ class SampleStore:
             self._partial_ready.discard(key)
         if not group.members and group.complete:
             del self._groups[key]
+            self._incomplete.pop(key, None)
+            if key[0] == "group" and self.on_group_done is not None:
+                self.on_group_done(key[1])

@@ -140,6 +140,9 @@ def add_buffer_to_server(servicer: Any, server: grpc.aio.Server) -> None:
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, decoder(buffer_pb2.PullRequest), encode_batch),
         "Ack": grpc.unary_unary_rpc_method_handler(
             servicer.Ack, decoder(buffer_pb2.AckRequest), buffer_pb2.AckResponse.SerializeToString),
+        "ExtendLease": grpc.unary_unary_rpc_method_handler(
+            servicer.ExtendLease, decoder(buffer_pb2.ExtendLeaseRequest),
+            buffer_pb2.ExtendLeaseResponse.SerializeToString),
         "SetVersion": grpc.unary_unary_rpc_method_handler(
             servicer.SetVersion, decoder(buffer_pb2.SetVersionRequest),
             buffer_pb2.SetVersionResponse.SerializeToString),
