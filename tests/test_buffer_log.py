@@ -13,7 +13,7 @@ from services.buffer.buffer import ReplayBuffer
 from services.buffer.config import BufferConfig
 from services.buffer.log import LogCorruption, RecordKind, SegmentLog
 from services.buffer.records import Checkpoint
-from services.buffer.store import PullSpec
+from services.buffer.store import EntryState, PullSpec
 
 CHECKPOINT = Checkpoint().encode()
 
@@ -343,4 +343,48 @@ async def test_a_member_beyond_its_group_size_is_dropped_as_late(tmp_path):
     batch = await buffer.lease_batch(PullSpec(batch_size=2))
     assert [common_pb2.Sample.FromString(p).sample_id for p in batch.payloads] == ["g-0", "g-1"]
     assert buffer.stats().pending == 0
+    await buffer.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_random_puts_acks_compactions_and_crashes_keep_exactly_the_held_samples(tmp_path, seed):
+    rng = random.Random(seed)
+    cfg = config(tmp_path, segment_bytes=4096, compact_live_ratio=rng.choice([0.3, 0.5, 0.8]))
+    buffer = await opened_at(cfg, Clock())
+    held: set[str] = set()  # put, neither acked nor dropped
+    retired: set[str] = set()
+    leases: list[tuple[str, list[str]]] = []
+    for step in range(400):
+        roll = rng.random()
+        if roll < 0.45:
+            name = f"g{step}"
+            size = rng.choice([1, 2, 2, 3])
+            members = [f"{name}-{i}" for i in range(size)]
+            failed = {m for m in members if rng.random() < 0.1}
+            arrive = members if rng.random() < 0.9 else members[:-1]  # some groups never complete
+            await buffer.put([make_sample(m, group=name if size > 1 else "", size=size, tokens=rng.choice([8, 60]),
+                                          status=SampleStatus.FAILED if m in failed else SampleStatus.COMPLETED)
+                              for m in arrive])
+            held |= set(arrive) - failed
+            retired |= set(arrive) & failed
+        elif roll < 0.75 and buffer.store.count(EntryState.PENDING):
+            lease = buffer.store.lease(PullSpec(batch_size=rng.choice([1, 2, 4])), buffer.clock())
+            if lease is not None:
+                leases.append((lease.lease_id, [e.sample_id for e in lease.entries]))
+        elif roll < 0.95 and leases:
+            lease_id, sample_ids = leases.pop(rng.randrange(len(leases)))
+            await buffer.ack(lease_id)
+            held -= set(sample_ids)
+            retired |= set(sample_ids)
+        else:
+            if rng.random() < 0.5:
+                await buffer.close()
+            buffer = await opened_at(cfg, Clock())  # leases are lost with the process
+            leases.clear()
+            assert pending_ids(buffer) == held, f"step {step}"
+        assert pending_ids(buffer) == held, f"step {step}"
+    largest_live = len(held) * 1200 + 8 * (len(held) + len(retired))
+    assert dir_bytes(tmp_path) <= largest_live / cfg.compact_live_ratio + 4 * cfg.segment_bytes
+    result = await buffer.put([make_sample(sample_id) for sample_id in sorted(retired | held)])
+    assert (result.accepted, result.duplicates) == (0, len(retired | held))
     await buffer.close()
