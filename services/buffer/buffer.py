@@ -504,10 +504,18 @@ class ReplayBuffer:
 
     def _compact(self) -> None:
         """Delete the oldest sealed segments the policy picks, after copying forward their held
-        samples and the hashes their records retired (see the module docstring)."""
-        victims = self._victims()
-        if not victims:
-            return
+        samples and the hashes their records retired (see the module docstring). Victims go in
+        runs of about a segment's worth of copies, so a pass holds no more than that in memory."""
+        run: list[int] = []
+        for index in self._victims():
+            run.append(index)
+            if sum(self._live_bytes[i] for i in run) >= self.config.segment_bytes:
+                self._copy_forward_and_delete(run)
+                run = []
+        if run:
+            self._copy_forward_and_delete(run)
+
+    def _copy_forward_and_delete(self, victims: list[int]) -> None:
         moved = [(sample_id, self._where[sample_id]) for index in victims for sample_id in self._held_in[index]]
         records = [copy_record(self.store.uses_of(sample_id), self.log.read(where)) for sample_id, where in moved]
         facts = [hashes for index in victims for hashes in self._facts.get(index, [])]
