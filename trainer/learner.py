@@ -62,7 +62,9 @@ class Learner:
             samples = order_preference_pairs(samples)
         batch = collate(samples, self.pad_id)
         if self.algo.name == "grpo":
-            advantages = grpo_advantages(batch.rewards, batch.group_index, self.algo.grpo_norm_std, self.algo.grpo_eps)
+            advantages = grpo_advantages(
+                batch.rewards, batch.group_index, self.algo.grpo_norm_std, self.algo.grpo_eps, self.algo.grpo_group_of_one
+            )
             batch.advantages = advantages[:, None] * batch.loss_mask
         chunks, per_step = plan_mini_batches(
             batch.num_rows, self.config.batch.mini_batches, self.env.world_size, unit=2 if self.algo.name == "dpo" else 1
@@ -88,7 +90,9 @@ class Learner:
         for start in range(0, batch.num_rows, per_step):
             rows = slice(start, start + per_step)
             mask = batch.loss_mask[rows]
-            batch.loss_weights[rows] = loss_weights(mask, self.algo.loss_agg, self.algo.loss_norm_length)
+            batch.loss_weights[rows] = loss_weights(
+                mask, self.algo.loss_agg, self.algo.loss_norm_length, self.algo.loss_norm_seqs
+            )
             batch.token_weights[rows] = loss_weights(mask, "token_mean")
             batch.row_weights[rows] = real[rows] / real[rows].sum()
 
