@@ -231,10 +231,11 @@ class ReplayBuffer:
     def _fresh(self, samples: list[tuple[Payload, Sample]]) -> list[tuple[Payload, Sample]]:
         seen: set[str] = set()
         fresh = []
-        for payload, sample in samples:
+        retired = self.retired.contains(sample_hashes([sample.sample_id for _, sample in samples]))
+        for (payload, sample), was_stored in zip(samples, retired.tolist()):
             sample_id = sample.sample_id
-            if sample_id not in seen and sample_id not in self.store and not self.retired.has_sample(sample_id):
-                seen.add(sample.sample_id)
+            if not was_stored and sample_id not in seen and sample_id not in self.store:
+                seen.add(sample_id)
                 fresh.append((payload, sample))
         return fresh
 
@@ -441,7 +442,7 @@ class ReplayBuffer:
         """The store forgot a group (complete and empty): later members of it are late."""
         key = group_hash(group_id)
         if key not in self.retired:
-            self.retired.add(np.array([key], dtype=np.uint64))
+            self.retired.add(np.array([key], dtype=np.int64))
             self._done_groups.append(key)
 
     def _count_drops(self, reason: str, count: int) -> None:
@@ -472,7 +473,7 @@ class ReplayBuffer:
         Callers update their accounting only after this returns, so a checkpoint never counts a
         record that is not in an earlier segment, and compaction never relies on an unwritten one.
         """
-        done = np.array(self._done_groups, dtype=np.uint64)
+        done = np.array(self._done_groups, dtype=np.int64)
         if len(done):
             records = [retired_record(done), *records]
             self._done_groups = []
@@ -519,7 +520,7 @@ class ReplayBuffer:
         moved = [(sample_id, self._where[sample_id]) for index in victims for sample_id in self._held_in[index]]
         records = [copy_record(self.store.uses_of(sample_id), self.log.read(where)) for sample_id, where in moved]
         facts = [hashes for index in victims for hashes in self._facts.get(index, [])]
-        retired = np.unique(np.concatenate(facts)) if facts else np.empty(0, dtype=np.uint64)
+        retired = np.unique(np.concatenate(facts)) if facts else np.empty(0, dtype=np.int64)
         if len(retired):
             records.append(retired_record(retired))
         locations = self._append(records)
@@ -642,8 +643,10 @@ class ReplayBuffer:
         )
 
     def _recover_put(self, record: Record, unrecorded: dict[str, str], now: float, puts: list[str]) -> None:
+        # A PUT precedes every record that retires its id (Put refuses retired ids, compaction
+        # copies only held samples); an id seen twice is the original of a later COPY.
         sample = _parse(record.payload)
-        if sample.sample_id in self.store or self.retired.has_sample(sample.sample_id):
+        if sample.sample_id in self.store:
             return
         new = replace(_index_view(sample), ref=record.location)
         self.accepted += 1
@@ -664,7 +667,7 @@ class ReplayBuffer:
         location = _copied_sample(record.location)
         if sample.sample_id in self.store:
             self._move(sample.sample_id, location, uses)
-        elif not self.retired.has_sample(sample.sample_id):
+        else:
             new = replace(_index_view(sample), ref=location)
             self.store.add_moved(new, uses)
             self.store.publish([sample.sample_id])

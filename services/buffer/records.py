@@ -1,7 +1,7 @@
 """What the buffer writes into its log besides samples: acks, uses, drops, versions, checkpoints.
 
 A PUT record's payload is the sample's serialized `common_pb2.Sample`, stored as received; a COPY
-record's is the same bytes behind a u32 use count; a RETIRED record's is little-endian uint64 id
+record's is the same bytes behind a u32 use count; a RETIRED record's is little-endian int64 id
 hashes (retired.py). The other payloads are small msgpack values defined here.
 """
 
@@ -93,8 +93,8 @@ def decode_copy(payload: bytes | memoryview) -> tuple[int, memoryview]:
 
 
 def retired_record(hashes: np.ndarray) -> tuple[RecordKind, bytes]:
-    return RecordKind.RETIRED, hashes.astype("<u8", copy=False).tobytes()
+    return RecordKind.RETIRED, hashes.astype("<i8", copy=False).tobytes()
 
 
 def decode_retired(payload: bytes | memoryview) -> np.ndarray:
-    return np.frombuffer(payload, dtype="<u8").astype(np.uint64)
+    return np.frombuffer(payload, dtype="<i8").astype(np.int64)
