@@ -250,7 +250,7 @@ async def test_disk_stays_bounded_by_live_data_while_one_sample_stays_pending(tm
     stored = 2001
     # Live data: the pending sample and 8 bytes per id ever stored (retired ids stay refused).
     live = len(make_sample("h-0", group="h", size=2)) + 8 * stored
-    bound = live / cfg.compact_live_ratio + 3 * segment + sample_bytes
+    bound = live / cfg.compact_live_ratio + 4 * segment + sample_bytes
     assert largest <= bound, f"log grew to {largest} bytes for {live} live ({stored * sample_bytes} put in all)"
     assert stored * sample_bytes > 4 * bound  # without compaction past the pending sample it would not fit
     del buffer  # a crash: no close
@@ -384,7 +384,7 @@ async def test_random_puts_acks_compactions_and_crashes_keep_exactly_the_held_sa
             assert pending_ids(buffer) == held, f"step {step}"
         assert pending_ids(buffer) == held, f"step {step}"
     largest_live = len(held) * 1200 + 8 * (len(held) + len(retired))
-    assert dir_bytes(tmp_path) <= largest_live / cfg.compact_live_ratio + 4 * cfg.segment_bytes
+    assert dir_bytes(tmp_path) <= largest_live / cfg.compact_live_ratio + 5 * cfg.segment_bytes
     result = await buffer.put([make_sample(sample_id) for sample_id in sorted(retired | held)])
     assert (result.accepted, result.duplicates) == (0, len(retired | held))
     await buffer.close()

@@ -12,8 +12,9 @@ Rules that keep "acknowledged means on disk" true:
   ratio + 2 segments. Live bytes are the held samples' and the retired ids' hashes (8 bytes each).
   Before it deletes a segment it copies forward what must outlive it: each held sample (a COPY
   record: the stored bytes and the use count) and the hashes of the ids its records retired (a
-  RETIRED record); then it fsyncs the active segment, then it deletes. So the log stays under
-  about live bytes / ratio + 3 segments. A crash at any point leaves every fact in some segment:
+  RETIRED record); then it fsyncs the active segment, then it deletes. The segment sealed last is
+  spared while it holds samples (most are acked soon). So the log stays under about live bytes /
+  ratio + 4 segments. A crash at any point leaves every fact in some segment:
   before the fsync the originals are all there; after it, the copies. Recovery keeps the first
   PUT of an id and moves it to the location of a later COPY.
 - An id once stored is a duplicate for the life of the data dir: held ids are in the index, the
@@ -539,16 +540,18 @@ class ReplayBuffer:
 
     def _victims(self) -> list[int]:
         """Sealed segments to compact, oldest first: each one at most `compact_live_ratio` live,
-        and any while the log is larger than live bytes / ratio + 2 segments."""
+        and any while the log is larger than live bytes / ratio + 2 segments; but not the one
+        sealed last while it holds samples (most are acked soon: copying them would be waste)."""
         ratio = self.config.compact_live_ratio
         segments = self.log.segments()
         sizes = {index: self.log.segment_size(index) for index in segments}
         total = sum(sizes.values())
         limit = sum(self._live_bytes.values()) / ratio + 2 * self.config.segment_bytes
         victims = []
-        for index in segments[:-1]:
+        sealed = segments[:-1]
+        for index in sealed:
             live = self._live_bytes[index]
-            if live > ratio * sizes[index] and total <= limit:
+            if self._held_in[index] and (index == sealed[-1] or (live > ratio * sizes[index] and total <= limit)):
                 break
             victims.append(index)
             total -= sizes[index] - live

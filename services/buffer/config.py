@@ -27,7 +27,8 @@ class BufferConfig(Strict):
     compact_live_ratio: float = Field(
         0.5, gt=0, lt=1, description="Compaction deletes a sealed segment once at most this share of it is live "
         "(held samples, and 8 bytes per id ever stored, copied forward first), and older ones too while the log "
-        "exceeds live bytes / this + 2 segments: the log stays under about that + 1 segment.")
+        "exceeds live bytes / this + 2 segments (sparing the segment sealed last): the log stays under about "
+        "that + 2 segments.")
     incomplete_group_timeout_s: float = Field(
         600.0, gt=0, description="A group still missing members this long after its first one arrived is closed: "
         "its held members are dropped ('incomplete_group'); a member arriving for a closed, complete or finished "
