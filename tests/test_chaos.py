@@ -29,7 +29,7 @@ from services.buffer.records import decode_copy, decode_drop, decode_ids
 from services.client import connect_sync
 from services.config import load_config
 
-SEED = 7
+SEED = int(os.environ.get("RELAYRL_CHAOS_SEED", "7"))  # the schedule of signals; try others
 BUDGET_S = 140.0
 KILLED = ("buffer", "reward", "rollout", "driver", "trainer")
 SERVICES = ("buffer", "reward", "rollout")
