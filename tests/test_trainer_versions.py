@@ -91,3 +91,47 @@ def test_a_version_refused_as_not_newer_is_published_again_above_the_workers(tin
         assert publisher.served_versions() == {rollout.address: 4}
     finally:
         publisher.close()
+
+
+def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch(tiny_model_dir, tmp_path,
+                                                                                service_factory):
+    """A rollout worker that restarts serves version 0; with the buffer empty no step (and so no publish)
+    comes, and the driver admits nothing for a worker that far behind: the trainer must publish again."""
+    import threading
+    import time
+
+    from trainer.buffer_client import BufferClient
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+    from trainer.run import RolloutPublisher
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir)})
+    config = TrainerConfig.model_validate({
+        "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 120},
+        "batch": {"global_batch_size": BATCH, "micro_batch_size": 4}, "optim": {"lr": 1e-2}, "max_steps": 2,
+        "publish": {"receivers": [rollout.address], "timeout_s": 30, "resync_s": 0.5},
+    })
+    client, publisher = BufferClient(config.buffer), RolloutPublisher(config.publish)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(state=train(config, init_distributed("cpu"), client, publisher)))
+    try:
+        put_generated_at(buffer.address, 0, "a")
+        worker.start()
+        deadline = time.monotonic() + 60
+        while served_version(rollout.address) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert served_version(rollout.address) == 1
+        rollout.restart()  # back at its base weights, version 0; nothing in the buffer
+        deadline = time.monotonic() + 30
+        while served_version(rollout.address) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert served_version(rollout.address) == 2  # the trainer's weights again, under the next version
+        put_generated_at(buffer.address, 2, "b")
+        worker.join(120)
+        assert not worker.is_alive() and result["state"].step == 2
+    finally:
+        worker.join(1)
+        client.close()
+        publisher.close()

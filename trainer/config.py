@@ -227,6 +227,10 @@ class PublishConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to the rollout engine's dtype before sending; None = as trained."
     )
+    resync_s: float = Field(
+        5.0, gt=0, description="While the trainer waits for a batch, check every this many seconds that every "
+        "receiver serves the last published version; one serving an older one (a restarted rollout worker starts at "
+        "its base weights) gets the weights again under the next version, so a restart never waits for a step.")
 
 
 class TrainerConfig(Strict):

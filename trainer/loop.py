@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 Publisher = Callable[[dict[str, torch.Tensor], int], int | None]
 # The ledger of samples trained and not yet acknowledged, in TrainState.extra (see trainer/leases.py).
 LEDGER_KEY = "unacked_samples"
+# What rank 0 hands every rank instead of a batch when a receiver fell behind while no batch came.
+RESYNC = "resync"
 
 
 class Background:
@@ -73,6 +76,10 @@ class Background:
                 future.set_exception(exc)
 
         threading.Thread(target=run, name=self.name, daemon=True).start()
+
+    def done(self, timeout_s: float) -> bool:
+        """Whether the call in flight has finished, waiting up to `timeout_s` for it (True when none is)."""
+        return self._future is None or not futures.wait([self._future], timeout_s).not_done
 
     def wait(self, timeout_s: float):
         """The call's result (its exception is raised here); None when nothing is in flight."""
@@ -112,9 +119,12 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         started = time.monotonic()
         work = None
         if env.is_main:  # the batch prefetched after the last step, else a pull now
-            pulled = prefetch.wait(pull_wait_s) if prefetch.busy else book.pull(config.batch.global_batch_size)
-            work = book.work(pulled)
+            work = next_work(config, book, prefetch, publisher, pull_wait_s)
         work = env.broadcast_object(work)
+        if work == RESYNC:  # the same weights under the next version: every receiver takes them
+            state.weight_version += 1
+            publisher(state)
+            continue
         steps_before = state.step
         if work.train:
             batch_stats = {
@@ -149,6 +159,22 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     if config.checkpoint.export_dir:
         export_hf(config.checkpoint.export_dir, learner.policy, config.model_path, env)
     return state
+
+
+def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publisher: "Publishing",
+              pull_wait_s: float):
+    """Rank 0: the next batch's work; RESYNC when, while no batch came, a receiver fell behind the last publish.
+
+    A rollout worker that restarts serves its base weights at version 0. The trainer publishes after steps, and
+    the driver admits no prompt while the worker lags the trainer by more than max_staleness: with nothing left
+    in the buffer neither would ever move. So a wait for a batch checks the receivers every `publish.resync_s`.
+    """
+    if not prefetch.busy:
+        prefetch.start(book.pull, config.batch.global_batch_size)
+    while not prefetch.done(config.publish.resync_s):
+        if publisher.receivers_behind():
+            return RESYNC
+    return book.work(prefetch.wait(pull_wait_s))
 
 
 def checkpoint(config: TrainerConfig, learner: Learner, state: TrainState, env: DistEnv, book: LeaseBook | None) -> None:
@@ -192,6 +218,7 @@ class Publishing:
         self.weights, self.publish, self.env, self.wait_s = weights, publish, env, wait_s
         self.sending = Background("relayrl-publish") if overlap and env.is_main else None
         self._requested = 0
+        self.published: int | None = None  # the version the last publish went out as (rank 0)
         self.seconds = 0.0  # the last publish's duration, reported with the steps after it
 
     def __call__(self, state: TrainState) -> None:
@@ -204,8 +231,20 @@ class Publishing:
                 self.sending.start(self.publish, tensors, state.weight_version)
             else:
                 self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
+            self.published = state.weight_version
         state.weight_version = self.env.broadcast_object(state.weight_version)
         self.seconds = time.monotonic() - started
+
+    def receivers_behind(self) -> bool:
+        """Rank 0, no publish in flight: whether a receiver serves an older version than the last publish."""
+        if self.published is None or (self.sending is not None and self.sending.busy):
+            return False
+        served = getattr(self.publish, "served_versions", dict)()
+        behind = {address: v for address, v in served.items() if v is not None and v < self.published}
+        if behind:
+            log.warning("receivers %s serve older versions than %d (restarted?): publishing again", behind,
+                        self.published)
+        return bool(behind)
 
     def finish(self, state: TrainState) -> None:
         """Wait for an overlapped publish still in flight (collective)."""
@@ -214,7 +253,10 @@ class Publishing:
 
     def _wait(self, state: TrainState) -> None:
         if self.sending is not None and self.sending.busy:
-            self._adopt(state, self._requested, self.sending.wait(self.wait_s))
+            landed = self.sending.wait(self.wait_s)
+            self._adopt(state, self._requested, landed)
+            if landed is not None and landed > self._requested:
+                self.published = landed
 
     @staticmethod
     def _adopt(state: TrainState, requested: int, landed: int | None) -> None:
