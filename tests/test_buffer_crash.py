@@ -218,3 +218,31 @@ async def test_a_consumed_lease_lost_with_the_buffer_is_redelivered_and_acked_id
         log_tail = buffer.log_tail(30)
         buffer.stop(timeout=10)
     assert "compacted log segments" in log_tail or "compacted log segments" in buffer.log_path.read_text(), log_tail
+
+
+async def test_samples_trained_under_a_consumed_lease_survive_a_sigkill_and_are_never_stale(tmp_path, free_port):
+    """A trainer trained a batch and marked its lease consumed; the buffer is SIGKILLed and restarted; the trainer's
+    version moves far ahead: the batch comes back (not dropped as stale) for the trainer to ack."""
+    address = f"127.0.0.1:{free_port}"
+    overrides = {"data_dir": str(tmp_path / "data"), "server.address": address, "max_staleness": 1}
+    buffer = start_service("buffer", overrides, log_dir=tmp_path / "logs", timeout=60)
+    try:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stub = buffer_pb2_grpc.BufferStub(channel)
+            await stub.Put(group_request(0, [0, 1]), timeout=5)  # weight version 0
+            pull = buffer_pb2.PullRequest(batch_size=GROUP, max_batches=1)
+            (consumed,) = [batch async for batch in stub.Pull(pull, timeout=5)]
+            extension = buffer_pb2.ExtendLeaseRequest(lease_ids=[consumed.lease_id], consumed=True, trainer_version=1)
+            assert (await stub.ExtendLease(extension, timeout=5)).extended == 1
+
+            await asyncio.to_thread(buffer.restart, 60)
+            await stub.SetVersion(buffer_pb2.SetVersionRequest(version=100), timeout=10)
+            stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+            assert dict(stats.dropped) == {"stale": GROUP} and stats.pending == GROUP  # the other group went stale
+            (again,) = [batch async for batch in stub.Pull(pull, timeout=5)]
+            assert [s.sample_id for s in again.samples] == [s.sample_id for s in consumed.samples]
+            assert (await stub.Ack(buffer_pb2.AckRequest(lease_id=again.lease_id), timeout=5)).acked == GROUP
+            stats = await stub.Stats(buffer_pb2.StatsRequest(), timeout=5)
+            assert (stats.acked, stats.pending, dict(stats.dropped)) == (GROUP, 0, {"stale": GROUP})
+    finally:
+        buffer.stop(timeout=10)

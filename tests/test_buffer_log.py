@@ -388,3 +388,93 @@ async def test_random_puts_acks_compactions_and_crashes_keep_exactly_the_held_sa
     result = await buffer.put([make_sample(sample_id) for sample_id in sorted(retired | held)])
     assert (result.accepted, result.duplicates) == (0, len(retired | held))
     await buffer.close()
+
+
+# --- consumed leases across a restart -------------------------------------------------------------
+
+
+def batch_ids(batch) -> list[str]:
+    return [common_pb2.Sample.FromString(p).sample_id for p in batch.payloads]
+
+
+async def test_consumed_samples_survive_a_crash_go_out_first_and_are_never_stale(tmp_path):
+    """A trainer trained `b` and marked its lease consumed, then the buffer died: `b` is pending again, first in
+    line, and a later version does not drop it as stale (the trainer acks it without training again)."""
+    cfg = config(tmp_path, max_staleness=1)
+    buffer = await opened_at(cfg, Clock())
+    await buffer.put([make_sample("a", version=100), make_sample("b", version=0)])
+    await buffer.lease_batch(PullSpec(batch_size=1))  # a: leased, never consumed
+    consumed = await buffer.lease_batch(PullSpec(batch_size=1))
+    assert batch_ids(consumed) == ["b"]
+    assert await buffer.extend_leases([consumed.lease_id], 0, consumed=True, trainer_version=1) == (1, [])
+    del buffer  # a crash: the leases are lost
+
+    recovered = await opened_at(cfg, Clock())
+    assert pending_ids(recovered) == {"a", "b"} and recovered.stats().pending == 2
+    assert await recovered.set_version(100) == 0
+    assert recovered.stats().dropped == {}
+    again = await recovered.lease_batch(PullSpec(batch_size=1))
+    assert batch_ids(again) == ["b"]  # ahead of the older a
+    assert await recovered.ack(again.lease_id) == 1
+    assert batch_ids(await recovered.lease_batch(PullSpec(batch_size=1))) == ["a"]
+    stats = recovered.stats()
+    assert (stats.acked, stats.dropped) == (1, {})
+    await recovered.close()
+
+
+async def test_consumed_marks_are_copied_forward_by_compaction(tmp_path):
+    cfg = config(tmp_path, segment_bytes=4096, max_staleness=1)
+    buffer = await opened_at(cfg, Clock())
+    await buffer.put([make_sample(f"g-{i}", group="g", size=2, version=0) for i in range(2)])
+    consumed = await buffer.lease_batch(PullSpec(batch_size=2))
+    await buffer.extend_leases([consumed.lease_id], 0, consumed=True, trainer_version=1)
+    await put_and_ack(buffer, [f"s{i:03d}" for i in range(40)], version=1)
+    assert buffer.log.segments()[0] > 1, "the segment holding the CONSUMED record was compacted away"
+    del buffer
+
+    recovered = await opened_at(cfg, Clock())
+    await recovered.set_version(50)
+    assert recovered.stats().dropped == {} and pending_ids(recovered) == {"g-0", "g-1"}
+    await recovered.close()
+    reopened = await opened_at(cfg, Clock())  # the copies themselves survive another reopen
+    assert reopened.stats().dropped == {} and pending_ids(reopened) == {"g-0", "g-1"}
+    assert await reopened.ack((await reopened.lease_batch(PullSpec(batch_size=2))).lease_id) == 2
+    await reopened.close()
+
+
+async def test_an_expired_consumed_lease_voids_the_mark_durably(tmp_path):
+    """A consumed lease that expires: its trainer stopped holding it (a crash before its checkpoint loses that
+    training), so the samples are ordinary pending ones again, stale or not, also after a restart."""
+    clock = Clock()
+    cfg = config(tmp_path, max_staleness=1, lease_timeout_s=10)
+    buffer = await opened_at(cfg, clock)
+    await buffer.put([make_sample("a", version=0), make_sample("b", version=0)])
+    first = await buffer.lease_batch(PullSpec(batch_size=1, lease_timeout_s=10))
+    second = await buffer.lease_batch(PullSpec(batch_size=1, lease_timeout_s=10))
+    await buffer.extend_leases([first.lease_id, second.lease_id], 0, consumed=True, trainer_version=1)
+    clock.now += 5
+    await buffer.extend_leases([second.lease_id], 0, consumed=False, trainer_version=None)  # heartbeat
+    clock.now += 6
+    assert buffer.stats().redelivered == 1  # the first lease expired
+    del buffer
+
+    recovered = await opened_at(cfg, Clock())
+    assert await recovered.set_version(9) == 1  # a: dropped as stale; b stays marked
+    assert recovered.stats().dropped == {"stale": 1} and pending_ids(recovered) == {"b"}
+    await recovered.close()
+
+
+async def test_a_lease_lost_in_a_restart_can_still_be_marked_consumed(tmp_path):
+    """The buffer died while the trainer trained a batch: the trainer's ExtendLease(consumed) after the restart
+    finds the lease gone but marks its samples trained, before its version makes them stale."""
+    cfg = config(tmp_path, max_staleness=1)
+    buffer = await opened_at(cfg, Clock())
+    await buffer.put([make_sample("a", version=0), make_sample("b", version=0)])
+    in_training = await buffer.lease_batch(PullSpec(batch_size=1))
+    del buffer
+
+    recovered = await opened_at(cfg, Clock())
+    extended, missing = await recovered.extend_leases([in_training.lease_id], 0, consumed=True, trainer_version=5)
+    assert (extended, missing) == (0, [in_training.lease_id])
+    assert recovered.stats().dropped == {"stale": 1} and pending_ids(recovered) == set(batch_ids(in_training))
+    await recovered.close()

@@ -24,8 +24,15 @@ Rules that keep "acknowledged means on disk" true:
   process: a restart starts the wait again) is closed, its held members dropped ("incomplete_group").
   A member arriving for a group that is complete, closed or done is stored and dropped at once
   ("late_member"), so it never opens a group that cannot complete.
+- Consumed leases: a trainer marks a lease consumed (trained on) and acks it only after its next
+  checkpoint. ExtendLease(consumed) answers once a CONSUMED record of the lease's sample ids is
+  durable; a lease expiring voids its samples' mark (a RETURNED record: the trainer that held them
+  may have lost that training). Each lease is logged when handed out (a LEASE record, not waited
+  for), so a lease lost in a restart can still be marked consumed by the trainer that trained it.
+  Compaction copies forward the CONSUMED marks of held samples and the LEASE records of open leases.
 - Recovery replays the log from the first live segment's checkpoint: every sample put and not
-  acked or dropped is pending again; leases are not logged, so open ones are simply delivered again.
+  acked or dropped is pending again (open leases are simply delivered again); samples marked
+  consumed go out first and are never dropped as stale (trained already: the trainer acks them).
 """
 
 import asyncio
@@ -57,7 +64,9 @@ from services.buffer.records import (
     decode_retired,
     decode_version,
     drop_record,
+    decode_lease,
     ids_record,
+    lease_record,
     retired_record,
     version_record,
 )
@@ -150,6 +159,10 @@ class ReplayBuffer:
         self._live_bytes: Counter[int] = Counter()  # segment -> what compaction must copy from it
         self._facts: defaultdict[int, list[np.ndarray]] = defaultdict(list)  # segment -> hashes it retired
         self._done_groups: list[int] = []  # hashes of groups done, not logged yet (the next append does)
+        self._trained_at: dict[str, int] = {}  # held sample marked trained -> segment of its CONSUMED record
+        self._trained_in: defaultdict[int, dict[str, None]] = defaultdict(dict)  # segment -> those ids
+        self._lease_at: dict[str, int] = {}  # open lease -> segment of its LEASE record
+        self._lost_leases: dict[str, list[str]] = {}  # leases open when the last process ended -> their samples
         self._started = False
         self._compact_due = False
         self._pending_changed = _Signal()  # wakes Pull
@@ -290,6 +303,9 @@ class ReplayBuffer:
             if lease is not None:
                 break
             await self._pending_changed.wait(self._until_next_expiry())
+        self._append([lease_record(lease.lease_id, [entry.sample_id for entry in lease.entries])])
+        self._lease_at[lease.lease_id] = self.log.active_segment
+        self._compact_if_due()
         payloads = [self.log.read(entry.ref) for entry in lease.entries]
         metrics.PULLED.inc(len(payloads))
         return LeasedBatch(lease.lease_id, payloads, self.store.trainer_version)
@@ -307,6 +323,7 @@ class ReplayBuffer:
     def release(self, lease_id: str) -> None:
         """Give a leased batch back unused (it could not be delivered): pending again at once."""
         self.store.release(lease_id)
+        self._lease_at.pop(lease_id, None)
         self._pending_changed.fire()
         self._lease_closed.fire()
 
@@ -318,6 +335,7 @@ class ReplayBuffer:
         """
         self._expire_leases()
         done, reused = self.store.ack(lease_id)
+        self._lease_at.pop(lease_id, None)
         self._lease_closed.fire()
         records = []
         if done:
@@ -328,6 +346,7 @@ class ReplayBuffer:
         self._append(records)
         self._resolve(done)
         self._retire(done, self.log.active_segment)
+        self._forget_trained(reused)
         self.acked += len(done)
         metrics.ACKED.inc(len(done))
         self._account_stale(stale)
@@ -344,14 +363,29 @@ class ReplayBuffer:
         """Move the deadline of each open lease to now + `lease_timeout_s` (0: the configured
         default), mark them consumed if asked, and apply `trainer_version` as set_version does.
         Returns (leases extended, ids of those not open: expired, acked or unknown; the samples of
-        an expired one were or will be delivered again, consumed or not)."""
+        an expired one were or will be delivered again, consumed or not).
+
+        Marked consumed, a lease's samples are trained (see the module docstring): durably so when
+        this returns. So are the samples of a lease open when the last buffer process ended (their
+        trainer finished the step after the restart), if they are held still.
+        """
         self._expire_leases()
         timeout = lease_timeout_s or self.config.lease_timeout_s
+        newly = [lease_id for lease_id in dict.fromkeys(lease_ids) if consumed and self.store.awaits_training(lease_id)]
         missing = self.store.extend(lease_ids, self.clock() + timeout, consumed)
         if consumed:
             self._lease_closed.fire()  # a Pull stream's prefetch counts only leases awaiting training
+            trained = [i for lease_id in newly for i in self.store.lease_sample_ids(lease_id)]
+            for lease_id in missing:
+                trained += self.store.mark_trained(self._lost_leases.pop(lease_id, []))
+            if trained:
+                self._append([ids_record(RecordKind.CONSUMED, trained)])
+                self._note_trained(trained, self.log.active_segment)
+                self._compact_if_due()
         if trainer_version is not None:
             await self.set_version(trainer_version)
+        elif consumed:
+            await self.durability.wait(self.log.appended)
         return len(dict.fromkeys(lease_ids)) - len(missing), missing
 
     async def set_version(self, version: int) -> int:
@@ -453,6 +487,13 @@ class ReplayBuffer:
     def _expire_leases(self) -> None:
         expired = self.store.expire(self.clock())
         if expired:
+            for lease in expired:
+                self._lease_at.pop(lease.lease_id, None)
+            returned = [e.sample_id for lease in expired for e in lease.entries if e.sample_id in self._trained_at]
+            if returned:  # their marks are void in the store already
+                self._append([ids_record(RecordKind.RETURNED, returned)])
+                self._forget_trained(returned)
+                self._compact_if_due()
             count = sum(len(lease.entries) for lease in expired)
             self.redelivered += count
             metrics.REDELIVERED.inc(count)
@@ -520,6 +561,11 @@ class ReplayBuffer:
     def _copy_forward_and_delete(self, victims: list[int]) -> None:
         moved = [(sample_id, self._where[sample_id]) for index in victims for sample_id in self._held_in[index]]
         records = [copy_record(self.store.uses_of(sample_id), self.log.read(where)) for sample_id, where in moved]
+        trained = [sample_id for index in victims for sample_id in self._trained_in.get(index, {})]
+        if trained:
+            records.append(ids_record(RecordKind.CONSUMED, trained))
+        leases = [lease_id for lease_id, index in self._lease_at.items() if index in victims]
+        records += [lease_record(lease_id, self.store.lease_sample_ids(lease_id)) for lease_id in leases]
         facts = [hashes for index in victims for hashes in self._facts.get(index, [])]
         retired = np.unique(np.concatenate(facts)) if facts else np.empty(0, dtype=np.int64)
         if len(retired):
@@ -527,6 +573,10 @@ class ReplayBuffer:
         locations = self._append(records)
         for (sample_id, _), location in zip(moved, locations):
             self._move(sample_id, _copied_sample(location))
+        self._forget_trained(trained)
+        self._note_trained(trained, self.log.active_segment)
+        for lease_id in leases:
+            self._lease_at[lease_id] = self.log.active_segment
         if len(retired):
             self._note_facts(retired, self.log.active_segment)
         self.log.sync()  # the copies are durable before their originals go
@@ -535,6 +585,7 @@ class ReplayBuffer:
             self._held_in.pop(index, None)
             self._live_bytes.pop(index, None)
             self._facts.pop(index, None)
+            self._trained_in.pop(index, None)
         log.info("compacted log segments %s: copied %d held samples and %d retired ids forward",
                  victims, len(moved), len(retired))
 
@@ -564,7 +615,7 @@ class ReplayBuffer:
             self._live_bytes[sample.ref.segment] += sample.ref.length
 
     def _move(self, sample_id: str, location: Location, uses: int | None = None) -> None:
-        self._resolve([sample_id])
+        self._unplace(sample_id)
         self._where[sample_id] = location
         self._held_in[location.segment][sample_id] = None
         self._live_bytes[location.segment] += location.length
@@ -573,9 +624,28 @@ class ReplayBuffer:
     def _resolve(self, sample_ids: list[str]) -> None:
         """These samples are no longer held (their segments need not keep them)."""
         for sample_id in sample_ids:
-            where = self._where.pop(sample_id)
-            del self._held_in[where.segment][sample_id]
-            self._live_bytes[where.segment] -= where.length
+            self._unplace(sample_id)
+        self._forget_trained(sample_ids)
+
+    def _unplace(self, sample_id: str) -> None:
+        where = self._where.pop(sample_id)
+        del self._held_in[where.segment][sample_id]
+        self._live_bytes[where.segment] -= where.length
+
+    def _note_trained(self, sample_ids: list[str], segment: int) -> None:
+        """These held samples are marked trained by a CONSUMED record in `segment`."""
+        for sample_id in sample_ids:
+            self._forget_trained([sample_id])
+            self._trained_at[sample_id] = segment
+            self._trained_in[segment][sample_id] = None
+            self._live_bytes[segment] += _trained_bytes(sample_id)
+
+    def _forget_trained(self, sample_ids: list[str]) -> None:
+        for sample_id in sample_ids:
+            segment = self._trained_at.pop(sample_id, None)
+            if segment is not None:
+                del self._trained_in[segment][sample_id]
+                self._live_bytes[segment] -= _trained_bytes(sample_id)
 
     def _retire(self, sample_ids: list[str], segment: int) -> None:
         """These ids are done with, by a record in `segment`: duplicates from now on."""
@@ -604,6 +674,8 @@ class ReplayBuffer:
         # Samples held again by a COPY are older than any PUT left (compaction copies from the
         # oldest segments): they are published first, so FIFO order survives compaction.
         puts: list[str] = []
+        trained: dict[str, int] = {}  # sample id -> segment of the CONSUMED record marking it (order of marks)
+        lease_of: dict[str, str] = {}  # sample id -> the last lease it went out in
         for record in records:
             segment = record.location.segment
             if record.kind is RecordKind.PUT:
@@ -616,7 +688,20 @@ class ReplayBuffer:
                 self._retire(sample_ids, segment)
                 self.acked += len(sample_ids)
             elif record.kind is RecordKind.USE:
-                self.store.mark_used(decode_ids(record.payload))
+                sample_ids = decode_ids(record.payload)
+                self.store.mark_used(sample_ids)
+                for sample_id in sample_ids:  # handed out again: to be trained again
+                    trained.pop(sample_id, None)
+            elif record.kind is RecordKind.CONSUMED:
+                for sample_id in decode_ids(record.payload):
+                    trained.pop(sample_id, None)
+                    trained[sample_id] = segment
+            elif record.kind is RecordKind.RETURNED:
+                for sample_id in decode_ids(record.payload):
+                    trained.pop(sample_id, None)
+            elif record.kind is RecordKind.LEASE:
+                lease_id, sample_ids = decode_lease(record.payload)
+                lease_of.update(dict.fromkeys(sample_ids, lease_id))
             elif record.kind is RecordKind.DROP:
                 reason, sample_ids = decode_drop(record.payload)
                 for sample_id in sample_ids:
@@ -631,6 +716,7 @@ class ReplayBuffer:
             elif record.kind is RecordKind.VERSION:
                 self.store.trainer_version = decode_version(record.payload)
         self.store.publish(puts)
+        self._recover_trained(trained, lease_of)
         self.store.close_groups([g for g in self.store.incomplete_groups() if self.retired.has_group(g)])
         for reason, sample_ids in _by_reason(unrecorded).items():
             self._append([drop_record(reason, sample_ids)])
@@ -644,6 +730,20 @@ class ReplayBuffer:
             len(self.retired), self.store.trainer_version,
             f", cut a torn tail of {self.log.truncated_bytes} bytes" if self.log.truncated_bytes else "",
         )
+
+    def _recover_trained(self, trained: dict[str, int], lease_of: dict[str, str]) -> None:
+        """Mark the held samples trained that the log says are (their groups first in line); remember the
+        leases open at the end of the last process, for a trainer that marks one consumed now."""
+        held = [sample_id for sample_id in trained if sample_id in self.store]
+        self.store.mark_trained(held)
+        for sample_id in held:
+            self._note_trained([sample_id], trained[sample_id])
+        for sample_id, lease_id in lease_of.items():
+            if sample_id in self.store and sample_id not in self._trained_at:
+                self._lost_leases.setdefault(lease_id, []).append(sample_id)
+        if held or self._lost_leases:
+            log.info("%d samples in the log are trained and not acked (they go out first, never stale); %d leases "
+                     "were open", len(held), len(self._lost_leases))
 
     def _recover_put(self, record: Record, unrecorded: dict[str, str], now: float, puts: list[str]) -> None:
         # A PUT precedes every record that retires its id (Put refuses retired ids, compaction
@@ -675,6 +775,11 @@ class ReplayBuffer:
             self.store.add_moved(new, uses)
             self.store.publish([sample.sample_id])
             self._note_held([new])
+
+
+def _trained_bytes(sample_id: str) -> int:
+    """What a sample's CONSUMED mark costs a segment that compaction copies it from (about)."""
+    return len(sample_id) + 2
 
 
 def _copied_sample(location: Location) -> Location:

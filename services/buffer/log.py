@@ -44,6 +44,9 @@ class RecordKind(enum.IntEnum):
     VERSION = 6  # the trainer's weight version
     COPY = 7  # a held sample's PUT copied forward by compaction: u32 use count | serialized sample
     RETIRED = 8  # 64-bit hashes of ids done with (retired.py), copied forward by compaction
+    LEASE = 9  # a lease id and the sample ids it holds (so a trainer can mark it consumed after a restart)
+    CONSUMED = 10  # sample ids trained on (their lease marked consumed), copied forward by compaction
+    RETURNED = 11  # sample ids whose consumed mark is void: a lease holding them expired
 
 
 class LogCorruption(RuntimeError):

@@ -1,4 +1,4 @@
-"""What the buffer writes into its log besides samples: acks, uses, drops, versions, checkpoints.
+"""What the buffer writes into its log besides samples: acks, uses, drops, versions, leases, checkpoints.
 
 A PUT record's payload is the sample's serialized `common_pb2.Sample`, stored as received; a COPY
 record's is the same bytes behind a u32 use count; a RETIRED record's is little-endian int64 id
@@ -54,8 +54,17 @@ class Checkpoint:
 
 
 def ids_record(kind: RecordKind, sample_ids: list[str]) -> tuple[RecordKind, bytes]:
-    """An ACK or USE record."""
+    """An ACK, USE, CONSUMED or RETURNED record."""
     return kind, msgpack.packb(sample_ids, use_bin_type=True)
+
+
+def lease_record(lease_id: str, sample_ids: list[str]) -> tuple[RecordKind, bytes]:
+    return RecordKind.LEASE, msgpack.packb([lease_id, sample_ids], use_bin_type=True)
+
+
+def decode_lease(payload: bytes | memoryview) -> tuple[str, list[str]]:
+    lease_id, sample_ids = msgpack.unpackb(payload, raw=False)
+    return lease_id, sample_ids
 
 
 def drop_record(reason: str, sample_ids: list[str]) -> tuple[RecordKind, bytes]:

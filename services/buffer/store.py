@@ -10,7 +10,12 @@ Life of a sample:
     lease() -> LEASED   in a trainer's hands under a lease (extend() moves its deadline and may
                         mark it consumed: trained on, held until the trainer's checkpoint acks it)
     ack() -> gone       (uniform replay: PENDING again until its reuse limit)
-    expire()            an unacked lease's samples go back to PENDING, first in line (consumed or not)
+    expire()            an unacked lease's samples go back to PENDING, first in line (consumed or not;
+                        their trained mark is void: the trainer that trained them may have lost it)
+
+A sample whose lease was marked consumed is *trained* (Entry.trained) until acked or until a lease holding it
+expires: pending again (the buffer restarted and lost its leases), it is exempt from staleness drops and
+from incomplete-group drops, and its group goes out first (the trainer acks it without training again).
 
 A group is complete once `group_size` members arrived (failed ones included), or once it is
 closed: expire_groups() closes a group still incomplete `timeout` after its first member arrived,
@@ -79,6 +84,7 @@ class Entry:
     ref: Any
     state: EntryState = EntryState.STAGED
     uses: int = 0  # times handed out and acked without being used up (uniform replay)
+    trained: bool = False  # in a lease marked consumed (see the module docstring)
 
 
 @dataclass(eq=False)
@@ -297,6 +303,24 @@ class SampleStore:
             if entry is not None:
                 entry.uses += 1
 
+    def mark_trained(self, sample_ids: Iterable[str]) -> list[str]:
+        """These held samples were trained on (a consumed lease, or recovery); returns those held. A pending one's
+        group goes to the front of the line."""
+        marked = []
+        for sample_id in sample_ids:
+            entry = self._entries.get(sample_id)
+            if entry is None:
+                continue
+            entry.trained = True
+            marked.append(sample_id)
+        for key in reversed(list(dict.fromkeys(self._entries[i].group_key for i in marked))):
+            if self._groups[key].pending:
+                self._refresh(self._groups[key], front=True)
+        return marked
+
+    def lease_sample_ids(self, lease_id: str) -> list[str]:
+        return [entry.sample_id for entry in self._leases[lease_id].entries]
+
     def discard(self, sample_ids: Iterable[str]) -> list[str]:
         """Remove held, unleased samples (recovery replaying acks and drops); returns those removed."""
         removed = []
@@ -330,8 +354,9 @@ class SampleStore:
         while self._stale_heap and self._stale_heap[0][0] < oldest_allowed:
             _, _, sample_id = heapq.heappop(self._stale_heap)
             entry = self._entries.get(sample_id)
-            # A leased sample is in a trainer's hands; it is pushed again if it comes back.
-            if entry is not None and entry.state is EntryState.PENDING:
+            # A leased sample is in a trainer's hands; it is pushed again if it comes back. A trained one was
+            # trained within bounds already (it is pushed again if its mark is voided).
+            if entry is not None and entry.state is EntryState.PENDING and not entry.trained:
                 self._remove(entry)
                 dropped.append(sample_id)
         return dropped
@@ -339,7 +364,7 @@ class SampleStore:
     def expire_groups(self, now: float, timeout: float) -> list[str]:
         """Close groups still incomplete `timeout` after their first member arrived; returns the
         ids of the members dropped: those no trainer holds. A member under a lease (partial-group
-        pulls) stays with its lease and, closed, its group goes out as it is if it comes back."""
+        pulls) stays with its lease and, closed, its group goes out as it is if it comes back; so does a trained one."""
         dropped = []
         while self._incomplete:
             key, since = next(iter(self._incomplete.items()))
@@ -348,7 +373,7 @@ class SampleStore:
             del self._incomplete[key]
             group = self._groups[key]
             group.closed = True
-            for entry in [e for e in group.members.values() if e.state is not EntryState.LEASED]:
+            for entry in [e for e in group.members.values() if e.state is not EntryState.LEASED and not e.trained]:
                 self._remove(entry)
                 dropped.append(entry.sample_id)
             if self._groups.get(key) is group:  # still holds leased members, or held none
@@ -419,14 +444,18 @@ class SampleStore:
                 self._remove(entry)
                 done.append(entry.sample_id)
             else:
+                entry.trained = False  # to be trained again
                 self._make_pending(entry)
                 reused.append(entry.sample_id)
         return done, reused
 
     def expire(self, now: float) -> list[Lease]:
-        """Close leases past their deadline; their samples are pending again, first in line."""
+        """Close leases past their deadline; their samples are pending again, first in line, and no longer
+        marked trained (the trainer stopped holding them: what it trained may be lost with it)."""
         expired = [lease for lease in self._leases.values() if lease.deadline <= now]
         for lease in expired:
+            for entry in lease.entries:
+                entry.trained = False
             self.release(lease.lease_id)
         return expired
 
@@ -450,6 +479,8 @@ class SampleStore:
             if consumed and not lease.consumed:
                 lease.consumed = True
                 self._consumed += len(lease.entries)
+                for entry in lease.entries:
+                    entry.trained = True
         return missing
 
     def is_open(self, lease_id: str) -> bool:
@@ -492,7 +523,7 @@ class SampleStore:
 
     def _make_pending(self, entry: Entry, front: bool = False) -> None:
         self._set_state(entry, EntryState.PENDING)
-        if self.max_staleness is not None and entry.oldest_version >= 0:
+        if self.max_staleness is not None and entry.oldest_version >= 0 and not entry.trained:
             heapq.heappush(self._stale_heap, (entry.oldest_version, next(self._heap_tiebreak), entry.sample_id))
         self._refresh(self._groups[entry.group_key], front)
 
