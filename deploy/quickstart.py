@@ -288,10 +288,11 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
             "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
             "metrics_sample_ids": rl.metrics_sample_ids,
             "checkpoint": {"dir": str(run_dir / "checkpoints"), "interval": rl.checkpoint_interval},
+            "heartbeat_path": str(run_dir / "trainer.heartbeat"),
         })
         started = time.monotonic()
         supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",
-                               exit_zero_is_done=True)
+                               exit_zero_is_done=True, heartbeat=run_dir / "trainer.heartbeat")
         supervisor.add_process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log",
                                heartbeat=run_dir / "driver_stats.jsonl")
         progress.start_rl(rl.time_budget_s, sft_accuracy)

@@ -3,10 +3,11 @@
 Each member (a service, the trainer, the driver) has a watcher thread. A member is down when its
 process has exited (the trainer's exit 0 is its end, not a death) or is frozen (SIGKILLed first): a
 service whose health check has gone unanswered for `health_timeout_s`, a client process whose heartbeat
-file (the driver's stats, written every 2 s) has not been touched for as long. A member that
-is down is started again after a backoff, services on their own address; one that goes down more than
-`max_restarts` times within `restart_window_s` fails the run: `check()` raises RunFailed naming it,
-with the tail of its log.
+file (the driver's stats, written every 2 s; the trainer's heartbeat_path, touched every 2 s by a
+thread that beats through long steps and stops only with the whole process) has not been touched for
+as long. A member that is down is started again after a backoff, services on their own address; one
+that goes down more than `max_restarts` times within `restart_window_s` fails the run: `check()`
+raises RunFailed naming it, with the tail of its log.
 """
 
 import logging

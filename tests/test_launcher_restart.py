@@ -157,3 +157,34 @@ def test_relayrl_run_exits_non_zero_naming_what_keeps_dying(tmp_path, capsys, mo
     assert code == 1
     assert "relayrl run failed: reward " in err and "restarts are exhausted" in err
     assert "relayrl quickstart: summary" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_trainer_is_found_by_its_heartbeat_and_resumes_from_its_checkpoint(tmp_path, supervisor,
+                                                                                    tiny_model_dir):
+    """The trainer's heartbeat thread stops only with the whole process: SIGSTOPped, it is killed and started
+    again, and the new process resumes after the checkpoint the frozen one had written."""
+    from test_trainer_loop import BATCH, make_samples, put, records, trainer_overrides
+
+    buffer = supervisor.add_service(start_service("buffer", {"data_dir": str(tmp_path / "buffer"),
+                                                             "lease_timeout_s": 2.0}, log_dir=tmp_path / "logs"))
+    put(buffer.address, make_samples(20 * BATCH))
+    beat, metrics, max_steps = tmp_path / "trainer.heartbeat", tmp_path / "metrics.jsonl", 8
+    overrides = trainer_overrides(tiny_model_dir, buffer.address, tmp_path, max_steps, **{
+        "checkpoint.interval": "2", "buffer.lease_timeout_s": "2", "metrics_path": str(metrics),
+        "heartbeat_path": str(beat), "heartbeat_interval_s": "0.5"})
+    trainer = supervisor.add_process("trainer", ["-m", "trainer", *overrides], tmp_path / "trainer.log",
+                                     exit_zero_is_done=True, heartbeat=beat)
+    wait_for(lambda: len(records(metrics)) >= 3 or trainer.exit_code() is not None, 180, "three steps")
+    pid = trainer.pid
+    os.kill(pid, signal.SIGSTOP)
+    frozen_at = (tmp_path / "checkpoints" / "latest").read_text()
+    wait_for(lambda: supervisor.restarts().get("trainer") == 1, 30, "the frozen trainer restarted")
+    assert trainer.pid != pid and "heartbeat" in supervisor.records["trainer"].deaths[0][1]
+    wait_for(lambda: supervisor.done("trainer"), 180, "the restarted trainer finished")
+    steps = [r["step"] for r in records(metrics)]
+    resumed = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert f"step_{steps[resumed] - 1:08d}" == frozen_at and steps[-1] == max_steps
+    assert supervisor.restarts() == {"trainer": 1}
+    supervisor.check()

@@ -182,6 +182,48 @@ def test_a_lost_lease_is_redelivered_and_acked_without_training_again(tmp_path, 
     assert (after.acked, after.pending, after.leased, after.redelivered) == (BATCH, 0, 0, BATCH)
 
 
+def test_batches_trained_when_the_buffer_restarts_come_back_and_are_acked_without_training(
+    tmp_path, service_factory, free_port
+):
+    """The buffer (max_staleness 1) is SIGKILLed while the trainer holds one consumed batch and trains another;
+    restarted, it is told a version far ahead. Both batches come back (before, they were dropped as stale and
+    stayed in the ledger for good), the ledger moves them to their new leases, and they are acked untrained."""
+    from trainer.buffer_client import BufferClient
+    from trainer.config import BufferClientConfig
+    from trainer.leases import LeaseBook
+
+    address = f"127.0.0.1:{free_port}"
+    settings = {"data_dir": str(tmp_path / "buffer"), "server.address": address, "max_staleness": 1}
+    buffer = service_factory("buffer", settings)
+    put(address, make_samples(3 * BATCH))  # weight version 0
+    client = BufferClient(BufferClientConfig(address=address, max_wait_s=5, pull_timeout_s=2))
+    book = LeaseBook(client, interval_s=60, ack_on_checkpoint=True)
+    try:
+        consumed = book.work(book.pull(BATCH))
+        book.consumed(consumed, trainer_version=1)
+        in_training = book.work(book.pull(BATCH))
+        buffer.kill()
+        service_factory("buffer", settings)  # same address and data: the leases are gone
+        book.consumed(in_training, trainer_version=2)  # the step ends after the restart
+        client.set_version(100)
+        book.checkpointed(trainer_version=100)
+        assert (book.redelivered, book.acked, len(book.ledger)) == (2, 0, 2 * BATCH)
+        trained = {s.sample_id for work in (consumed, in_training) for s in work.train}
+        back = [book.work(book.pull(BATCH)) for _ in range(2)]
+        assert all(work.train == [] for work in back)
+        assert {i for work in back for i in work.already_trained} == trained
+        for work in back:
+            book.consumed(work, trainer_version=100)
+        assert sorted(book.ledger.leases()) == sorted(work.lease_id for work in back)
+        book.checkpointed(trainer_version=100)
+        assert (book.acked, len(book.ledger), book.skipped) == (2 * BATCH, 0, 2 * BATCH)
+    finally:
+        book.close()
+        client.close()
+    after = stats(address)
+    assert (after.acked, after.pending, after.leased, dict(after.dropped)) == (2 * BATCH, 0, 0, {"stale": BATCH})
+
+
 def test_the_ledger_moves_a_redelivered_sample_to_its_new_lease():
     from trainer.leases import Ledger
 

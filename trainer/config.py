@@ -263,6 +263,11 @@ class TrainerConfig(Strict):
     metrics_sample_ids: bool = Field(
         False, description="Also record each step's lease and sample ids in the metrics file (audits resumes)."
     )
+    heartbeat_path: str | None = Field(
+        None, description="Touch this file every heartbeat_interval_s from a daemon thread of rank 0 (from start-up "
+        "on): a supervisor that finds it untouched knows the process is frozen, not merely busy. None = off."
+    )
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between touches of heartbeat_path.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

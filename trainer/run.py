@@ -1,8 +1,10 @@
-"""Wire a training process: threads, logging, process group, buffer client, weight publisher."""
+"""Wire a training process: threads, logging, heartbeat, process group, buffer client, weight publisher."""
 
 import contextlib
 import logging
 import os
+import pathlib
+import threading
 
 import torch
 import transformers
@@ -28,12 +30,35 @@ def run(config: TrainerConfig) -> TrainState:
         cleanup.callback(shutdown_distributed, env)
         source = publisher = None
         if env.is_main:
+            if config.heartbeat_path:
+                cleanup.callback(Heartbeat(pathlib.Path(config.heartbeat_path), config.heartbeat_interval_s).close)
             source = BufferClient(config.buffer)
             cleanup.callback(source.close)
             if config.publish.receivers:
                 publisher = RolloutPublisher(config.publish)
                 cleanup.callback(publisher.close)
         return train(config, env, source, publisher)
+
+
+class Heartbeat:
+    """Touches `path` every `interval_s` from a daemon thread: it beats while the process runs, however long a
+    step or a wait takes, and stops only when the whole process does (killed, or frozen by SIGSTOP)."""
+
+    def __init__(self, path: pathlib.Path, interval_s: float) -> None:
+        self.path, self.interval_s = path, interval_s
+        self._stop = threading.Event()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+        self._thread = threading.Thread(target=self._run, name="relayrl-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.path.touch()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 1)
 
 
 class WeightVersionConflict(RuntimeError):
