@@ -154,3 +154,37 @@ def kl_reward_penalty(
     `logprobs` are the policy's before the update (verl: old_log_probs); verl's default estimator is k1.
     """
     return token_rewards - coef * kl_penalty(logprobs, ref_logprobs, estimator) * mask
+
+
+SequenceEstimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline"]
+
+
+def sequence_advantages(
+    estimator: SequenceEstimator,
+    scores: torch.Tensor,
+    group_index: torch.Tensor,
+    norm_std: bool = True,
+    eps: float = 1e-6,
+    group_of_one: GroupOfOne = "score",
+) -> torch.Tensor:
+    """One advantage per sequence from its score (reward, minus its KL sum when KL is in the reward):
+    grpo (`grpo_advantages`), rloo (`rloo_advantages`), or reinforce_plus_plus_baseline's group-centred score
+    (verl's compute_reinforce_plus_plus_baseline_outcome_advantage before it whitens them over the batch)."""
+    if estimator == "grpo":
+        return grpo_advantages(scores, group_index, norm_std, eps, group_of_one)
+    if estimator == "rloo":
+        return rloo_advantages(scores, group_index, group_of_one)
+    if estimator == "reinforce_plus_plus_baseline":
+        return grpo_advantages(scores, group_index, norm_std=False, group_of_one=group_of_one)
+    raise ValueError(f"advantage_estimator: {estimator!r} is not a sequence-level estimator")
+
+
+def varied_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """DAPO dynamic sampling: True for each sample of a group whose rewards are not all equal, or of a group of
+    one (verl's DAPO keeps those: its filter drops groups of zero std with more than one member)."""
+    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    rewards64 = rewards.double()
+    highest = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, group_index, rewards64, "amax")
+    lowest = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, group_index, rewards64, "amin")
+    counts = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards64))
+    return ((highest > lowest) | (counts == 1))[group_index]

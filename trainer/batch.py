@@ -36,6 +36,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # per token
     old_logprobs: torch.Tensor | None = None  # the policy the PPO ratio is taken against
     is_weights: torch.Tensor | None = None  # off-policy importance weights per token
+    rejected: torch.Tensor | None = None  # off-policy rejection: 1.0 where a trained token was masked out
     old_values: torch.Tensor | None = None  # PPO: critic values before the update
     returns: torch.Tensor | None = None  # PPO: GAE returns
     loss_weights: torch.Tensor | None = None  # per token, see losses.loss_weights

@@ -14,10 +14,27 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from protos.sample import Sample
-from trainer.advantages import gae, grpo_advantages, masked_moments, terminal_rewards, whiten
-from trainer.batch import TrainBatch, collate, order_preference_pairs
+from trainer.advantages import (
+    discounted_returns,
+    gae,
+    kl_reward_penalty,
+    masked_moments,
+    sequence_advantages,
+    terminal_rewards,
+    varied_groups,
+    whiten,
+)
+from trainer.batch import TrainBatch, collate, group_indices, order_preference_pairs
 from trainer.config import TrainerConfig
-from trainer.losses import decoupled_weights, loss_weights, tis_weights
+from trainer.losses import (
+    decoupled_weights,
+    is_weight_moments,
+    loss_totals,
+    loss_weights,
+    normalize_is_weights,
+    rejection_mask,
+    tis_weights,
+)
 from trainer.model import PolicyModel, load_policy, run_policy
 from trainer.objectives import objective
 from trainer.parallel import DistEnv, parallelize
@@ -40,6 +57,9 @@ class Learner:
             reference = load_policy(config.ref_model_path, device=env.device).requires_grad_(False)
             self.reference = parallelize(reference, env)
         optim = config.optim
+        # Dynamic sampling's counts: the last pulled batch's (added to each of its steps' metrics) and running totals.
+        self.batch_metrics: dict[str, float] = {}
+        self.dropped_totals = {"dropped_groups_total": 0.0, "dropped_samples_total": 0.0}
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
@@ -55,38 +75,59 @@ class Learner:
         are computed over the real samples of each mini-batch, which is then padded with zero-weight
         rows to a multiple of the world size, so every rank runs the same steps and micro-batches
         and the padding counts in no loss or metric. FAILED samples are the caller's to filter out.
+
+        The order follows verl's: recompute (proximal logprobs, values, reference), KL reward penalty,
+        rejection (masks tokens out of advantages and normalisation), advantages, importance weights.
         """
+        samples = self._dynamic_sampling(samples)
         if not samples:
             return []
         if self.algo.name == "dpo":
             samples = order_preference_pairs(samples)
         batch = collate(samples, self.pad_id)
-        if self.algo.name == "grpo":
-            advantages = grpo_advantages(
-                batch.rewards, batch.group_index, self.algo.grpo_norm_std, self.algo.grpo_eps, self.algo.grpo_group_of_one
-            )
-            batch.advantages = advantages[:, None] * batch.loss_mask
         chunks, per_step = plan_mini_batches(
             batch.num_rows, self.config.batch.mini_batches, self.env.world_size, unit=2 if self.algo.name == "dpo" else 1
         )
         batch = pad_rows(batch, chunks, per_step)
-        self._set_weights(batch, per_step)
-        local = batch.select(self._local_rows(len(chunks), per_step))
+        real = batch.row_weights > 0
+        longest = self._set_weights(batch, per_step)
+        rows = self._local_rows(len(chunks), per_step)
+        local = batch.select(rows)
         self._recompute(local)
-        if self.algo.name == "ppo":
-            self._estimate_advantages(local)
+        if self.algo.rejection and self.algo.off_policy != "bypass":
+            self._reject(local, per_step // self.env.world_size, longest)
+        if self.algo.advantage_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+            self._sequence_advantages(local, batch, real, rows)
+        elif self.algo.advantage_estimator is not None:
+            self._token_advantages(local)
         if self.algo.name in ("grpo", "ppo", "distill"):
             self._set_off_policy_correction(local)
-        rows = per_step // self.env.world_size
-        return [local.select(slice(m * rows, (m + 1) * rows)) for m in range(len(chunks))]
+        per_rank = per_step // self.env.world_size
+        return [local.select(slice(m * per_rank, (m + 1) * per_rank)) for m in range(len(chunks))]
 
-    def _set_weights(self, batch: TrainBatch, per_step: int) -> None:
+    def _dynamic_sampling(self, samples: Sequence[Sample]) -> Sequence[Sample]:
+        """DAPO: drop the groups whose rewards are all equal (they have no learning signal); counted."""
+        self.batch_metrics = {}
+        if not self.algo.dynamic_sampling or not samples:
+            return samples
+        group_ids = [s.group_id for s in samples]
+        keep = varied_groups(torch.tensor([s.reward for s in samples], dtype=torch.float64), group_indices(group_ids))
+        dropped_groups = len(set(group_ids)) - len({g for g, kept in zip(group_ids, keep.tolist(), strict=True) if kept})
+        self.dropped_totals["dropped_groups_total"] += dropped_groups
+        self.dropped_totals["dropped_samples_total"] += len(samples) - int(keep.sum())
+        self.batch_metrics = {"dropped_groups": float(dropped_groups), "dropped_samples": float(len(samples) - int(keep.sum())),
+                              **self.dropped_totals}
+        return [sample for sample, kept in zip(samples, keep.tolist(), strict=True) if kept]
+
+    def _set_weights(self, batch: TrainBatch, per_step: int) -> list[torch.Tensor]:
         """Loss/metric weights computed over each whole mini-batch (all ranks' rows); padding rows
-        (loss_mask 0, see pad_rows) weigh 0 and count in no normalisation."""
+        (loss_mask 0, see pad_rows) weigh 0 and count in no normalisation. Returns each mini-batch's
+        longest response (the seq_mean_token_sum_norm constant, kept when rejection masks tokens)."""
         real = batch.row_weights  # pad_rows: 1 for a sample, 0 for padding
         batch.loss_weights = torch.zeros_like(batch.loss_mask)
         batch.token_weights = torch.zeros_like(batch.loss_mask)
         batch.row_weights = torch.zeros_like(batch.rewards)
+        longest = []
         for start in range(0, batch.num_rows, per_step):
             rows = slice(start, start + per_step)
             mask = batch.loss_mask[rows]
@@ -95,6 +136,28 @@ class Learner:
             )
             batch.token_weights[rows] = loss_weights(mask, "token_mean")
             batch.row_weights[rows] = real[rows] / real[rows].sum()
+            longest.append(loss_totals(mask)[2])
+        return longest
+
+    def _reject(self, batch: TrainBatch, per_rank: int, longest: list[torch.Tensor]) -> None:
+        """Rejection sampling on pi_prox vs pi_rollout (this rank's rows): rejected tokens leave the loss mask, and
+        the loss weights are recomputed with each mini-batch's kept-token counts summed over ranks."""
+        kept = batch.loss_mask
+        for rule in self.algo.rejection:
+            kept = rejection_mask(batch.old_logprobs - batch.rollout_logprobs, kept, rule.statistic, rule.upper, rule.lower)
+        batch.rejected = batch.loss_mask - kept
+        batch.loss_mask = kept
+        steps = range(0, batch.num_rows, per_rank)
+        counts = torch.stack([torch.stack(loss_totals(kept[start : start + per_rank])[:2]) for start in steps]).double()
+        counts = self.env.all_reduce_sum(counts)
+        for m, start in enumerate(steps):
+            rows = slice(start, start + per_rank)
+            tokens, seqs = counts[m].to(kept.dtype).unbind()
+            batch.loss_weights[rows] = loss_weights(
+                kept[rows], self.algo.loss_agg, self.algo.loss_norm_length, self.algo.loss_norm_seqs,
+                (tokens, seqs, longest[m]),
+            )
+            batch.token_weights[rows] = loss_weights(kept[rows], "token_mean", totals=(tokens, seqs, longest[m]))
 
     def _local_rows(self, steps: int, per_step: int) -> torch.Tensor:
         """Indices of this rank's rows: its contiguous share of every mini-batch."""
@@ -135,22 +198,66 @@ class Learner:
         SFT and DPO score their data under the model itself (T = 1)."""
         return batch.temperatures if self.algo.name in ("grpo", "ppo", "distill") else None
 
-    def _estimate_advantages(self, batch: TrainBatch) -> None:
-        """PPO: GAE on the critic's values, whitened over the whole pulled batch (all ranks)."""
-        token_rewards = terminal_rewards(batch.rewards, batch.loss_mask)
-        advantages, batch.returns = gae(token_rewards, batch.old_values, batch.loss_mask, self.algo.gamma, self.algo.lam)
-        if self.algo.whiten_advantages:
-            moments = self.env.all_reduce_sum(masked_moments(advantages, batch.loss_mask))
-            advantages = whiten(advantages, batch.loss_mask, moments)
-        batch.advantages = advantages
+    def _trained_mask(self, batch: TrainBatch) -> torch.Tensor:
+        """The loss mask before rejection (the KL penalty and importance weights are taken on it, as verl's)."""
+        return batch.loss_mask if batch.rejected is None else batch.loss_mask + batch.rejected
+
+    def _kl_in_reward(self, batch: TrainBatch, token_rewards: torch.Tensor) -> torch.Tensor:
+        """Token rewards minus kl_reward_coef * KL(policy before the update || reference) on every trained token."""
+        if self.algo.kl_reward_coef == 0:
+            return token_rewards
+        before = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+        return kl_reward_penalty(token_rewards, before, batch.ref_logprobs, self._trained_mask(batch),
+                                 self.algo.kl_reward_coef, self.algo.kl_reward_estimator)
+
+    def _sequence_advantages(self, local: TrainBatch, batch: TrainBatch, real: torch.Tensor, rows: torch.Tensor) -> None:
+        """grpo / rloo / reinforce_plus_plus_baseline: one advantage per sequence from the real rows of the whole
+        pulled batch (groups may span ranks), each sequence's score its reward minus its KL penalty sum."""
+        scores = batch.rewards.double()
+        if self.algo.kl_reward_coef > 0:
+            penalties = torch.zeros_like(scores)
+            penalties[rows] = -self._kl_in_reward(local, torch.zeros_like(local.loss_mask)).double().sum(-1)
+            scores = scores - self.env.all_reduce_sum(penalties)
+        advantages = torch.zeros_like(scores)
+        advantages[real] = sequence_advantages(
+            self.algo.advantage_estimator, scores[real], batch.group_index[real], self.algo.grpo_norm_std,
+            self.algo.grpo_eps, self.algo.grpo_group_of_one,
+        )
+        local.advantages = advantages[rows].to(local.rewards.dtype)[:, None] * local.loss_mask
+        if self.algo.advantage_estimator == "reinforce_plus_plus_baseline":
+            local.advantages = self._whiten(local.advantages, local.loss_mask)
+
+    def _token_advantages(self, batch: TrainBatch) -> None:
+        """PPO: GAE on the critic's values; REINFORCE++: discounted returns. Whitened over the whole pulled batch
+        (all ranks); the sequence's reward sits on its last trained (kept) token."""
+        token_rewards = self._kl_in_reward(batch, terminal_rewards(batch.rewards, batch.loss_mask))
+        if self.algo.advantage_estimator == "gae":
+            advantages, batch.returns = gae(token_rewards, batch.old_values, batch.loss_mask, self.algo.gamma, self.algo.lam)
+            batch.advantages = self._whiten(advantages, batch.loss_mask) if self.algo.whiten_advantages else advantages
+            return
+        returns = discounted_returns(token_rewards, batch.loss_mask, self.algo.gamma, self.algo.steps_over_masked)
+        batch.advantages = self._whiten(returns, batch.loss_mask)
+
+    def _whiten(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return whiten(values, mask, self.env.all_reduce_sum(masked_moments(values, mask)))
 
     def _set_off_policy_correction(self, batch: TrainBatch) -> None:
-        """The policy the ratio is taken against, and importance weights for asynchronous data."""
-        if self.algo.off_policy == "none":
+        """The policy the ratio is taken against, and importance weights for asynchronous data (docs/algorithms.md).
+
+        Weights are taken on the mask before rejection and batch-normalised over it (verl's order), then
+        rejected tokens weigh 0. bypass's weights and rejection are the objective's (current policy)."""
+        if self.algo.off_policy in ("none", "bypass"):
             batch.old_logprobs = batch.rollout_logprobs
             return
+        if self.algo.off_policy == "recompute":
+            return
+        mask = self._trained_mask(batch)
         weights = tis_weights if self.algo.off_policy == "tis" else decoupled_weights
-        batch.is_weights = weights(batch.old_logprobs, batch.rollout_logprobs, self.algo.is_cap) * batch.loss_mask
+        is_weights = weights(batch.old_logprobs, batch.rollout_logprobs, self.algo.is_cap, mask, self.algo.is_level)
+        if self.algo.is_batch_normalize:
+            moments = self.env.all_reduce_sum(is_weight_moments(is_weights, mask, self.algo.is_level))
+            is_weights = normalize_is_weights(is_weights, moments)
+        batch.is_weights = is_weights * batch.loss_mask
 
     # -- one optimizer step -------------------------------------------------------------------
 
@@ -177,7 +284,7 @@ class Learner:
         names = sorted(sums)
         totals = self.env.all_reduce_sum(torch.stack([sums[name] for name in names]))
         result = dict(zip(names, totals.tolist(), strict=True))
-        result.update(grad_norm=grad_norm, lr=lr)
+        result.update(grad_norm=grad_norm, lr=lr, **self.batch_metrics)
         return result
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[slice, TrainBatch]]:

@@ -43,7 +43,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def loss_weights(
-    mask: torch.Tensor, agg: LossAgg, norm_length: float | None = None, norm_seqs: bool = False
+    mask: torch.Tensor,
+    agg: LossAgg,
+    norm_length: float | None = None,
+    norm_seqs: bool = False,
+    totals: "LossTotals | None" = None,
 ) -> torch.Tensor:
     """Per-token weights w with `aggregate(x) == (x * w).sum()` for the whole batch (verl's `agg_loss`).
 
@@ -59,20 +63,36 @@ def loss_weights(
 
     The batch is the whole mini-batch (all micro-batches and ranks), so the loss does not depend on
     how it is split; verl computes its sequence means per micro-batch (or from its global batch info).
+    `mask` may be one rank's share of it when `totals` gives the whole mini-batch's counts (`loss_totals`,
+    summed over ranks) and the longest response (the seq_mean_token_sum_norm constant when norm_length is None).
     """
     mask = mask.float()
     tokens_per_seq = mask.sum(-1, keepdim=True)
+    if totals is None:
+        totals = loss_totals(mask)
+    num_tokens, num_seqs, longest = (value.clamp(min=1) for value in totals)
     if agg == "token_mean":
-        return mask / tokens_per_seq.sum().clamp(min=1)
-    num_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
+        return mask / num_tokens
     if agg == "seq_mean_token_sum":
         return mask / num_seqs
     if agg == "seq_mean_token_mean":
         return mask / tokens_per_seq.clamp(min=1) / num_seqs
     if agg == "seq_mean_token_sum_norm":
-        length = norm_length if norm_length is not None else tokens_per_seq.max().clamp(min=1)
+        length = norm_length if norm_length is not None else longest
         return mask / length / (num_seqs if norm_seqs else 1)
     raise ValueError(f"loss_agg: unknown aggregation {agg!r}")
+
+
+LossTotals = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def loss_totals(mask: torch.Tensor, longest: torch.Tensor | None = None) -> LossTotals:
+    """(trained tokens, sequences with a trained token, longest response) of `mask`, as `loss_weights` divides
+    by them. The first two sum across ranks; `longest` may be given (the mini-batch's, before rejection)."""
+    tokens_per_seq = mask.float().sum(-1)
+    if longest is None:
+        longest = tokens_per_seq.max() if tokens_per_seq.numel() else torch.zeros(())
+    return tokens_per_seq.sum(), (tokens_per_seq > 0).sum().to(tokens_per_seq.dtype), longest
 
 
 def aggregate(
@@ -348,11 +368,27 @@ def rejection_mask(
     return mask * keep.to(mask.dtype).expand_as(mask)
 
 
-def decoupled_weights(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Decoupled PPO (behaviour vs proximal policy): pi_prox / pi_behav, detached.
+def decoupled_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    cap: float,
+    mask: torch.Tensor | None = None,
+    level: ISLevel = "token",
+) -> torch.Tensor:
+    """Masked importance sampling (decoupled PPO, behaviour vs proximal policy): pi_prox / pi_behav, detached,
+    with weights above `cap` dropped (weight 0) rather than truncated, as AReaL's decoupled objective (MIS).
 
-    Tokens whose weight exceeds `cap` are dropped (weight 0) rather than truncated, as in
-    AReaL's decoupled objective; the PPO ratio itself is taken against the proximal policy.
+    `level` as `tis_weights`: sequence = the product of the sequence's token ratios, the whole sequence
+    dropped when it exceeds the cap (needs `mask`). Masked-out tokens get weight 0 when `mask` is given.
     """
-    weights = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
-    return torch.where(weights <= cap, weights, torch.zeros_like(weights))
+    log_ratio = proximal_logprobs - behaviour_logprobs
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("sequence-level importance weights need the loss mask")
+        log_ratio = masked_sum(log_ratio, mask, -1).unsqueeze(-1).expand_as(proximal_logprobs)
+        log_ratio = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    elif level != "token":
+        raise ValueError(f"is_level: unknown level {level!r}")
+    weights = torch.exp(log_ratio).detach()
+    weights = torch.where(weights <= cap, weights, torch.zeros_like(weights))
+    return weights * mask if mask is not None else weights

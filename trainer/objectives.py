@@ -18,8 +18,10 @@ from trainer.losses import (
     kl_penalty,
     ppo_policy_loss,
     reinforce_loss,
+    rejection_mask,
     sapo_policy_loss,
     sft_loss,
+    tis_weights,
     value_loss,
 )
 from trainer.model import PolicyOutput
@@ -69,15 +71,39 @@ def dpo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[to
 def policy_gradient(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
     """GRPO and PPO's policy part (algo.policy_loss), off-policy weighted when configured."""
     losses, clipped, dual_clipped = policy_term(algo, batch, out)
+    metrics: Metrics = {}
+    if algo.off_policy == "bypass":
+        losses = losses * bypass_correction(algo, batch, out, metrics)
     if batch.is_weights is not None:
         losses = losses * batch.is_weights
-    metrics = {
+        metrics["is_weight"] = (batch.is_weights * batch.token_weights).sum()
+    if batch.rejected is not None:
+        metrics["rejected_tokens"] = batch.rejected.sum()
+    metrics |= {
         "clip_fraction": (clipped * batch.token_weights).sum(),
         "dual_clip_fraction": (dual_clipped * batch.token_weights).sum(),
         "ratio": (torch.exp((out.logprobs - batch.old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).detach()
                   * batch.token_weights).sum(),
     }
     return (losses * batch.loss_weights).sum(), metrics
+
+
+def bypass_correction(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput, metrics: Metrics) -> torch.Tensor:
+    """verl's bypass mode (old = rollout logprobs, no recompute): per-token factors of the loss from the current
+    policy (detached) against the rollout's, taken on this micro-batch: the rejection mask (algo.rejection; the
+    rejected tokens keep their place in the normalisation, fixed before the step), times the truncated importance
+    weights for policy_loss reinforce (a ratio loss corrects by its own ratio: verl applies no weights there)."""
+    current = out.logprobs.detach()
+    kept = batch.loss_mask
+    for rule in algo.rejection:
+        kept = rejection_mask(current - batch.rollout_logprobs, kept, rule.statistic, rule.upper, rule.lower)
+    if algo.rejection:
+        metrics["rejected_tokens"] = (batch.loss_mask - kept).sum()
+    if algo.policy_loss != "reinforce":
+        return kept
+    weights = tis_weights(current, batch.rollout_logprobs, algo.is_cap, batch.loss_mask, algo.is_level)
+    metrics["is_weight"] = (weights * batch.token_weights).sum()
+    return kept * weights
 
 
 def policy_term(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, ...]:
@@ -104,9 +130,12 @@ def ppo(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[to
 
 def distill(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutput) -> tuple[torch.Tensor, Metrics]:
     losses, reverse_kl = distill_reverse_kl(out.logprobs, batch.old_logprobs, batch.ref_logprobs)
+    metrics = {"reverse_kl": (reverse_kl * batch.token_weights).sum()}
     if batch.is_weights is not None:
         losses = losses * batch.is_weights
-    return (losses * batch.loss_weights).sum(), {"reverse_kl": (reverse_kl * batch.token_weights).sum()}
+    if batch.rejected is not None:
+        metrics["rejected_tokens"] = batch.rejected.sum()
+    return (losses * batch.loss_weights).sum(), metrics
 
 
 ALGORITHMS = {"sft": sft, "dpo": dpo, "grpo": policy_gradient, "ppo": ppo, "distill": distill}
