@@ -478,3 +478,30 @@ async def test_a_lease_lost_in_a_restart_can_still_be_marked_consumed(tmp_path):
     assert (extended, missing) == (0, [in_training.lease_id])
     assert recovered.stats().dropped == {"stale": 1} and pending_ids(recovered) == set(batch_ids(in_training))
     await recovered.close()
+
+
+async def test_a_new_consumer_voids_the_marks_of_the_trainer_it_replaced(tmp_path):
+    """Trainer `a` trained x and died before its checkpoint; the buffer restarted meanwhile. x's mark survives
+    the restart, but the first pull of the trainer that replaces `a` voids it: x is dropped as stale, never
+    handed to `b` (whose history does not hold it and which may not train it that stale)."""
+    cfg = config(tmp_path, max_staleness=1)
+    buffer = await opened_at(cfg, Clock())
+    await buffer.put([make_sample("x", version=0), make_sample("y", version=0), make_sample("z", version=9)])
+    lease = await buffer.lease_batch(PullSpec(batch_size=1, consumer="a"))
+    await buffer.extend_leases([lease.lease_id], 0, consumed=True, trainer_version=1)
+    del buffer
+
+    recovered = await opened_at(cfg, Clock())
+    assert await recovered.set_version(10) == 1  # y; x is trained (by a, the last consumer)
+    taken = await recovered.lease_batch(PullSpec(batch_size=1, consumer="b"))
+    assert batch_ids(taken) == ["z"] and recovered.stats().dropped == {"stale": 2}
+    del recovered
+
+    again = await opened_at(cfg, Clock())
+    assert pending_ids(again) == {"z"} and again.stats().dropped == {"stale": 2}
+    lease = await again.lease_batch(PullSpec(batch_size=1, consumer="b"))
+    await again.extend_leases([lease.lease_id], 0, consumed=True, trainer_version=11)
+    await again.close()
+    last = await opened_at(cfg, Clock())  # b is still the consumer: its mark holds
+    assert await last.set_version(30) == 0 and pending_ids(last) == {"z"}
+    await last.close()

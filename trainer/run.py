@@ -5,6 +5,7 @@ import logging
 import os
 import pathlib
 import threading
+import uuid
 
 import torch
 import transformers
@@ -32,7 +33,9 @@ def run(config: TrainerConfig) -> TrainState:
         if env.is_main:
             if config.heartbeat_path:
                 cleanup.callback(Heartbeat(pathlib.Path(config.heartbeat_path), config.heartbeat_interval_s).close)
-            source = BufferClient(config.buffer)
+            # A name of this process's own: the buffer tells a restarted trainer from the one it replaces.
+            consumer = f"{config.buffer.consumer}/{uuid.uuid4().hex[:12]}"
+            source = BufferClient(config.buffer.model_copy(update={"consumer": consumer}))
             cleanup.callback(source.close)
             if config.publish.receivers:
                 publisher = RolloutPublisher(config.publish)

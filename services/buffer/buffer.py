@@ -162,7 +162,8 @@ class ReplayBuffer:
         self._trained_at: dict[str, int] = {}  # held sample marked trained -> segment of its CONSUMED record
         self._trained_in: defaultdict[int, dict[str, None]] = defaultdict(dict)  # segment -> those ids
         self._lease_at: dict[str, int] = {}  # open lease -> segment of its LEASE record
-        self._lost_leases: dict[str, list[str]] = {}  # leases open when the last process ended -> their samples
+        self._lost_leases: dict[str, tuple[str, list[str]]] = {}  # leases open at the last process's end -> (consumer, ids)
+        self._consumer: str | None = None  # who took the last lease (marks are its, see extend_leases)
         self._started = False
         self._compact_due = False
         self._pending_changed = _Signal()  # wakes Pull
@@ -298,12 +299,13 @@ class ReplayBuffer:
         while True:
             self._expire_leases()
             self._expire_groups()
+            self._switch_consumer(spec.consumer)
             self._drop_stale()
             lease = self.store.lease(spec, self.clock())
             if lease is not None:
                 break
             await self._pending_changed.wait(self._until_next_expiry())
-        self._append([lease_record(lease.lease_id, [entry.sample_id for entry in lease.entries])])
+        self._append([lease_record(lease.lease_id, [entry.sample_id for entry in lease.entries], spec.consumer)])
         self._lease_at[lease.lease_id] = self.log.active_segment
         self._compact_if_due()
         payloads = [self.log.read(entry.ref) for entry in lease.entries]
@@ -375,9 +377,14 @@ class ReplayBuffer:
         missing = self.store.extend(lease_ids, self.clock() + timeout, consumed)
         if consumed:
             self._lease_closed.fire()  # a Pull stream's prefetch counts only leases awaiting training
-            trained = [i for lease_id in newly for i in self.store.lease_sample_ids(lease_id)]
+            # Only the current consumer's training counts: one replaced by another lost what it trained since its
+            # last checkpoint (see _switch_consumer).
+            current = [lease_id for lease_id in newly if self.store.lease_consumer(lease_id) == self._consumer]
+            trained = self.store.mark_trained([i for lease_id in current for i in self.store.lease_sample_ids(lease_id)])
             for lease_id in missing:
-                trained += self.store.mark_trained(self._lost_leases.pop(lease_id, []))
+                lost = self._lost_leases.pop(lease_id, None)
+                if lost is not None and lost[0] == self._consumer:
+                    trained += self.store.mark_trained(lost[1])
             if trained:
                 self._append([ids_record(RecordKind.CONSUMED, trained)])
                 self._note_trained(trained, self.log.active_segment)
@@ -484,6 +491,22 @@ class ReplayBuffer:
         self.dropped[reason] += count
         metrics.DROPPED.labels(reason).inc(count)
 
+    def _switch_consumer(self, consumer: str) -> None:
+        """A lease for `consumer`: if it is not the one that took the last lease, a new trainer process replaced that
+        one (or took over from it), and what the old one trained since its last checkpoint is not in the new one's
+        history: every trained mark is void (a RETURNED record), and stale samples among them are dropped."""
+        if consumer == self._consumer:
+            return
+        if self._consumer is not None:
+            log.info("consumer %r takes over from %r", consumer, self._consumer)
+        self._consumer = consumer
+        voided = self.store.void_marks()
+        if voided:
+            self._append([ids_record(RecordKind.RETURNED, voided)])
+            self._forget_trained(voided)
+            log.info("%d samples marked trained by the consumer before are not trained for %r", len(voided), consumer)
+            self._compact_if_due()
+
     def _expire_leases(self) -> None:
         expired = self.store.expire(self.clock())
         if expired:
@@ -536,6 +559,7 @@ class ReplayBuffer:
             dropped=self.dropped.copy(),
             trainer_version=self.store.trainer_version,
             open_groups=self.store.open_groups(),
+            consumer=self._consumer,
         )
 
     def _compact_if_due(self) -> None:
@@ -565,7 +589,8 @@ class ReplayBuffer:
         if trained:
             records.append(ids_record(RecordKind.CONSUMED, trained))
         leases = [lease_id for lease_id, index in self._lease_at.items() if index in victims]
-        records += [lease_record(lease_id, self.store.lease_sample_ids(lease_id)) for lease_id in leases]
+        records += [lease_record(lease_id, self.store.lease_sample_ids(lease_id), self.store.lease_consumer(lease_id))
+                    for lease_id in leases]
         facts = [hashes for index in victims for hashes in self._facts.get(index, [])]
         retired = np.unique(np.concatenate(facts)) if facts else np.empty(0, dtype=np.int64)
         if len(retired):
@@ -668,6 +693,7 @@ class ReplayBuffer:
         checkpoint = Checkpoint.decode(first.payload)
         self.accepted, self.acked, self.dropped = checkpoint.accepted, checkpoint.acked, checkpoint.dropped
         self.store.trainer_version = checkpoint.trainer_version
+        self._consumer = checkpoint.consumer
         now = self.clock()
         self.store.restore_groups(checkpoint.open_groups, now)
         unrecorded: dict[str, str] = {}  # stored-and-dropped puts whose DROP record was torn off -> reason
@@ -675,7 +701,7 @@ class ReplayBuffer:
         # oldest segments): they are published first, so FIFO order survives compaction.
         puts: list[str] = []
         trained: dict[str, int] = {}  # sample id -> segment of the CONSUMED record marking it (order of marks)
-        lease_of: dict[str, str] = {}  # sample id -> the last lease it went out in
+        lease_of: dict[str, tuple[str, str]] = {}  # sample id -> (the last lease it went out in, its consumer)
         for record in records:
             segment = record.location.segment
             if record.kind is RecordKind.PUT:
@@ -700,8 +726,9 @@ class ReplayBuffer:
                 for sample_id in decode_ids(record.payload):
                     trained.pop(sample_id, None)
             elif record.kind is RecordKind.LEASE:
-                lease_id, sample_ids = decode_lease(record.payload)
-                lease_of.update(dict.fromkeys(sample_ids, lease_id))
+                lease_id, sample_ids, consumer = decode_lease(record.payload)
+                lease_of.update(dict.fromkeys(sample_ids, (lease_id, consumer)))
+                self._consumer = consumer
             elif record.kind is RecordKind.DROP:
                 reason, sample_ids = decode_drop(record.payload)
                 for sample_id in sample_ids:
@@ -731,16 +758,16 @@ class ReplayBuffer:
             f", cut a torn tail of {self.log.truncated_bytes} bytes" if self.log.truncated_bytes else "",
         )
 
-    def _recover_trained(self, trained: dict[str, int], lease_of: dict[str, str]) -> None:
+    def _recover_trained(self, trained: dict[str, int], lease_of: dict[str, tuple[str, str]]) -> None:
         """Mark the held samples trained that the log says are (their groups first in line); remember the
         leases open at the end of the last process, for a trainer that marks one consumed now."""
         held = [sample_id for sample_id in trained if sample_id in self.store]
         self.store.mark_trained(held)
         for sample_id in held:
             self._note_trained([sample_id], trained[sample_id])
-        for sample_id, lease_id in lease_of.items():
+        for sample_id, (lease_id, consumer) in lease_of.items():
             if sample_id in self.store and sample_id not in self._trained_at:
-                self._lost_leases.setdefault(lease_id, []).append(sample_id)
+                self._lost_leases.setdefault(lease_id, (consumer, []))[1].append(sample_id)
         if held or self._lost_leases:
             log.info("%d samples in the log are trained and not acked (they go out first, never stale); %d leases "
                      "were open", len(held), len(self._lost_leases))

@@ -28,6 +28,7 @@ class Checkpoint:
     dropped: Counter[str] = field(default_factory=Counter)  # samples dropped, by reason
     trainer_version: int = -1  # the trainer's weight version (-1: not told yet)
     open_groups: dict[str, tuple[int, int]] = field(default_factory=dict)  # group id -> (size, arrived)
+    consumer: str | None = None  # who took the last lease (None: nobody yet)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -37,6 +38,7 @@ class Checkpoint:
                 "dropped": dict(self.dropped),
                 "trainer_version": self.trainer_version,
                 "open_groups": {key: list(value) for key, value in self.open_groups.items()},
+                "consumer": self.consumer,
             },
             use_bin_type=True,
         )
@@ -50,6 +52,7 @@ class Checkpoint:
             dropped=Counter(data["dropped"]),
             trainer_version=data["trainer_version"],
             open_groups={key: (size, arrived) for key, (size, arrived) in data["open_groups"].items()},
+            consumer=data.get("consumer"),  # absent from logs written before it was added
         )
 
 
@@ -58,13 +61,13 @@ def ids_record(kind: RecordKind, sample_ids: list[str]) -> tuple[RecordKind, byt
     return kind, msgpack.packb(sample_ids, use_bin_type=True)
 
 
-def lease_record(lease_id: str, sample_ids: list[str]) -> tuple[RecordKind, bytes]:
-    return RecordKind.LEASE, msgpack.packb([lease_id, sample_ids], use_bin_type=True)
+def lease_record(lease_id: str, sample_ids: list[str], consumer: str) -> tuple[RecordKind, bytes]:
+    return RecordKind.LEASE, msgpack.packb([lease_id, sample_ids, consumer], use_bin_type=True)
 
 
-def decode_lease(payload: bytes | memoryview) -> tuple[str, list[str]]:
-    lease_id, sample_ids = msgpack.unpackb(payload, raw=False)
-    return lease_id, sample_ids
+def decode_lease(payload: bytes | memoryview) -> tuple[str, list[str], str]:
+    lease_id, sample_ids, consumer = msgpack.unpackb(payload, raw=False)
+    return lease_id, sample_ids, consumer
 
 
 def drop_record(reason: str, sample_ids: list[str]) -> tuple[RecordKind, bytes]:

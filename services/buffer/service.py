@@ -103,6 +103,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             policy=_POLICIES[request.policy],
             max_reuse=request.max_reuse or config.max_reuse,
             lease_timeout_s=request.lease_timeout_s or config.lease_timeout_s,
+            consumer=request.consumer,
         )
 
     async def Ack(self, request: buffer_pb2.AckRequest, context: grpc.aio.ServicerContext) -> buffer_pb2.AckResponse:

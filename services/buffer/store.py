@@ -13,8 +13,9 @@ Life of a sample:
     expire()            an unacked lease's samples go back to PENDING, first in line (consumed or not;
                         their trained mark is void: the trainer that trained them may have lost it)
 
-A sample whose lease was marked consumed is *trained* (Entry.trained) until acked or until a lease holding it
-expires: pending again (the buffer restarted and lost its leases), it is exempt from staleness drops and
+A sample whose lease was marked consumed is *trained* (Entry.trained) until acked, until a lease holding it
+expires, or until another consumer pulls (void_marks: a new trainer process replaced the one that trained it,
+whose training since its last checkpoint is lost): pending again (the buffer restarted and lost its leases), it is exempt from staleness drops and
 from incomplete-group drops, and its group goes out first (the trainer acks it without training again).
 
 A group is complete once `group_size` members arrived (failed ones included), or once it is
@@ -110,6 +111,7 @@ class PullSpec:
     policy: Policy = Policy.FIFO
     max_reuse: int = 1  # hand-outs per sample before it is used up (FIFO: 1)
     lease_timeout_s: float = 60.0
+    consumer: str = ""  # who pulls (a trainer process: a new one replaces the one before)
 
 
 @dataclass(eq=False)
@@ -119,6 +121,7 @@ class Lease:
     deadline: float
     max_reuse: int
     consumed: bool = False  # trained on; held only until the trainer acks it after its checkpoint
+    consumer: str = ""
 
 
 class GroupQueue:
@@ -318,6 +321,21 @@ class SampleStore:
                 self._refresh(self._groups[key], front=True)
         return marked
 
+    def void_marks(self) -> list[str]:
+        """Unmark every trained sample (their trainer was replaced); returns their ids. Pending ones may go stale."""
+        voided = []
+        for entry in self._entries.values():
+            if entry.trained:
+                entry.trained = False
+                voided.append(entry)
+        for entry in voided:
+            if entry.state is EntryState.PENDING and self.max_staleness is not None and entry.oldest_version >= 0:
+                heapq.heappush(self._stale_heap, (entry.oldest_version, next(self._heap_tiebreak), entry.sample_id))
+        return [entry.sample_id for entry in voided]
+
+    def lease_consumer(self, lease_id: str) -> str:
+        return self._leases[lease_id].consumer
+
     def lease_sample_ids(self, lease_id: str) -> list[str]:
         return [entry.sample_id for entry in self._leases[lease_id].entries]
 
@@ -427,7 +445,7 @@ class SampleStore:
         for key in {entry.group_key for entry in chosen}:
             self._refresh(self._groups[key])
         max_reuse = 1 if spec.policy is Policy.FIFO else spec.max_reuse
-        lease = Lease(uuid.uuid4().hex, chosen, now + spec.lease_timeout_s, max_reuse)
+        lease = Lease(uuid.uuid4().hex, chosen, now + spec.lease_timeout_s, max_reuse, consumer=spec.consumer)
         self._leases[lease.lease_id] = lease
         return lease
 
@@ -479,8 +497,6 @@ class SampleStore:
             if consumed and not lease.consumed:
                 lease.consumed = True
                 self._consumed += len(lease.entries)
-                for entry in lease.entries:
-                    entry.trained = True
         return missing
 
     def is_open(self, lease_id: str) -> bool:
