@@ -27,12 +27,12 @@ from trainer.advantages import (
 from trainer.batch import TrainBatch, collate, group_indices, order_preference_pairs
 from trainer.config import TrainerConfig
 from trainer.losses import (
+    chained_rejection_mask,
     decoupled_weights,
     is_weight_moments,
     loss_totals,
     loss_weights,
     normalize_is_weights,
-    rejection_mask,
     tis_weights,
 )
 from trainer.model import PolicyModel, load_policy, run_policy
@@ -142,9 +142,7 @@ class Learner:
     def _reject(self, batch: TrainBatch, per_rank: int, longest: list[torch.Tensor]) -> None:
         """Rejection sampling on pi_prox vs pi_rollout (this rank's rows): rejected tokens leave the loss mask, and
         the loss weights are recomputed with each mini-batch's kept-token counts summed over ranks."""
-        kept = batch.loss_mask
-        for rule in self.algo.rejection:
-            kept = rejection_mask(batch.old_logprobs - batch.rollout_logprobs, kept, rule.statistic, rule.upper, rule.lower)
+        kept = chained_rejection_mask(batch.old_logprobs - batch.rollout_logprobs, batch.loss_mask, self.algo.rejection)
         batch.rejected = batch.loss_mask - kept
         batch.loss_mask = kept
         steps = range(0, batch.num_rows, per_rank)

@@ -368,6 +368,15 @@ def rejection_mask(
     return mask * keep.to(mask.dtype).expand_as(mask)
 
 
+def chained_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, rules) -> torch.Tensor:
+    """`mask` with every token or sequence that any of `rules` rejects set to 0: each rule (an object with
+    statistic, upper, lower) on the original mask, the masks multiplied, as verl's comma-separated rollout_rs."""
+    kept = mask
+    for rule in rules:
+        kept = kept * rejection_mask(log_ratio, mask, rule.statistic, rule.upper, rule.lower)
+    return kept
+
+
 def decoupled_weights(
     proximal_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,

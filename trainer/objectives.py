@@ -11,6 +11,7 @@ from trainer.batch import TrainBatch
 from trainer.config import AlgorithmConfig
 from trainer.losses import (
     LOG_RATIO_BOUND,
+    chained_rejection_mask,
     cispo_policy_loss,
     distill_reverse_kl,
     dpo_loss,
@@ -18,7 +19,6 @@ from trainer.losses import (
     kl_penalty,
     ppo_policy_loss,
     reinforce_loss,
-    rejection_mask,
     sapo_policy_loss,
     sft_loss,
     tis_weights,
@@ -94,9 +94,7 @@ def bypass_correction(algo: AlgorithmConfig, batch: TrainBatch, out: PolicyOutpu
     rejected tokens keep their place in the normalisation, fixed before the step), times the truncated importance
     weights for policy_loss reinforce (a ratio loss corrects by its own ratio: verl applies no weights there)."""
     current = out.logprobs.detach()
-    kept = batch.loss_mask
-    for rule in algo.rejection:
-        kept = rejection_mask(current - batch.rollout_logprobs, kept, rule.statistic, rule.upper, rule.lower)
+    kept = chained_rejection_mask(current - batch.rollout_logprobs, batch.loss_mask, algo.rejection)
     if algo.rejection:
         metrics["rejected_tokens"] = (batch.loss_mask - kept).sum()
     if algo.policy_loss != "reinforce":
