@@ -14,7 +14,7 @@ import types
 
 import numpy as np
 import torch
-from generate import HERE, MASK, OLD, Batch, AlgoConfig, load_verl, resolve, t
+from generate import HERE, MASK, OLD, AlgoConfig, Batch, load_verl, resolve, t
 
 GROUPS = ["a", "a", "a", "b", "b"]  # row 3 (no trained token) in a group with row 4 (a masked span)
 
