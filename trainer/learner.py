@@ -112,12 +112,13 @@ class Learner:
             return samples
         group_ids = [s.group_id for s in samples]
         keep = varied_groups(torch.tensor([s.reward for s in samples], dtype=torch.float64), group_indices(group_ids))
-        dropped_groups = len(set(group_ids)) - len({g for g, kept in zip(group_ids, keep.tolist(), strict=True) if kept})
-        self.dropped_totals["dropped_groups_total"] += dropped_groups
-        self.dropped_totals["dropped_samples_total"] += len(samples) - int(keep.sum())
-        self.batch_metrics = {"dropped_groups": float(dropped_groups), "dropped_samples": float(len(samples) - int(keep.sum())),
-                              **self.dropped_totals}
-        return [sample for sample, kept in zip(samples, keep.tolist(), strict=True) if kept]
+        kept = [sample for sample, varied in zip(samples, keep.tolist(), strict=True) if varied]
+        dropped = {"dropped_groups": float(len(set(group_ids)) - len({s.group_id for s in kept})),
+                   "dropped_samples": float(len(samples) - len(kept))}
+        for name, count in dropped.items():
+            self.dropped_totals[f"{name}_total"] += count
+        self.batch_metrics = {**dropped, **self.dropped_totals}
+        return kept
 
     def _set_weights(self, batch: TrainBatch, per_step: int) -> list[torch.Tensor]:
         """Loss/metric weights computed over each whole mini-batch (all ranks' rows); padding rows
@@ -332,8 +333,8 @@ def plan_mini_batches(num_rows: int, mini_batches: int, world_size: int, unit: i
 def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatch:
     """The batch laid out as `len(chunks)` mini-batches of `per_step` rows: chunk m's rows, then padding.
 
-    A padding row copies the shortest row (it never widens a micro-batch) with loss_mask and advantages
-    zeroed, so it adds nothing to any loss, advantage estimate or metric. `row_weights` comes back 1 for a
+    A padding row copies the shortest row (it never widens a micro-batch) with loss_mask (and advantages, if
+    set) zeroed, so it adds nothing to any loss or metric; advantage estimates skip it (real rows only). `row_weights` comes back 1 for a
     real row and 0 for padding (_set_weights turns it into the per-mini-batch row weights).
     """
     shortest = int(batch.attention_mask.sum(-1).argmin())
