@@ -29,6 +29,9 @@ Rules that keep "acknowledged means on disk" true:
   durable; a lease expiring voids its samples' mark (a RETURNED record: the trainer that held them
   may have lost that training). Each lease is logged when handed out (a LEASE record, not waited
   for), so a lease lost in a restart can still be marked consumed by the trainer that trained it.
+  Marks belong to the consumer that took the last lease (logged with each lease and checkpoint): a
+  lease for another one (a restarted trainer names itself anew) voids them all (RETURNED), since
+  what the replaced trainer trained after its last checkpoint is not in the new one's history.
   Compaction copies forward the CONSUMED marks of held samples and the LEASE records of open leases.
 - Recovery replays the log from the first live segment's checkpoint: every sample put and not
   acked or dropped is pending again (open leases are simply delivered again); samples marked
