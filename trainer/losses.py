@@ -16,16 +16,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from trainer.config import RejectionStatistic
+
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
 DPOLossType = Literal["sigmoid", "ipo", "hinge"]
 ISLevel = Literal["token", "sequence"]
-RejectionStatistic = Literal[
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-]  # fmt: skip
 
 # Log-ratios are clamped to +-LOG_RATIO_BOUND before exp (verl's bound): one outlier token cannot overflow.
 LOG_RATIO_BOUND = 20.0
