@@ -84,7 +84,10 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv
 
 
 def shutdown_distributed(env: DistEnv) -> None:
+    """Leave the group together: a barrier first, so no rank tears its gloo connections down while a peer's
+    last collective still uses them (that aborted a rank at exit: "terminate called without an active exception")."""
     if env.distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
