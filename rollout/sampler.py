@@ -93,8 +93,10 @@ class Sampler:
         """logits [B, V] -> (token ids [B] int64, logprobs [B] float32)."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
-        if not params.any_sampled:
-            return tokens, self._logprobs(logits, tokens, greedy_zero=self.logprobs_mode == "processed")
+        if not params.any_sampled:  # all greedy: a point mass in "processed" mode, the raw logprob otherwise
+            if self.logprobs_mode == "processed":
+                return tokens, torch.zeros(tokens.shape, dtype=logits.dtype, device=logits.device)
+            return tokens, self._logprobs(logits, tokens)
         sampled = params.temperatures > 0
         tempered = logits / torch.where(sampled, params.temperatures, 1.0).unsqueeze(1)
         processed = _top_k_top_p(tempered, params.top_ks, params.top_ps) if params.any_filtered else tempered
@@ -107,9 +109,8 @@ class Sampler:
         return tokens, torch.where(sampled, self._logprobs(processed, tokens), 0.0)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, greedy_zero: bool = False) -> torch.Tensor:
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return torch.zeros_like(logprobs) if greedy_zero else logprobs
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
