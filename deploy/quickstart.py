@@ -168,7 +168,7 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
     """Held-out greedy exact match through the rollout service (the weights it serves right now).
 
     A rollout that restarts (or is frozen and then restarted) is waited for: each request is retried on
-    UNAVAILABLE / DEADLINE_EXCEEDED for up to `retry_for_s`.
+    UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED for up to `retry_for_s`.
     """
     import grpc
 

@@ -333,8 +333,8 @@ def plan_mini_batches(num_rows: int, mini_batches: int, world_size: int, unit: i
 def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatch:
     """The batch laid out as `len(chunks)` mini-batches of `per_step` rows: chunk m's rows, then padding.
 
-    A padding row copies the shortest row (it never widens a micro-batch) with loss_mask (and advantages, if
-    set) zeroed, so it adds nothing to any loss or metric; advantage estimates skip it (real rows only). `row_weights` comes back 1 for a
+    A padding row copies the shortest row (it never widens a micro-batch) with loss_mask zeroed
+    (it runs right after collate, before any advantage), so it adds nothing to any loss or metric; advantage estimates skip it (real rows only). `row_weights` comes back 1 for a
     real row and 0 for padding (_set_weights turns it into the per-mini-batch row weights).
     """
     shortest = int(batch.attention_mask.sum(-1).argmin())
@@ -346,6 +346,4 @@ def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatc
     padded.row_weights = torch.tensor(real, dtype=torch.float32)
     padding = padded.row_weights == 0
     padded.loss_mask[padding] = 0.0
-    if padded.advantages is not None:
-        padded.advantages[padding] = 0.0
     return padded

@@ -47,7 +47,6 @@ class Work:
     train: list[Sample]
     already_trained: list[str] = field(default_factory=list)  # sample ids, acked without training again
     failed: int = 0  # FAILED members: counted, never trained on
-    batch_size: int = 0
 
 
 class Ledger:
@@ -164,12 +163,11 @@ class LeaseBook:
         self.keeper = LeaseKeeper(source, interval_s)
         self.ack_on_checkpoint = ack_on_checkpoint
         self.ledger = Ledger(ledger)
-        self._unacked: list[str] = []  # leases consumed since the last checkpoint (or resumed from it)
+        self._unacked: list[str] = self.ledger.leases()  # leases consumed since the last checkpoint (or resumed from it)
         self.acked = 0  # samples acknowledged
         self.redelivered = 0  # leases whose ack came back NOT_FOUND
         self.skipped = 0  # redelivered samples acked without training again
         self.failed = 0  # FAILED samples seen (never trained)
-        self._unacked.extend(self.ledger.leases())
 
     def counters(self) -> dict[str, float]:
         """Running totals for the step metrics."""
@@ -193,8 +191,7 @@ class LeaseBook:
                      batch.lease_id, len(done))
         self.failed += len(failed)
         self.skipped += len(done)
-        return Work(batch.lease_id, [s for s in usable if s.sample_id not in self.ledger], done, len(failed),
-                    len(batch.samples))
+        return Work(batch.lease_id, [s for s in usable if s.sample_id not in self.ledger], done, len(failed))
 
     def consumed(self, work: Work, trainer_version: int) -> None:
         """`work` is trained (its model state is the trainer's now): ack it, or hold it until the checkpoint."""

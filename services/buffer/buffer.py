@@ -638,16 +638,17 @@ class ReplayBuffer:
 
     def _note_held(self, samples: list[NewSample]) -> None:
         for sample in samples:
-            self._where[sample.sample_id] = sample.ref
-            self._held_in[sample.ref.segment][sample.sample_id] = None
-            self._live_bytes[sample.ref.segment] += sample.ref.length
+            self._place(sample.sample_id, sample.ref)
 
     def _move(self, sample_id: str, location: Location, uses: int | None = None) -> None:
         self._unplace(sample_id)
+        self._place(sample_id, location)
+        self.store.relocate(sample_id, location, uses)
+
+    def _place(self, sample_id: str, location: Location) -> None:
         self._where[sample_id] = location
         self._held_in[location.segment][sample_id] = None
         self._live_bytes[location.segment] += location.length
-        self.store.relocate(sample_id, location, uses)
 
     def _resolve(self, sample_ids: list[str]) -> None:
         """These samples are no longer held (their segments need not keep them)."""
@@ -662,8 +663,8 @@ class ReplayBuffer:
 
     def _note_trained(self, sample_ids: list[str], segment: int) -> None:
         """These held samples are marked trained by a CONSUMED record in `segment`."""
+        self._forget_trained(sample_ids)
         for sample_id in sample_ids:
-            self._forget_trained([sample_id])
             self._trained_at[sample_id] = segment
             self._trained_in[segment][sample_id] = None
             self._live_bytes[segment] += _trained_bytes(sample_id)

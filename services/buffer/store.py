@@ -499,9 +499,6 @@ class SampleStore:
                 self._consumed += len(lease.entries)
         return missing
 
-    def is_open(self, lease_id: str) -> bool:
-        return lease_id in self._leases
-
     def awaits_training(self, lease_id: str) -> bool:
         """Open and not yet marked consumed."""
         lease = self._leases.get(lease_id)
