@@ -149,41 +149,63 @@ class GetModelInfoResponse(_message.Message):
     engine: str
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content", "tool_call_id", "name")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "prompt_text")
+    __slots__ = ("session_id", "prompt_ids", "prompt_text", "messages", "add_bos")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _common_pb2.Array
     prompt_text: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_bos: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_bos: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_tokens")
+    __slots__ = ("session_id", "num_tokens", "token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    token_ids: _common_pb2.Array
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class AppendToSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "turn_reward")
+    __slots__ = ("session_id", "token_ids", "text", "turn_reward", "messages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TURN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _common_pb2.Array
     text: str
     turn_reward: float
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., text: _Optional[str] = ..., turn_reward: _Optional[float] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., text: _Optional[str] = ..., turn_reward: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class AppendToSessionResponse(_message.Message):
-    __slots__ = ("num_tokens",)
+    __slots__ = ("num_tokens", "token_ids")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
-    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+    token_ids: _common_pb2.Array
+    def __init__(self, num_tokens: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GenerateInSessionRequest(_message.Message):
     __slots__ = ("session_id", "params")
@@ -194,18 +216,55 @@ class GenerateInSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "reward")
+    __slots__ = ("session_id", "reward", "submit", "group_id", "group_size", "prompt_id", "sample_id", "reward_details", "metadata")
+    class RewardDetailsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    REWARD_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     reward: float
-    def __init__(self, session_id: _Optional[str] = ..., reward: _Optional[float] = ...) -> None: ...
+    submit: bool
+    group_id: str
+    group_size: int
+    prompt_id: str
+    sample_id: str
+    reward_details: _containers.ScalarMap[str, float]
+    metadata: bytes
+    def __init__(self, session_id: _Optional[str] = ..., reward: _Optional[float] = ..., submit: _Optional[bool] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+
+class SessionStats(_message.Message):
+    __slots__ = ("turns", "prefill_tokens", "turn_prefill_tokens", "kv_recomputes")
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TURN_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
+    turns: int
+    prefill_tokens: int
+    turn_prefill_tokens: _containers.RepeatedScalarFieldContainer[int]
+    kv_recomputes: int
+    def __init__(self, turns: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., turn_prefill_tokens: _Optional[_Iterable[int]] = ..., kv_recomputes: _Optional[int] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
-    __slots__ = ("sample",)
+    __slots__ = ("sample", "submitted", "stats")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     sample: _common_pb2.Sample
-    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ...) -> None: ...
+    submitted: bool
+    stats: SessionStats
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., submitted: _Optional[bool] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "temperature")

@@ -134,7 +134,7 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenSession(self, request, context):
-        """Multi-turn agent sessions: the context is kept between turns.
+        """Multi-turn agent sessions (see OpenSessionRequest): open one with its initial context.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,14 +148,14 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateInSession(self, request, context):
-        """Generate the next policy turn of a session, appended to its context.
+        """Generate the next policy turn of a session, streamed and appended to its context.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Close a session and return its whole trajectory as a sample.
+        """Close a session and return its whole trajectory as a sample (optionally submitted to the buffer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -28,6 +28,17 @@ def _byte_level_alphabet() -> dict[int, str]:
 
 
 _BYTE_LEVEL = _byte_level_alphabet()
+# A ChatML-like chat template in the tiny vocabulary: each message is "<bos>role\ncontent<eos>\n"
+# (<eos> ends a turn, so generation stops there); an assistant's tool calls follow its content as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>; `tools` become a first system message.
+CHAT_TEMPLATE = (
+    "{% if tools %}<bos>system\ntools: {{ tools | tojson }}<eos>\n{% endif %}"
+    "{% for m in messages %}<bos>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}{% endif %}"
+    "<eos>\n{% endfor %}{% if add_generation_prompt %}<bos>assistant\n{% endif %}"
+)
 _CONFIG_CLASSES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +65,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS,
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
