@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from rollout.engine import LLMEngine
 from rollout.outputs import Completion, TokenOutput
 from rollout.sampling_params import SamplingParams
 from rollout.sequence import Sequence as EngineSequence
+from rollout.sessions import SessionRecord, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +72,17 @@ class AsyncEngine:
         refuses the request. Leaving the iteration early (a client gone) aborts the request, which
         frees its KV blocks.
         """
+        prompt = list(prompt_ids)
+        async for delta in self._stream(request_id, params.n,
+                                        lambda: self.engine.add_request(request_id, prompt, params)):
+            yield delta
+
+    async def _stream(self, request_id: str, n: int, add: Callable[[], None]) -> AsyncIterator[Completion]:
+        """Run `add` (queues request `request_id`) on the engine thread, then yield its n completions' deltas."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        unfinished = set(range(params.n))
+        unfinished = set(range(n))
         try:
-            await self._call(lambda: self._add(request_id, list(prompt_ids), params, stream))
+            await self._call(lambda: self._add(request_id, add, stream))
             while unfinished:
                 item = await stream.queue.get()
                 items = [item]
@@ -96,7 +105,9 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), whole=True)
         finished = False
         try:
-            await self._call(lambda: self._add(request_id, list(prompt_ids), params, stream))
+            prompt = list(prompt_ids)
+            await self._call(lambda: self._add(request_id, lambda: self.engine.add_request(request_id, prompt, params),
+                                               stream))
             item = await stream.queue.get()
             if isinstance(item, BaseException):
                 raise item
@@ -115,8 +126,35 @@ class AsyncEngine:
                                          self.engine.weight_version))
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request; its completions end with reason abort. Returns whether it was running."""
-        return await self._call(lambda: self._abort(request_id))
+        """Abort a request (or a session's running turn, by session id); its completions end with reason
+        abort. Returns whether it was running."""
+        return await self._call(lambda: self._abort(request_id) or self._abort(self.engine.session_turn(request_id)))
+
+    # ---- sessions (rollout/sessions.py); refusals raise the engine's errors (rollout/errors.py)
+
+    async def open_session(self, session_id: str, prompt_ids: Sequence[int]) -> int:
+        """Open a session on its initial context; returns the context length."""
+        prompt = list(prompt_ids)
+        return await self._call(lambda: self.engine.open_session(session_id, prompt))
+
+    async def append_to_session(self, session_id: str, token_ids: Sequence[int], turn_reward: float | None = None) -> int:
+        """Append observation tokens (loss mask 0); returns the context length."""
+        tokens = list(token_ids)
+        return await self._call(lambda: self.engine.append_to_session(session_id, tokens, turn_reward))
+
+    async def generate_in_session(self, session_id: str, params: SamplingParams) -> AsyncIterator[Completion]:
+        """Yield the deltas of the session's next turn (index 0), like generate(); leaving early aborts the turn."""
+        request_id = f"session/{session_id}/{uuid.uuid4().hex[:8]}"
+        async for delta in self._stream(request_id, 1,
+                                        lambda: self.engine.add_session_request(request_id, session_id, params)):
+            yield delta
+
+    async def session_state(self, session_id: str) -> SessionState:
+        return await self._call(lambda: self.engine.session_state(session_id))
+
+    async def close_session(self, session_id: str) -> SessionRecord:
+        """Close a session (aborting a running turn) and return its episode."""
+        return await self._call(lambda: self._close_session(session_id))
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
         """Copy `weights` (name -> tensor) into the model between two steps, or with `adopt` serve them
@@ -134,6 +172,7 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._run_commands(block=not self.engine.has_unfinished_requests())
+                self.engine.expire_sessions()
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
         except BaseException as exc:  # the thread must not die silently: every waiter learns why
@@ -158,13 +197,15 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream) -> None:
-        self.engine.add_request(request_id, prompt_ids, params)
+    def _add(self, request_id: str, add: Callable[[], None], stream: _Stream) -> None:
+        add()
         self._streams[request_id] = stream
         if stream.whole:
             stream.seqs = self.engine.requests[request_id]
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str | None) -> bool:
+        if request_id is None:
+            return False
         outputs = self.engine.abort(request_id)
         self._deliver(outputs)
         return bool(outputs)
@@ -173,6 +214,12 @@ class AsyncEngine:
         """Abort the request only if `stream` still reads it (not a later request reusing the id)."""
         if self._streams.get(request_id) is stream:
             self._abort(request_id)
+
+    def _close_session(self, session_id: str) -> SessionRecord:
+        request_id = self.engine.session_turn(session_id)
+        if request_id is not None:
+            self._abort(request_id)  # its stream hears the abort
+        return self.engine.close_session(session_id)
 
     def _switch_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool) -> float:
         start = time.perf_counter()

@@ -24,13 +24,16 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_missing(self, seq: Sequence) -> int:
+        """Blocks `seq` still needs to hold all its tokens (a session turn brings the blocks of its context)."""
+        return max(0, self.blocks_for(len(seq)) - len(seq.block_table))
+
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_for(len(seq)) <= self.num_free_blocks
+        return self.blocks_missing(seq) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Give a sequence without blocks enough blocks for all its tokens."""
-        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        seq.block_table = [self._take() for _ in range(self.blocks_for(len(seq)))]
+        """Give a sequence enough blocks for all its tokens (beyond those it holds)."""
+        seq.block_table += [self._take() for _ in range(self.blocks_missing(seq))]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent`."""
@@ -40,12 +43,15 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Release the sequence's blocks; blocks nobody else holds go back to the free list."""
-        for block_id in reversed(seq.block_table):
+        self.release(seq.block_table)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def release(self, block_table: list[int]) -> None:
+        for block_id in reversed(block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_block_ids.append(block_id)
-        seq.block_table = []
-        seq.num_cached_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next decode step of `seq` (writing the KV of its last token) can get its slot."""

@@ -106,6 +106,8 @@ class EngineConfig:
     max_n: int = 16  # largest n (completions per prompt) a request may ask for
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     logprobs_mode: Literal["tempered", "raw", "processed"] = "tempered"  # see rollout/sampler.py
+    max_sessions: int = 256  # open multi-turn sessions (rollout/sessions.py); beyond it OpenSession is refused
+    session_idle_timeout_s: float = 600.0  # a session idle this long is closed and its blocks freed
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     torch_dtype: torch.dtype = field(init=False)  # derived from dtype
 
@@ -128,7 +130,8 @@ class EngineConfig:
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must hold one full sequence "
                 f"(max_model_len={self.max_model_len})"
             )
-        for name in ("block_size", "max_num_seqs", "max_queue", "max_n", "kv_cache_memory_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_queue", "max_n", "kv_cache_memory_bytes", "max_sessions",
+                     "session_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_n > self.max_num_seqs:

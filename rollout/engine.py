@@ -3,8 +3,10 @@
 Not thread-safe: one thread calls add_request / abort / step / load_weights (AsyncEngine's loop).
 """
 
+import dataclasses
 import itertools
 import random
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
@@ -12,12 +14,15 @@ import torch
 
 from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
-from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
+from rollout.errors import ContextFull, DuplicateRequest, InvalidRequest, QueueFull
 from rollout.model_runner import ModelRunner
 from rollout.outputs import Completion, RequestOutput, TokenOutput
-from rollout.sampling_params import SamplingParams, validate_prompt
+from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.scheduler import Scheduler
 from rollout.sequence import FinishReason, Sequence
+from rollout.sessions import SessionRecord, SessionState, SessionTable
+
+_EXPIRY_CHECK_S = 1.0  # how often idle sessions are looked for
 
 
 class LLMEngine:
@@ -26,9 +31,13 @@ class LLMEngine:
         self.model_config = config.model_config
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.sessions = SessionTable(self.block_manager, config.max_model_len, config.max_sessions,
+                                     config.session_idle_timeout_s)
+        self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle)
         self.requests: dict[str, list[Sequence]] = {}
         self.weight_version = 0
+        self.num_prefill_tokens = 0  # tokens computed by prefill (new prompts, session turns, recomputes)
+        self._next_expiry_check = 0.0
         self._seed_rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -59,23 +68,102 @@ class LLMEngine:
                 f"prompt + max_tokens ({len(prompt) + params.max_tokens} tokens) exceeds the KV cache "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
             )
+        seqs = self._new_sequences(request_id, prompt, params)
+        seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0])
+        self.requests[request_id] = seqs
+
+    def _new_sequences(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[Sequence]:
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id: {request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue={self.config.max_queue})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
-        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
-        seqs[0].forks = seqs[1:]
-        self.scheduler.add(seqs[0])
-        self.requests[request_id] = seqs
+        return [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
+
+    # ---- sessions (rollout/sessions.py)
+
+    def open_session(self, session_id: str, prompt_ids: Seq[int]) -> int:
+        """Open a session on its initial context; returns its length. Raises InvalidRequest, DuplicateRequest,
+        QueueFull (too many sessions), ContextFull."""
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.model_config.vocab_size)
+        return len(self.sessions.open(session_id, prompt).token_ids)
+
+    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None) -> int:
+        """Append observation tokens (loss mask 0); returns the context length. Raises SessionNotFound,
+        SessionBusy, InvalidRequest, ContextFull."""
+        tokens = [int(t) for t in token_ids]
+        if tokens:
+            validate_prompt(tokens, self.model_config.vocab_size, "token_ids")
+        elif turn_reward is None:
+            raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
+        return len(self.sessions.append(session_id, tokens, self.weight_version, turn_reward).token_ids)
+
+    def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
+        """Queue the session's next policy turn (one completion, max_tokens cut to the context left)."""
+        session = self.sessions.idle(session_id)
+        if params.n != 1:
+            raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
+        context = len(session.token_ids)
+        room = self.config.max_model_len - context
+        if room <= 0:
+            raise ContextFull(f"the session's context ({context} tokens) is at the context length "
+                              f"{self.config.max_model_len}; nothing more can be generated")
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        params.validate(prompt_len=context, vocab_size=self.model_config.vocab_size,
+                        max_model_len=self.config.max_model_len, max_n=1)
+        if self.block_manager.blocks_for(context + params.max_tokens) > self.block_manager.num_blocks:
+            raise ContextFull(f"the session's context + max_tokens ({context + params.max_tokens} tokens) exceeds "
+                              f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+        [seq] = self._new_sequences(request_id, session.token_ids, params)
+        self.sessions.start_turn(session, seq, logprobs_temperature(self.config.logprobs_mode, params.temperature))
+        self.scheduler.add(seq)
+        self.requests[request_id] = [seq]
+
+    def session_turn(self, session_id: str) -> str | None:
+        """The request id of the session's running turn, if any."""
+        session = self.sessions.sessions.get(session_id)
+        return session.turn.request_id if session is not None and session.turn is not None else None
+
+    def session_state(self, session_id: str) -> SessionState:
+        return self.sessions.state(session_id, self.weight_version)
+
+    def close_session(self, session_id: str) -> SessionRecord:
+        """Close the session (aborting a running turn first) and return its episode; frees its blocks."""
+        request_id = self.session_turn(session_id)
+        if request_id is not None:
+            self.abort(request_id)
+        return self.sessions.close(session_id)
+
+    def expire_sessions(self) -> list[str]:
+        """Close sessions idle past session_idle_timeout_s (looked for at most once a second)."""
+        now = time.monotonic()
+        if now < self._next_expiry_check:
+            return []
+        self._next_expiry_check = now + _EXPIRY_CHECK_S
+        return self.sessions.expire()
 
     def step(self) -> list[TokenOutput]:
         """Schedule, run, post-process: one prefill or decode step. Returns one output per sequence run."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if batch.is_prefill:
+            self._count_prefill(batch.seqs)
         token_ids, logprobs = self.runner.run(batch)
         return self._postprocess(batch.seqs, token_ids, logprobs)
+
+    def _count_prefill(self, seqs: list[Sequence]) -> None:
+        """Tally the tokens this step computes beyond plain decodes (one fed-back token of a running sequence)."""
+        for seq in seqs:
+            uncached = seq.num_uncached_tokens
+            if seq.prefill_from is not None or (uncached == 1 and seq.num_output_tokens > 0):
+                continue
+            self.num_prefill_tokens += uncached
+            if seq.session is not None:
+                seq.session.prefill_tokens += uncached
+                seq.session.turn_prefill_tokens[-1] += uncached
 
     def abort(self, request_id: str) -> list[TokenOutput]:
         """End a request's unfinished completions (reason abort, partial output kept) and free their blocks."""
@@ -83,7 +171,7 @@ class LLMEngine:
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT))
         return outputs
 
@@ -135,6 +223,8 @@ class LLMEngine:
         for seq in seqs:
             blocks += self.block_manager.blocks_for(len(seq))
             tokens += len(seq)
+            while blocks > self.block_manager.num_free_blocks and self.sessions.evict_idle():
+                pass
             if blocks > self.block_manager.num_free_blocks or (count and tokens > self.config.max_num_batched_tokens):
                 break
             count += 1
@@ -181,12 +271,18 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Gauges for metrics: running and waiting sequences, free KV blocks, preemptions so far."""
+        """Gauges for metrics: running and waiting sequences, free KV blocks, preemptions and prefill tokens so
+        far, open sessions and the blocks they hold between turns, their KV evictions and expiries."""
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "free_blocks": self.block_manager.num_free_blocks,
             "preemptions": self.scheduler.num_preemptions,
+            "prefill_tokens": self.num_prefill_tokens,
+            "sessions": len(self.sessions.sessions),
+            "session_blocks": self.sessions.num_blocks_held,
+            "session_evictions": self.sessions.num_evictions,
+            "sessions_expired": self.sessions.num_expired,
         }
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[TokenOutput]:
@@ -196,11 +292,17 @@ class LLMEngine:
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 seq.finish_reason = reason
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 if all(s.is_finished for s in self.requests[seq.request_id]):
                     del self.requests[seq.request_id]
             outputs.append(TokenOutput(seq.request_id, seq.index, token_id, logprob, self.weight_version, reason))
         return outputs
+
+    def _finish(self, seq: Sequence) -> None:
+        session = seq.session
+        self.scheduler.finish(seq)
+        if session is not None:
+            self.sessions.end_turn(seq)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params

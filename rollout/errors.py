@@ -15,3 +15,18 @@ class QueueFull(RuntimeError):
 
 class DuplicateRequest(ValueError):
     """A request with this id is already running (ALREADY_EXISTS)."""
+
+
+class SessionNotFound(KeyError):
+    """No open session has this id: never opened, closed, or expired (NOT_FOUND)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SessionBusy(RuntimeError):
+    """The session is generating a turn; one call at a time (FAILED_PRECONDITION)."""
+
+
+class ContextFull(ValueError):
+    """The session's context would exceed the context length (OUT_OF_RANGE)."""

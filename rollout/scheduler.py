@@ -10,6 +10,7 @@ recently started sequence is preempted: its blocks are freed and it waits to be 
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout.block_manager import BlockManager
@@ -27,11 +28,12 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, reclaim: Callable[[], bool] = lambda: False):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_mixed_prefill_len = config.max_mixed_prefill_len
         self.block_manager = block_manager
+        self.reclaim = reclaim  # frees some cached blocks nobody is running (idle sessions'); whether it did
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -58,7 +60,7 @@ class Scheduler:
         Attention pads every sequence of a step to its longest query, so a long prompt would make each
         decode row as costly as a prefill row; those get a step of their own.
         """
-        return bool(self.waiting) and all(len(seq) <= self.max_mixed_prefill_len for seq in self.waiting)
+        return bool(self.waiting) and all(seq.num_uncached_tokens <= self.max_mixed_prefill_len for seq in self.waiting)
 
     def _schedule_prefill(self) -> Batch | None:
         scheduled: list[Sequence] = []
@@ -66,11 +68,11 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             group = 1 + len(seq.forks)
-            if (
-                num_seqs + group > self.max_num_seqs
-                or num_tokens + len(seq) > self.max_num_batched_tokens
-                or not self.block_manager.can_allocate(seq)
-            ):
+            if num_seqs + group > self.max_num_seqs or num_tokens + seq.num_uncached_tokens > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq):
+                if self.reclaim() or (not self.running and self._drop_waiting_cache()):
+                    continue
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
@@ -80,7 +82,7 @@ class Scheduler:
             scheduled += [seq, *seq.forks]
             seq.forks = []
             num_seqs += group
-            num_tokens += len(seq)
+            num_tokens += seq.num_uncached_tokens
         for seq in scheduled:
             seq.status = SequenceStatus.RUNNING
         self.running.extend(scheduled)
@@ -92,6 +94,8 @@ class Scheduler:
         while self.running:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
+                if self.reclaim():
+                    continue
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
@@ -105,6 +109,15 @@ class Scheduler:
         self.running.extend(scheduled)
         return Batch(scheduled, is_prefill=False, block_copies=copies) if scheduled else None
 
+    def _drop_waiting_cache(self) -> bool:
+        """Free the blocks a waiting session turn brought (the last such in the queue), so the head can start
+        when nothing runs that would free blocks; that turn recomputes them. Whether one was freed."""
+        for seq in reversed(list(self.waiting)[1:]):
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+                return True
+        return False
+
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
@@ -112,10 +125,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        """Remove a finished or aborted sequence wherever it is and free its blocks (a session's turn keeps
+        them: they hold the session's context)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.deallocate(seq)
+        if seq.session is None:
+            self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED

@@ -43,9 +43,15 @@ class Sequence:
         # they fork its prompt blocks; `prefill_from` then points at the sibling whose logits they sample.
         self.forks: list[Sequence] = []
         self.prefill_from: Sequence | None = None
+        # A session's turn (rollout/sessions.py): its blocks go back to the session when it finishes.
+        self.session = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
 
     @property
     def num_output_tokens(self) -> int:

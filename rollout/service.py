@@ -18,7 +18,8 @@ from protos.codec import CodecError, decode_array, encode_array
 from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
 from rollout.sampling_params import SamplingParams, logprobs_temperature
 from rollout.sequence import FinishReason
-from services.config import ServerConfig, Strict
+from rollout.session_service import SessionRPCs
+from services.config import ClientConfig, ServerConfig, Strict
 
 if TYPE_CHECKING:
     from rollout.async_engine import AsyncEngine
@@ -68,6 +69,10 @@ class EngineSettings(Strict):
         "the trainer recomputes, at Sample.temperature); 'raw': at temperature 1; 'processed': of the distribution "
         "sampled from, after top-k/top-p (rollout/sampler.py).")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
+    max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions; beyond it OpenSession is "
+                              "RESOURCE_EXHAUSTED.")
+    session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed and its KV "
+                                          "freed; its id then answers NOT_FOUND (expired).")
 
 
 class Config(Strict):
@@ -76,16 +81,22 @@ class Config(Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     model: str = Field(description="Local Hugging Face model folder (config.json, *.safetensors, tokenizer).")
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    buffer: str | None = Field(None, description="Replay buffer address for CloseSession(submit=true); None: "
+                               "submitting is FAILED_PRECONDITION.")
+    buffer_client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the buffer.")
+    buffer_timeout_s: float = Field(30.0, gt=0, description="How long CloseSession retries a buffer that is "
+                                    "unavailable or full before it answers submitted=false.")
 
 
-class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs over an AsyncEngine.
+class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
+    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs over an AsyncEngine,
+    and the session RPCs (rollout/session_service.py)."""
 
-    The session RPCs are not implemented yet (the base class answers UNIMPLEMENTED).
-    """
-
-    def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer):
+    def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, buffer_channel=None,
+                 buffer_timeout_s: float = 30.0):
         self.engine = engine
+        self.buffer_channel = buffer_channel  # grpc.aio.Channel to the replay buffer, or None
+        self.buffer_timeout_s = buffer_timeout_s
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.decode_text = _text_decoder(tokenizer)
@@ -185,8 +196,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if prompt_ids.size and request.prompt_text:
             raise CodecError("prompt_ids: give prompt_ids or prompt_text, not both")
         prompt = self.tokenizer(request.prompt_text).input_ids if request.prompt_text else prompt_ids.tolist()
-        p = request.params
-        params = SamplingParams(
+        return request.request_id or uuid.uuid4().hex, prompt, self._params(request.params)
+
+    @staticmethod
+    def _params(p: rollout_pb2.SamplingParams) -> SamplingParams:
+        return SamplingParams(
             temperature=p.temperature if p.HasField("temperature") else 1.0,
             top_p=p.top_p if p.HasField("top_p") else 1.0,
             top_k=p.top_k,
@@ -197,7 +211,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             seed=p.seed if p.HasField("seed") else None,
             ignore_eos=p.ignore_eos,
         )
-        return request.request_id or uuid.uuid4().hex, prompt, params
 
 
 def _text_decoder(tokenizer) -> Callable[[list[int]], str]:
@@ -231,6 +244,7 @@ async def serve(config: Config) -> None:
     from rollout.config import EngineConfig
     from rollout.engine import LLMEngine
     from rollout.weight_receiver import WeightReceiver
+    from services.client import connect
     from services.runtime import serve as serve_forever
 
     settings = config.engine.model_dump()
@@ -241,11 +255,14 @@ async def serve(config: Config) -> None:
     WAITING_SEQS.set_function(lambda: engine.stats["waiting"])
     FREE_BLOCKS.set_function(lambda: engine.stats["free_blocks"])
     WEIGHT_VERSION.set_function(lambda: engine.weight_version)
-    servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer)
+    buffer_channel = connect(config.buffer, config.buffer_client) if config.buffer else None
+    servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer, buffer_channel, config.buffer_timeout_s)
     receiver = WeightReceiver(engine)
 
     async def on_stop() -> None:
         engine.shutdown()
+        if buffer_channel is not None:
+            await buffer_channel.close()
 
     await serve_forever(
         "rollout",

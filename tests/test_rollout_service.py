@@ -124,11 +124,11 @@ def test_unary_generate_text_prompt_model_info_abort_and_sessions(rollout_proces
             found = await stub.Abort(rollout_pb2.AbortRequest(request_id="to-abort"), timeout=10)
             rest = await read_rest(long_call)
             missing = await stub.Abort(rollout_pb2.AbortRequest(request_id="never-existed"), timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as unimplemented:
+            with pytest.raises(grpc.aio.AioRpcError) as empty_session:
                 await stub.OpenSession(rollout_pb2.OpenSessionRequest(), timeout=10)
-            return reply, info, first, found, rest, missing, unimplemented.value
+            return reply, info, first, found, rest, missing, empty_session.value
 
-    reply, info, first, found, rest, missing, unimplemented = asyncio.run(main())
+    reply, info, first, found, rest, missing, empty_session = asyncio.run(main())
     assert reply.prompt_tokens == 6 and len(reply.completions) == 3 and reply.request_id
     for completion in reply.completions:
         assert len(decode_array(completion.token_ids, expect="int32")) == 6
@@ -138,7 +138,8 @@ def test_unary_generate_text_prompt_model_info_abort_and_sessions(rollout_proces
     assert first.finish_reason == rollout_pb2.FINISH_REASON_NONE
     assert found.found and not missing.found
     assert rest[-1].finish_reason == rollout_pb2.FINISH_REASON_ABORT
-    assert unimplemented.code() == grpc.StatusCode.UNIMPLEMENTED
+    # Sessions are served (tests/test_sessions_service.py); one with no initial context is refused.
+    assert empty_session.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_ids" in empty_session.details()
 
 
 # ---- in-process server: the engine is reachable for inspection ----
