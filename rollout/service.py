@@ -32,6 +32,12 @@ RUNNING_SEQS = Gauge("relayrl_rollout_running_sequences", "Sequences in the runn
 WAITING_SEQS = Gauge("relayrl_rollout_waiting_sequences", "Sequences waiting for KV blocks or a batch slot")
 FREE_BLOCKS = Gauge("relayrl_rollout_free_kv_blocks", "KV cache blocks on the free list")
 WEIGHT_VERSION = Gauge("relayrl_rollout_weight_version", "Weight version used for new tokens")
+PREFILL_TOKENS = Gauge("relayrl_rollout_prefill_tokens", "Tokens computed by prefill so far (prompts, session turns, "
+                       "recomputes): a session turn adds only its new tokens")
+OPEN_SESSIONS = Gauge("relayrl_rollout_open_sessions", "Multi-turn sessions open")
+SESSION_BLOCKS = Gauge("relayrl_rollout_session_kv_blocks", "KV blocks held by idle sessions between turns")
+SESSION_EVICTIONS = Gauge("relayrl_rollout_session_kv_evictions", "Idle sessions whose KV was dropped so far "
+                          "(recomputed on their next turn)")
 
 _FINISH_REASONS = {
     None: rollout_pb2.FINISH_REASON_NONE,
@@ -255,6 +261,10 @@ async def serve(config: Config) -> None:
     WAITING_SEQS.set_function(lambda: engine.stats["waiting"])
     FREE_BLOCKS.set_function(lambda: engine.stats["free_blocks"])
     WEIGHT_VERSION.set_function(lambda: engine.weight_version)
+    PREFILL_TOKENS.set_function(lambda: engine.stats["prefill_tokens"])
+    OPEN_SESSIONS.set_function(lambda: engine.stats["sessions"])
+    SESSION_BLOCKS.set_function(lambda: engine.stats["session_blocks"])
+    SESSION_EVICTIONS.set_function(lambda: engine.stats["session_evictions"])
     buffer_channel = connect(config.buffer, config.buffer_client) if config.buffer else None
     servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer, buffer_channel, config.buffer_timeout_s)
     receiver = WeightReceiver(engine)

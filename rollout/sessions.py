@@ -202,7 +202,7 @@ class SessionTable:
 
     @property
     def num_blocks_held(self) -> int:
-        return sum(len(s.block_table) for s in self.sessions.values())
+        return sum(len(s.block_table) for s in list(self.sessions.values()))  # read by the metrics thread too
 
     def _free(self, session: Session) -> None:
         self.block_manager.release(session.block_table)
