@@ -14,6 +14,8 @@ from protos import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, encode_array
 from protos.sample import Sample
 from services.client import connect
+from trainer.batch import collate
+from trainer.model import load_policy, run_policy
 
 torch.set_num_threads(1)
 SYSTEM = [rollout_pb2.ChatMessage(role="user", content="guess my number")]
@@ -87,6 +89,12 @@ async def test_a_chat_episode_is_token_exact_keeps_kv_and_lands_in_the_buffer(se
         assert sum(closed.stats.turn_prefill_tokens) == closed.stats.prefill_tokens
         stats = await buffer_pb2_grpc.BufferStub(buffer_channel).Stats(buffer_pb2.StatsRequest())
         assert stats.pending == 1
+    # The trainer's forward pass over the episode gives the logprobs the session reported (float32).
+    batch = collate([sample])
+    with torch.no_grad():
+        trained = run_policy(load_policy(tiny_model_dir), batch.input_ids, batch.attention_mask, batch.temperatures)
+    policy = batch.loss_mask.bool()
+    assert torch.allclose(trained.logprobs[policy], batch.rollout_logprobs[policy], atol=1e-4)
 
 
 async def test_refusals_are_clear_statuses_and_other_sessions_go_on(services):
