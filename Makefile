@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# The Node.js environment client's pinned packages (tests/test_node_client.py runs it), once per lockfile.
+NODE_ENV := examples/node_env
+NODE_STAMP := $(NODE_ENV)/node_modules/.installed-$(shell cat $(NODE_ENV)/package-lock.json | cksum | cut -d' ' -f1)
 # One torch thread per process: several processes share the CPU cores (see MEASURED.md).
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
@@ -19,14 +22,21 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# npm ci installs exactly the lockfile's tree (and empties node_modules first, old stamps with it).
+# Without npm there is nothing to install: the Node.js client test skips when node is absent.
+$(NODE_STAMP): $(NODE_ENV)/package-lock.json
+	if command -v npm >/dev/null; then \
+		(cd $(NODE_ENV) && npm ci --no-audit --no-fund --loglevel=error) && touch $@; \
+	else echo "npm not found: skipping $(NODE_ENV) (its test skips without node)"; fi
+
 run: $(STAMP)
 	$(BIN)/relayrl run $(ARGS)
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
-test: $(STAMP)
+test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
@@ -44,4 +54,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache $(NODE_ENV)/node_modules
