@@ -16,6 +16,7 @@ from pydantic import Field
 from protos import rollout_pb2, rollout_pb2_grpc
 from protos.codec import CodecError, decode_array, encode_array
 from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
+from rollout.openai_schema import OpenAISettings
 from rollout.sampling_params import SamplingParams, logprobs_temperature
 from rollout.sequence import FinishReason
 from rollout.session_service import SessionRPCs
@@ -92,6 +93,8 @@ class Config(Strict):
     buffer_client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the buffer.")
     buffer_timeout_s: float = Field(30.0, gt=0, description="How long CloseSession retries a buffer that is "
                                     "unavailable or full before it answers submitted=false.")
+    openai: OpenAISettings | None = Field(None, description="The OpenAI-compatible HTTP endpoint over the same "
+                                          "engine (rollout/openai_api.py, docs/openai.md); None: off.")
 
 
 class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
@@ -252,7 +255,9 @@ async def serve(config: Config) -> None:
     from rollout.weight_receiver import WeightReceiver
     from services.client import connect
     from services.runtime import serve as serve_forever
+    from services.runtime import setup_logging
 
+    setup_logging("rollout", config.server.log_level)  # before the OpenAI endpoint logs its port
     settings = config.engine.model_dump()
     if settings.pop("torch_threads") is not None:
         torch.set_num_threads(config.engine.torch_threads)
@@ -268,8 +273,16 @@ async def serve(config: Config) -> None:
     buffer_channel = connect(config.buffer, config.buffer_client) if config.buffer else None
     servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer, buffer_channel, config.buffer_timeout_s)
     receiver = WeightReceiver(engine)
+    openai_server = None
+    if config.openai is not None:  # up before the port file appears, so a ready service serves both
+        from rollout.openai_api import serve_openai
+
+        openai_server = await serve_openai(config.openai, engine, engine.engine.tokenizer, config.model,
+                                           servicer.submit_episode if buffer_channel is not None else None)
 
     async def on_stop() -> None:
+        if openai_server is not None:
+            await openai_server.stop()
         engine.shutdown()
         if buffer_channel is not None:
             await buffer_channel.close()

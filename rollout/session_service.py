@@ -164,6 +164,12 @@ class SessionRPCs:
             temperature=record.temperature,
         )
 
+    async def submit_episode(self, record: SessionRecord, reward: float, group_id: str, group_size: int) -> bool:
+        """Put a closed session's episode into the buffer (the OpenAI endpoint's close route); whether it is stored."""
+        request = rollout_pb2.CloseSessionRequest(session_id=record.session_id, reward=reward, group_id=group_id,
+                                                  group_size=group_size)
+        return await self._submit(self._sample(record, request, {}))
+
     async def _submit(self, sample: Sample) -> bool:
         """Put the episode into the buffer, retrying while it is unavailable or full for up to buffer_timeout_s.
         False when it could not be stored: the caller still gets the sample in the reply."""
