@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--token", help="bearer token")
     health.add_argument("--ca-cert", help="CA PEM to verify the server (TLS)")
 
-    run = sub.add_parser("run", help="the local quickstart: SFT warm-up, then async GRPO on one machine")
+    run = sub.add_parser("run", help="the local quickstart: SFT warm-up, then async GRPO on one machine "
+                         "(a config with `job: agentic`: on an environment, examples/agentic/)")
     run.add_argument("--config", help="YAML config file (default: the shipped quickstart)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     return parser
@@ -96,8 +97,11 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from deploy import agentic
     from deploy.quickstart import main as quickstart
 
+    if agentic.selects(args.config):  # `job: agentic` in the YAML: environments over sessions
+        return agentic.main(args.config, args.set)
     return quickstart(args.config, args.set)
 
 

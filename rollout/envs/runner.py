@@ -1,0 +1,375 @@
+"""The episode runner: plays environments against the rollout service's sessions, groups of episodes at a time.
+
+    for each task: group_size episodes, concurrently, each one session:
+        OpenSession(the env's first messages) -> GenerateInSession -> env.step -> AppendToSession(observation)
+        -> ... -> CloseSession(reward, submit: the rollout puts the episode into the buffer under the group)
+
+The episodes of one task form one GRPO group. A group starts only when admission control lets it
+(rollout/admission.py, the rule the driver applies): it must train within max_staleness of the policy
+that generates it. Group and sample ids carry a producer id (fresh at each start), so a restarted runner
+never reuses an id the buffer holds.
+
+An episode whose session is lost (the rollout restarted: UNAVAILABLE, NOT_FOUND) or refused for now
+(RESOURCE_EXHAUSTED: too many sessions) is played again from the start on a fresh session, under the same
+sample id (the buffer drops a second copy of one it stored). A context that fills up (OUT_OF_RANGE) ends
+the episode where it is.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import random
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from pydantic import Field
+
+from protos import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+from protos.codec import pack_metadata
+from rollout.admission import Gauge, Pipeline, admit
+from rollout.envs.base import Environment, Message, Task, environment_class
+from services.client import connect
+from services.config import Strict, load_config
+
+log = logging.getLogger("relayrl.runner")
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+_REPLAY = (*_RETRYABLE, grpc.StatusCode.NOT_FOUND)  # the session is gone or was never opened: play again
+
+
+class RunnerConfig(Strict):
+    """Where the services are, which environment, how to sample."""
+
+    rollout: str = Field(description="Rollout service address host:port (its `buffer` set, for CloseSession submit).")
+    buffer: str = Field(description="Replay buffer address (admission control reads its Stats).")
+    env: str = Field(description="Environment name (rollout/envs/base.py ENVIRONMENTS).")
+    env_config: dict = Field(default_factory=dict, description="The environment's Config fields.")
+    group_size: int = Field(8, ge=1, description="Episodes per task (the GRPO group).")
+    groups_per_batch: int = Field(8, ge=1, description="Groups in one training batch.")
+    max_staleness: int = Field(1, ge=0, description="Versions a sample may lag the trainer; 0 = on-policy.")
+    versions_per_batch: int = Field(
+        1, ge=1, description="Weight versions the trainer advances per batch it takes (its batch.mini_batches).")
+    admission_poll_s: float = Field(
+        0.025, gt=0, description="Poll buffer Stats and the rollout's GetWeightVersion at most this often.")
+    producer_id: str | None = Field(
+        None, description="Goes into every group and sample id; None = a fresh random token at each start.")
+    temperature: float = Field(1.0, ge=0, description="The same in every turn (a session's logprobs have one).")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(96, gt=0, description="Longest policy turn.")
+    concurrency: int = Field(8, ge=1, description="Groups in flight at once (each plays group_size episodes).")
+    max_groups: int = Field(0, ge=0, description="Stop after this many groups (0 = run until stopped).")
+    episode_retries: int = Field(
+        30, ge=0, description="Times one episode is played again after its session was lost or refused.")
+    seed: int = 0
+    stats_path: str | None = Field(None, description="Append a JSON line of runner stats here every 2 s.")
+    rpc_timeout_s: float = Field(120.0, gt=0, description="Deadline of each rollout/buffer call.")
+
+
+@dataclass
+class Episode:
+    """What one played episode came to."""
+
+    reward: float
+    solved: bool
+    turns: int
+    tokens: int  # policy tokens generated
+    truncated: bool  # the context filled up before the environment was done
+    submitted: bool  # the rollout put it into the buffer
+    sample: common_pb2.Sample  # the episode as the session closed it
+
+
+def env_spec(name: str, env_config: dict) -> tuple[type[Environment], Strict]:
+    """The environment class registered as `name` and its validated config."""
+    cls = environment_class(name)
+    return cls, cls.Config.model_validate(env_config)
+
+
+def _messages(observation: Sequence[Message]) -> list[rollout_pb2.ChatMessage]:
+    return [rollout_pb2.ChatMessage(**message) for message in observation]
+
+
+async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, session_id: str,
+                       params: rollout_pb2.SamplingParams, close: rollout_pb2.CloseSessionRequest,
+                       timeout_s: float) -> Episode:
+    """One episode on one session, closed with `close`'s fields (its reward filled in here).
+
+    Raises grpc.aio.AioRpcError for what the caller must decide (a lost session, a bad request)."""
+    await stub.OpenSession(rollout_pb2.OpenSessionRequest(session_id=session_id, messages=_messages(env.reset())),
+                           timeout=timeout_s)
+    reward, tokens, done, truncated = 0.0, 0, False, False
+    while not done:
+        params.seed = (params.seed * 1_000_003 + 1) % 2**63  # a fresh seed each turn, reproducible
+        text = []
+        try:
+            async for chunk in stub.GenerateInSession(
+                    rollout_pb2.GenerateInSessionRequest(session_id=session_id, params=params), timeout=timeout_s):
+                text.append(chunk.text)
+                tokens += chunk.token_ids.length
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                raise
+            truncated = True
+            break
+        observation, step_reward, done = await env.astep("".join(text))
+        reward += step_reward
+        if not done:
+            try:
+                await stub.AppendToSession(rollout_pb2.AppendToSessionRequest(
+                    session_id=session_id, messages=_messages(observation), turn_reward=step_reward),
+                    timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                    raise
+                truncated = True
+                break
+    close.session_id, close.reward = session_id, reward
+    close.metadata = pack_metadata({"solved": env.solved, "turns": env.turns, "truncated": truncated})
+    reply = await stub.CloseSession(close, timeout=timeout_s)
+    return Episode(reward, env.solved, env.turns, tokens, truncated, reply.submitted, reply.sample)
+
+
+def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
+    """Epochs over the tasks, each in a fresh seeded order."""
+    rng = random.Random(seed)
+    while True:
+        order = list(tasks)
+        rng.shuffle(order)
+        yield from order
+
+
+class Runner:
+    def __init__(self, config: RunnerConfig):
+        self.config = config
+        self.env_cls, self.env_config = env_spec(config.env, config.env_config)
+        self.channels = [connect(config.rollout), connect(config.buffer)]
+        self.rollout = rollout_pb2_grpc.RolloutStub(self.channels[0])
+        self.buffer = buffer_pb2_grpc.BufferStub(self.channels[1])
+        self.producer_id = config.producer_id or secrets.token_hex(4)
+        self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s)
+        self.version = 0
+        self.groups_started = 0
+        self.in_flight_samples = 0  # of groups started and not yet submitted
+        self.stored_samples = 0  # of groups whose episodes were all closed
+        self.stats = {"groups": 0, "episodes": 0, "solved": 0, "reward_sum": 0.0, "turns_sum": 0, "tokens": 0,
+                      "truncated": 0, "submitted": 0, "put_here": 0, "replays": 0, "retries": 0}
+        self.started_at = time.monotonic()
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    async def _admit(self, stop: asyncio.Event) -> bool:
+        """Wait until one more group may start (False: stopped): the driver's rule, rollout/admission.py."""
+        cfg = self.config
+        while not stop.is_set():
+            reading = await self.gauge.read(self.stored_samples)
+            queued = reading.buffered + self.in_flight_samples + (self.stored_samples - reading.put_mark)
+            pipeline = Pipeline(reading.trainer_version, reading.served_version, queued)
+            if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
+                     cfg.max_staleness):
+                return True
+            await self.gauge.pause()
+        return False
+
+    async def _poll_pipeline(self) -> tuple[int, int, int]:
+        stats, served = await asyncio.gather(
+            self._call(self.buffer.Stats, buffer_pb2.StatsRequest()),
+            self._call(self.rollout.GetWeightVersion, rollout_pb2.GetWeightVersionRequest()))
+        self.version = served.version
+        return max(stats.trainer_version, 0), served.version, stats.pending + stats.leased - stats.consumed
+
+    async def _call(self, rpc, request):
+        """Call with retries on transient statuses (a restarted service, back-pressure)."""
+        for attempt in itertools.count():
+            try:
+                return await rpc(request, timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt >= 600:
+                    raise
+                self.stats["retries"] += 1
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+
+    async def run_episode(self, task: Task, group_id: str, index: int, group_index: int) -> Episode:
+        """One episode of the group, played again from the start while its session is lost."""
+        cfg = self.config
+        sample_id = f"{group_id}/{index}"
+        attempt = 0
+        while True:
+            env = self.env_cls(task, self.env_config, random.Random(f"{cfg.seed}/{sample_id}/{attempt}"))
+            params = rollout_pb2.SamplingParams(
+                temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, n=1, logprobs=True,
+                seed=(cfg.seed * 1_000_003 + group_index * 1009 + index) % 2**63)
+            close = rollout_pb2.CloseSessionRequest(
+                submit=True, group_id=group_id, group_size=cfg.group_size, prompt_id=task.task_id,
+                sample_id=sample_id)
+            session_id = f"{sample_id}~{attempt}"
+            try:
+                episode = await play_episode(self.rollout, env, session_id, params, close, cfg.rpc_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _REPLAY or attempt >= cfg.episode_retries:
+                    raise
+                self.stats["replays"] += 1
+                log.info("episode %s: %s (%s); playing it again", session_id, exc.code().name, exc.details())
+                await self._discard(session_id)
+                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+                attempt += 1
+                continue
+            if not episode.submitted:  # the rollout gave up on the buffer: put the episode there from here
+                log.warning("episode %s: the rollout did not store it; putting it into the buffer", sample_id)
+                await self._call(self.buffer.Put, buffer_pb2.PutRequest(samples=[episode.sample]))
+                self.stats["put_here"] += 1
+            return episode
+
+    async def _discard(self, session_id: str) -> None:
+        """Close a session given up on, if the rollout still holds it (else it expires by itself)."""
+        try:
+            await self.rollout.CloseSession(rollout_pb2.CloseSessionRequest(session_id=session_id), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def run_group(self, task: Task, group_index: int) -> None:
+        cfg = self.config
+        group_id = f"{task.task_id}#{self.producer_id}.{group_index}"
+        episodes = await asyncio.gather(*(self.run_episode(task, group_id, i, group_index)
+                                          for i in range(cfg.group_size)))
+        s = self.stats
+        s["groups"] += 1
+        for episode in episodes:
+            s["episodes"] += 1
+            s["solved"] += episode.solved
+            s["reward_sum"] += episode.reward
+            s["turns_sum"] += episode.turns
+            s["tokens"] += episode.tokens
+            s["truncated"] += episode.truncated
+            s["submitted"] += episode.submitted
+
+    async def _run_counted(self, task: Task, group_index: int) -> None:
+        """run_group, its samples counted in flight (from admission) until every episode is closed."""
+        size = self.config.group_size
+        try:
+            await self.run_group(task, group_index)
+        finally:
+            self.in_flight_samples -= size
+            self.stored_samples += size
+
+    async def run(self, tasks: list[Task], stop: asyncio.Event | None = None) -> None:
+        cfg = self.config
+        stop = stop or asyncio.Event()
+        stream = task_stream(tasks, cfg.seed)
+        in_flight: set[asyncio.Task] = set()
+        reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
+        try:
+            while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
+                while len(in_flight) >= cfg.concurrency:
+                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # a failed group stops the runner with its error
+                if not await self._admit(stop):
+                    break
+                index = self.groups_started
+                self.groups_started += 1
+                self.in_flight_samples += cfg.group_size  # counted now: the next admission reads it
+                in_flight.add(asyncio.create_task(self._run_counted(next(stream), index)))
+            for task in asyncio.as_completed(in_flight):
+                await task
+        finally:
+            for task in in_flight:
+                task.cancel()
+            if reporter is not None:
+                reporter.cancel()
+                self._write_stats()
+
+    def snapshot(self) -> dict:
+        elapsed = time.monotonic() - self.started_at
+        s = self.stats
+        episodes = s["episodes"] or 1
+        return {
+            "time": time.time(), "elapsed_s": elapsed, "producer_id": self.producer_id, "version": self.version,
+            **s, "admission_polls": self.gauge.polls,
+            "success_rate": s["solved"] / episodes, "mean_reward": s["reward_sum"] / episodes,
+            "mean_turns": s["turns_sum"] / episodes,
+            # the driver's names, which deploy/progress.py shows
+            "samples": s["episodes"], "completions_per_s": s["episodes"] / elapsed if elapsed else 0.0,
+            "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
+        }
+
+    def _write_stats(self) -> None:
+        with open(self.config.stats_path, "a") as out:
+            out.write(json.dumps(self.snapshot()) + "\n")
+
+    async def _report(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(2.0)
+            self._write_stats()
+
+
+async def evaluate(address: str, env_name: str, env_config: dict, tasks: Sequence[Task], max_tokens: int,
+                   concurrency: int = 32, retry_for_s: float = 300.0) -> dict:
+    """Greedy episodes of `tasks` through sessions (the weights served right now), nothing submitted.
+
+    Returns success_rate, mean_reward, mean_turns. An episode whose session is lost (a restarting
+    rollout) is played again for up to `retry_for_s`."""
+    cls, config = env_spec(env_name, env_config)
+    semaphore = asyncio.Semaphore(concurrency)
+    run_id = secrets.token_hex(4)
+    async with connect(address) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+
+        async def one(i: int, task: Task) -> Episode:
+            give_up = time.monotonic() + retry_for_s
+            attempt = 0
+            async with semaphore:
+                while True:
+                    params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)
+                    try:
+                        return await play_episode(stub, cls(task, config, random.Random(i)),
+                                                  f"eval-{run_id}/{i}~{attempt}", params,
+                                                  rollout_pb2.CloseSessionRequest(), 60.0)
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() not in _REPLAY or time.monotonic() > give_up:
+                            raise
+                        attempt += 1
+                        await asyncio.sleep(0.5)
+
+        episodes = await asyncio.gather(*(one(i, task) for i, task in enumerate(tasks)))
+    n = len(episodes)
+    return {"success_rate": sum(e.solved for e in episodes) / n, "mean_reward": sum(e.reward for e in episodes) / n,
+            "mean_turns": sum(e.turns for e in episodes) / n}
+
+
+async def run_runner(config: RunnerConfig) -> dict:
+    cls, env_config = env_spec(config.env, config.env_config)
+    train_tasks, _ = cls.tasks(env_config, config.seed)
+    runner = Runner(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runner.run(train_tasks, stop)
+    finally:
+        await runner.close()
+    return runner.snapshot()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Play environment episodes against the rollout service's sessions.")
+    parser.add_argument("--config", help="YAML RunnerConfig")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_config(RunnerConfig, args.config, args.set)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [runner] %(message)s")
+    summary = asyncio.run(run_runner(config))
+    log.info("runner done: %s", json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
