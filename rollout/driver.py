@@ -55,7 +55,13 @@ class DriverConfig(Strict):
     buffer: str = Field(description="Replay buffer address.")
     teacher: str | None = Field(
         None, description="Rollout service of a teacher (or reference) model: its logprobs of every sampled token "
-        "become the samples' ref_logprobs (on-policy distillation, a KL term to a served reference).")
+        "become the samples' ref_logprobs (on-policy distillation, a KL term to a served reference). With "
+        "`teachers`, the teacher of every domain not listed there.")
+    teachers: dict[str, str] = Field(
+        default_factory=dict, description="Multi-teacher on-policy distillation (MOPD): {domain: rollout address}; "
+        "a prompt's domain is its metadata[teacher_key], and its samples' ref_logprobs come from that domain's "
+        "teacher (or `teacher` when the domain is not listed). A prompt with no teacher fails at load.")
+    teacher_key: str = Field("domain", description="The prompt metadata field naming its domain (teachers).")
     prompts: str = Field(description="JSONL prompt dataset: {prompt_id, prompt, metadata} per line.")
     tokenizer: str = Field(description="Folder of the tokenizer that makes prompt token ids.")
     add_bos: bool = Field(True, description="Prepend the tokenizer's bos token to every prompt.")
@@ -107,6 +113,14 @@ def load_prompts(config: DriverConfig) -> list[Prompt]:
         prompts.append(Prompt(str(row["prompt_id"]), row["prompt"], ids, row.get("metadata", {})))
     if not prompts:
         raise ValueError(f"{config.prompts}: no prompts")
+    if config.teachers and not config.teacher:
+        untaught = {p.prompt_id: p.metadata.get(config.teacher_key) for p in prompts
+                    if p.metadata.get(config.teacher_key) not in config.teachers}
+        if untaught:
+            prompt_id, domain = next(iter(untaught.items()))
+            raise ValueError(f"{config.prompts}: {len(untaught)} prompts have no teacher (e.g. {prompt_id!r}, "
+                             f"metadata {config.teacher_key}={domain!r}; teachers: {sorted(config.teachers)}); "
+                             "list their domain in teachers or set teacher as the default")
     return prompts
 
 
@@ -126,10 +140,13 @@ class Driver:
         self.rollout = rollout_pb2_grpc.RolloutStub(channels[0])
         self.reward = reward_pb2_grpc.RewardStub(channels[1])
         self.buffer = buffer_pb2_grpc.BufferStub(channels[2])
-        self.teacher = None
-        if config.teacher:
-            channels.append(connect(config.teacher))
-            self.teacher = rollout_pb2_grpc.RolloutStub(channels[-1])
+        # One channel per teacher address; the domain None is the default teacher (config.teacher).
+        stubs: dict[str, rollout_pb2_grpc.RolloutStub] = {}
+        for address in {config.teacher, *config.teachers.values()} - {None}:
+            channels.append(connect(address))
+            stubs[address] = rollout_pb2_grpc.RolloutStub(channels[-1])
+        self.teachers = {domain: stubs[address] for domain, address in config.teachers.items()}
+        self.default_teacher = stubs[config.teacher] if config.teacher else None
         self.channels = channels
         batch_samples = config.groups_per_batch * config.group_size
         self.scorer = CallMerger(self._score, config.merge_window_s, batch_samples)
@@ -233,10 +250,11 @@ class Driver:
             ))
         protos = [s.to_proto() for s in samples]  # encoded once: scored, then completed and stored
         scoring = self.scorer.submit(protos)
-        if self.teacher is None:
+        teacher = self.teacher_for(prompt)
+        if teacher is None:
             scored = await scoring
         else:
-            scored, _ = await asyncio.gather(scoring, self._add_teacher_logprobs(request.prompt_ids, reply, protos))
+            scored, _ = await asyncio.gather(scoring, self._add_teacher_logprobs(teacher, request.prompt_ids, reply, protos))
         for sample, proto, result in zip(samples, protos, scored, strict=True):
             sample.reward = proto.reward = result.reward
             sample.reward_details = dict(result.details)
@@ -260,9 +278,14 @@ class Driver:
             self.in_flight_samples -= size
             self.stored_samples += size
 
-    async def _add_teacher_logprobs(self, prompt_ids, reply, protos: list) -> None:
+    def teacher_for(self, prompt: Prompt) -> rollout_pb2_grpc.RolloutStub | None:
+        """The teacher of the prompt's domain (MOPD), else the default teacher, else None (no distillation)."""
+        domain = prompt.metadata.get(self.config.teacher_key)
+        return self.teachers.get(domain, self.default_teacher) if isinstance(domain, str) else self.default_teacher
+
+    async def _add_teacher_logprobs(self, stub, prompt_ids, reply, protos: list) -> None:
         """The teacher's logprob of every sampled token, as the samples' ref_logprobs."""
-        teacher = await self._call(self.teacher.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
+        teacher = await self._call(stub.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
             prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions],
             temperature=self.config.temperature or 1.0), "ComputeLogprobs")
         for proto, logprobs in zip(protos, teacher.logprobs, strict=True):

@@ -22,8 +22,8 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protos import rollout_pb2, rollout_pb2_grpc  # noqa: E402
-from services.client import connect  # noqa: E402
+from protos import rollout_pb2, rollout_pb2_grpc
+from services.client import connect
 
 GAUGES = ("relayrl_rollout_free_kv_blocks", "relayrl_rollout_open_sessions", "relayrl_rollout_session_kv_blocks",
           "relayrl_rollout_session_kv_evictions", "relayrl_rollout_prefill_tokens")

@@ -9,12 +9,21 @@ from trainer.buffer_client import LeasedBatch
 
 
 class DatasetSource:
-    """Seeded epochs over `samples`, `batch_size` at a time; acks are counted, nothing is redelivered."""
+    """Seeded epochs over `samples`, `batch_size` at a time; acks are counted, nothing is redelivered.
+
+    Samples of one group (group_id: a DPO pair, the completions of one prompt) travel together, as the
+    buffer delivers them: the learner expects whole groups. A batch is whole groups until it holds at least
+    `batch_size` samples (exactly that many when the group sizes divide it).
+    """
 
     def __init__(self, samples: Sequence[Sample], seed: int = 0):
         if not samples:
             raise ValueError("DatasetSource needs at least one sample")
         self.samples = list(samples)
+        groups: dict[str, list[int]] = {}
+        for index, sample in enumerate(self.samples):
+            groups.setdefault(sample.group_id, []).append(index)
+        self.groups = list(groups.values())
         self.rng = random.Random(seed)
         self.order: list[int] = []
         self.batches = 0
@@ -24,9 +33,9 @@ class DatasetSource:
         picked = []
         while len(picked) < batch_size:
             if not self.order:
-                self.order = list(range(len(self.samples)))
+                self.order = list(range(len(self.groups)))
                 self.rng.shuffle(self.order)
-            picked.append(self.samples[self.order.pop()])
+            picked.extend(self.samples[index] for index in self.groups[self.order.pop()])
         self.batches += 1
         return LeasedBatch(lease_id=f"dataset-{self.batches}", samples=picked, trainer_version=0)
 

@@ -1,0 +1,102 @@
+"""What tests/test_families.py measures with, in process: held-out greedy accuracy of an HF model, sequence
+logprobs of given answers, (correct, wrong) answer pairs for DPO, and windows of a metrics file.
+
+Accuracy is the quickstart's rule (deploy/quickstart.py `evaluate`: the greedy answer, stripped, equals the
+reference), taken here with transformers' generate so no service has to start for an offline family.
+"""
+
+import json
+import random
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deploy.tasks import Task
+from protos.sample import Sample
+
+
+def prompt_ids(tokenizer, task: Task) -> list[int]:
+    return [tokenizer.bos_token_id, *tokenizer.encode(task.prompt, add_special_tokens=False)]
+
+
+def answer_ids(tokenizer, answer: str) -> list[int]:
+    return [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, tasks: list[Task], max_tokens: int = 4) -> list[str]:
+    """Each task's greedy answer (text before eos, stripped); prompts batched by length (no padding)."""
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for index, task in enumerate(tasks):
+        by_length[len(prompt_ids(tokenizer, task))].append(index)
+    answers = [""] * len(tasks)
+    for length, indices in by_length.items():
+        input_ids = torch.tensor([prompt_ids(tokenizer, tasks[i]) for i in indices])
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max_tokens, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+        for index, row in zip(indices, output[:, length:].tolist(), strict=True):
+            row = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
+            answers[index] = tokenizer.decode(row, skip_special_tokens=True).strip()
+    return answers
+
+
+def greedy_accuracy(model, tokenizer, tasks: list[Task], max_tokens: int = 4) -> float:
+    """Held-out greedy exact match."""
+    answers = greedy_answers(model, tokenizer, tasks, max_tokens)
+    return sum(answer == task.answer for answer, task in zip(answers, tasks, strict=True)) / len(tasks)
+
+
+@torch.no_grad()
+def sequence_logprobs(model, tokenizer, task: Task, answers: list[str]) -> list[float]:
+    """log p(answer + eos | prompt) under `model`, for each answer (one batch of equal-length rows or several)."""
+    prompt = prompt_ids(tokenizer, task)
+    result = []
+    for answer in answers:
+        response = answer_ids(tokenizer, answer)
+        ids = torch.tensor([prompt + response])
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        targets = ids[0, 1:]
+        picked = logprobs.gather(-1, targets[:, None])[:, 0]
+        result.append(float(picked[len(prompt) - 1:].sum()))
+    return result
+
+
+def near_miss(task: Task, rng: random.Random) -> str:
+    """A wrong answer close to the right one: moved by 1-10 (never below 0)."""
+    right = int(task.answer)
+    return str(rng.choice([right + d for d in range(-10, 11) if d and right + d >= 0]))
+
+
+def preference_pairs(model, tokenizer, tasks: list[Task], seed: int) -> tuple[list[Sample], list[tuple[Task, str]]]:
+    """DPO data made in code: per task a group of two samples, the correct answer (reward 1) against the model's
+    own greedy answer where that is wrong, else a near miss (reward 0). Returns the samples and each task's
+    rejected answer."""
+    rng = random.Random(seed)
+    samples, rejected = [], []
+    for task, greedy in zip(tasks, greedy_answers(model, tokenizer, tasks), strict=True):
+        wrong = greedy if greedy != task.answer else near_miss(task, rng)
+        rejected.append((task, wrong))
+        for name, answer, reward in (("chosen", task.answer, 1.0), ("rejected", wrong, 0.0)):
+            response = answer_ids(tokenizer, answer)
+            n = len(response)
+            samples.append(Sample(
+                sample_id=f"dpo/{task.prompt_id}/{name}", prompt_id=task.prompt_id, group_id=f"dpo/{task.prompt_id}",
+                group_size=2, prompt_ids=np.asarray(prompt_ids(tokenizer, task), np.int32),
+                response_ids=np.asarray(response, np.int32), loss_mask=np.ones(n, np.uint8),
+                rollout_logprobs=np.zeros(n, np.float32), weight_versions=np.zeros(n, np.int64), reward=reward,
+            ))
+    return samples, rejected
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def windows(steps: list[dict], key: str, fraction: float = 0.25) -> tuple[float, float]:
+    """Mean of `key` over the first and the last `fraction` of the steps."""
+    width = max(1, int(len(steps) * fraction))
+    return statistics.mean(s[key] for s in steps[:width]), statistics.mean(s[key] for s in steps[-width:])
