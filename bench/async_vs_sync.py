@@ -1,0 +1,114 @@
+"""Does asynchrony pay on an agentic task? max_staleness 0 (synchronous) against 1, 2 and 4.
+
+The tool-use environment (examples/agentic/tool_use.yaml: the model calls a calculator whose answer takes
+50-200 ms, like a real tool, then answers) trains with the same model, SFT checkpoint, seed and RL time
+budget at each max_staleness. For each run it reports optimizer steps per hour, the trainer's data-wait
+fraction (time waiting for a batch / step time, from trainer_metrics.jsonl: `pull_s` / `step_s`), the time
+to reach a fixed held-out success rate, and the final success rate; each against staleness 0 measured in
+the same invocation. Off-policy correction (truncated IS) is on whenever max_staleness > 0 (deploy/agentic.py).
+
+The SFT checkpoint is built once (by the first run) and every later run starts from it.
+
+    python bench/async_vs_sync.py [--budget-s 300] [--staleness 0 1 2 4] [--seed 0] [--quick]
+"""
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "examples" / "agentic" / "tool_use.yaml"
+
+
+def trainer_wait_fraction(run_dir: pathlib.Path) -> float:
+    """Seconds the trainer waited for batches over its seconds per step, summed over the run."""
+    records = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines() if line]
+    waited = sum(r.get("pull_s", 0.0) for r in records)
+    total = sum(r.get("step_s", 0.0) for r in records)
+    return waited / total if total else float("nan")
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    for point in curve:
+        if point["success_rate"] >= target:
+            return point["elapsed_s"]
+    return None
+
+
+def run(staleness: int, args, start_checkpoint: str | None, out: pathlib.Path):
+    from deploy.agentic import AgenticConfig, run_agentic
+    from services.config import load_config
+
+    overrides = [f"seed={args.seed}", f"run_dir={out / f'staleness-{staleness}'}", f"rl.max_staleness={staleness}",
+                 f"rl.time_budget_s={args.budget_s}", f"rl.eval_interval_s={args.eval_interval_s}"]
+    if start_checkpoint:
+        overrides.append(f"start_checkpoint={start_checkpoint}")
+    if args.quick:
+        overrides += ["sft.steps=20", "sft.transcripts=200"]
+    config = load_config(AgenticConfig, str(CONFIG), overrides)
+    return run_agentic(config)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=300.0, help="RL seconds per run")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-interval-s", type=float, default=30.0)
+    parser.add_argument("--target", type=float, default=None,
+                        help="success rate for time-to-target; default: half-way from the start to staleness 0's final")
+    parser.add_argument("--out", default="runs/async_vs_sync")
+    parser.add_argument("--quick", action="store_true", help="tiny SFT, 45 s per run, staleness 0 and 1")
+    args = parser.parse_args()
+    if args.quick:
+        args.budget_s, args.staleness, args.eval_interval_s = 45.0, [0, 1], 20.0
+    if 0 not in args.staleness:
+        parser.error("--staleness must include 0: it is the baseline")
+    out = (ROOT / args.out).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+    order = [0] + [s for s in args.staleness if s != 0]
+    results, checkpoint = {}, None
+    for staleness in order:
+        summary = run(staleness, args, checkpoint, out)
+        run_dir = pathlib.Path(summary.run_dir)
+        if checkpoint is None:  # every run starts from the first run's SFT checkpoint
+            checkpoint = str(out / "model-sft")
+            shutil.copytree(run_dir / "model-sft", checkpoint)
+        results[staleness] = {"summary": summary, "wait": trainer_wait_fraction(run_dir),
+                              "steps_per_hour": summary.steps / summary.rl_seconds * 3600}
+    base = results[0]
+    target = args.target
+    if target is None:
+        start = base["summary"].start_success
+        target = start + 0.5 * (base["summary"].final_success - start)
+    print(f"\ntool-use, seed {args.seed}, {args.budget_s:g} s of RL per run, time-to-target at success >= {target:.3f}")
+    print(f"{'staleness':>9} {'steps':>6} {'steps/h':>8} {'x sync':>7} {'data wait':>10} {'t->target':>10} "
+          f"{'start':>6} {'final':>6} {'best':>6}")
+    for staleness in order:
+        r = results[staleness]
+        s = r["summary"]
+        reach = time_to(s.curve, target)
+        print(f"{staleness:>9} {s.steps:>6} {r['steps_per_hour']:>8.0f} {r['steps_per_hour'] / base['steps_per_hour']:>7.2f} "
+              f"{r['wait']:>10.1%} {('-' if reach is None else f'{reach:.0f} s'):>10} {s.start_success:>6.3f} "
+              f"{s.final_success:>6.3f} {s.best_success:>6.3f}")
+    for staleness in order[1:]:
+        r = results[staleness]
+        print(f"result: steps_per_hour_staleness_{staleness}_vs_sync = "
+              f"{r['steps_per_hour'] / base['steps_per_hour']:.2f} (baseline max_staleness 0, target >= 2)")
+        print(f"result: data_wait_staleness_{staleness} = {r['wait']:.3f} (baseline max_staleness 0 "
+              f"{base['wait']:.3f}, target < 0.10)")
+        print(f"result: final_success_staleness_{staleness}_minus_sync = "
+              f"{r['summary'].final_success - base['summary'].final_success:+.3f} (baseline max_staleness 0 "
+              f"{base['summary'].final_success:.3f}, target within noise)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
