@@ -46,6 +46,7 @@ def test_relayrl_run_agentic_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.families  # a learning run (~5 minutes): `make test-families`, which CI runs after `make test`
 @pytest.mark.timeout(900)
 def test_agentic_guess_number_training_reward_rises(tmp_path):
     config = load_config(AgenticConfig, EXAMPLES / "guess_number.yaml",
