@@ -14,26 +14,21 @@ counted in the stats and logged.
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import pathlib
-import random
-import secrets
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, encode_array
 from protos.sample import Sample, SampleStatus
-from rollout.admission import Gauge, Pipeline, admit
 from rollout.call_merger import CallMerger
+from rollout.producer import GroupProducer
 from services.client import connect
 from services.config import Strict, load_config
 
@@ -44,7 +39,6 @@ _STATUS = {
     rollout_pb2.FINISH_REASON_LENGTH: SampleStatus.TRUNCATED,
     rollout_pb2.FINISH_REASON_ABORT: SampleStatus.ABORTED,
 }
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class DriverConfig(Strict):
@@ -124,18 +118,8 @@ def load_prompts(config: DriverConfig) -> list[Prompt]:
     return prompts
 
 
-def prompt_stream(prompts: list[Prompt], seed: int) -> Iterator[Prompt]:
-    """Epochs over the prompts, each in a fresh seeded order."""
-    rng = random.Random(seed)
-    while True:
-        order = list(prompts)
-        rng.shuffle(order)
-        yield from order
-
-
-class Driver:
+class Driver(GroupProducer):
     def __init__(self, config: DriverConfig):
-        self.config = config
         channels = [connect(addr) for addr in (config.rollout, config.reward, config.buffer)]
         self.rollout = rollout_pb2_grpc.RolloutStub(channels[0])
         self.reward = reward_pb2_grpc.RewardStub(channels[1])
@@ -147,57 +131,12 @@ class Driver:
             stubs[address] = rollout_pb2_grpc.RolloutStub(channels[-1])
         self.teachers = {domain: stubs[address] for domain, address in config.teachers.items()}
         self.default_teacher = stubs[config.teacher] if config.teacher else None
-        self.channels = channels
+        super().__init__(config, channels)
         batch_samples = config.groups_per_batch * config.group_size
         self.scorer = CallMerger(self._score, config.merge_window_s, batch_samples)
         self.storer = CallMerger(self._put, config.merge_window_s, batch_samples)
-        self.producer_id = config.producer_id or secrets.token_hex(4)
-        self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s)
-        self.version = 0
-        self.groups_started = 0
-        self.in_flight_samples = 0  # of groups started and not yet stored
-        self.stored_samples = 0  # of groups whose Put returned
         self.stats = {"groups": 0, "samples": 0, "tokens": 0, "reward_sum": 0.0, "failed": 0, "retries": 0,
                       "accepted": 0, "duplicates": 0}
-        self.started_at = time.monotonic()
-
-    async def close(self) -> None:
-        for channel in self.channels:
-            await channel.close()
-
-    async def _admit(self, stop: asyncio.Event) -> bool:
-        """The one place asynchrony is bounded: wait until one more group may start (False: stopped)."""
-        cfg = self.config
-        while not stop.is_set():
-            reading = await self.gauge.read(self.stored_samples)
-            queued = reading.buffered + self.in_flight_samples + (self.stored_samples - reading.put_mark)
-            pipeline = Pipeline(reading.trainer_version, reading.served_version, queued)
-            if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
-                     cfg.max_staleness):
-                return True
-            await self.gauge.pause()
-        return False
-
-    async def _poll_pipeline(self) -> tuple[int, int, int]:
-        stats, served = await asyncio.gather(
-            self._call(self.buffer.Stats, buffer_pb2.StatsRequest(), "Stats"),
-            self._call(self.rollout.GetWeightVersion, rollout_pb2.GetWeightVersionRequest(), "GetWeightVersion"))
-        self.version = served.version
-        # -1: no trainer has reported yet; its first batch trains at version 0 or later.
-        trainer_version = max(stats.trainer_version, 0)
-        return trainer_version, served.version, stats.pending + stats.leased - stats.consumed
-
-    async def _call(self, rpc, request, what: str):
-        """Call with retries on transient statuses (a restarted service, back-pressure)."""
-        for attempt in itertools.count():
-            try:
-                return await rpc(request, timeout=self.config.rpc_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE or attempt >= 600:
-                    raise
-                self.stats["retries"] += 1
-                log.debug("%s: %s, retrying", what, exc.code().name)
-                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
 
     async def _score(self, protos: list) -> list:
         cfg = self.config
@@ -269,15 +208,6 @@ class Driver:
         self.stats["tokens"] += sum(s.response_ids.size for s in samples)
         self.stats["reward_sum"] += sum(s.reward for s in samples)
 
-    async def _run_counted(self, prompt: Prompt, group_index: int) -> None:
-        """run_group, its samples counted in flight (from admission) until their Put returns."""
-        size = self.config.group_size
-        try:
-            await self.run_group(prompt, group_index)
-        finally:
-            self.in_flight_samples -= size
-            self.stored_samples += size
-
     def teacher_for(self, prompt: Prompt) -> rollout_pb2_grpc.RolloutStub | None:
         """The teacher of the prompt's domain (MOPD), else the default teacher, else None (no distillation)."""
         domain = prompt.metadata.get(self.config.teacher_key)
@@ -292,33 +222,6 @@ class Driver:
             decode_array(logprobs, "ref_logprobs", "float32")  # a malformed reply fails here, not in the buffer
             proto.ref_logprobs.CopyFrom(logprobs)
 
-    async def run(self, prompts: list[Prompt], stop: asyncio.Event | None = None) -> None:
-        cfg = self.config
-        stop = stop or asyncio.Event()
-        stream = prompt_stream(prompts, cfg.seed)
-        in_flight: set[asyncio.Task] = set()
-        reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
-        try:
-            while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
-                while len(in_flight) >= cfg.concurrency:
-                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        task.result()  # a failed group stops the driver with its error
-                if not await self._admit(stop):
-                    break
-                index = self.groups_started
-                self.groups_started += 1
-                self.in_flight_samples += cfg.group_size  # counted now: the next admission reads it
-                in_flight.add(asyncio.create_task(self._run_counted(next(stream), index)))
-            for task in asyncio.as_completed(in_flight):
-                await task
-        finally:
-            for task in in_flight:
-                task.cancel()
-            if reporter is not None:
-                reporter.cancel()
-                self._write_stats()
-
     def snapshot(self) -> dict:
         elapsed = time.monotonic() - self.started_at
         s = self.stats
@@ -329,16 +232,6 @@ class Driver:
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
             "mean_reward": s["reward_sum"] / s["samples"] if s["samples"] else 0.0,
         }
-
-    def _write_stats(self) -> None:
-        with open(self.config.stats_path, "a") as out:
-            out.write(json.dumps(self.snapshot()) + "\n")
-
-    async def _report(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await asyncio.sleep(2.0)
-            self._write_stats()
-
 
 async def drive(config: DriverConfig) -> dict:
     prompts = load_prompts(config)

@@ -17,7 +17,6 @@ the episode where it is.
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import random
@@ -25,7 +24,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -33,15 +32,14 @@ from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 from protos.codec import pack_metadata
-from rollout.admission import Gauge, Pipeline, admit
 from rollout.envs.base import Environment, Message, Task, environment_class
+from rollout.producer import RETRYABLE, GroupProducer
 from services.client import connect
 from services.config import Strict, load_config
 
 log = logging.getLogger("relayrl.runner")
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
-_REPLAY = (*_RETRYABLE, grpc.StatusCode.NOT_FOUND)  # the session is gone or was never opened: play again
+_REPLAY = (*RETRYABLE, grpc.StatusCode.NOT_FOUND)  # the session is gone or was never opened: play again
 
 
 class RunnerConfig(Strict):
@@ -135,66 +133,14 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
     return Episode(reward, env.solved, env.turns, tokens, truncated, reply.submitted, reply.sample)
 
 
-def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
-    """Epochs over the tasks, each in a fresh seeded order."""
-    rng = random.Random(seed)
-    while True:
-        order = list(tasks)
-        rng.shuffle(order)
-        yield from order
-
-
-class Runner:
+class Runner(GroupProducer):
     def __init__(self, config: RunnerConfig):
-        self.config = config
+        super().__init__(config, [connect(config.rollout), connect(config.buffer)])
         self.env_cls, self.env_config = env_spec(config.env, config.env_config)
-        self.channels = [connect(config.rollout), connect(config.buffer)]
         self.rollout = rollout_pb2_grpc.RolloutStub(self.channels[0])
         self.buffer = buffer_pb2_grpc.BufferStub(self.channels[1])
-        self.producer_id = config.producer_id or secrets.token_hex(4)
-        self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s)
-        self.version = 0
-        self.groups_started = 0
-        self.in_flight_samples = 0  # of groups started and not yet submitted
-        self.stored_samples = 0  # of groups whose episodes were all closed
         self.stats = {"groups": 0, "episodes": 0, "solved": 0, "reward_sum": 0.0, "turns_sum": 0, "tokens": 0,
                       "truncated": 0, "submitted": 0, "put_here": 0, "replays": 0, "retries": 0}
-        self.started_at = time.monotonic()
-
-    async def close(self) -> None:
-        for channel in self.channels:
-            await channel.close()
-
-    async def _admit(self, stop: asyncio.Event) -> bool:
-        """Wait until one more group may start (False: stopped): the driver's rule, rollout/admission.py."""
-        cfg = self.config
-        while not stop.is_set():
-            reading = await self.gauge.read(self.stored_samples)
-            queued = reading.buffered + self.in_flight_samples + (self.stored_samples - reading.put_mark)
-            pipeline = Pipeline(reading.trainer_version, reading.served_version, queued)
-            if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
-                     cfg.max_staleness):
-                return True
-            await self.gauge.pause()
-        return False
-
-    async def _poll_pipeline(self) -> tuple[int, int, int]:
-        stats, served = await asyncio.gather(
-            self._call(self.buffer.Stats, buffer_pb2.StatsRequest()),
-            self._call(self.rollout.GetWeightVersion, rollout_pb2.GetWeightVersionRequest()))
-        self.version = served.version
-        return max(stats.trainer_version, 0), served.version, stats.pending + stats.leased - stats.consumed
-
-    async def _call(self, rpc, request):
-        """Call with retries on transient statuses (a restarted service, back-pressure)."""
-        for attempt in itertools.count():
-            try:
-                return await rpc(request, timeout=self.config.rpc_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE or attempt >= 600:
-                    raise
-                self.stats["retries"] += 1
-                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
 
     async def run_episode(self, task: Task, group_id: str, index: int, group_index: int) -> Episode:
         """One episode of the group, played again from the start while its session is lost."""
@@ -250,42 +196,6 @@ class Runner:
             s["truncated"] += episode.truncated
             s["submitted"] += episode.submitted
 
-    async def _run_counted(self, task: Task, group_index: int) -> None:
-        """run_group, its samples counted in flight (from admission) until every episode is closed."""
-        size = self.config.group_size
-        try:
-            await self.run_group(task, group_index)
-        finally:
-            self.in_flight_samples -= size
-            self.stored_samples += size
-
-    async def run(self, tasks: list[Task], stop: asyncio.Event | None = None) -> None:
-        cfg = self.config
-        stop = stop or asyncio.Event()
-        stream = task_stream(tasks, cfg.seed)
-        in_flight: set[asyncio.Task] = set()
-        reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
-        try:
-            while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
-                while len(in_flight) >= cfg.concurrency:
-                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        task.result()  # a failed group stops the runner with its error
-                if not await self._admit(stop):
-                    break
-                index = self.groups_started
-                self.groups_started += 1
-                self.in_flight_samples += cfg.group_size  # counted now: the next admission reads it
-                in_flight.add(asyncio.create_task(self._run_counted(next(stream), index)))
-            for task in asyncio.as_completed(in_flight):
-                await task
-        finally:
-            for task in in_flight:
-                task.cancel()
-            if reporter is not None:
-                reporter.cancel()
-                self._write_stats()
-
     def snapshot(self) -> dict:
         elapsed = time.monotonic() - self.started_at
         s = self.stats
@@ -299,16 +209,6 @@ class Runner:
             "samples": s["episodes"], "completions_per_s": s["episodes"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
         }
-
-    def _write_stats(self) -> None:
-        with open(self.config.stats_path, "a") as out:
-            out.write(json.dumps(self.snapshot()) + "\n")
-
-    async def _report(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await asyncio.sleep(2.0)
-            self._write_stats()
-
 
 async def evaluate(address: str, env_name: str, env_config: dict, tasks: Sequence[Task], max_tokens: int,
                    concurrency: int = 32, retry_for_s: float = 300.0) -> dict:

@@ -1,0 +1,141 @@
+"""What the rollout driver and the episode runner share: start groups one at a time, each admitted by
+rollout/admission.py, a bounded number in flight, stats written to a JSONL file every 2 s.
+
+A subclass sets `rollout`, `buffer` (stubs) and `stats` (with a "retries" count) and implements
+`run_group(item, group_index)` and `snapshot()`.
+"""
+
+import asyncio
+import itertools
+import json
+import logging
+import random
+import secrets
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from protos import buffer_pb2, rollout_pb2
+from rollout.admission import Gauge, Pipeline, admit
+
+log = logging.getLogger("relayrl.producer")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def item_stream(items: list, seed: int) -> Iterator:
+    """Epochs over the items, each in a fresh seeded order."""
+    rng = random.Random(seed)
+    while True:
+        order = list(items)
+        rng.shuffle(order)
+        yield from order
+
+
+class GroupProducer:
+    """The admission loop over groups. `config` needs group_size, groups_per_batch, versions_per_batch,
+    max_staleness, concurrency, max_groups, seed, stats_path, rpc_timeout_s, admission_poll_s, producer_id."""
+
+    stats: dict
+    rollout: object
+    buffer: object
+
+    def __init__(self, config, channels: list):
+        self.config = config
+        self.channels = channels
+        self.producer_id = config.producer_id or secrets.token_hex(4)
+        self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s)
+        self.version = 0
+        self.groups_started = 0
+        self.in_flight_samples = 0  # of groups started and not yet stored
+        self.stored_samples = 0  # of groups stored (Put returned, or every episode closed)
+        self.started_at = time.monotonic()
+
+    async def run_group(self, item, group_index: int) -> None:
+        raise NotImplementedError
+
+    def snapshot(self) -> dict:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    async def _admit(self, stop: asyncio.Event) -> bool:
+        """The one place asynchrony is bounded: wait until one more group may start (False: stopped)."""
+        cfg = self.config
+        while not stop.is_set():
+            reading = await self.gauge.read(self.stored_samples)
+            queued = reading.buffered + self.in_flight_samples + (self.stored_samples - reading.put_mark)
+            pipeline = Pipeline(reading.trainer_version, reading.served_version, queued)
+            if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
+                     cfg.max_staleness):
+                return True
+            await self.gauge.pause()
+        return False
+
+    async def _poll_pipeline(self) -> tuple[int, int, int]:
+        stats, served = await asyncio.gather(
+            self._call(self.buffer.Stats, buffer_pb2.StatsRequest(), "Stats"),
+            self._call(self.rollout.GetWeightVersion, rollout_pb2.GetWeightVersionRequest(), "GetWeightVersion"))
+        self.version = served.version
+        # -1: no trainer has reported yet; its first batch trains at version 0 or later.
+        trainer_version = max(stats.trainer_version, 0)
+        return trainer_version, served.version, stats.pending + stats.leased - stats.consumed
+
+    async def _call(self, rpc, request, what: str = ""):
+        """Call with retries on transient statuses (a restarted service, back-pressure)."""
+        for attempt in itertools.count():
+            try:
+                return await rpc(request, timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or attempt >= 600:
+                    raise
+                self.stats["retries"] += 1
+                log.debug("%s: %s, retrying", what, exc.code().name)
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+
+    async def _run_counted(self, item, group_index: int) -> None:
+        """run_group, its samples counted in flight (from admission) until they are stored."""
+        size = self.config.group_size
+        try:
+            await self.run_group(item, group_index)
+        finally:
+            self.in_flight_samples -= size
+            self.stored_samples += size
+
+    async def run(self, items: list, stop: asyncio.Event | None = None) -> None:
+        cfg = self.config
+        stop = stop or asyncio.Event()
+        stream = item_stream(items, cfg.seed)
+        in_flight: set[asyncio.Task] = set()
+        reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
+        try:
+            while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
+                while len(in_flight) >= cfg.concurrency:
+                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # a failed group stops the producer with its error
+                if not await self._admit(stop):
+                    break
+                index = self.groups_started
+                self.groups_started += 1
+                self.in_flight_samples += cfg.group_size  # counted now: the next admission reads it
+                in_flight.add(asyncio.create_task(self._run_counted(next(stream), index)))
+            for task in asyncio.as_completed(in_flight):
+                await task
+        finally:
+            for task in in_flight:
+                task.cancel()
+            if reporter is not None:
+                reporter.cancel()
+                self._write_stats()
+
+    def _write_stats(self) -> None:
+        with open(self.config.stats_path, "a") as out:
+            out.write(json.dumps(self.snapshot()) + "\n")
+
+    async def _report(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(2.0)
+            self._write_stats()
