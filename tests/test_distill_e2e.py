@@ -76,8 +76,9 @@ def distill(tmp_path: Path, student_dir: Path, trainer_yaml: dict, driver_cfg: d
 
 
 def assert_reverse_kl_falls(steps: list[dict]) -> None:
+    # The start against the last tenth of the run: one step's reverse KL is a 16-sample estimate and swings.
     first = statistics.mean(s["reverse_kl"] for s in steps[:4])
-    last = statistics.mean(s["reverse_kl"] for s in steps[-4:])
+    last = statistics.mean(s["reverse_kl"] for s in steps[-max(len(steps) // 10, 4):])
     print(f"reverse KL to the teacher {first:.3f} -> {last:.3f} over {len(steps)} steps")
     assert first > 0.5, f"the teacher should start far from the student (reverse KL {first:.3f})"
     assert last < 0.6 * first, f"reverse KL to the served teacher did not fall: {first:.3f} -> {last:.3f}"
