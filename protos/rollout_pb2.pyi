@@ -118,8 +118,12 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetWeightVersionRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("newer_than", "wait_s")
+    NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    newer_than: int
+    wait_s: float
+    def __init__(self, newer_than: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class GetWeightVersionResponse(_message.Message):
     __slots__ = ("version",)

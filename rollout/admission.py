@@ -56,13 +56,21 @@ class Gauge:
     `poll()` returns (trainer_version, served_version, buffered). Samples whose Put returned after a
     poll was sent may or may not be in its `buffered`: the driver counts them again (see `queued`),
     erring towards waiting, never towards a lag beyond max_staleness.
+
+    `watch(version)`, if given, answers once the rollout serves a version above `version` (a
+    GetWeightVersion watch): while admission holds the producer back, a new version ends the pause at
+    once and the next read polls, so generation starts when the weights land, not up to `poll_s` later.
     """
 
-    def __init__(self, poll: Callable[[], Awaitable[tuple[int, int, int]]], poll_s: float) -> None:
-        self._poll, self.poll_s = poll, poll_s
+    def __init__(self, poll: Callable[[], Awaitable[tuple[int, int, int]]], poll_s: float,
+                 watch: Callable[[int], Awaitable[int]] | None = None) -> None:
+        self._poll, self.poll_s, self._watch = poll, poll_s, watch
         self.reading: Reading | None = None
         self._read_at = -math.inf
         self.polls = 0
+        self.wakeups = 0  # pauses a new version ended early
+        self._watching: asyncio.Task | None = None
+        self._watching_above = -1
 
     async def read(self, put_mark: int) -> Reading:
         if time.monotonic() - self._read_at >= self.poll_s:
@@ -74,5 +82,26 @@ class Gauge:
         return self.reading
 
     async def pause(self) -> None:
-        """Wait until the next poll is due."""
-        await asyncio.sleep(max(0.0, self._read_at + self.poll_s - time.monotonic()))
+        """Wait until the next poll is due, or (with a watch) until a newer version is served."""
+        delay = max(0.0, self._read_at + self.poll_s - time.monotonic())
+        if self._watch is None or self.reading is None:
+            await asyncio.sleep(delay)
+            return
+        served = self.reading.served_version
+        if self._watching is None or self._watching_above != served:
+            self.close()
+            self._watching, self._watching_above = asyncio.ensure_future(self._watch(served)), served
+        done, _ = await asyncio.wait({self._watching}, timeout=delay)
+        if done:
+            watch, self._watching = self._watching, None
+            if watch.exception() is None and watch.result() > served:
+                self._read_at = -math.inf  # poll now: the new version may admit groups
+                self.wakeups += 1
+            else:  # a watch that ended without a newer version (timed out, failed): the poll decides
+                await asyncio.sleep(max(0.0, self._read_at + self.poll_s - time.monotonic()))
+
+    def close(self) -> None:
+        """Cancel a watch in flight."""
+        if self._watching is not None:
+            self._watching.cancel()
+            self._watching = None

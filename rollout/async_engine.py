@@ -6,6 +6,7 @@ between two steps, which is what makes a weight update atomic for in-flight sequ
 """
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -50,6 +51,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
+        self._version_changed: asyncio.Event | None = None  # made in the caller's loop at the first watch
 
     @property
     def weight_version(self) -> int:
@@ -159,7 +161,23 @@ class AsyncEngine:
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
         """Copy `weights` (name -> tensor) into the model between two steps, or with `adopt` serve them
         as they are (LLMEngine.load_weights); returns the seconds it took."""
-        return await self._call(lambda: self._switch_weights(weights, version, adopt))
+        seconds = await self._call(lambda: self._switch_weights(weights, version, adopt))
+        if self._version_changed is not None:  # wake the watchers; the next watch waits on a fresh event
+            self._version_changed.set()
+            self._version_changed = None
+        return seconds
+
+    async def watch_version(self, newer_than: int, wait_s: float) -> int:
+        """The served weight version once it is above `newer_than`, or after `wait_s` the version then.
+
+        Watchers and update_weights run in the same event loop (the server's)."""
+        deadline = time.monotonic() + wait_s
+        while self.weight_version <= newer_than and (left := deadline - time.monotonic()) > 0:
+            if self._version_changed is None:
+                self._version_changed = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._version_changed.wait(), left)
+        return self.weight_version
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread; open streams end with EngineDead."""

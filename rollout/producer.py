@@ -20,6 +20,7 @@ from protos import buffer_pb2, rollout_pb2
 from rollout.admission import Gauge, Pipeline, admit
 
 log = logging.getLogger("relayrl.producer")
+WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -44,7 +45,7 @@ class GroupProducer:
         self.config = config
         self.channels = channels
         self.producer_id = config.producer_id or secrets.token_hex(4)
-        self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s)
+        self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s, self._watch_version)
         self.version = 0
         self.groups_started = 0
         self.in_flight_samples = 0  # of groups started and not yet stored
@@ -58,6 +59,7 @@ class GroupProducer:
         raise NotImplementedError
 
     async def close(self) -> None:
+        self.gauge.close()
         for channel in self.channels:
             await channel.close()
 
@@ -82,6 +84,12 @@ class GroupProducer:
         # -1: no trainer has reported yet; its first batch trains at version 0 or later.
         trainer_version = max(stats.trainer_version, 0)
         return trainer_version, served.version, stats.pending + stats.leased - stats.consumed
+
+    async def _watch_version(self, served: int) -> int:
+        """The rollout's version once above `served` (or after WATCH_S); one try, no retries: the poll retries."""
+        reply = await self.rollout.GetWeightVersion(
+            rollout_pb2.GetWeightVersionRequest(newer_than=served, wait_s=WATCH_S), timeout=WATCH_S + 10.0)
+        return reply.version
 
     async def _call(self, rpc, request, what: str = ""):
         """Call with retries on transient statuses (a restarted service, back-pressure)."""

@@ -47,6 +47,8 @@ _FINISH_REASONS = {
     FinishReason.ABORT: rollout_pb2.FINISH_REASON_ABORT,
 }
 
+MAX_VERSION_WAIT_S = 60.0  # the longest GetWeightVersion watch
+
 _REFUSAL_CODES = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -149,7 +151,13 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.AbortResponse(found=await self.engine.abort(request.request_id))
 
     async def GetWeightVersion(self, request, context) -> rollout_pb2.GetWeightVersionResponse:
-        return rollout_pb2.GetWeightVersionResponse(version=self.engine.weight_version)
+        if not 0 <= request.wait_s <= MAX_VERSION_WAIT_S:  # also false for NaN
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"wait_s: must be within [0, {MAX_VERSION_WAIT_S:g}] seconds, got {request.wait_s}")
+        version = self.engine.weight_version
+        if request.wait_s > 0:
+            version = await self.engine.watch_version(request.newer_than, request.wait_s)
+        return rollout_pb2.GetWeightVersionResponse(version=version)
 
     async def GetModelInfo(self, request, context) -> rollout_pb2.GetModelInfoResponse:
         return rollout_pb2.GetModelInfoResponse(

@@ -176,3 +176,51 @@ def test_admission_keeps_every_batch_within_max_staleness(pipeline, versions_per
     assert max(lags) <= 1, f"lags {lags} beyond max_staleness 1"
     assert stats.dropped.get("stale", 0) == 0, f"the buffer dropped {dict(stats.dropped)}"
     assert driver.gauge.polls > 0
+
+
+def test_a_paused_producer_polls_again_the_moment_a_newer_version_is_served():
+    """The Gauge's pause ends when its watch reports a newer version (GetWeightVersion with wait_s), not at the
+    next poll; a watch that ends without one (timed out, failed) leaves the poll interval in charge."""
+    import time
+
+    from rollout.admission import Gauge
+
+    async def main():
+        served = {"version": 4}
+        landed = asyncio.Event()
+
+        async def poll():
+            return 4, served["version"], 0
+
+        async def watch(above: int) -> int:
+            await landed.wait()
+            return served["version"]
+
+        gauge = Gauge(poll, poll_s=10.0, watch=watch)
+        await gauge.read(0)
+
+        async def land_weights():
+            await asyncio.sleep(0.2)
+            served["version"] = 5
+            landed.set()
+
+        started = time.monotonic()
+        await asyncio.gather(gauge.pause(), land_weights())
+        woke_after_s = time.monotonic() - started
+        reading = await gauge.read(0)  # polls at once: the pause was ended by new weights
+
+        async def failing_watch(above: int) -> int:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "rollout restarting")
+
+        quiet = Gauge(poll, poll_s=0.3, watch=failing_watch)
+        await quiet.read(0)
+        started = time.monotonic()
+        await quiet.pause()
+        failed_watch_pause_s = time.monotonic() - started
+        gauge.close()
+        return woke_after_s, reading, gauge.polls, gauge.wakeups, failed_watch_pause_s
+
+    woke_after_s, reading, polls, wakeups, failed_watch_pause_s = asyncio.run(main())
+    assert 0.15 <= woke_after_s < 2.0 and wakeups == 1
+    assert reading.served_version == 5 and polls == 2
+    assert 0.25 <= failed_watch_pause_s < 2.0

@@ -266,3 +266,52 @@ def test_compute_logprobs_scores_generated_tokens_and_refuses_bad_ids(rollout_pr
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad.details().startswith("response_ids[1]: token id 101"), bad.details()
     assert still_serving.version == 0
+
+
+def test_a_version_watch_answers_when_new_weights_land_and_refuses_bad_waits(tiny_model_dir, tmp_path):
+    """GetWeightVersion(newer_than, wait_s): answers the moment a newer version is served (what ends a producer's
+    admission pause), after wait_s with the version then, at once for an older newer_than; bad waits refused."""
+    import time
+
+    from safetensors.torch import load_file
+
+    from rollout.tiny import write_tiny_model
+
+    other = load_file(write_tiny_model(tmp_path / "other", seed=5) / "model.safetensors")
+
+    async def main():
+        engine, server, address = await _in_process(tiny_model_dir, max_model_len=256)
+        async with connect(address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+
+            async def watch(newer_than: int, wait_s: float) -> tuple[int, float]:
+                started = time.monotonic()
+                reply = await stub.GetWeightVersion(
+                    rollout_pb2.GetWeightVersionRequest(newer_than=newer_than, wait_s=wait_s), timeout=30)
+                return reply.version, time.monotonic() - started
+
+            timed_out = await watch(0, 0.3)
+            watching = asyncio.ensure_future(watch(0, 20.0))
+            await asyncio.sleep(0.3)
+            assert not watching.done()
+            update_started = time.monotonic()
+            await engine.update_weights(other, version=3)
+            landed = await watching
+            landed_after_update_s = time.monotonic() - update_started
+            already_newer = await watch(2, 20.0)
+            codes = []
+            for wait_s in (-1.0, 61.0, float("nan")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await watch(0, wait_s)
+                codes.append((refused.value.code(), refused.value.details()))
+            still_serving = await watch(0, 0.0)
+        await server.stop(None)
+        engine.shutdown()
+        return timed_out, landed, landed_after_update_s, already_newer, codes, still_serving
+
+    timed_out, landed, landed_after_update_s, already_newer, codes, still_serving = asyncio.run(main())
+    assert timed_out[0] == 0 and 0.25 <= timed_out[1] < 5
+    assert landed[0] == 3 and landed[1] >= 0.3 and landed_after_update_s < 1.0
+    assert already_newer[0] == 3 and already_newer[1] < 1.0
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT and "wait_s" in details for code, details in codes), codes
+    assert still_serving[0] == 3

@@ -202,7 +202,7 @@ class Runner(GroupProducer):
         episodes = s["episodes"] or 1
         return {
             "time": time.time(), "elapsed_s": elapsed, "producer_id": self.producer_id, "version": self.version,
-            **s, "admission_polls": self.gauge.polls,
+            **s, "admission_polls": self.gauge.polls, "version_wakeups": self.gauge.wakeups,
             "success_rate": s["solved"] / episodes, "mean_reward": s["reward_sum"] / episodes,
             "mean_turns": s["turns_sum"] / episodes,
             # the driver's names, which deploy/progress.py shows
