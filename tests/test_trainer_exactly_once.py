@@ -165,15 +165,19 @@ def test_a_lost_lease_is_redelivered_and_acked_without_training_again(tmp_path, 
         first = book.work(book.pull(BATCH))
         assert len(first.train) == BATCH
         book.consumed(first, trainer_version=1)
+        book.flush()  # the marks and acks run on the book's call thread
         held = stats(buffer.address)
         assert (held.leased, held.consumed, held.trainer_version) == (BATCH, BATCH, 1)  # trained, awaiting a checkpoint
         time.sleep(1.5)
         book.checkpointed(trainer_version=1)
+        book.flush()  # the marks and acks run on the book's call thread
         assert (book.redelivered, book.acked, len(book.ledger)) == (1, 0, BATCH)
         again = book.work(book.pull(BATCH))
         assert again.train == [] and sorted(again.already_trained) == sorted(s.sample_id for s in first.train)
         book.consumed(again, trainer_version=1)
+        book.flush()  # the marks and acks run on the book's call thread
         book.checkpointed(trainer_version=1)
+        book.flush()  # the marks and acks run on the book's call thread
         assert (book.acked, len(book.ledger), book.skipped) == (BATCH, 0, BATCH)
     finally:
         book.close()
@@ -201,12 +205,15 @@ def test_batches_trained_when_the_buffer_restarts_come_back_and_are_acked_withou
     try:
         consumed = book.work(book.pull(BATCH))
         book.consumed(consumed, trainer_version=1)
+        book.flush()  # the marks and acks run on the book's call thread
         in_training = book.work(book.pull(BATCH))
         buffer.kill()
         service_factory("buffer", settings)  # same address and data: the leases are gone
         book.consumed(in_training, trainer_version=2)  # the step ends after the restart
+        book.flush()  # the marks and acks run on the book's call thread
         client.set_version(100)
         book.checkpointed(trainer_version=100)
+        book.flush()  # the marks and acks run on the book's call thread
         assert (book.redelivered, book.acked, len(book.ledger)) == (2, 0, 2 * BATCH)
         trained = {s.sample_id for work in (consumed, in_training) for s in work.train}
         back = [book.work(book.pull(BATCH)) for _ in range(2)]
@@ -214,8 +221,10 @@ def test_batches_trained_when_the_buffer_restarts_come_back_and_are_acked_withou
         assert {i for work in back for i in work.already_trained} == trained
         for work in back:
             book.consumed(work, trainer_version=100)
+            book.flush()  # the marks and acks run on the book's call thread
         assert sorted(book.ledger.leases()) == sorted(work.lease_id for work in back)
         book.checkpointed(trainer_version=100)
+        book.flush()  # the marks and acks run on the book's call thread
         assert (book.acked, len(book.ledger), book.skipped) == (2 * BATCH, 0, 2 * BATCH)
     finally:
         book.close()
@@ -292,3 +301,47 @@ def test_the_trainer_survives_a_buffer_restart_and_trains_every_acked_sample_onc
     history = records(metrics)
     assert len(history) == max_steps
     assert_exactly_once(history, {s.sample_id for s in samples}, address, everything_acked=False)
+
+
+def test_buffer_calls_of_a_step_run_in_order_off_the_training_thread():
+    """consumed() returns before its (slow) ExtendLease lands; the mark, a checkpoint's write submitted after it
+    and the checkpoint's acks run in that order; a failed call is raised on the training thread."""
+    from trainer.buffer_client import LeasedBatch
+    from trainer.leases import LeaseBook
+
+    events = []
+
+    class SlowBuffer:
+        def pull(self, batch_size):
+            return LeasedBatch(f"lease-{len(events)}", make_samples(BATCH), 0)
+
+        def extend(self, lease_ids, consumed=False, trainer_version=None):
+            time.sleep(0.3)
+            if consumed and trainer_version == 99:
+                raise ConnectionError("buffer gone")
+            events.append(("consumed", tuple(lease_ids), trainer_version))
+            return []
+
+        def ack(self, lease_id, trainer_version=None):
+            events.append(("ack", lease_id))
+            return BATCH
+
+    book = LeaseBook(SlowBuffer(), interval_s=60, ack_on_checkpoint=True)
+    try:
+        work = book.work(book.pull(BATCH))
+        started = time.monotonic()
+        book.consumed(work, trainer_version=1)
+        returned_after_s = time.monotonic() - started
+        book.calls.submit(lambda: events.append(("checkpoint written",)))
+        book.checkpointed(trainer_version=1)
+        book.flush()
+        assert returned_after_s < 0.2, f"consumed() waited {returned_after_s:.2f} s for the buffer"
+        assert events == [("consumed", (work.lease_id,), 1), ("checkpoint written",), ("ack", work.lease_id)]
+        assert book.acked == BATCH and len(book.ledger) == 0
+
+        book.consumed(book.work(book.pull(BATCH)), trainer_version=99)
+        with pytest.raises(RuntimeError, match="lease call to the buffer failed"):
+            book.flush()
+    finally:
+        book.calls.close()
+        book.keeper.close()

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,31 +85,59 @@ def save_checkpoint(
     state: TrainState,
     env: DistEnv,
     keep_last: int = 2,
+    submit: Callable[[Callable[[], None]], None] | None = None,
 ) -> Path:
-    """Save a checkpoint of `state.step` under `root`; collective (every rank calls it)."""
+    """Save a checkpoint of `state.step` under `root`; collective (every rank calls it).
+
+    With `submit` (rank 0's ordered background calls, trainer.leases.LeaseCalls), rank 0 copies the state and
+    writes the files on that thread: the step does not wait for the disk, and calls submitted after this one (the
+    checkpoint's acks) run only once it is durable."""
     root = Path(root)
     final = root / f"step_{state.step:08d}"
     model_state = gather_model_state(policy, env)
     optimizer_state = gather_optimizer_state(policy, optimizer, env)
-    if env.is_main and latest_checkpoint(root) != final:  # else saved already (at this step, by this run)
-        root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        _torch_save(model_state, staging / MODEL_FILE)
-        _torch_save(optimizer_state, staging / OPTIMIZER_FILE)
-        _fsync_write(staging / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1).encode())
-        _fsync_dir(staging)
-        # A folder of this step that `latest` does not name is a crashed run's, which never became the latest
-        # (and whose acks never went out): this run's state replaces it.
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        _fsync_write(root / f".{LATEST_FILE}.tmp", final.name.encode())
-        os.replace(root / f".{LATEST_FILE}.tmp", root / LATEST_FILE)
-        _fsync_dir(root)
-        _prune(root, keep_last)
+    if env.is_main:
+        state_json = json.dumps(dataclasses.asdict(state), indent=1).encode()
+        if submit is None:
+            _write_checkpoint(root, final, model_state, optimizer_state, state_json, keep_last)
+        else:
+            copies = _copied(model_state), _copied(optimizer_state)
+            submit(lambda: _write_checkpoint(root, final, *copies, state_json, keep_last))
     env.barrier()
     return final
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every tensor in it cloned (a state dict the training goes on changing)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return value
+
+
+def _write_checkpoint(root: Path, final: Path, model_state: dict, optimizer_state: dict, state_json: bytes,
+                      keep_last: int) -> None:
+    if latest_checkpoint(root) == final:  # saved already (at this step, by this run)
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    _torch_save(model_state, staging / MODEL_FILE)
+    _torch_save(optimizer_state, staging / OPTIMIZER_FILE)
+    _fsync_write(staging / STATE_FILE, state_json)
+    _fsync_dir(staging)
+    # A folder of this step that `latest` does not name is a crashed run's, which never became the latest
+    # (and whose acks never went out): this run's state replaces it.
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    _fsync_write(root / f".{LATEST_FILE}.tmp", final.name.encode())
+    os.replace(root / f".{LATEST_FILE}.tmp", root / LATEST_FILE)
+    _fsync_dir(root)
+    _prune(root, keep_last)
 
 
 def _prune(root: Path, keep_last: int) -> None:

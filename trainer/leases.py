@@ -9,13 +9,18 @@ still open, and any redelivered sample the ledger names is acked without being t
 ledger, and in later checkpoints, until an ack of it succeeds). An Ack answered NOT_FOUND (the lease expired,
 or the buffer restarted) is "redelivered": logged, counted, never fatal.
 
+The buffer calls of a step (the consumed mark, the acks after a checkpoint) run in order on one background
+thread (LeaseCalls), off the training thread's critical path; a checkpoint waits for the marks before it.
+
 Without a checkpoint folder there is nothing durable to tie acks to: each lease is acked right after its step,
 which is at-most-once across a trainer crash (what was acked is lost with the model that trained it). The
 ledger still holds what a lost lease trained on, so a redelivery within the same process is not trained twice.
 """
 
 import logging
+import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,17 +60,24 @@ class Ledger:
     def __init__(self, entries: dict[str, list[str]] | None = None) -> None:
         self._by_lease: dict[str, list[str]] = {}
         self._lease_of: dict[str, str] = {}
+        self._lock = threading.RLock()  # acks settle leases on the LeaseCalls thread
         for lease_id, sample_ids in (entries or {}).items():
             self.record(lease_id, sample_ids)
 
     def __contains__(self, sample_id: str) -> bool:
-        return sample_id in self._lease_of
+        with self._lock:
+            return sample_id in self._lease_of
 
     def __len__(self) -> int:
-        return len(self._lease_of)
+        with self._lock:
+            return len(self._lease_of)
 
     def record(self, lease_id: str, sample_ids: list[str]) -> None:
         """These samples (trained now, or before and redelivered) are held under `lease_id` now."""
+        with self._lock:
+            self._record(lease_id, sample_ids)
+
+    def _record(self, lease_id: str, sample_ids: list[str]) -> None:
         for sample_id in sample_ids:
             old = self._lease_of.get(sample_id)
             if old is not None and old != lease_id:
@@ -78,15 +90,57 @@ class Ledger:
 
     def settle(self, lease_id: str) -> None:
         """The buffer acknowledged `lease_id`: its samples are done for good."""
-        for sample_id in self._by_lease.pop(lease_id, []):
-            del self._lease_of[sample_id]
+        with self._lock:
+            for sample_id in self._by_lease.pop(lease_id, []):
+                del self._lease_of[sample_id]
 
     def leases(self) -> list[str]:
-        return list(self._by_lease)
+        with self._lock:
+            return list(self._by_lease)
 
     def entries(self) -> dict[str, list[str]]:
         """What a checkpoint stores (and `Ledger(entries)` restores)."""
-        return {lease_id: list(ids) for lease_id, ids in self._by_lease.items()}
+        with self._lock:
+            return {lease_id: list(ids) for lease_id, ids in self._by_lease.items()}
+
+
+class LeaseCalls:
+    """One daemon thread that runs buffer calls in the order they were submitted. An error stops it and is
+    raised by the next `check` or `flush` on the training thread (as the heartbeat's)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="relayrl-lease-calls", daemon=True)
+        self._thread.start()
+
+    def submit(self, call: Callable[[], object]) -> None:
+        self.check()
+        self._queue.put(call)
+
+    def flush(self) -> None:
+        """Wait until every call submitted so far has run."""
+        self._queue.join()
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("a lease call to the buffer failed") from self._error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while (call := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    call()
+            except Exception as exc:  # noqa: BLE001 - re-raised on the training thread by check()
+                self._error = exc
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
 
 
 class LeaseKeeper:
@@ -161,6 +215,7 @@ class LeaseBook:
                  ledger: dict[str, list[str]] | None = None) -> None:
         self.source = source
         self.keeper = LeaseKeeper(source, interval_s)
+        self.calls = LeaseCalls()
         self.ack_on_checkpoint = ack_on_checkpoint
         self.ledger = Ledger(ledger)
         self._unacked: list[str] = self.ledger.leases()  # leases consumed since the last checkpoint (or resumed from it)
@@ -183,6 +238,7 @@ class LeaseBook:
 
     def work(self, batch: LeasedBatch) -> Work:
         self.keeper.check()
+        self.calls.check()
         failed = [s for s in batch.samples if s.status is SampleStatus.FAILED]
         usable = [s for s in batch.samples if s.status is not SampleStatus.FAILED]
         done = [s.sample_id for s in usable if s.sample_id in self.ledger]
@@ -196,20 +252,31 @@ class LeaseBook:
     def consumed(self, work: Work, trainer_version: int) -> None:
         """`work` is trained (its model state is the trainer's now): ack it, or hold it until the checkpoint."""
         self.ledger.record(work.lease_id, [s.sample_id for s in work.train] + work.already_trained)
+        lease_id = work.lease_id
         if not self.ack_on_checkpoint:
-            self._ack(work.lease_id, trainer_version)
+            self.calls.submit(lambda: self._ack(lease_id, trainer_version))
             return
-        self.keeper.consume(work.lease_id, trainer_version)
-        self._unacked.append(work.lease_id)
+        self.calls.submit(lambda: self.keeper.consume(lease_id, trainer_version))
+        self._unacked.append(lease_id)
+
+    def flush(self) -> None:
+        """Wait until every buffer call submitted so far has run: consumed marks (before a checkpoint is saved),
+        acks."""
+        self.calls.flush()
 
     def checkpointed(self, trainer_version: int) -> None:
-        """A checkpoint holding every consumed lease's training is durable: ack them all."""
+        """A checkpoint holding every consumed lease's training is durable: ack them all (in the background)."""
         leases, self._unacked = self._unacked, []
         for lease_id in leases:
-            self._ack(lease_id, trainer_version)
+            self.calls.submit(lambda lease_id=lease_id: self._ack(lease_id, trainer_version))
 
     def close(self) -> None:
-        self.keeper.close()
+        """Finish the calls submitted (acks of the last checkpoint) and stop the threads."""
+        try:
+            self.calls.flush()
+        finally:
+            self.calls.close()
+            self.keeper.close()
 
     def _ack(self, lease_id: str, trainer_version: int) -> None:
         self.keeper.drop(lease_id)

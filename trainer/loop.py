@@ -178,10 +178,14 @@ def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publ
 
 
 def checkpoint(config: TrainerConfig, learner: Learner, state: TrainState, env: DistEnv, book: LeaseBook | None) -> None:
-    """Save a checkpoint that records what is trained and not yet acked, then ack it (collective)."""
+    """Save a checkpoint that records what is trained and not yet acked, then ack it (collective).
+
+    Rank 0 writes it on the book's call thread, after the consumed marks of its steps and before its acks."""
     if env.is_main:
+        book.flush()  # the last checkpoint's acks have settled: the ledger holds just what is trained and unacked
         state.extra[LEDGER_KEY] = book.ledger.entries()
-    save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last)
+    save_checkpoint(config.checkpoint.dir, learner.policy, learner.optimizer, state, env, config.checkpoint.keep_last,
+                    submit=book.calls.submit if env.is_main else None)
     if env.is_main:
         book.checkpointed(state.weight_version)
 
