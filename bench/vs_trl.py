@@ -18,8 +18,13 @@ gradient norm clipped at 1) and, being asynchronous, trains on samples up to --m
 versions old (default 1, as the quickstart), with the PPO ratio taken against the logprobs of the
 policy that sampled them (the clipped importance ratio is the off-policy correction); TRL is
 on-policy. Both sides run at --lr 1e-4: from this SFT start 3e-4 first collapsed held-out accuracy
-in both systems (TRL 0.34 -> 0.03 within 45 s), 3e-5 learned more slowly. TRL gets one torch
-thread: with two, on this shared 2-core machine, it made 6-7 steps in 30 s against 41-115.
+in both systems (TRL 0.34 -> 0.03 within 45 s), 3e-5 learned more slowly.
+
+TRL's torch threads (--trl-threads auto, the default) are chosen by a probe in the same run: a short
+TRL run at each thread count from 1 to the number of cores, the fastest in completions/s wins. On a
+quiet 2-core machine that is 2 threads (~1,800 completions/s against ~1,000 with one); on a loaded
+one it has been 1. relayrl runs one torch thread per process (its trainer with 2 made fewer
+completions/s: its processes share the cores).
 
     python bench/vs_trl.py            # 600 s each (about 25 minutes in all)
     python bench/vs_trl.py --quick    # 60 s each: a smoke test
@@ -98,12 +103,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sft-target", type=float, default=0.3, help="held-out accuracy the SFT warm-up stops at")
     parser.add_argument("--max-staleness", type=int, default=1,
                         help="relayrl: policy versions generation may run ahead of training (TRL is on-policy)")
-    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    parser.add_argument("--trl-threads", default="auto",
+                        help="torch threads of the TRL process; auto = the fastest in a short probe of 1..cores")
+    parser.add_argument("--probe-s", type=float, default=20.0, help="length of each TRL thread probe run")
     parser.add_argument("--only", choices=("trl", "relayrl"), help="run one side (development)")
     parser.add_argument("--workdir", default=str(REPO / "runs" / "vs_trl"), help="checkpoints, logs, curves")
     args = parser.parse_args()
     if args.quick:
-        args.budget_s, args.eval_every_s = 60.0, 10.0
+        args.budget_s, args.eval_every_s, args.probe_s = 60.0, 10.0, 10.0
     return args
 
 
@@ -141,17 +148,39 @@ def _read_points(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
 
 
-def run_trl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
+def _trl_argv(args: argparse.Namespace, start: Path, out: Path, budget_s: float, eval_every_s: float,
+              threads: int) -> list[str]:
+    return ["-m", "_vs_trl.trl_side", "--model", str(start), "--out", str(out), "--budget-s", str(budget_s),
+            "--eval-every-s", str(eval_every_s), "--seed", str(args.seed), "--lr", str(args.lr),
+            "--warmup-steps", str(args.warmup_steps), "--max-new-tokens", str(args.max_new_tokens),
+            "--threads", str(threads), "--num-eval", str(args.num_eval), "--split-seed", str(args.seed)]
+
+
+def trl_threads(args: argparse.Namespace, start: Path, workdir: Path) -> int:
+    """--trl-threads, or for `auto` the thread count at which a short TRL run makes the most completions/s."""
+    if args.trl_threads != "auto":
+        return int(args.trl_threads)
+    speeds = {}
+    for threads in range(1, (os.cpu_count() or 1) + 1):
+        out = workdir / f"trl_probe_{threads}.json"
+        _subprocess(_trl_argv(args, start, out, args.probe_s, 10 * args.probe_s, threads),
+                    workdir / f"trl_probe_{threads}.log", timeout_s=args.probe_s + 300,
+                    points=out.with_suffix(".points.jsonl"), label=f"TRL probe {threads}t")
+        result = json.loads(out.read_text())
+        speeds[threads] = result["completions"] / max(result["train_s"], 1e-9)
+    best = max(speeds, key=speeds.get)
+    shown = ", ".join(f"{t} thread{'s' if t > 1 else ''} {s:.0f}/s" for t, s in speeds.items())
+    print(f"TRL thread probe ({args.probe_s:.0f} s each, completions/s): {shown} -> {best}", flush=True)
+    return best
+
+
+def run_trl(args: argparse.Namespace, start: Path, workdir: Path, threads: int) -> Run:
     out = workdir / "trl.json"
-    _subprocess(
-        ["-m", "_vs_trl.trl_side", "--model", str(start), "--out", str(out), "--budget-s", str(args.budget_s),
-         "--eval-every-s", str(args.eval_every_s), "--seed", str(args.seed), "--lr", str(args.lr),
-         "--warmup-steps", str(args.warmup_steps), "--max-new-tokens", str(args.max_new_tokens),
-         "--threads", str(args.trl_threads), "--num-eval", str(args.num_eval), "--split-seed", str(args.seed)],
-        workdir / "trl.log", timeout_s=args.budget_s + 300, points=out.with_suffix(".points.jsonl"), label="TRL",
-    )
+    _subprocess(_trl_argv(args, start, out, args.budget_s, args.eval_every_s, threads),
+                workdir / "trl.log", timeout_s=args.budget_s + 300, points=out.with_suffix(".points.jsonl"), label="TRL")
     result = json.loads(out.read_text())
-    return Run(result["system"], result["curve"], result["completions"], result["train_s"], result["first_step_s"])
+    return Run(result["system"], result["curve"], result["completions"], result["train_s"], result["first_step_s"],
+               (f"TRL ran {threads} torch thread{'s' if threads > 1 else ''}",))
 
 
 def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
@@ -296,6 +325,8 @@ def main() -> None:
     from _vs_trl.warmstart import WarmStartSpec, build_start_checkpoint
 
     began = time.monotonic()
+    print("load average at the start: {:.2f} {:.2f} {:.2f} (1, 5, 15 min; a quiet machine is the fair one)".format(
+        *os.getloadavg()), flush=True)
     task = TaskSpec(num_eval=args.num_eval, split_seed=args.seed)
     warm = WarmStartSpec(task=task, seed=args.seed, target_accuracy=args.sft_target, max_new_tokens=args.max_new_tokens)
     start, warm_summary = build_start_checkpoint(warm, workdir)
@@ -303,8 +334,9 @@ def main() -> None:
 
     runs: dict[str, Run] = {}
     if args.only in (None, "trl"):
-        print(f"TRL GRPOTrainer: {args.budget_s:.0f} s (log {workdir / 'trl.log'})", flush=True)
-        runs["trl"] = run_trl(args, start, workdir)
+        threads = trl_threads(args, start, workdir)
+        print(f"TRL GRPOTrainer: {args.budget_s:.0f} s, {threads} torch threads (log {workdir / 'trl.log'})", flush=True)
+        runs["trl"] = run_trl(args, start, workdir, threads)
     if args.only in (None, "relayrl"):
         print(f"relayrl: {args.budget_s:.0f} s (log {workdir / 'relayrl.log'})", flush=True)
         runs["relayrl"] = run_relayrl(args, start, workdir)

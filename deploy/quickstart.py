@@ -174,6 +174,7 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
 
     from protos import rollout_pb2, rollout_pb2_grpc
     from protos.codec import encode_array
+    from reward.match import extract_answer, normalize
     from services.client import connect
 
     semaphore = asyncio.Semaphore(concurrency)
@@ -194,7 +195,8 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
                         if exc.code().name not in _EVAL_RETRYABLE or time.monotonic() > give_up:
                             raise
                         await asyncio.sleep(0.5)
-            return reply.completions[0].text.strip() == answer
+            # The reward's own rule (reward.match.exact_match), which bench/vs_trl.py's TRL side also uses.
+            return normalize(extract_answer(reply.completions[0].text)) == normalize(answer)
 
         results = await asyncio.gather(*(one(ids, answer) for ids, answer in prompts))
     return sum(results) / len(results)
