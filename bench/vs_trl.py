@@ -21,9 +21,9 @@ on-policy. Both sides run at --lr 1e-4: from this SFT start 3e-4 first collapsed
 in both systems (TRL 0.34 -> 0.03 within 45 s), 3e-5 learned more slowly.
 
 TRL's torch threads (--trl-threads auto, the default) are chosen by a probe in the same run: a short
-TRL run at each thread count from 1 to the number of cores, the fastest in completions/s wins. On a
-quiet 2-core machine that is 2 threads (~1,800 completions/s against ~1,000 with one); on a loaded
-one it has been 1. relayrl runs one torch thread per process (its trainer with 2 made fewer
+TRL run at 1, 2, 4, ... threads up to the number of cores, the fastest in completions/s wins. On a
+quiet 2-core machine that is 2 threads (1,802 completions/s against 1,421 with one, 20 s each); on a
+loaded one it has been 1. relayrl runs one torch thread per process (its trainer with 2 made fewer
 completions/s: its processes share the cores).
 
     python bench/vs_trl.py            # 600 s each (about 25 minutes in all)
@@ -104,7 +104,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-staleness", type=int, default=1,
                         help="relayrl: policy versions generation may run ahead of training (TRL is on-policy)")
     parser.add_argument("--trl-threads", default="auto",
-                        help="torch threads of the TRL process; auto = the fastest in a short probe of 1..cores")
+                        help="torch threads of the TRL process; auto = the fastest in a short probe of 1, 2, 4, .. cores")
     parser.add_argument("--probe-s", type=float, default=20.0, help="length of each TRL thread probe run")
     parser.add_argument("--only", choices=("trl", "relayrl"), help="run one side (development)")
     parser.add_argument("--workdir", default=str(REPO / "runs" / "vs_trl"), help="checkpoints, logs, curves")
@@ -161,7 +161,8 @@ def trl_threads(args: argparse.Namespace, start: Path, workdir: Path) -> int:
     if args.trl_threads != "auto":
         return int(args.trl_threads)
     speeds = {}
-    for threads in range(1, (os.cpu_count() or 1) + 1):
+    cores = os.cpu_count() or 1
+    for threads in sorted({*(2**k for k in range(cores.bit_length()) if 2**k <= cores), cores}):
         out = workdir / f"trl_probe_{threads}.json"
         _subprocess(_trl_argv(args, start, out, args.probe_s, 10 * args.probe_s, threads),
                     workdir / f"trl_probe_{threads}.log", timeout_s=args.probe_s + 300,

@@ -49,9 +49,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
         self._stopping = threading.Event()
         self._error: BaseException | None = None
+        self._version_changed: asyncio.Event | None = None  # made in the caller's loop at the first watch
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
-        self._version_changed: asyncio.Event | None = None  # made in the caller's loop at the first watch
 
     @property
     def weight_version(self) -> int:

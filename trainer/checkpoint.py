@@ -101,8 +101,9 @@ def save_checkpoint(
         if submit is None:
             _write_checkpoint(root, final, model_state, optimizer_state, state_json, keep_last)
         else:
-            copies = _copied(model_state), _copied(optimizer_state)
-            submit(lambda: _write_checkpoint(root, final, *copies, state_json, keep_last))
+            # gather_model_state returns copies already; one process's optimizer state is the live one.
+            optimizer_copy = _copied(optimizer_state)
+            submit(lambda: _write_checkpoint(root, final, model_state, optimizer_copy, state_json, keep_last))
     env.barrier()
     return final
 

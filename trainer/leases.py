@@ -9,8 +9,9 @@ still open, and any redelivered sample the ledger names is acked without being t
 ledger, and in later checkpoints, until an ack of it succeeds). An Ack answered NOT_FOUND (the lease expired,
 or the buffer restarted) is "redelivered": logged, counted, never fatal.
 
-The buffer calls of a step (the consumed mark, the acks after a checkpoint) run in order on one background
-thread (LeaseCalls), off the training thread's critical path; a checkpoint waits for the marks before it.
+The consumed marks, the checkpoint files and the acks after a checkpoint run in that order on one background
+thread (LeaseCalls), off the training thread's critical path; a checkpoint first waits for what is queued, so
+the ledger it stores holds exactly what is trained and not yet acked.
 
 Without a checkpoint folder there is nothing durable to tie acks to: each lease is acked right after its step,
 which is at-most-once across a trainer crash (what was acked is lost with the model that trained it). The
@@ -60,7 +61,7 @@ class Ledger:
     def __init__(self, entries: dict[str, list[str]] | None = None) -> None:
         self._by_lease: dict[str, list[str]] = {}
         self._lease_of: dict[str, str] = {}
-        self._lock = threading.RLock()  # acks settle leases on the LeaseCalls thread
+        self._lock = threading.Lock()  # acks settle leases on the LeaseCalls thread
         for lease_id, sample_ids in (entries or {}).items():
             self.record(lease_id, sample_ids)
 
@@ -75,18 +76,15 @@ class Ledger:
     def record(self, lease_id: str, sample_ids: list[str]) -> None:
         """These samples (trained now, or before and redelivered) are held under `lease_id` now."""
         with self._lock:
-            self._record(lease_id, sample_ids)
-
-    def _record(self, lease_id: str, sample_ids: list[str]) -> None:
-        for sample_id in sample_ids:
-            old = self._lease_of.get(sample_id)
-            if old is not None and old != lease_id:
-                self._by_lease[old].remove(sample_id)
-                if not self._by_lease[old]:
-                    del self._by_lease[old]
-            if old != lease_id:
-                self._by_lease.setdefault(lease_id, []).append(sample_id)
-                self._lease_of[sample_id] = lease_id
+            for sample_id in sample_ids:
+                old = self._lease_of.get(sample_id)
+                if old is not None and old != lease_id:
+                    self._by_lease[old].remove(sample_id)
+                    if not self._by_lease[old]:
+                        del self._by_lease[old]
+                if old != lease_id:
+                    self._by_lease.setdefault(lease_id, []).append(sample_id)
+                    self._lease_of[sample_id] = lease_id
 
     def settle(self, lease_id: str) -> None:
         """The buffer acknowledged `lease_id`: its samples are done for good."""
