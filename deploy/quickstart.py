@@ -163,11 +163,11 @@ def sft_warmup(config: QuickstartConfig, init_dir: pathlib.Path, out_dir: pathli
 _EVAL_RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
 
-async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_tokens: int, concurrency: int = 64,
+async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_tokens: int, per_call: int = 64,
                    retry_for_s: float = 300.0) -> float:
     """Held-out greedy exact match through the rollout service (the weights it serves right now).
 
-    A rollout that restarts (or is frozen and then restarted) is waited for: each request is retried on
+    A rollout that restarts (or is frozen and then restarted) is waited for: each call is retried on
     UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED for up to `retry_for_s`.
     """
     import grpc
@@ -177,29 +177,28 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
     from reward.match import extract_answer, normalize
     from services.client import connect
 
-    semaphore = asyncio.Semaphore(concurrency)
+    correct = 0
     async with connect(address) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
-
-        async def one(ids: list[int], answer: str) -> bool:
-            request = rollout_pb2.GenerateRequest(
+        # `per_call` prompts per GenerateMany call, one call at a time: a round trip per chunk, not per prompt.
+        for start in range(0, len(prompts), per_call):
+            chunk = prompts[start:start + per_call]
+            request = rollout_pb2.GenerateManyRequest(requests=[rollout_pb2.GenerateRequest(
                 prompt_ids=encode_array(ids, "int32"),
-                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1))
+                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)) for ids, _ in chunk])
             give_up = time.monotonic() + retry_for_s
-            async with semaphore:
-                while True:
-                    try:
-                        reply = await stub.Generate(request, timeout=30)
-                        break
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code().name not in _EVAL_RETRYABLE or time.monotonic() > give_up:
-                            raise
-                        await asyncio.sleep(0.5)
+            while True:
+                try:
+                    reply = await stub.GenerateMany(request, timeout=30)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code().name not in _EVAL_RETRYABLE or time.monotonic() > give_up:
+                        raise
+                    await asyncio.sleep(0.5)
             # The reward's own rule (reward.match.exact_match), which bench/vs_trl.py's TRL side also uses.
-            return normalize(extract_answer(reply.completions[0].text)) == normalize(answer)
-
-        results = await asyncio.gather(*(one(ids, answer) for ids, answer in prompts))
-    return sum(results) / len(results)
+            correct += sum(normalize(extract_answer(response.completions[0].text)) == normalize(answer)
+                           for response, (_, answer) in zip(reply.responses, chunk, strict=True))
+    return correct / len(prompts)
 
 
 # ---------------------------------------------------------------- the run

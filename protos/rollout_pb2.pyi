@@ -87,6 +87,18 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

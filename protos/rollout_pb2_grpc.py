@@ -39,6 +39,11 @@ class RolloutStub:
                 request_serializer=protos_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.unary_unary(
+                '/relayrl.rollout.v1.Rollout/GenerateMany',
+                request_serializer=protos_dot_rollout__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/relayrl.rollout.v1.Rollout/GenerateStream',
                 request_serializer=protos_dot_rollout__pb2.GenerateRequest.SerializeToString,
@@ -91,6 +96,15 @@ class RolloutServicer:
 
     def Generate(self, request, context):
         """Generate completions for one prompt and return them when all are finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request, context):
+        """Generate for several prompts in one call, each as Generate would, and return when all are
+        finished (responses in request order): the driver's groups of a batch travel together. A request
+        the engine refuses fails the whole call with Generate's status, and the others are aborted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +183,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=protos_dot_rollout__pb2.GenerateManyRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.GenerateManyResponse.SerializeToString,
+            ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
                     request_deserializer=protos_dot_rollout__pb2.GenerateRequest.FromString,
@@ -242,6 +261,33 @@ class Rollout:
             '/relayrl.rollout.v1.Rollout/Generate',
             protos_dot_rollout__pb2.GenerateRequest.SerializeToString,
             protos_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.rollout.v1.Rollout/GenerateMany',
+            protos_dot_rollout__pb2.GenerateManyRequest.SerializeToString,
+            protos_dot_rollout__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

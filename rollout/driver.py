@@ -80,8 +80,9 @@ class DriverConfig(Strict):
     stats_path: str | None = Field(None, description="Append a JSON line of driver stats here every few seconds.")
     rpc_timeout_s: float = Field(120.0, gt=0, description="Deadline of each rollout/reward/buffer call.")
     merge_window_s: float = Field(
-        0.002, ge=0, description="Score and Put calls of groups that finish within this window travel as one "
-        "request (at most groups_per_batch groups): fewer round trips for driver, reward and buffer. 0 = one per group.")
+        0.002, ge=0, description="Generate, Score and Put calls of groups made within this window travel as one "
+        "request (GenerateMany; at most groups_per_batch groups): fewer round trips for driver, rollout, reward and "
+        "buffer. 0 = one per group.")
 
 
 @dataclass
@@ -133,10 +134,18 @@ class Driver(GroupProducer):
         self.default_teacher = stubs[config.teacher] if config.teacher else None
         super().__init__(config, channels)
         batch_samples = config.groups_per_batch * config.group_size
+        self.generator = CallMerger(self._generate, config.merge_window_s, config.groups_per_batch)
         self.scorer = CallMerger(self._score, config.merge_window_s, batch_samples)
         self.storer = CallMerger(self._put, config.merge_window_s, batch_samples)
         self.stats = {"groups": 0, "samples": 0, "tokens": 0, "reward_sum": 0.0, "failed": 0, "retries": 0,
                       "accepted": 0, "duplicates": 0}
+
+    async def _generate(self, requests: list) -> list:
+        if len(requests) == 1:
+            return [await self._call(self.rollout.Generate, requests[0], "Generate")]
+        reply = await self._call(self.rollout.GenerateMany, rollout_pb2.GenerateManyRequest(requests=requests),
+                                 "GenerateMany")
+        return list(reply.responses)
 
     async def _score(self, protos: list) -> list:
         cfg = self.config
@@ -165,7 +174,7 @@ class Driver(GroupProducer):
                 n=cfg.group_size, logprobs=True, seed=(cfg.seed * 1_000_003 + group_index) % 2**63,
             ),
         )
-        reply = await self._call(self.rollout.Generate, request, "Generate")
+        (reply,) = await self.generator.submit([request])
         samples = []
         for completion in reply.completions:
             tokens = decode_array(completion.token_ids, "token_ids", "int32")

@@ -5,6 +5,7 @@ serve() wiring both into the shared runtime with the WeightSync receiver. Heavy 
 the engine) happen inside serve(), after the config has been parsed.
 """
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Literal
@@ -118,18 +119,51 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         request_id, prompt, params = self._parse(request)
+        return self._response(request, request_id, prompt, params,
+                              await self._generate_all(request_id, prompt, params, context))
+
+    async def GenerateMany(self, request: rollout_pb2.GenerateManyRequest, context) -> rollout_pb2.GenerateManyResponse:
+        parsed = []
+        for i, one in enumerate(request.requests):
+            try:
+                parsed.append(self._parse(one))
+            except CodecError as exc:
+                raise CodecError(f"requests[{i}].{exc}") from None
+        if not parsed:
+            raise CodecError("requests: give at least one request")
+        ids = [request_id for request_id, _, _ in parsed]
+        if len(set(ids)) < len(ids):
+            raise CodecError("requests: request_ids must be distinct")
+        from rollout.async_engine import EngineDead
+
+        tasks = [asyncio.ensure_future(self.engine.generate_all(*one)) for one in parsed]
+        try:
+            results = await asyncio.gather(*tasks)
+        except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
+            failed = next(i for i, task in enumerate(tasks)
+                          if task.done() and not task.cancelled() and task.exception() is exc)
+            await _abort_with_status(context, exc, f"requests[{failed}].")
+        finally:  # a refusal, or the caller gone: the other requests are aborted (each wait aborts its own)
+            for task in tasks:
+                task.cancel()
+                task.add_done_callback(_retrieved)
+        return rollout_pb2.GenerateManyResponse(responses=[
+            self._response(one, *parsed_one, done) for one, parsed_one, done in zip(request.requests, parsed, results)])
+
+    def _response(self, request: rollout_pb2.GenerateRequest, request_id: str, prompt: list[int],
+                  params: SamplingParams, done: list["Completion"]) -> rollout_pb2.GenerateResponse:
         with_logprobs = request.params.logprobs
         logprobs_t = logprobs_temperature(self.engine.engine.config.logprobs_mode, params.temperature)
         completions = []
-        for done in await self._generate_all(request_id, prompt, params, context):
-            TOKENS_GENERATED.inc(len(done.token_ids))
+        for completion in done:
+            TOKENS_GENERATED.inc(len(completion.token_ids))
             completions.append(rollout_pb2.Completion(
-                index=done.index,
-                token_ids=encode_array(done.token_ids, "int32"),
-                logprobs=encode_array(done.logprobs, "float32") if with_logprobs else None,
-                weight_versions=encode_array(done.weight_versions, "int64"),
-                finish_reason=_FINISH_REASONS[done.finish_reason],
-                text=self.decode_text(done.token_ids),
+                index=completion.index,
+                token_ids=encode_array(completion.token_ids, "int32"),
+                logprobs=encode_array(completion.logprobs, "float32") if with_logprobs else None,
+                weight_versions=encode_array(completion.weight_versions, "int64"),
+                finish_reason=_FINISH_REASONS[completion.finish_reason],
+                text=self.decode_text(completion.token_ids),
                 logprobs_temperature=logprobs_t,
             ))
         return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
@@ -242,14 +276,20 @@ def _text_decoder(tokenizer) -> Callable[[list[int]], str]:
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
 
-async def _abort_with_status(context, exc: Exception) -> None:
-    """End the call with the status code of an engine refusal (EngineDead: UNAVAILABLE)."""
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a task's outcome as seen (a request refused after another already failed the call)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _abort_with_status(context, exc: Exception, where: str = "") -> None:
+    """End the call with the status code of an engine refusal (EngineDead: UNAVAILABLE), its message after `where`."""
     code = grpc.StatusCode.UNAVAILABLE
     for kind, kind_code in _REFUSAL_CODES:
         if isinstance(exc, kind):
             code = kind_code
             break
-    await context.abort(code, str(exc))
+    await context.abort(code, where + str(exc))
 
 
 async def serve(config: Config) -> None:

@@ -237,6 +237,47 @@ def test_update_weights_between_steps_tags_later_tokens(tiny_model_dir, tmp_path
     assert 0 <= switch_s < 5 and reported == 7
 
 
+def test_generate_many_answers_each_request_as_generate_would_and_refuses_as_a_whole(rollout_process):
+    """GenerateMany: responses in request order, each the one Generate gives for the same request (same seed);
+    a bad request is INVALID_ARGUMENT naming its index, and the good requests of that call are aborted."""
+    prompts = [[1, 20, 21], [1, 30, 31, 32, 33], [1, 40]]
+
+    def requests(tag: str) -> list[rollout_pb2.GenerateRequest]:
+        return [make_request(p, f"{tag}{i}", n=3, temperature=1.0, seed=100 + i, max_tokens=6)
+                for i, p in enumerate(prompts)]
+
+    async def main():
+        async with connect(rollout_process.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            many = await stub.GenerateMany(rollout_pb2.GenerateManyRequest(requests=requests("m")), timeout=30)
+            single = [await stub.Generate(r, timeout=30) for r in requests("g")]
+            errors = []
+            for bad in ([make_request([1, 20], "long", max_tokens=240, ignore_eos=True),
+                         make_request([5], "bad", max_tokens=0)],
+                        [make_request([5], "same"), make_request([6], "same")],
+                        []):
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.GenerateMany(rollout_pb2.GenerateManyRequest(requests=bad), timeout=30)
+                errors.append(error.value)
+            # 240 tokens take far longer than this call: the id is free again only if the refusal aborted it.
+            reused = await stub.Generate(make_request([1, 20], "long", max_tokens=2), timeout=30)
+            return many, single, errors, reused
+
+    many, single, errors, reused = asyncio.run(main())
+    assert [r.request_id for r in many.responses] == ["m0", "m1", "m2"]
+    for got, want in zip(many.responses, single, strict=True):
+        assert got.prompt_tokens == want.prompt_tokens
+        assert [decode_array(c.token_ids, expect="int32").tolist() for c in got.completions] == \
+            [decode_array(c.token_ids, expect="int32").tolist() for c in want.completions]
+        for a, b in zip(got.completions, want.completions, strict=True):
+            np.testing.assert_allclose(decode_array(a.logprobs, expect="float32"),
+                                       decode_array(b.logprobs, expect="float32"), atol=1e-6)
+    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert errors[0].details().startswith("requests[1].params.max_tokens"), errors[0].details()
+    assert "distinct" in errors[1].details() and "at least one" in errors[2].details()
+    assert reused.request_id == "long"
+
+
 def test_compute_logprobs_scores_generated_tokens_and_refuses_bad_ids(rollout_process):
     """A teacher's view: the logprobs ComputeLogprobs gives for sampled tokens at the sampling temperature
     are the ones Generate reported for them (same weights; Generate says which temperature they are at);
