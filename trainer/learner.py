@@ -60,8 +60,11 @@ class Learner:
         # Dynamic sampling's counts: the last pulled batch's (added to each of its steps' metrics) and running totals.
         self.batch_metrics: dict[str, float] = {}
         self.dropped_totals = {"dropped_groups_total": 0.0, "dropped_samples_total": 0.0}
+        # The fused kernel: one pass over each parameter instead of a dozen ops (~1 ms of the quickstart's 27 ms
+        # step on one CPU thread); the same update up to float rounding.
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            fused=env.device.type in ("cpu", "cuda"),
         )
 
     # -- preparing a pulled batch -------------------------------------------------------------
