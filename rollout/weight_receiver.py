@@ -25,6 +25,7 @@ import torch
 
 from protos import weights_pb2, weights_pb2_grpc
 from protos.codec import CodecError
+from services.runtime import Sparse
 from services.weights import (
     GroupSpec,
     Manifest,
@@ -116,6 +117,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self._group: Transfer | None = None
         self._group_lock = threading.Lock()
         self._switch_lock = asyncio.Lock()
+        self._log_level = Sparse()
 
     async def BeginUpdate(self, request, context):
         manifest = self._manifest_of(request)
@@ -168,7 +170,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             self._pending = None
             # The engine serves this update's buffers now and none of the replaced version's.
             self._staging, self._served = self._served, update.staging
-        log.info("switched to weight version %d (receive %.3fs, switch %.3fs)", update.version, receive_s, switch_s)
+        log.log(self._log_level.level(), "switched to weight version %d (receive %.3fs, switch %.3fs)", update.version,
+                receive_s, switch_s)
         return weights_pb2.CommitUpdateResponse(current_version=self.engine.weight_version, receive_s=receive_s,
                                                 switch_s=switch_s)
 

@@ -3,10 +3,12 @@
 import asyncio
 import json
 import logging
+import math
 import os
 import pathlib
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from services.config import ServerConfig
@@ -24,6 +26,21 @@ def setup_logging(name: str, level: str = "INFO") -> None:
         stream=sys.stderr,
         force=True,
     )
+
+
+class Sparse:
+    """The level for a per-step event: INFO the first time and then at most once every `interval_s`, DEBUG
+    otherwise (a weight version a step is thousands of INFO lines an hour)."""
+
+    def __init__(self, interval_s: float = 30.0) -> None:
+        self.interval_s, self._last = interval_s, -math.inf
+
+    def level(self) -> int:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return logging.DEBUG
+        self._last = now
+        return logging.INFO
 
 
 def write_port_file(path: str, **info: object) -> None:

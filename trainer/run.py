@@ -10,6 +10,7 @@ import uuid
 import torch
 import transformers
 
+from services.runtime import Sparse
 from trainer.buffer_client import BufferClient
 from trainer.checkpoint import TrainState
 from trainer.config import PublishConfig, TrainerConfig
@@ -81,6 +82,7 @@ class RolloutPublisher:
     def __init__(self, config: PublishConfig) -> None:
         from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
 
+        self._log_level = Sparse()
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
             BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s, dtype=config.dtype),
@@ -101,7 +103,8 @@ class RolloutPublisher:
                 )
             version = retry
         if report.ok:
-            log.info("published weight version %d (%.1f MB) in %.2fs", version, report.bytes / 1e6, report.total_s)
+            log.log(self._log_level.level(), "published weight version %d (%.1f MB) in %.2fs", version,
+                    report.bytes / 1e6, report.total_s)
         else:
             log.warning("weight version %d not taken by %s", version, report.failed)
         return version
