@@ -53,16 +53,18 @@ class Reading:
 class Gauge:
     """The buffer's and rollout's quantities, polled at most once every `poll_s` (never per group).
 
-    `poll()` returns (trainer_version, served_version, buffered). Samples whose Put returned after a
-    poll was sent may or may not be in its `buffered`: the driver counts them again (see `queued`),
-    erring towards waiting, never towards a lag beyond max_staleness.
+    `poll(served)` returns (trainer_version, served_version, buffered); `served` is the rollout's version
+    when the gauge knows it without asking (else None), and the poll may then skip asking. Samples whose
+    Put returned after a poll was sent may or may not be in its `buffered`: the driver counts them again
+    (see `queued`), erring towards waiting, never towards a lag beyond max_staleness.
 
-    `watch(version)`, if given, answers once the rollout serves a version above `version` (a
+    `watch(version)`, if given, answers once the rollout serves a version other than `version` (a
     GetWeightVersion watch): while admission holds the producer back, a new version ends the pause at
     once and the next read polls, so generation starts when the weights land, not up to `poll_s` later.
+    While a watch on `version` waits, the rollout serves `version`; when one answers, its answer.
     """
 
-    def __init__(self, poll: Callable[[], Awaitable[tuple[int, int, int]]], poll_s: float,
+    def __init__(self, poll: Callable[[int | None], Awaitable[tuple[int, int, int]]], poll_s: float,
                  watch: Callable[[int], Awaitable[int]] | None = None) -> None:
         self._poll, self.poll_s, self._watch = poll, poll_s, watch
         self.reading: Reading | None = None
@@ -71,15 +73,22 @@ class Gauge:
         self.wakeups = 0  # pauses a new version ended early
         self._watching: asyncio.Task | None = None
         self._watching_above = -1
+        self._answered: int | None = None  # the version the last watch answered, until the next poll
 
     async def read(self, put_mark: int) -> Reading:
         if time.monotonic() - self._read_at >= self.poll_s:
             sent_at = time.monotonic()
-            trainer_version, served_version, buffered = await self._poll()
+            trainer_version, served_version, buffered = await self._poll(self._known_version())
+            self._answered = None
             self.reading = Reading(trainer_version, served_version, buffered, put_mark)
             self._read_at = sent_at
             self.polls += 1
         return self.reading
+
+    def _known_version(self) -> int | None:
+        if self._watching is not None and not self._watching.done():
+            return self._watching_above
+        return self._answered
 
     async def pause(self) -> None:
         """Wait until the next poll is due, or (with a watch) until a newer version is served."""
@@ -94,10 +103,11 @@ class Gauge:
         done, _ = await asyncio.wait({self._watching}, timeout=delay)
         if done:
             watch, self._watching = self._watching, None
-            if watch.exception() is None and watch.result() > served:
+            if watch.exception() is None and watch.result() != served:
                 self._read_at = -math.inf  # poll now: the new version may admit groups
+                self._answered = watch.result()
                 self.wakeups += 1
-            else:  # a watch that ended without a newer version (timed out, failed): the poll decides
+            else:  # a watch that ended without a new version (timed out, failed): the poll decides
                 await asyncio.sleep(max(0.0, self._read_at + self.poll_s - time.monotonic()))
 
     def close(self) -> None:

@@ -168,11 +168,12 @@ class AsyncEngine:
         return seconds
 
     async def watch_version(self, newer_than: int, wait_s: float) -> int:
-        """The served weight version once it is above `newer_than`, or after `wait_s` the version then.
+        """The served weight version once it differs from `newer_than` (above: new weights; below: the caller
+        knew an earlier process of this worker), or after `wait_s` the version then.
 
         Watchers and update_weights run in the same event loop (the server's)."""
         deadline = time.monotonic() + wait_s
-        while self.weight_version <= newer_than and (left := deadline - time.monotonic()) > 0:
+        while self.weight_version == newer_than and (left := deadline - time.monotonic()) > 0:
             if self._version_changed is None:
                 self._version_changed = asyncio.Event()
             with contextlib.suppress(TimeoutError):

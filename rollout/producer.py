@@ -76,17 +76,22 @@ class GroupProducer:
             await self.gauge.pause()
         return False
 
-    async def _poll_pipeline(self) -> tuple[int, int, int]:
-        stats, served = await asyncio.gather(
-            self._call(self.buffer.Stats, buffer_pb2.StatsRequest(), "Stats"),
-            self._call(self.rollout.GetWeightVersion, rollout_pb2.GetWeightVersionRequest(), "GetWeightVersion"))
-        self.version = served.version
+    async def _poll_pipeline(self, served: int | None) -> tuple[int, int, int]:
+        """Buffer Stats, and the rollout's version unless a watch says it (`served`)."""
+        if served is None:
+            stats, reply = await asyncio.gather(
+                self._call(self.buffer.Stats, buffer_pb2.StatsRequest(), "Stats"),
+                self._call(self.rollout.GetWeightVersion, rollout_pb2.GetWeightVersionRequest(), "GetWeightVersion"))
+            served = reply.version
+        else:
+            stats = await self._call(self.buffer.Stats, buffer_pb2.StatsRequest(), "Stats")
+        self.version = served
         # -1: no trainer has reported yet; its first batch trains at version 0 or later.
         trainer_version = max(stats.trainer_version, 0)
-        return trainer_version, served.version, stats.pending + stats.leased - stats.consumed
+        return trainer_version, served, stats.pending + stats.leased - stats.consumed
 
     async def _watch_version(self, served: int) -> int:
-        """The rollout's version once above `served` (or after WATCH_S); one try, no retries: the poll retries."""
+        """The rollout's version once it is not `served` (or after WATCH_S); one try, no retries: the poll retries."""
         reply = await self.rollout.GetWeightVersion(
             rollout_pb2.GetWeightVersionRequest(newer_than=served, wait_s=WATCH_S), timeout=WATCH_S + 10.0)
         return reply.version

@@ -180,17 +180,22 @@ def test_admission_keeps_every_batch_within_max_staleness(pipeline, versions_per
 
 def test_a_paused_producer_polls_again_the_moment_a_newer_version_is_served():
     """The Gauge's pause ends when its watch reports a newer version (GetWeightVersion with wait_s), not at the
-    next poll; a watch that ends without one (timed out, failed) leaves the poll interval in charge."""
+    next poll; a watch that ends without one (timed out, failed) leaves the poll interval in charge. A poll
+    is told the version a watch proves (one waiting on v: v is served; one that answered: its answer), so it
+    need not ask the rollout."""
     import time
 
     from rollout.admission import Gauge
+
+    hints = []
 
     async def main():
         served = {"version": 4}
         landed = asyncio.Event()
 
-        async def poll():
-            return 4, served["version"], 0
+        async def poll(known):
+            hints.append(known)
+            return 4, served["version"] if known is None else known, 0
 
         async def watch(above: int) -> int:
             await landed.wait()
@@ -217,10 +222,21 @@ def test_a_paused_producer_polls_again_the_moment_a_newer_version_is_served():
         started = time.monotonic()
         await quiet.pause()
         failed_watch_pause_s = time.monotonic() - started
-        gauge.close()
+        await quiet.read(0)  # the watch failed: the poll asks
+
+        async def waiting_watch(above: int) -> int:
+            await asyncio.Event().wait()
+
+        waiting = Gauge(poll, poll_s=0.1, watch=waiting_watch)
+        await waiting.read(0)
+        await waiting.pause()  # the poll interval ends it; the watch on version 5 still waits
+        await waiting.read(0)
+        for one in (gauge, quiet, waiting):
+            one.close()
         return woke_after_s, reading, gauge.polls, gauge.wakeups, failed_watch_pause_s
 
     woke_after_s, reading, polls, wakeups, failed_watch_pause_s = asyncio.run(main())
     assert 0.15 <= woke_after_s < 2.0 and wakeups == 1
     assert reading.served_version == 5 and polls == 2
     assert 0.25 <= failed_watch_pause_s < 2.0
+    assert hints == [None, 5, None, None, None, 5]

@@ -311,7 +311,8 @@ def test_compute_logprobs_scores_generated_tokens_and_refuses_bad_ids(rollout_pr
 
 def test_a_version_watch_answers_when_new_weights_land_and_refuses_bad_waits(tiny_model_dir, tmp_path):
     """GetWeightVersion(newer_than, wait_s): answers the moment a newer version is served (what ends a producer's
-    admission pause), after wait_s with the version then, at once for an older newer_than; bad waits refused."""
+    admission pause), after wait_s with the version then, at once for any other newer_than (older: new weights
+    already; newer: the caller knew a process before a restart); bad waits refused."""
     import time
 
     from safetensors.torch import load_file
@@ -340,6 +341,7 @@ def test_a_version_watch_answers_when_new_weights_land_and_refuses_bad_waits(tin
             landed = await watching
             landed_after_update_s = time.monotonic() - update_started
             already_newer = await watch(2, 20.0)
+            behind = await watch(9, 20.0)  # a caller that knew a later version (of a process before a restart)
             codes = []
             for wait_s in (-1.0, 61.0, float("nan")):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -348,11 +350,12 @@ def test_a_version_watch_answers_when_new_weights_land_and_refuses_bad_waits(tin
             still_serving = await watch(0, 0.0)
         await server.stop(None)
         engine.shutdown()
-        return timed_out, landed, landed_after_update_s, already_newer, codes, still_serving
+        return timed_out, landed, landed_after_update_s, already_newer, behind, codes, still_serving
 
-    timed_out, landed, landed_after_update_s, already_newer, codes, still_serving = asyncio.run(main())
+    timed_out, landed, landed_after_update_s, already_newer, behind, codes, still_serving = asyncio.run(main())
     assert timed_out[0] == 0 and 0.25 <= timed_out[1] < 5
     assert landed[0] == 3 and landed[1] >= 0.3 and landed_after_update_s < 1.0
     assert already_newer[0] == 3 and already_newer[1] < 1.0
+    assert behind[0] == 3 and behind[1] < 1.0
     assert all(code == grpc.StatusCode.INVALID_ARGUMENT and "wait_s" in details for code, details in codes), codes
     assert still_serving[0] == 3
