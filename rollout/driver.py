@@ -141,8 +141,6 @@ class Driver(GroupProducer):
                       "accepted": 0, "duplicates": 0}
 
     async def _generate(self, requests: list) -> list:
-        if len(requests) == 1:
-            return [await self._call(self.rollout.Generate, requests[0], "Generate")]
         reply = await self._call(self.rollout.GenerateMany, rollout_pb2.GenerateManyRequest(requests=requests),
                                  "GenerateMany")
         return list(reply.responses)
