@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/buffer.proto\x12\x11relayrl.buffer.v1\x1a\x13protos/common.proto\"8\n\nPutRequest\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\"3\n\x0bPutResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"\xd2\x01\n\x0bPullRequest\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1c\n\x14\x61llow_partial_groups\x18\x02 \x01(\x08\x12\x13\n\x0bmax_batches\x18\x03 \x01(\r\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\x12)\n\x06policy\x18\x05 \x01(\x0e\x32\x19.relayrl.buffer.v1.Policy\x12\x11\n\tmax_reuse\x18\x06 \x01(\r\x12\x10\n\x08\x63onsumer\x18\x07 \x01(\t\x12\x13\n\x0bmax_unacked\x18\x08 \x01(\r\"^\n\x05\x42\x61tch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12*\n\x07samples\x18\x02 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x03\"P\n\nAckRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1c\n\x0ftrainer_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x12\n\x10_trainer_version\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\"\x84\x01\n\x12\x45xtendLeaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x17\n\x0flease_timeout_s\x18\x02 \x01(\x01\x12\x10\n\x08\x63onsumed\x18\x03 \x01(\x08\x12\x1c\n\x0ftrainer_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x12\n\x10_trainer_version\"8\n\x13\x45xtendLeaseResponse\x12\x10\n\x08\x65xtended\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\t\"$\n\x11SetVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"%\n\x12SetVersionResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xbe\x02\n\rStatsResponse\x12\x0f\n\x07pending\x18\x01 \x01(\x04\x12\x0e\n\x06leased\x18\x02 \x01(\x04\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x04\x12>\n\x07\x64ropped\x18\x04 \x03(\x0b\x32-.relayrl.buffer.v1.StatsResponse.DroppedEntry\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x04\x12\x17\n\x0ftrainer_version\x18\x07 \x01(\x03\x12\x15\n\rmax_staleness\x18\x08 \x01(\x03\x12\x13\n\x0bredelivered\x18\t \x01(\x04\x12\x12\n\nduplicates\x18\n \x01(\x04\x12\x10\n\x08\x63onsumed\x18\x0b \x01(\x04\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*E\n\x06Policy\x12\x16\n\x12POLICY_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPOLICY_FIFO\x10\x01\x12\x12\n\x0ePOLICY_UNIFORM\x10\x02\x32\xab\x04\n\x06\x42uffer\x12\x44\n\x03Put\x12\x1d.relayrl.buffer.v1.PutRequest\x1a\x1e.relayrl.buffer.v1.PutResponse\x12L\n\tPutStream\x12\x1d.relayrl.buffer.v1.PutRequest\x1a\x1e.relayrl.buffer.v1.PutResponse(\x01\x12\x42\n\x04Pull\x12\x1e.relayrl.buffer.v1.PullRequest\x1a\x18.relayrl.buffer.v1.Batch0\x01\x12\x44\n\x03\x41\x63k\x12\x1d.relayrl.buffer.v1.AckRequest\x1a\x1e.relayrl.buffer.v1.AckResponse\x12\\\n\x0b\x45xtendLease\x12%.relayrl.buffer.v1.ExtendLeaseRequest\x1a&.relayrl.buffer.v1.ExtendLeaseResponse\x12Y\n\nSetVersion\x12$.relayrl.buffer.v1.SetVersionRequest\x1a%.relayrl.buffer.v1.SetVersionResponse\x12J\n\x05Stats\x12\x1f.relayrl.buffer.v1.StatsRequest\x1a .relayrl.buffer.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/buffer.proto\x12\x11relayrl.buffer.v1\x1a\x13protos/common.proto\"8\n\nPutRequest\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\"3\n\x0bPutResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"\x84\x02\n\x0bPullRequest\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1c\n\x14\x61llow_partial_groups\x18\x02 \x01(\x08\x12\x13\n\x0bmax_batches\x18\x03 \x01(\r\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\x12)\n\x06policy\x18\x05 \x01(\x0e\x32\x19.relayrl.buffer.v1.Policy\x12\x11\n\tmax_reuse\x18\x06 \x01(\r\x12\x10\n\x08\x63onsumer\x18\x07 \x01(\t\x12\x13\n\x0bmax_unacked\x18\x08 \x01(\r\x12\x1c\n\x0ftrainer_version\x18\t \x01(\x03H\x00\x88\x01\x01\x42\x12\n\x10_trainer_version\"^\n\x05\x42\x61tch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12*\n\x07samples\x18\x02 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x03\"P\n\nAckRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1c\n\x0ftrainer_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x12\n\x10_trainer_version\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\"\x84\x01\n\x12\x45xtendLeaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x17\n\x0flease_timeout_s\x18\x02 \x01(\x01\x12\x10\n\x08\x63onsumed\x18\x03 \x01(\x08\x12\x1c\n\x0ftrainer_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x12\n\x10_trainer_version\"8\n\x13\x45xtendLeaseResponse\x12\x10\n\x08\x65xtended\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\t\"$\n\x11SetVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"%\n\x12SetVersionResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xbe\x02\n\rStatsResponse\x12\x0f\n\x07pending\x18\x01 \x01(\x04\x12\x0e\n\x06leased\x18\x02 \x01(\x04\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\x04\x12>\n\x07\x64ropped\x18\x04 \x03(\x0b\x32-.relayrl.buffer.v1.StatsResponse.DroppedEntry\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x04\x12\x17\n\x0ftrainer_version\x18\x07 \x01(\x03\x12\x15\n\rmax_staleness\x18\x08 \x01(\x03\x12\x13\n\x0bredelivered\x18\t \x01(\x04\x12\x12\n\nduplicates\x18\n \x01(\x04\x12\x10\n\x08\x63onsumed\x18\x0b \x01(\x04\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*E\n\x06Policy\x12\x16\n\x12POLICY_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPOLICY_FIFO\x10\x01\x12\x12\n\x0ePOLICY_UNIFORM\x10\x02\x32\xab\x04\n\x06\x42uffer\x12\x44\n\x03Put\x12\x1d.relayrl.buffer.v1.PutRequest\x1a\x1e.relayrl.buffer.v1.PutResponse\x12L\n\tPutStream\x12\x1d.relayrl.buffer.v1.PutRequest\x1a\x1e.relayrl.buffer.v1.PutResponse(\x01\x12\x42\n\x04Pull\x12\x1e.relayrl.buffer.v1.PullRequest\x1a\x18.relayrl.buffer.v1.Batch0\x01\x12\x44\n\x03\x41\x63k\x12\x1d.relayrl.buffer.v1.AckRequest\x1a\x1e.relayrl.buffer.v1.AckResponse\x12\\\n\x0b\x45xtendLease\x12%.relayrl.buffer.v1.ExtendLeaseRequest\x1a&.relayrl.buffer.v1.ExtendLeaseResponse\x12Y\n\nSetVersion\x12$.relayrl.buffer.v1.SetVersionRequest\x1a%.relayrl.buffer.v1.SetVersionResponse\x12J\n\x05Stats\x12\x1f.relayrl.buffer.v1.StatsRequest\x1a .relayrl.buffer.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_DROPPEDENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_options = b'8\001'
-  _globals['_POLICY']._serialized_start=1202
-  _globals['_POLICY']._serialized_end=1271
+  _globals['_POLICY']._serialized_start=1252
+  _globals['_POLICY']._serialized_end=1321
   _globals['_PUTREQUEST']._serialized_start=63
   _globals['_PUTREQUEST']._serialized_end=119
   _globals['_PUTRESPONSE']._serialized_start=121
   _globals['_PUTRESPONSE']._serialized_end=172
   _globals['_PULLREQUEST']._serialized_start=175
-  _globals['_PULLREQUEST']._serialized_end=385
-  _globals['_BATCH']._serialized_start=387
-  _globals['_BATCH']._serialized_end=481
-  _globals['_ACKREQUEST']._serialized_start=483
-  _globals['_ACKREQUEST']._serialized_end=563
-  _globals['_ACKRESPONSE']._serialized_start=565
-  _globals['_ACKRESPONSE']._serialized_end=593
-  _globals['_EXTENDLEASEREQUEST']._serialized_start=596
-  _globals['_EXTENDLEASEREQUEST']._serialized_end=728
-  _globals['_EXTENDLEASERESPONSE']._serialized_start=730
-  _globals['_EXTENDLEASERESPONSE']._serialized_end=786
-  _globals['_SETVERSIONREQUEST']._serialized_start=788
-  _globals['_SETVERSIONREQUEST']._serialized_end=824
-  _globals['_SETVERSIONRESPONSE']._serialized_start=826
-  _globals['_SETVERSIONRESPONSE']._serialized_end=863
-  _globals['_STATSREQUEST']._serialized_start=865
-  _globals['_STATSREQUEST']._serialized_end=879
-  _globals['_STATSRESPONSE']._serialized_start=882
-  _globals['_STATSRESPONSE']._serialized_end=1200
-  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_start=1154
-  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_end=1200
-  _globals['_BUFFER']._serialized_start=1274
-  _globals['_BUFFER']._serialized_end=1829
+  _globals['_PULLREQUEST']._serialized_end=435
+  _globals['_BATCH']._serialized_start=437
+  _globals['_BATCH']._serialized_end=531
+  _globals['_ACKREQUEST']._serialized_start=533
+  _globals['_ACKREQUEST']._serialized_end=613
+  _globals['_ACKRESPONSE']._serialized_start=615
+  _globals['_ACKRESPONSE']._serialized_end=643
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=646
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=778
+  _globals['_EXTENDLEASERESPONSE']._serialized_start=780
+  _globals['_EXTENDLEASERESPONSE']._serialized_end=836
+  _globals['_SETVERSIONREQUEST']._serialized_start=838
+  _globals['_SETVERSIONREQUEST']._serialized_end=874
+  _globals['_SETVERSIONRESPONSE']._serialized_start=876
+  _globals['_SETVERSIONRESPONSE']._serialized_end=913
+  _globals['_STATSREQUEST']._serialized_start=915
+  _globals['_STATSREQUEST']._serialized_end=929
+  _globals['_STATSRESPONSE']._serialized_start=932
+  _globals['_STATSRESPONSE']._serialized_end=1250
+  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_start=1204
+  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_end=1250
+  _globals['_BUFFER']._serialized_start=1324
+  _globals['_BUFFER']._serialized_end=1879
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class PutResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("batch_size", "allow_partial_groups", "max_batches", "lease_timeout_s", "policy", "max_reuse", "consumer", "max_unacked")
+    __slots__ = ("batch_size", "allow_partial_groups", "max_batches", "lease_timeout_s", "policy", "max_reuse", "consumer", "max_unacked", "trainer_version")
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class PullRequest(_message.Message):
     MAX_REUSE_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     MAX_UNACKED_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     batch_size: int
     allow_partial_groups: bool
     max_batches: int
@@ -49,7 +50,8 @@ class PullRequest(_message.Message):
     max_reuse: int
     consumer: str
     max_unacked: int
-    def __init__(self, batch_size: _Optional[int] = ..., allow_partial_groups: _Optional[bool] = ..., max_batches: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., policy: _Optional[_Union[Policy, str]] = ..., max_reuse: _Optional[int] = ..., consumer: _Optional[str] = ..., max_unacked: _Optional[int] = ...) -> None: ...
+    trainer_version: int
+    def __init__(self, batch_size: _Optional[int] = ..., allow_partial_groups: _Optional[bool] = ..., max_batches: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., policy: _Optional[_Union[Policy, str]] = ..., max_reuse: _Optional[int] = ..., consumer: _Optional[str] = ..., max_unacked: _Optional[int] = ..., trainer_version: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("lease_id", "samples", "trainer_version")

@@ -90,6 +90,8 @@ async def test_bad_requests_get_clear_statuses_and_the_server_keeps_serving(tmp_
         await expect_status(grpc.StatusCode.INVALID_ARGUMENT, stub.Put(conflict), "group_size")
         await expect_status(grpc.StatusCode.INVALID_ARGUMENT, pull(stub, batch_size=0), "batch_size")
         await expect_status(grpc.StatusCode.INVALID_ARGUMENT, pull(stub, batch_size=1, policy=9), "policy")
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, pull(stub, batch_size=1, trainer_version=-1),
+                            "trainer_version")
         await expect_status(grpc.StatusCode.INVALID_ARGUMENT, pull(stub, batch_size=1, lease_timeout_s=-1),
                             "lease_timeout_s")
         await expect_status(grpc.StatusCode.INVALID_ARGUMENT, stub.Ack(buffer_pb2.AckRequest()), "lease_id")

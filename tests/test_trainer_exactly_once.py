@@ -96,6 +96,56 @@ def test_a_step_slower_than_the_lease_is_neither_redelivered_nor_fatal(tiny_mode
     assert len(trained) == len(set(trained)) == 2 * BATCH
 
 
+def test_a_prefetch_pulled_before_the_version_report_lands_gets_no_sample_beyond_max_staleness(
+        tiny_model_dir, tmp_path, service_factory):
+    """The prefetch after step k pulls while the report of version k (an ack here, a consumed mark with
+    checkpoints) is still on its way; the buffer used to filter by the version before and hand out a sample
+    max_staleness + 1 behind, and the trainer stopped: "the buffer handed out a sample 2 versions old". The
+    pull now carries the version: that batch is dropped as stale and the next one trains."""
+    import numpy as np
+
+    from trainer.buffer_client import BufferClient
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+
+    class SlowReports(BufferClient):  # the real client, its version reports 1 s late (a busy call thread)
+        def ack(self, lease_id, trainer_version=None):
+            time.sleep(1.0)
+            return super().ack(lease_id, trainer_version)
+
+        def extend(self, lease_ids, consumed=False, trainer_version=None):
+            if trainer_version is not None:
+                time.sleep(1.0)
+            return super().extend(lease_ids, consumed, trainer_version)
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "max_staleness": 1})
+    batches = [make_samples(BATCH, prefix) for prefix in "abcd"]  # a, b, c: version 0; d: version 1
+    for sample in batches[3]:
+        sample.weight_versions = np.ones_like(sample.weight_versions)
+    for batch in batches:
+        put(buffer.address, batch)
+    config = TrainerConfig.model_validate({
+        "model_path": str(tiny_model_dir),
+        "buffer": {"address": buffer.address, "max_wait_s": 20, "lease_timeout_s": 30.0},
+        "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
+        "max_steps": 3,
+        "max_staleness": 1,
+        "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "metrics_sample_ids": True,
+    })
+    client = SlowReports(config.buffer)
+    try:
+        state = train(config, init_distributed("cpu"), client)
+    finally:
+        client.close()
+    steps = records(tmp_path / "metrics.jsonl")
+    assert state.step == 3
+    assert [{i[0] for i in r["sample_ids"]} for r in steps] == [{"a"}, {"b"}, {"d"}]
+    assert [r["staleness_max"] for r in steps] == [0, 1, 1]
+    assert stats(buffer.address).dropped["stale"] == BATCH
+
+
 def test_a_failed_group_member_is_counted_and_training_proceeds(tiny_model_dir, tmp_path, service_factory):
     """One group loses a member to FAILED (dropped at Put): its whole-group batch is short, and trains."""
     from trainer.buffer_client import BufferClient
@@ -132,7 +182,7 @@ def test_failed_samples_that_reach_the_trainer_are_counted_never_trained(tiny_mo
     from trainer.leases import LeaseBook
 
     class OneBatch:
-        def pull(self, batch_size):
+        def pull(self, batch_size, trainer_version=None):
             from trainer.buffer_client import LeasedBatch
 
             samples = make_samples(BATCH)
@@ -312,7 +362,7 @@ def test_buffer_calls_of_a_step_run_in_order_off_the_training_thread():
     events = []
 
     class SlowBuffer:
-        def pull(self, batch_size):
+        def pull(self, batch_size, trainer_version=None):
             return LeasedBatch(f"lease-{len(events)}", make_samples(BATCH), 0)
 
         def extend(self, lease_ids, consumed=False, trainer_version=None):

@@ -84,14 +84,16 @@ class BufferClient:
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_PAUSE_S)
 
-    def pull(self, batch_size: int) -> LeasedBatch:
-        """Wait (up to buffer.max_wait_s) for one leased batch of about `batch_size` samples."""
+    def pull(self, batch_size: int, trainer_version: int | None = None) -> LeasedBatch:
+        """Wait (up to buffer.max_wait_s) for one leased batch of about `batch_size` samples, none of them more
+        than the buffer's max_staleness behind `trainer_version` (the version the batch will train at)."""
         request = buffer_pb2.PullRequest(
             batch_size=batch_size,
             allow_partial_groups=self.config.allow_partial_groups,
             max_batches=1,
             lease_timeout_s=self.config.lease_timeout_s,
             consumer=self.config.consumer,
+            trainer_version=trainer_version,
         )
         deadline = time.monotonic() + self.config.max_wait_s
         while True:

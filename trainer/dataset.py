@@ -29,7 +29,7 @@ class DatasetSource:
         self.batches = 0
         self.acked = 0
 
-    def pull(self, batch_size: int) -> LeasedBatch:
+    def pull(self, batch_size: int, trainer_version: int | None = None) -> LeasedBatch:
         picked = []
         while len(picked) < batch_size:
             if not self.order:

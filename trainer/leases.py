@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class LeaseSource(Protocol):
     """Where batches come from (the buffer client, or a dataset)."""
 
-    def pull(self, batch_size: int) -> LeasedBatch: ...
+    def pull(self, batch_size: int, trainer_version: int | None = None) -> LeasedBatch: ...
 
     def ack(self, lease_id: str, trainer_version: int | None = None) -> int | None: ...
 
@@ -228,9 +228,11 @@ class LeaseBook:
                 "already_trained_total": float(self.skipped), "failed_total": float(self.failed),
                 "lost_leases": float(self.keeper.lost), "unacked_samples": float(len(self.ledger))}
 
-    def pull(self, batch_size: int) -> LeasedBatch:
-        """Pull a batch and hold its lease from this moment on (also while it waits as a prefetch)."""
-        batch = self.source.pull(batch_size)
+    def pull(self, batch_size: int, trainer_version: int | None = None) -> LeasedBatch:
+        """Pull a batch to train at `trainer_version` and hold its lease from this moment on (also while it waits
+        as a prefetch). The pull carries the version: the consumed mark that reports it runs on another thread
+        and may reach the buffer after the pull, which would then filter by the version before."""
+        batch = self.source.pull(batch_size, trainer_version)
         self.keeper.hold(batch.lease_id)
         return batch
 

@@ -119,7 +119,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         started = time.monotonic()
         work = None
         if env.is_main:  # the batch prefetched after the last step, else a pull now
-            work = next_work(config, book, prefetch, publisher, pull_wait_s)
+            work = next_work(config, book, prefetch, publisher, pull_wait_s, state.weight_version)
         work = env.broadcast_object(work)
         if work == RESYNC:  # the same weights under the next version: every receiver takes them
             state.weight_version += 1
@@ -148,7 +148,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         if env.is_main:
             book.consumed(work, state.weight_version)
             if config.buffer.prefetch and state.step < config.max_steps:
-                prefetch.start(book.pull, config.batch.global_batch_size)
+                prefetch.start(book.pull, config.batch.global_batch_size, state.weight_version)
         if publishing and _due(steps_before, state.step, config.publish.interval):
             publisher(state)
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
@@ -162,7 +162,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
 
 
 def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publisher: "Publishing",
-              pull_wait_s: float):
+              pull_wait_s: float, version: int):
     """Rank 0: the next batch's work; RESYNC when, while no batch came, a receiver fell behind the last publish.
 
     A rollout worker that restarts serves its base weights at version 0. The trainer publishes after steps, and
@@ -170,7 +170,7 @@ def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publ
     in the buffer neither would ever move. So a wait for a batch checks the receivers every `publish.resync_s`.
     """
     if not prefetch.busy:
-        prefetch.start(book.pull, config.batch.global_batch_size)
+        prefetch.start(book.pull, config.batch.global_batch_size, version)
     while not prefetch.done(config.publish.resync_s):
         if publisher.receivers_behind():
             return RESYNC

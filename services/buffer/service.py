@@ -66,6 +66,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def Pull(self, request: buffer_pb2.PullRequest, context: grpc.aio.ServicerContext):
         request = require(request)
         spec = await self._pull_spec(request, context)
+        if request.HasField("trainer_version"):
+            await self.buffer.set_version(request.trainer_version)
         log.debug("Pull by %r: %s", request.consumer, spec)
         max_unacked = request.max_unacked or self.buffer.config.max_unacked
         sent, unacked = 0, []
@@ -94,6 +96,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             problem = f"lease_timeout_s: must be a finite number >= 0, got {request.lease_timeout_s}"
         elif request.policy not in _POLICIES:
             problem = f"policy: unknown value {request.policy}"
+        elif request.HasField("trainer_version") and request.trainer_version < 0:
+            problem = f"trainer_version: must be >= 0, got {request.trainer_version}"
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         config = self.buffer.config
