@@ -63,6 +63,9 @@ class AgenticRLConfig(Strict):
     concurrency: int = Field(12, ge=1, description="Groups the runner keeps in flight.")
     eval_interval_s: float = Field(60.0, gt=0, description="Held-out success rate every this many seconds.")
     eval_concurrency: int = Field(32, gt=0, description="Greedy evaluation episodes in flight.")
+    max_tokens_per_micro_batch: int | None = Field(
+        2048, gt=0, description="The trainer's micro-batches by token budget (trainer batch.max_tokens_per_micro_batch): "
+        "episodes of 1 to 3 turns padded to the longest cost ~1.8x; None = one micro-batch of the whole batch.")
     checkpoint_interval: int = Field(10, gt=0, description="Trainer checkpoint every this many steps.")
     buffer_capacity_batches: int = Field(32, gt=0, description="Buffer capacity in batches.")
 
@@ -210,7 +213,8 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
             "model_path": str(policy_dir),
             "algorithm": {"off_policy": off_policy, **rl.algorithm},
             "optim": {"lr": rl.lr, "warmup_steps": rl.warmup_steps, "max_grad_norm": 1.0},
-            "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
+            "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size,
+                      "max_tokens_per_micro_batch": rl.max_tokens_per_micro_batch},
             "buffer": {"address": buffer.address},
             "max_steps": rl.max_steps,
             "max_staleness": rl.max_staleness,

@@ -27,6 +27,11 @@ RUNS = {
                    "samples": 7},
     "ppo": {"algorithm": {"name": "ppo", "off_policy": "decoupled"}, "batch": {"mini_batches": 2, "micro_batch_size": 2}},
     "dpo": {"algorithm": {"name": "dpo"}, "batch": {"micro_batch_size": 2}},
+    # Token-budget micro-batches: the ranks' halves of the batch pack into different numbers of micro-batches
+    # (GRPO 2 and 3, DPO 1 and 2 pairs), so the rank that needs fewer splits its own until both run as many.
+    "grpo-token-budget": {"algorithm": {"name": "grpo", "off_policy": "tis"},
+                          "batch": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 22}},
+    "dpo-token-budget": {"algorithm": {"name": "dpo"}, "batch": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 44}},
 }
 
 
@@ -79,7 +84,7 @@ def run_steps(model: str, checkpoints: str, env, resume: bool) -> dict[str, list
         state = TrainState()
         if resume:
             state = load_checkpoint(latest_checkpoint(checkpoint_dir), learner.policy, learner.optimizer, env)
-        samples = make_samples(name, overrides.get("samples", 8))
+        samples = make_samples(overrides["algorithm"]["name"], overrides.get("samples", 8))
         losses = []
         while state.step < STEPS:
             for mini_batch in learner.prepare(samples):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from protos.sample import Sample
-from trainer.batch import collate
+from trainer.batch import collate, pack_by_tokens, split_packs
 from trainer.config import BatchConfig, TrainerConfig
 from trainer.learner import Learner
 from trainer.model import run_policy
@@ -101,6 +101,33 @@ def test_micro_batches_and_mini_batch_split_do_not_change_the_step(tiny_model_di
         results.append((metrics["loss"], metrics["grad_norm"], metrics_2["loss"], metrics_2["kl"]))
     for other in results[1:]:
         np.testing.assert_allclose(other, results[0], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("budget", [8, 16, 40, 1000])
+def test_a_token_budget_packs_micro_batches_by_length_and_gives_the_same_step(tiny_model_dir, budget):
+    """max_tokens_per_micro_batch: rows sorted by length, packed within the budget; the step is micro_batch_size's."""
+    samples = make_samples()
+    lengths = [s.prompt_ids.size + s.response_ids.size for s in samples]
+    packs = pack_by_tokens(lengths, budget, max_units=8)
+    assert sorted(i for pack in packs for i in pack) == list(range(len(samples)))
+    for pack in packs:
+        assert len(pack) == 1 or len(pack) * max(lengths[i] for i in pack) <= budget, (pack, budget)
+    split = split_packs(packs, lengths, 8)
+    assert len(split) == 8 and sorted(i for pack in split for i in pack) == list(range(len(samples)))
+    with pytest.raises(ValueError, match="cannot make 9 micro-batches"):
+        split_packs(packs, lengths, 9)
+
+    results = []
+    for batch in ({"micro_batch_size": 8}, {"micro_batch_size": 8, "max_tokens_per_micro_batch": budget}):
+        learner = Learner(config(tiny_model_dir, algorithm={"name": "grpo", "off_policy": "tis", "kl_coef": 0.1},
+                                 ref_model_path=str(tiny_model_dir), batch={"global_batch_size": 8, **batch}), local())
+        rows = learner._micro_rows(collate(samples))
+        metrics = one_step(learner, samples)
+        metrics_2 = one_step(learner, samples, step=1)
+        results.append((len(rows), (metrics["loss"], metrics["grad_norm"], metrics_2["loss"], metrics_2["kl"],
+                                    metrics["tokens"])))
+    assert results[1][0] == len(packs)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=0, atol=2e-6)
 
 
 def test_sft_learns_a_fixed_batch(tiny_model_dir):

@@ -134,3 +134,31 @@ def order_preference_pairs(samples: Sequence[Sample]) -> list[Sample]:
             raise ValueError(f"group {group_id}: DPO needs 2 samples with different rewards, got rewards {rewards}")
         ordered.extend(sorted(members, key=lambda s: -s.reward))
     return ordered
+
+
+def pack_by_tokens(lengths: Sequence[int], budget: int, max_units: int) -> list[list[int]]:
+    """Micro-batches of the indices of `lengths`, each within `budget` padded tokens (units x its longest) and
+    `max_units` units: longest first, each filled greedily, so rows of like length share one. A unit longer
+    than the budget goes alone."""
+    packs: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        last = packs[-1] if packs else None
+        if last is not None and len(last) < max_units and (len(last) + 1) * lengths[last[0]] <= budget:
+            last.append(index)
+        else:
+            packs.append([index])
+    return packs
+
+
+def split_packs(packs: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """`packs` split until there are `count` (every rank of a sharded step runs as many micro-batches): each
+    time the one of most padded tokens is halved. ValueError if there are fewer than `count` indices."""
+    packs = [list(pack) for pack in packs]
+    while len(packs) < count:
+        splittable = [m for m, pack in enumerate(packs) if len(pack) > 1]
+        if not splittable:
+            raise ValueError(f"{len(packs)} rows cannot make {count} micro-batches")
+        m = max(splittable, key=lambda m: len(packs[m]) * lengths[packs[m][0]])
+        half = len(packs[m]) // 2
+        packs[m:m + 1] = [packs[m][:half], packs[m][half:]]
+    return packs

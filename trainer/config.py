@@ -236,7 +236,14 @@ class BatchConfig(Strict):
     """How many samples make one optimizer step, and how they are split."""
 
     global_batch_size: int = Field(64, gt=0, description="Samples per pulled batch across all ranks (whole groups).")
-    micro_batch_size: int = Field(8, gt=0, description="Samples per forward/backward on one rank (gradient accumulation).")
+    micro_batch_size: int = Field(8, gt=0, description="Samples per forward/backward on one rank (gradient accumulation); "
+                                  "with max_tokens_per_micro_batch, the most samples one may hold.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="Token budget of one forward/backward on one rank, counted padded (samples x the "
+        "longest): the samples are sorted by length and packed into as few micro-batches as fit, so a batch of short "
+        "and long episodes is not padded to its longest (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu). A "
+        "sample longer than the budget goes alone. Every rank runs as many micro-batches as the rank that needs most. "
+        "None = micro_batch_size samples each, in batch order.")
     mini_batches: int = Field(
         1, gt=0, description="Optimizer steps per pulled batch (PPO mini-batches); the batch is split in this many."
     )
@@ -252,7 +259,7 @@ class BatchConfig(Strict):
             raise ValueError(f"batch.global_batch_size={self.global_batch_size} is not divisible by mini_batches={self.mini_batches}")
         if per_step % world_size:
             raise ValueError(f"batch.global_batch_size: {per_step} samples per step do not split over {world_size} ranks")
-        if self.rows_per_rank(world_size) % self.micro_batch_size:
+        if self.max_tokens_per_micro_batch is None and self.rows_per_rank(world_size) % self.micro_batch_size:
             raise ValueError(
                 f"batch.micro_batch_size={self.micro_batch_size} does not divide the {self.rows_per_rank(world_size)} "
                 "samples per rank and step"

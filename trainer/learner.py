@@ -24,7 +24,14 @@ from trainer.advantages import (
     varied_groups,
     whiten,
 )
-from trainer.batch import TrainBatch, collate, group_indices, order_preference_pairs
+from trainer.batch import (
+    TrainBatch,
+    collate,
+    group_indices,
+    order_preference_pairs,
+    pack_by_tokens,
+    split_packs,
+)
 from trainer.config import TrainerConfig
 from trainer.losses import (
     chained_rejection_mask,
@@ -289,11 +296,21 @@ class Learner:
         result.update(grad_norm=grad_norm, lr=lr, **self.batch_metrics)
         return result
 
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[slice, TrainBatch]]:
-        size = self.config.batch.micro_batch_size
-        for start in range(0, batch.num_rows, size):
-            rows = slice(start, start + size)
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[slice | torch.Tensor, TrainBatch]]:
+        """This rank's micro-batches (collective with a token budget: every rank runs the same number)."""
+        for rows in self._micro_rows(batch):
             yield rows, batch.select(rows).trimmed().to(self.env.device)
+
+    def _micro_rows(self, batch: TrainBatch) -> list[slice | torch.Tensor]:
+        cfg = self.config.batch
+        if cfg.max_tokens_per_micro_batch is None:
+            size = cfg.micro_batch_size
+            return [slice(start, start + size) for start in range(0, batch.num_rows, size)]
+        unit = 2 if self.algo.name == "dpo" else 1  # a (chosen, rejected) pair stays in one micro-batch
+        lengths = batch.attention_mask.sum(-1).view(-1, unit).amax(-1).tolist()
+        packs = pack_by_tokens(lengths, cfg.max_tokens_per_micro_batch // unit, max(1, cfg.micro_batch_size // unit))
+        packs = split_packs(packs, lengths, self.env.all_reduce_max(len(packs)))
+        return [torch.tensor([u * unit + j for u in pack for j in range(unit)], dtype=torch.int64) for pack in packs]
 
     def _set_learning_rate(self, step: int) -> float:
         optim = self.config.optim

@@ -54,6 +54,14 @@ class DistEnv:
             tensor.copy_(on_device)
         return tensor
 
+    def all_reduce_max(self, value: int) -> int:
+        """The largest of every rank's `value`."""
+        if not self.distributed:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank (pickled; for batches of samples and small metadata)."""
         if not self.distributed:
