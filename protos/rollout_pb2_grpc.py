@@ -162,7 +162,8 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateInSession(self, request, context):
-        """Generate the next policy turn of a session, streamed and appended to its context.
+        """Generate the next policy turn of a session, streamed (or in one chunk: whole_turn) and appended
+        to its context.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

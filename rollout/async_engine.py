@@ -104,12 +104,15 @@ class AsyncEngine:
         One hand-over per request instead of one per step, for callers that want only the result.
         Raises like generate(); cancelling the wait (a client gone) aborts the request.
         """
+        prompt = list(prompt_ids)
+        return await self._whole(request_id, lambda: self.engine.add_request(request_id, prompt, params))
+
+    async def _whole(self, request_id: str, add: Callable[[], None]) -> list[Completion]:
+        """Run `add` on the engine thread, then wait for the request's completions, all at once."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), whole=True)
         finished = False
         try:
-            prompt = list(prompt_ids)
-            await self._call(lambda: self._add(request_id, lambda: self.engine.add_request(request_id, prompt, params),
-                                               stream))
+            await self._call(lambda: self._add(request_id, add, stream))
             item = await stream.queue.get()
             if isinstance(item, BaseException):
                 raise item
@@ -144,11 +147,19 @@ class AsyncEngine:
         tokens = list(token_ids)
         return await self._call(lambda: self.engine.append_to_session(session_id, tokens, turn_reward))
 
-    async def generate_in_session(self, session_id: str, params: SamplingParams) -> AsyncIterator[Completion]:
-        """Yield the deltas of the session's next turn (index 0), like generate(); leaving early aborts the turn."""
+    async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
+                                  ) -> AsyncIterator[Completion]:
+        """Yield the deltas of the session's next turn (index 0), like generate(), or with `whole` the turn in one
+        delta once it has finished (one hand-over instead of one per step); leaving early aborts the turn."""
         request_id = f"session/{session_id}/{uuid.uuid4().hex[:8]}"
-        async for delta in self._stream(request_id, 1,
-                                        lambda: self.engine.add_session_request(request_id, session_id, params)):
+
+        def add() -> None:
+            self.engine.add_session_request(request_id, session_id, params)
+
+        if whole:
+            yield (await self._whole(request_id, add))[0]
+            return
+        async for delta in self._stream(request_id, 1, add):
             yield delta
 
     async def session_state(self, session_id: str) -> SessionState:

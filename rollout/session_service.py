@@ -87,7 +87,7 @@ class SessionRPCs:
 
         params = self._params(request.params)
         async with _refusals(context):
-            async for delta in self.engine.generate_in_session(request.session_id, params):
+            async for delta in self.engine.generate_in_session(request.session_id, params, whole=request.whole_turn):
                 TOKENS_GENERATED.inc(len(delta.token_ids))
                 yield rollout_pb2.GenerateChunk(
                     request_id=request.session_id,

@@ -36,17 +36,42 @@ def services(tiny_model_dir, tmp_path_factory):
     buffer.stop(timeout=10)
 
 
-async def generate(stub, session_id: str, **params) -> tuple[list[int], list[float], list[int], int]:
+async def generate(stub, session_id: str, whole_turn: bool = False, chunks: list | None = None, **params
+                   ) -> tuple[list[int], list[float], list[int], int]:
     params.setdefault("max_tokens", 6)
     params.setdefault("temperature", 0.7)
     tokens, logprobs, versions, reason = [], [], [], 0
     async for chunk in stub.GenerateInSession(rollout_pb2.GenerateInSessionRequest(
-            session_id=session_id, params=rollout_pb2.SamplingParams(logprobs=True, **params))):
+            session_id=session_id, params=rollout_pb2.SamplingParams(logprobs=True, **params), whole_turn=whole_turn)):
         tokens += decode_array(chunk.token_ids).tolist()
         logprobs += decode_array(chunk.logprobs).tolist()
         versions += decode_array(chunk.weight_versions).tolist()
         reason = chunk.finish_reason
+        if chunks is not None:
+            chunks.append(chunk)
     return tokens, logprobs, versions, reason
+
+
+async def test_a_whole_turn_comes_in_one_chunk_equal_to_the_streamed_turn(services):
+    rollout, _ = services
+    async with connect(rollout.address) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        turns = {}
+        for whole in (False, True):
+            session_id = f"whole-{whole}"
+            await stub.OpenSession(rollout_pb2.OpenSessionRequest(session_id=session_id, messages=SYSTEM))
+            chunks = []
+            turns[whole] = await generate(stub, session_id, whole_turn=whole, chunks=chunks, seed=11, max_tokens=12)
+            assert (len(chunks) == 1) == whole and len(chunks) >= 1
+            closed = await stub.CloseSession(rollout_pb2.CloseSessionRequest(session_id=session_id))
+            assert Sample.from_proto(closed.sample).response_ids.tolist() == turns[whole][0]
+            text = "".join(chunk.text for chunk in chunks)
+            assert text == closed.sample.response_text
+        assert turns[True] == turns[False] and len(turns[True][0]) > 1
+        # A refusal is the same status as when streaming.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(stub, "nope", whole_turn=True)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_a_chat_episode_is_token_exact_keeps_kv_and_lands_in_the_buffer(services, tiny_model_dir):

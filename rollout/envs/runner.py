@@ -107,7 +107,8 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
         text = []
         try:
             async for chunk in stub.GenerateInSession(
-                    rollout_pb2.GenerateInSessionRequest(session_id=session_id, params=params), timeout=timeout_s):
+                    rollout_pb2.GenerateInSessionRequest(session_id=session_id, params=params, whole_turn=True),
+                    timeout=timeout_s):
                 text.append(chunk.text)
                 tokens += chunk.token_ids.length
         except grpc.aio.AioRpcError as exc:
