@@ -30,8 +30,39 @@ ADVANTAGES = torch.tensor(VERL["inputs"]["advantages"], dtype=torch.float64)
 
 
 def learner_for(model, micro_batch_size=1, **algorithm) -> Learner:
-    return Learner(config(model, algorithm=algorithm, batch={"global_batch_size": 8, "micro_batch_size": micro_batch_size}),
-                   local())
+    """A learner that computes the proximal logprobs and weights in prepare (by a forward pass of its own), where
+    these tests read them; with one step per batch it would take them from the step's forward (compared below)."""
+    learner = Learner(config(model, algorithm=algorithm, batch={"global_batch_size": 8,
+                                                                "micro_batch_size": micro_batch_size}), local())
+    learner.proximal_in_step = False
+    return learner
+
+
+@pytest.mark.parametrize("off_policy,level", [("tis", "token"), ("tis", "sequence"), ("decoupled", "token"),
+                                              ("recompute", "token")])
+def test_one_step_per_batch_takes_the_proximal_logprobs_from_its_own_forward(tiny_model_dir, off_policy, level):
+    """mini_batches 1: pi_prox is the policy the step starts from; the step's forward, detached, gives the same
+    ratio and weights as a second forward pass (verl's on_policy path), and the second pass is not run."""
+    samples = make_samples()
+    results = []
+    for in_step in (False, True):
+        learner = Learner(config(tiny_model_dir, algorithm={"name": "grpo", "off_policy": off_policy, "is_level": level,
+                                                            "is_cap": 1.5}), local())
+        assert learner.proximal_in_step
+        learner.proximal_in_step = in_step
+        forwards = []
+        learner.policy.register_forward_hook(lambda *_, seen=forwards: seen.append(1))
+        for sample in samples:  # rollout logprobs off the policy's own: weights that are not all 1 or the cap
+            sample.rollout_logprobs = np.full_like(sample.rollout_logprobs, -4.4)
+        first = learner.train_step(learner.prepare(samples)[0], 0)
+        second = learner.train_step(learner.prepare(samples)[0], 1)
+        results.append([first[k] for k in ("loss", "grad_norm", "ratio", "is_weight") if k in first] +
+                       [second["loss"], second["grad_norm"]])
+        assert len(forwards) == (4 if in_step else 8), (in_step, len(forwards))  # 2 steps of 2 micro-batches
+    np.testing.assert_allclose(results[1], results[0], rtol=0, atol=1e-6)
+    # Rejection needs the whole mini-batch's logprobs before the step: it keeps the second pass.
+    rejecting = learner_for(tiny_model_dir, off_policy="tis", rejection=[{"statistic": "token_k2", "upper": 0.02}])
+    assert not Learner(rejecting.config, local()).proximal_in_step
 
 
 def with_log_ratio(learner: Learner, samples, log_ratio) -> list:

@@ -72,6 +72,11 @@ def test_trainer_recomputes_the_distribution_the_rollout_sampled(model_dir):
         "batch": {"global_batch_size": len(samples), "micro_batch_size": 2},
     })
     learner = Learner(config, DistEnv(rank=0, world_size=1, device=torch.device("cpu")))
+    assert learner.proximal_in_step  # one step per batch: the step's own forward gives pi_prox ...
+    metrics = learner.train_step(learner.prepare(samples)[0], 0)
+    assert metrics["is_weight"] == pytest.approx(1.0, abs=1e-4) and metrics["ratio"] == pytest.approx(1.0, abs=1e-6)
+    learner = Learner(config, DistEnv(rank=0, world_size=1, device=torch.device("cpu")))
+    learner.proximal_in_step = False  # ... here a pass of its own in prepare, where its logprobs can be read
     (batch,) = learner.prepare(samples)
     mask = batch.loss_mask.bool()
     for row, c in enumerate(completions):  # of the distribution sampled from, not the raw one

@@ -63,6 +63,13 @@ class Learner:
         if config.ref_model_path is not None and self.algo.needs_reference:
             reference = load_policy(config.ref_model_path, device=env.device).requires_grad_(False)
             self.reference = parallelize(reference, env)
+        # One optimizer step per pulled batch: the proximal policy is the one the step starts from, so its
+        # logprobs are the training forward's, detached (verl's on_policy path), not a second forward pass. Not
+        # when something needs them before the step: rejection or batch-normalised weights (whole mini-batch),
+        # a KL reward penalty (advantages), PPO's values.
+        algo = self.algo
+        self.proximal_in_step = (algo.recomputes_logprobs and algo.name != "ppo" and config.batch.mini_batches == 1
+                                 and not algo.rejection and not algo.is_batch_normalize and algo.kl_reward_coef == 0)
         optim = config.optim
         # Dynamic sampling's counts: the last pulled batch's (added to each of its steps' metrics) and running totals.
         self.batch_metrics: dict[str, float] = {}
@@ -110,7 +117,7 @@ class Learner:
             self._sequence_advantages(local, batch, real, rows)
         elif self.algo.advantage_estimator is not None:
             self._token_advantages(local)
-        if self.algo.name in ("grpo", "ppo", "distill"):
+        if self.algo.name in ("grpo", "ppo", "distill") and not self.proximal_in_step:
             self._set_off_policy_correction(local)
         per_rank = per_step // self.env.world_size
         return [local.select(slice(m * per_rank, (m + 1) * per_rank)) for m in range(len(chunks))]
@@ -177,7 +184,7 @@ class Learner:
     @torch.no_grad()
     def _recompute(self, batch: TrainBatch) -> None:
         """Forward-only passes before the update: proximal logprobs, critic values, reference logprobs."""
-        needs_policy = self.algo.recomputes_logprobs or self.algo.name == "ppo"
+        needs_policy = (self.algo.recomputes_logprobs and not self.proximal_in_step) or self.algo.name == "ppo"
         needs_reference = self.algo.needs_reference and batch.ref_logprobs is None
         if needs_reference and self.reference is None:
             raise ValueError(
@@ -280,6 +287,9 @@ class Learner:
             with self._autocast():
                 out = run_policy(self.policy, micro.input_ids, micro.attention_mask, self._temperatures(micro),
                                  entropy_grad=self.algo.entropy_coef > 0)
+            if self.proximal_in_step:
+                micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
+                self._set_off_policy_correction(micro)
             loss, metrics = objective(self.algo, micro, out)
             # FSDP averages gradients over ranks; every rank's loss is its share of the global sum.
             (loss * self.env.world_size).backward()
