@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from rollout.attention import AttentionMetadata
+from rollout.attention import AttentionGroup, AttentionMetadata
 from rollout.config import EngineConfig
 from rollout.kv_cache import KVCache
 from rollout.model import CausalLM
@@ -45,6 +45,8 @@ class ModelRunner:
             src, dst = zip(*batch.block_copies)
             self.cache.copy_blocks(list(src), list(dst))
         computed = [seq for seq in batch.seqs if seq.prefill_from is None]
+        if batch.is_prefill:  # decodes mixed in first: they attend as a group of their own (see _prepare)
+            computed.sort(key=lambda seq: len(seq) - seq.num_cached_tokens > 1)
         input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill)
         hidden = self.model(input_ids, positions, self.cache, meta)
         row_of = {id(seq): row for seq, row in zip(computed, last_rows)}
@@ -80,43 +82,50 @@ class ModelRunner:
     def _prepare(
         self, seqs: list[Sequence], is_prefill: bool
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat new tokens of the batch, their positions, attention metadata, and each seq's last row."""
+        """Flat new tokens of the batch, their positions, attention metadata, and each seq's last row.
+
+        Leading sequences with one new token (a decode, also one mixed into a prefill step: `run` puts them
+        first) attend as one group, the rest as another, each padded only to its own longest query."""
         block_size = self.block_size
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
         if is_prefill:
             starts = [seq.num_cached_tokens for seq in seqs]
             query_lens = [len(seq) - start for seq, start in zip(seqs, starts)]
-            max_query_len = max(query_lens)
             input_ids = [t for seq, start in zip(seqs, starts) for t in seq.token_ids[start:]]
             positions = [p for seq, start in zip(seqs, starts) for p in range(start, len(seq))]
-            query_slots = [i * max_query_len + j for i, n in enumerate(query_lens) for j in range(n)]
             owners = [seq for seq, n in zip(seqs, query_lens) for _ in range(n)]
             last_rows = list(itertools.accumulate(query_lens, initial=-1))[1:]
+            split = next((i for i, n in enumerate(query_lens) if n > 1), len(seqs))
         else:
-            max_query_len = 1
             input_ids = [seq.token_ids[-1] for seq in seqs]
-            positions = [len(seq) - 1 for seq in seqs]
-            query_slots = None
+            positions = starts = [len(seq) - 1 for seq in seqs]
+            query_lens = None
             owners = seqs
             last_rows = list(range(len(seqs)))
+            split = len(seqs)
         slot_mapping = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(owners, positions)]
         # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
         input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
-        if is_prefill:
-            offsets = torch.arange(max_query_len, device=self.device)
-            query_positions = self._tensor([seq.num_cached_tokens for seq in seqs]).unsqueeze(1) + offsets
-        else:
-            query_positions = positions_t.unsqueeze(1)
-        visible = self._key_positions[: max_blocks * block_size] <= query_positions.unsqueeze(-1)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping_t,
-            block_tables=self._tensor(block_tables),
-            mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1),
-            query_slots=None if query_slots is None else self._tensor(query_slots),
-            max_query_len=max_query_len,
-        )
-        return input_ids_t, positions_t, meta, last_rows
+        groups = []
+        if split:  # one new token each: rows 0..split-1, at their positions
+            groups.append(self._group(seqs[:split], slice(0, split), positions_t[:split].unsqueeze(1), None, 1))
+        if split < len(seqs):
+            lens = query_lens[split:]
+            longest = max(lens)
+            offsets = torch.arange(longest, device=self.device)
+            query_positions = self._tensor(starts[split:]).unsqueeze(1) + offsets
+            query_slots = self._tensor([i * longest + j for i, n in enumerate(lens) for j in range(n)])
+            groups.append(self._group(seqs[split:], slice(split, len(input_ids)), query_positions, query_slots, longest))
+        return input_ids_t, positions_t, AttentionMetadata(slot_mapping=slot_mapping_t, groups=groups), last_rows
+
+    def _group(self, seqs: list[Sequence], rows: slice, query_positions: torch.Tensor, query_slots: torch.Tensor | None,
+               max_query_len: int) -> AttentionGroup:
+        """The attention of `seqs`, whose queries sit at `query_positions` ([B, max_query_len])."""
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        visible = self._key_positions[: max_blocks * self.block_size] <= query_positions.unsqueeze(-1)
+        return AttentionGroup(rows=rows, block_tables=self._tensor(block_tables),
+                              mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1),
+                              query_slots=query_slots, max_query_len=max_query_len)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -32,7 +32,17 @@ def test_mixed_steps_give_the_same_completions_and_keep_decoding(tiny_model_dir)
     prompts = [[1, *range(10 + i, 16 + i)] for i in range(6)]
     mixing = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=64))
     separate = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=64, max_mixed_prefill_len=0))
+    prepared = []
+    prepare = mixing.runner._prepare
+    mixing.runner._prepare = lambda seqs, is_prefill: prepared.append(prepare(seqs, is_prefill)) or prepared[-1]
     mixed_out, mixed_first_done = run_arrivals(mixing, prompts)
+    # A mixed step attends in two groups: the decodes at one query each, the new prompt at its 7 tokens (before,
+    # every decode row was padded to the prompt's 7 queries).
+    mixed = [meta.groups for _, _, meta, _ in prepared if len(meta.groups) == 2]
+    assert len(mixed) == 5
+    for decodes, prompt in mixed:
+        assert (decodes.max_query_len, decodes.mask.shape[2], prompt.max_query_len) == (1, 1, 7)
+        assert decodes.rows.stop == prompt.rows.start == decodes.block_tables.shape[0]
     separate_out, separate_first_done = run_arrivals(separate, prompts)
 
     assert mixed_out.keys() == separate_out.keys() and len(mixed_out) == 18
