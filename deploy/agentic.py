@@ -58,9 +58,14 @@ class AgenticRLConfig(Strict):
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
     algorithm: dict = Field(default_factory=lambda: {"name": "grpo"},
-                            description="trainer.config.AlgorithmConfig fields; off_policy defaults to tis (truncated "
-                            "importance sampling against the rollout's logprobs) when max_staleness > 0, else none.")
-    concurrency: int = Field(12, ge=1, description="Groups the runner keeps in flight.")
+                            description="trainer.config.AlgorithmConfig fields; off_policy defaults to bypass when "
+                            "max_staleness > 0 (the PPO ratio against the rollout's logprobs, clipped: the stale "
+                            "samples' importance ratio with a trust region), else none. tis/decoupled take the ratio "
+                            "against the step's own start, which one optimizer step per batch never clips: on the "
+                            "tool-use task at max_staleness 2 that collapsed to garbage within ~20 steps (README).")
+    concurrency: int | None = Field(
+        None, ge=1, description="Groups the runner keeps in flight; None = (max_staleness + 1) x groups_per_batch, "
+        "so admission control alone bounds them.")
     eval_interval_s: float = Field(60.0, gt=0, description="Held-out success rate every this many seconds.")
     eval_concurrency: int = Field(32, gt=0, description="Greedy evaluation episodes in flight.")
     max_tokens_per_micro_batch: int | None = Field(
@@ -81,6 +86,8 @@ class AgenticConfig(Strict):
     rl: AgenticRLConfig = Field(default_factory=AgenticRLConfig)
     rollout: dict = Field(default_factory=dict, description="Extra --set overrides for the rollout service.")
     buffer: dict = Field(default_factory=dict, description="Extra --set overrides for the buffer service.")
+    trainer: dict = Field(default_factory=dict, description="Extra trainer.config.TrainerConfig fields (e.g. "
+                          "num_threads), over the ones this job sets.")
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
 
 
@@ -184,7 +191,8 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     sft_seconds = time.monotonic() - sft_started
     rl = config.rl
     batch_size = rl.group_size * rl.groups_per_batch
-    off_policy = "tis" if rl.max_staleness > 0 else "none"
+    off_policy = "bypass" if rl.max_staleness > 0 else "none"
+    concurrency = rl.concurrency or (rl.max_staleness + 1) * rl.groups_per_batch
 
     def success(address: str) -> dict:
         return asyncio.run(evaluate(address, config.env.name, config.env.config, eval_tasks, config.env.max_tokens,
@@ -207,7 +215,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
             "rollout": rollout.address, "buffer": buffer.address, "env": config.env.name,
             "env_config": config.env.config, "group_size": rl.group_size, "groups_per_batch": rl.groups_per_batch,
             "max_staleness": rl.max_staleness, "temperature": rl.temperature, "max_tokens": config.env.max_tokens,
-            "concurrency": rl.concurrency, "seed": config.seed, "stats_path": str(run_dir / "runner_stats.jsonl"),
+            "concurrency": concurrency, "seed": config.seed, "stats_path": str(run_dir / "runner_stats.jsonl"),
         })
         trainer_cfg = _write_yaml(run_dir / "trainer.yaml", {
             "model_path": str(policy_dir),
@@ -224,6 +232,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
             "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
             "checkpoint": {"dir": str(run_dir / "checkpoints"), "interval": rl.checkpoint_interval},
             "heartbeat_path": str(run_dir / "trainer.heartbeat"),
+            **config.trainer,
         })
         started = time.monotonic()
         supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",

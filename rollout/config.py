@@ -100,7 +100,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is None
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int | None = None  # prompt tokens prefilled in one step; None: max(4096, max_model_len)
-    max_mixed_prefill_len: int = 64  # waiting sequences this short prefill in the same step as the running decode; 0: never
+    max_mixed_prefill_len: int = 512  # waiting sequences this short prefill in the same step as the running decode; 0: never
     max_model_len: int | None = None  # prompt + response limit; None: the model's max_position_embeddings
     max_queue: int = 1024  # requests waiting to start; beyond it add_request raises QueueFull
     max_n: int = 16  # largest n (completions per prompt) a request may ask for

@@ -57,8 +57,8 @@ class Scheduler:
     def _can_mix(self) -> bool:
         """Whether the waiting sequences are short enough to prefill alongside a decode of the running ones.
 
-        Attention pads every sequence of a step to its longest query, so a long prompt would make each
-        decode row as costly as a prefill row; those get a step of their own.
+        The decode rows attend apart from the prefill (rollout/attention.py), but the step waits for the
+        prefill's compute: a long prompt gets a step of its own, so it does not stall every decode.
         """
         return bool(self.waiting) and all(seq.num_uncached_tokens <= self.max_mixed_prefill_len for seq in self.waiting)
 

@@ -68,8 +68,9 @@ class EngineSettings(Strict):
     max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Prompt tokens prefilled per step.")
     max_mixed_prefill_len: int = Field(
-        64, ge=0, description="Waiting sequences up to this many tokens prefill in the same step as the running "
-        "decode (fewer steps when requests arrive one by one); 0: never.")
+        512, ge=0, description="Waiting sequences up to this many tokens prefill in the same step as the running "
+        "decode (fewer steps when requests and session turns arrive one by one; the decode rows attend apart, so "
+        "a longer prefill delays them by its own compute only); 0: never.")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
     max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
