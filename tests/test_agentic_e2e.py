@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from rich.console import Console
 
 from deploy.agentic import AgenticConfig, run_agentic, selects
@@ -38,7 +39,9 @@ def test_relayrl_run_agentic_smoke(tmp_path):
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: success did not rise in 20 s (not asked here)
     assert "relayrl agentic: guess_number" in done.stdout
     steps = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines()]
-    assert steps and steps[-1]["staleness_max"] <= 1 and steps[-1]["is_weight"] > 0  # tis: max_staleness 1
+    assert steps and steps[-1]["staleness_max"] <= 1 and steps[-1]["ratio"] > 0
+    trainer = yaml.safe_load((run_dir / "trainer.yaml").read_text())
+    assert trainer["algorithm"]["off_policy"] == "bypass"  # max_staleness 1: the clipped ratio is the correction
     runner = json.loads((run_dir / "runner_stats.jsonl").read_text().splitlines()[-1])
     assert runner["episodes"] > 0 and runner["submitted"] == runner["episodes"] and runner["put_here"] == 0
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
