@@ -155,6 +155,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
 
     from deploy.launcher import start_service
     from deploy.progress import Progress
+    from deploy.provenance import write_provenance
     from deploy.supervisor import Supervisor
     from rollout.envs.runner import env_spec, evaluate
     from rollout.envs.transcripts import transcripts
@@ -169,6 +170,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     logs = run_dir / "logs"
     logs.mkdir(parents=True)
     _write_yaml(run_dir / "config.yaml", config.model_dump())
+    write_provenance(run_dir, config.seed)
     progress = Progress(run_dir, console)
     env_cls, env_config = env_spec(config.env.name, config.env.config)
     train_tasks, eval_tasks = env_cls.tasks(env_config, config.seed)

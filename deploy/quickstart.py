@@ -223,6 +223,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
 
     from deploy.launcher import start_service
     from deploy.progress import Progress
+    from deploy.provenance import write_provenance
     from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
     from rollout.tiny import write_tiny_model
@@ -233,6 +234,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
     _write_yaml(run_dir / "config.yaml", config.model_dump())
+    write_provenance(run_dir, config.seed)
     progress = Progress(run_dir, console)
 
     train_tasks, eval_tasks = split_tasks(arithmetic_tasks(config.task.digits, config.task.op),

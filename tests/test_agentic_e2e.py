@@ -46,6 +46,10 @@ def test_relayrl_run_agentic_smoke(tmp_path):
     assert runner["episodes"] > 0 and runner["submitted"] == runner["episodes"] and runner["put_here"] == 0
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(curve) >= 3 and all(0 <= p["success_rate"] <= 1 for p in curve)
+    # Where it ran, beside the resolved config: versions, the source revision, the seed.
+    provenance = json.loads((run_dir / "provenance.json").read_text())
+    assert provenance["seed"] == 0 and provenance["packages"]["torch"] and provenance["python"]
+    assert (run_dir / "config.yaml").is_file()
 
 
 @pytest.mark.slow
