@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=None,
                         help="success rate for time-to-target; default: half-way from the start to staleness 0's final")
     # Each side at its best on 2 cores (60 s runs, steps/h): synchronous, the trainer runs alone, so 2 threads
-    # (4,230 vs 3,579 at 1); asynchronous, it shares the cores with generation, so 1 (6,455 vs 4,499 at 2).
+    # (4,126-4,230 vs 3,579 at 1); asynchronous, it shares the cores with generation, so 1 (6,455 vs 4,499 at 2).
     parser.add_argument("--sync-trainer-threads", type=int, default=2, help="torch threads of the staleness-0 trainer")
     parser.add_argument("--async-trainer-threads", type=int, default=1, help="torch threads of the other trainers")
     parser.add_argument("--rollout-threads", type=int, default=2, help="torch threads of the rollout engine")

@@ -58,25 +58,34 @@ def assert_exactly_once(history: list[dict], all_ids: set[str], address: str, ev
         assert acked == set(trained)
 
 
-def test_a_step_slower_than_the_lease_is_neither_redelivered_nor_fatal(tiny_model_dir, tmp_path, service_factory):
-    """Publishing takes 5 s, the lease 2 s: the heartbeat keeps the trained lease (held until the checkpoint)
-    and the prefetched one open. Before, the prefetched lease expired and its Ack failed NOT_FOUND."""
+def train_from_buffer(model, address: str, tmp_path, client_class=None, publish=None, buffer=None, **fields):
+    """Train the tiny model from the buffer at `address` through a real BufferClient (or `client_class`, a
+    subclass); step records with sample ids in tmp_path/metrics.jsonl. Returns the final TrainState."""
     from trainer.buffer_client import BufferClient
     from trainer.config import TrainerConfig
     from trainer.loop import train
     from trainer.parallel import init_distributed
 
-    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "lease_timeout_s": 2.0})
-    put(buffer.address, make_samples(3 * BATCH))
     config = TrainerConfig.model_validate({
-        "model_path": str(tiny_model_dir),
-        "buffer": {"address": buffer.address, "max_wait_s": 30, "lease_timeout_s": 2.0},
+        "model_path": str(model),
+        "buffer": {"address": address, **(buffer or {})},
         "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
-        "max_steps": 2,
-        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "interval": 1},
         "metrics_path": str(tmp_path / "metrics.jsonl"),
         "metrics_sample_ids": True,
+        **fields,
     })
+    client = (client_class or BufferClient)(config.buffer)
+    try:
+        return train(config, init_distributed("cpu"), client, publish)
+    finally:
+        client.close()
+
+
+def test_a_step_slower_than_the_lease_is_neither_redelivered_nor_fatal(tiny_model_dir, tmp_path, service_factory):
+    """Publishing takes 5 s, the lease 2 s: the heartbeat keeps the trained lease (held until the checkpoint)
+    and the prefetched one open. Before, the prefetched lease expired and its Ack failed NOT_FOUND."""
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "lease_timeout_s": 2.0})
+    put(buffer.address, make_samples(3 * BATCH))
     published = []
 
     def slow_publish(named_tensors, version):
@@ -84,11 +93,9 @@ def test_a_step_slower_than_the_lease_is_neither_redelivered_nor_fatal(tiny_mode
         published.append(version)
         return version
 
-    client = BufferClient(config.buffer)
-    try:
-        state = train(config, init_distributed("cpu"), client, slow_publish)
-    finally:
-        client.close()
+    state = train_from_buffer(tiny_model_dir, buffer.address, tmp_path, publish=slow_publish,
+                              buffer={"max_wait_s": 30, "lease_timeout_s": 2.0}, max_steps=2,
+                              checkpoint={"dir": str(tmp_path / "checkpoints"), "interval": 1})
     after = stats(buffer.address)
     assert (state.step, published) == (2, [1, 2])
     assert (after.redelivered, after.acked, after.leased, after.pending) == (0, 2 * BATCH, 0, BATCH)
@@ -105,9 +112,6 @@ def test_a_prefetch_pulled_before_the_version_report_lands_gets_no_sample_beyond
     import numpy as np
 
     from trainer.buffer_client import BufferClient
-    from trainer.config import TrainerConfig
-    from trainer.loop import train
-    from trainer.parallel import init_distributed
 
     class SlowReports(BufferClient):  # the real client, its version reports 1 s late (a busy call thread)
         def ack(self, lease_id, trainer_version=None):
@@ -125,20 +129,8 @@ def test_a_prefetch_pulled_before_the_version_report_lands_gets_no_sample_beyond
         sample.weight_versions = np.ones_like(sample.weight_versions)
     for batch in batches:
         put(buffer.address, batch)
-    config = TrainerConfig.model_validate({
-        "model_path": str(tiny_model_dir),
-        "buffer": {"address": buffer.address, "max_wait_s": 20, "lease_timeout_s": 30.0},
-        "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
-        "max_steps": 3,
-        "max_staleness": 1,
-        "metrics_path": str(tmp_path / "metrics.jsonl"),
-        "metrics_sample_ids": True,
-    })
-    client = SlowReports(config.buffer)
-    try:
-        state = train(config, init_distributed("cpu"), client)
-    finally:
-        client.close()
+    state = train_from_buffer(tiny_model_dir, buffer.address, tmp_path, client_class=SlowReports,
+                              buffer={"max_wait_s": 20, "lease_timeout_s": 30.0}, max_steps=3, max_staleness=1)
     steps = records(tmp_path / "metrics.jsonl")
     assert state.step == 3
     assert [{i[0] for i in r["sample_ids"]} for r in steps] == [{"a"}, {"b"}, {"d"}]
@@ -148,28 +140,12 @@ def test_a_prefetch_pulled_before_the_version_report_lands_gets_no_sample_beyond
 
 def test_a_failed_group_member_is_counted_and_training_proceeds(tiny_model_dir, tmp_path, service_factory):
     """One group loses a member to FAILED (dropped at Put): its whole-group batch is short, and trains."""
-    from trainer.buffer_client import BufferClient
-    from trainer.config import TrainerConfig
-    from trainer.loop import train
-    from trainer.parallel import init_distributed
-
     buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
     samples = make_samples(3 * BATCH)
     samples[1].status, samples[1].reason = SampleStatus.FAILED, "reward timeout"
     put(buffer.address, samples)
-    config = TrainerConfig.model_validate({
-        "model_path": str(tiny_model_dir),
-        "buffer": {"address": buffer.address, "max_wait_s": 10, "lease_timeout_s": 5.0},
-        "batch": {"global_batch_size": BATCH, "micro_batch_size": 4},
-        "max_steps": 3,
-        "metrics_path": str(tmp_path / "metrics.jsonl"),
-        "metrics_sample_ids": True,
-    })
-    client = BufferClient(config.buffer)
-    try:
-        state = train(config, init_distributed("cpu"), client)
-    finally:
-        client.close()
+    state = train_from_buffer(tiny_model_dir, buffer.address, tmp_path,
+                              buffer={"max_wait_s": 10, "lease_timeout_s": 5.0}, max_steps=3)
     steps = records(tmp_path / "metrics.jsonl")
     # FIFO, whole groups: the short group and the next one (7 samples), then two full groups at a time.
     assert state.step == 3 and [r["samples"] for r in steps] == [2 * GROUP - 1, BATCH, BATCH]

@@ -196,6 +196,8 @@ class Learner:
             batch.old_values = torch.zeros_like(batch.loss_mask) if self.algo.name == "ppo" else None
         if needs_reference:
             batch.ref_logprobs = torch.zeros_like(batch.loss_mask)
+        if not (needs_policy or needs_reference):
+            return
         for rows, micro in self._micro_batches(batch):
             width = micro.input_ids.shape[1] - 1
             if needs_policy:
