@@ -1,8 +1,17 @@
-"""Attention over the paged KV cache: new tokens are written to their slots, then every query
-attends to its sequence's blocks, gathered through the block table.
+"""Attention over the paged KV cache, read through block tables, one length class of sequences at a time.
 
-A step's sequences attend in groups: those with one new token (decode) apart from those with several
-(prefill), so that a prefill mixed into a decode step does not pad every decode row to its query length.
+New tokens are written to their slots first; then every query attends to its sequence's blocks. A group's
+sequences are split into length classes by the blocks their context needs (1, 2, 3-4, 5-8, ... blocks: a
+class's widest context is under twice its narrowest), and each class reads just its own sequences' blocks
+(`KVCache.read_blocks`) and attends in one fused `scaled_dot_product_attention` call. So the work and the
+memory of a step follow each sequence's own context length: a long sequence among short ones reads its
+blocks alone, and no short one is padded to it (before, every sequence of a step was padded to the
+longest: one 16k-token response among 255 short ones needed a workspace of 256 x 16k tokens per layer).
+When every context falls in one class (the common case in RL) the step is one call, as before.
+
+A step's sequences also attend apart by query length: those with one new token (decode) in one group,
+those with several (prefill) in another, so a prefill mixed into a decode step does not pad every decode
+row to its query length.
 """
 
 from dataclasses import dataclass
@@ -14,16 +23,27 @@ from rollout.kv_cache import KVCache
 
 
 @dataclass
+class LengthClass:
+    """The group's sequences `rows`, each reading its first `num_blocks` blocks (its context, padded with
+    block 0 up to the class's widest)."""
+
+    rows: torch.Tensor | None  # [n] indices into the group's sequences; None: all of them, in order
+    block_ids: torch.Tensor  # [n * num_blocks] their blocks, row by row
+    num_blocks: int
+    mask: torch.Tensor  # [n, 1, max_query_len, num_blocks * block_size], additive: 0 attend, -inf not
+
+
+@dataclass
 class AttentionGroup:
-    """Sequences that attend together, padded to the longest query among them.
+    """Sequences that attend together, their queries padded to the longest query among them.
 
     Their new tokens are the contiguous rows `rows` of the batch's flat [T, ...] tokens; attention runs
     padded, one row per sequence: queries [B, heads, max_query_len, head_dim] against each context.
     """
 
     rows: slice  # the group's new tokens in the flat batch
-    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0 (masked out)
-    mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size], additive: 0 attend, -inf not
+    num_seqs: int
+    classes: list[LengthClass]
     query_slots: torch.Tensor | None  # [T] row of each new token in the padded [B * max_query_len]; None = one per sequence
     max_query_len: int
 
@@ -54,21 +74,30 @@ def paged_attention(
 
 def _attend(q: torch.Tensor, layer: int, cache: KVCache, group: AttentionGroup, scale: float) -> torch.Tensor:
     _, num_heads, head_dim = q.shape
-    keys, values = cache.gather(layer, group.block_tables)
-    batch = group.block_tables.shape[0]
+    batch, query_len = group.num_seqs, group.max_query_len
     if group.query_slots is None:
         queries = q.view(batch, 1, num_heads, head_dim)
     else:
-        padded = q.new_zeros(batch * group.max_query_len, num_heads, head_dim)
+        padded = q.new_zeros(batch * query_len, num_heads, head_dim)
         padded.index_copy_(0, group.query_slots, q)
-        queries = padded.view(batch, group.max_query_len, num_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),
-        keys,
-        values,
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
-    )
-    out = out.transpose(1, 2).reshape(batch * group.max_query_len, num_heads * head_dim)
+        queries = padded.view(batch, query_len, num_heads, head_dim)
+    queries = queries.transpose(1, 2)  # [B, Hq, Lq, D]
+    if len(group.classes) == 1 and group.classes[0].rows is None:
+        out = _attend_class(queries, layer, cache, group.classes[0], scale)
+    else:
+        out = torch.empty_like(queries)
+        for length_class in group.classes:
+            rows = length_class.rows
+            out.index_copy_(0, rows, _attend_class(queries.index_select(0, rows), layer, cache, length_class, scale))
+    out = out.transpose(1, 2).reshape(batch * query_len, num_heads * head_dim)
     return out if group.query_slots is None else out.index_select(0, group.query_slots)
+
+
+def _attend_class(queries: torch.Tensor, layer: int, cache: KVCache, length_class: LengthClass,
+                  scale: float) -> torch.Tensor:
+    keys, values = cache.read_blocks(layer, length_class.block_ids)
+    shape = (queries.shape[0], length_class.num_blocks * cache.block_size, cache.num_kv_heads, cache.head_dim)
+    keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=length_class.mask, scale=scale, enable_gqa=queries.shape[1] != keys.shape[1]
+    )

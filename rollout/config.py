@@ -101,6 +101,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int | None = None  # prompt tokens prefilled in one step; None: max(4096, max_model_len)
     max_mixed_prefill_len: int = 512  # waiting sequences this short prefill in the same step as the running decode; 0: never
+    # Attention reads each length class of a step's sequences apart (rollout/attention.py); False: all in one
+    # call padded to the longest context (the path before classes; bench/rollout_throughput.py compares them).
+    attention_length_classes: bool = True
     max_model_len: int | None = None  # prompt + response limit; None: the model's max_position_embeddings
     max_queue: int = 1024  # requests waiting to start; beyond it add_request raises QueueFull
     max_n: int = 16  # largest n (completions per prompt) a request may ask for

@@ -42,22 +42,22 @@ class KVCache:
         self._slot_keys[layer].index_copy_(0, slot_mapping, k)
         self._slot_values[layer].index_copy_(0, slot_mapping, v)
 
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of each sequence's blocks, [B, num_kv_heads, blocks * block_size, head_dim].
+    def read_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks of one layer, each [len(block_ids), block_size, heads, head_dim].
 
-        The result lives in a workspace reused by every layer and step (valid until the next gather):
-        a fresh multi-megabyte tensor per layer costs as much in page faults as the copy itself.
+        The result lives in a workspace reused by every layer and step (valid until the next read): a fresh
+        multi-megabyte tensor per layer costs as much in page faults as the copy itself. Attention reads one
+        length class of sequences at a time (rollout/attention.py), so it holds that class's contexts, not
+        every sequence padded to the longest.
         """
-        batch, width = block_tables.shape
-        ids = block_tables.reshape(-1)
-        if self._workspace is None or self._workspace[0].shape[0] < ids.numel():
-            shape = (ids.numel(), *self.keys.shape[2:])
+        count = block_ids.numel()
+        if self._workspace is None or self._workspace[0].shape[0] < count:
+            shape = (count, *self.keys.shape[2:])
             self._workspace = (self.keys.new_empty(shape), self.values.new_empty(shape))
-        k_out, v_out = (buf[: ids.numel()] for buf in self._workspace)
-        torch.index_select(self.keys[layer], 0, ids, out=k_out)
-        torch.index_select(self.values[layer], 0, ids, out=v_out)
-        shape = (batch, width * self.block_size, self.num_kv_heads, self.head_dim)
-        return k_out.view(shape).transpose(1, 2), v_out.view(shape).transpose(1, 2)
+        k_out, v_out = (buf[:count] for buf in self._workspace)
+        torch.index_select(self.keys[layer], 0, block_ids, out=k_out)
+        torch.index_select(self.values[layer], 0, block_ids, out=v_out)
+        return k_out, v_out
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer."""

@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from rollout.attention import AttentionGroup, AttentionMetadata
+from rollout.attention import AttentionGroup, AttentionMetadata, LengthClass
 from rollout.config import EngineConfig
 from rollout.kv_cache import KVCache
 from rollout.model import CausalLM
@@ -35,6 +35,7 @@ class ModelRunner:
         # Built once, read every step: key positions of the widest block table and the two mask values.
         max_blocks = -(-config.max_model_len // config.block_size)
         self._key_positions = torch.arange(max_blocks * config.block_size, device=self.device)
+        self.length_classes = config.attention_length_classes
         self._attend = torch.tensor(0.0, dtype=config.torch_dtype, device=self.device)
         self._ignore = torch.tensor(float("-inf"), dtype=config.torch_dtype, device=self.device)
 
@@ -107,25 +108,42 @@ class ModelRunner:
         input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
         groups = []
         if split:  # one new token each: rows 0..split-1, at their positions
-            groups.append(self._group(seqs[:split], slice(0, split), positions_t[:split].unsqueeze(1), None, 1))
+            groups.append(self._group(seqs[:split], slice(0, split), positions_t[:split].unsqueeze(1), None, 1,
+                                      [start + 1 for start in starts[:split]]))
         if split < len(seqs):
             lens = query_lens[split:]
             longest = max(lens)
             offsets = torch.arange(longest, device=self.device)
             query_positions = self._tensor(starts[split:]).unsqueeze(1) + offsets
             query_slots = self._tensor([i * longest + j for i, n in enumerate(lens) for j in range(n)])
-            groups.append(self._group(seqs[split:], slice(split, len(input_ids)), query_positions, query_slots, longest))
+            groups.append(self._group(seqs[split:], slice(split, len(input_ids)), query_positions, query_slots, longest,
+                                      [s + n for s, n in zip(starts[split:], lens)]))
         return input_ids_t, positions_t, AttentionMetadata(slot_mapping=slot_mapping_t, groups=groups), last_rows
 
     def _group(self, seqs: list[Sequence], rows: slice, query_positions: torch.Tensor, query_slots: torch.Tensor | None,
-               max_query_len: int) -> AttentionGroup:
-        """The attention of `seqs`, whose queries sit at `query_positions` ([B, max_query_len])."""
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
-        visible = self._key_positions[: max_blocks * self.block_size] <= query_positions.unsqueeze(-1)
-        return AttentionGroup(rows=rows, block_tables=self._tensor(block_tables),
-                              mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1),
-                              query_slots=query_slots, max_query_len=max_query_len)
+               max_query_len: int, kv_lens: list[int]) -> AttentionGroup:
+        """The attention of `seqs`, whose queries sit at `query_positions` ([B, max_query_len]) and see the first
+        kv_lens[i] tokens of their sequence, split into length classes by blocks needed (rollout/attention.py)."""
+        block_size = self.block_size
+        needed = [-(-n // block_size) for n in kv_lens]
+        members: dict[int, list[int]] = {}
+        for i, n in enumerate(needed):
+            members.setdefault((n - 1).bit_length() if self.length_classes else 0, []).append(i)
+        classes = []
+        for indices in members.values():
+            width = max(needed[i] for i in indices)
+            block_ids = []
+            for i in indices:
+                table = seqs[i].block_table[:width]
+                block_ids += table + [0] * (width - len(table))
+            everyone = len(indices) == len(seqs)
+            rows_t = None if everyone else self._tensor(indices)
+            positions = query_positions if everyone else query_positions[rows_t]
+            visible = self._key_positions[: width * block_size] <= positions.unsqueeze(-1)
+            classes.append(LengthClass(rows=rows_t, block_ids=self._tensor(block_ids), num_blocks=width,
+                                       mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1)))
+        return AttentionGroup(rows=rows, num_seqs=len(seqs), classes=classes, query_slots=query_slots,
+                              max_query_len=max_query_len)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -41,8 +41,8 @@ def test_mixed_steps_give_the_same_completions_and_keep_decoding(tiny_model_dir)
     mixed = [meta.groups for _, _, meta, _ in prepared if len(meta.groups) == 2]
     assert len(mixed) == 5
     for decodes, prompt in mixed:
-        assert (decodes.max_query_len, decodes.mask.shape[2], prompt.max_query_len) == (1, 1, 7)
-        assert decodes.rows.stop == prompt.rows.start == decodes.block_tables.shape[0]
+        assert (decodes.max_query_len, decodes.classes[0].mask.shape[2], prompt.max_query_len) == (1, 1, 7)
+        assert decodes.rows.stop == prompt.rows.start == decodes.num_seqs
     separate_out, separate_first_done = run_arrivals(separate, prompts)
 
     assert mixed_out.keys() == separate_out.keys() and len(mixed_out) == 18
