@@ -22,6 +22,13 @@ the ratio the engine would reach if everything but its matmuls took no time at a
 ceiling = ratio / matmul share. A target above that line needs fewer or faster matmuls (another
 dtype, another machine) more than less overhead around them.
 
+Attention, before and after: the engine reads each length class of a step's sequences apart
+(rollout/attention.py); `attention_length_classes=False` is the path before, one call padded to the longest
+context of the step. Both run the same requests on the same model (max_model_len 2048) in three shapes: the RL
+batch above (64 prompts of 16-48 tokens), agentic-like contexts (64 prompts of 20-260 tokens) and the long tail
+(one prompt of `--long-tail` tokens among 63 of 20). Reported: tokens/s (CPU time) and the largest attention
+read workspace (bytes of keys + values one layer reads at once).
+
     python bench/rollout_throughput.py [--quick] [--threads N]
 """
 
@@ -112,6 +119,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default 128, quick 32)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default 3, quick 1)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--long-tail", type=int, default=None, help="the long prompt's tokens (default 1500, quick 600)")
     args = parser.parse_args()
     max_tokens = args.max_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -150,6 +158,56 @@ def main() -> None:
         target = ">= 3" if batch == 64 else "none"
         print(f"result: tokens_per_s_ratio_bs{batch} = {ratio:.2f} (baseline transformers generate, CPU time, "
               f"target {target}; ceiling with its matmuls alone: {ceilings[batch]:.2f})")
+    long_folder = write_tiny_model(
+        tempfile.mkdtemp(prefix="bench-rollout-") + "/model",
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, seed=0, max_position_embeddings=2048,
+    )
+    attention_shapes(long_folder, args.quick, args.long_tail or (600 if args.quick else 1500), repeats)
+
+def attention_shapes(folder, quick: bool, long_tail: int, repeats: int) -> None:
+    """Length classes vs one padded call, same engine otherwise; see the module docstring."""
+    engines = {name: LLMEngine(EngineConfig(model=str(folder), max_model_len=2048, max_num_seqs=64, max_n=1,
+                                            attention_length_classes=classes))
+               for name, classes in (("classes", True), ("padded", False))}
+    gen = torch.Generator().manual_seed(7)
+
+    def prompts(lengths: list[int]) -> list[list[int]]:
+        return [torch.randint(3, 100, (n,), generator=gen).tolist() for n in lengths]
+
+    shapes = {
+        "rl: 64 x 16-48": (prompts(torch.randint(16, 49, (64,), generator=gen).tolist()), 16 if quick else 64),
+        "agentic: 64 x 20-260": (prompts(torch.randint(20, 261, (64,), generator=gen).tolist()), 8 if quick else 32),
+        f"long tail: 1 x {long_tail} + 63 x 20": (prompts([long_tail] + [20] * 63), 8 if quick else 32),
+    }
+    print("\nattention: length classes (now) vs one call padded to the longest context (before), max_model_len 2048")
+    print(f"{'shape':>28} | {'classes tok/s':>13} | {'padded tok/s':>12} | {'ratio':>5} | {'workspace classes':>17} | "
+          f"{'padded':>9}")
+    figures = {}
+    for shape, (batch, max_tokens) in shapes.items():
+        runs = {}
+        for name, engine in engines.items():
+            engine.runner.cache._workspace = None
+
+            def run(seed, engine=engine, batch=batch, max_tokens=max_tokens):
+                params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed + i, ignore_eos=True)
+                          for i in range(len(batch))]
+                return sum(len(c.token_ids) for out in engine.generate(batch, params) for c in out.completions)
+
+            runs[name] = run
+        with torch.inference_mode():
+            rates = measure(runs, repeats)
+        workspace = {name: sum(buf.nbytes for buf in engine.runner.cache._workspace) for name, engine in engines.items()}
+        ratio = rates["classes"][0] / rates["padded"][0]
+        figures[shape] = (ratio, workspace["padded"] / workspace["classes"])
+        print(f"{shape:>28} | {rates['classes'][0]:>13.0f} | {rates['padded'][0]:>12.0f} | {ratio:>5.2f} | "
+              f"{workspace['classes'] / 2**20:>14.2f} MB | {workspace['padded'] / 2**20:>6.2f} MB")
+    for shape, (ratio, memory) in figures.items():
+        name = shape.split(":")[0].replace(" ", "_")
+        print(f"result: attention_{name}_tokens_per_s = {ratio:.2f} (baseline the same engine with one attention "
+              f"call padded to the longest context, target >= 1)")
+        print(f"result: attention_{name}_workspace_reduction = {memory:.1f} (baseline the same, target > 1 when "
+              f"lengths differ)")
+
 
 if __name__ == "__main__":
     main()
