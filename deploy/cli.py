@@ -10,6 +10,8 @@ SERVICES = {
     "rollout": "rollout.service",
     "reward": "reward.service",
     "buffer": "services.buffer.service",
+    "prefill": "rollout.pd_prefill",  # prefill/decode disaggregation workers (rollout/pd_prefill.py)
+    "decode": "rollout.pd_decode",
 }
 
 
@@ -29,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("version", help="print the relayrl version")
 
-    serve = sub.add_parser("serve", help="run one service (rollout, reward, buffer) until SIGTERM")
+    serve = sub.add_parser("serve", help="run one service (rollout, reward, buffer; prefill and decode workers) until SIGTERM")
     serve.add_argument("service", choices=sorted(SERVICES))
     serve.add_argument("--config", help="YAML config file")
     serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from rollout.engine import LLMEngine
+from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer
+from rollout.kv_transfer import PrefilledPrompt
 from rollout.outputs import Completion, TokenOutput
 from rollout.sampling_params import SamplingParams
 from rollout.sequence import Sequence as EngineSequence
@@ -97,6 +99,22 @@ class AsyncEngine:
         finally:
             if unfinished:  # commands run in order, so this lands after the add, whatever became of it
                 self._submit(lambda: self._abort_stream(request_id, stream))
+
+    async def prefill_for_transfer(self, request_id: str, prompt_ids: Sequence[int],
+                                   params: SamplingParams) -> PrefilledPrompt:
+        """Prefill the prompt once between two steps, sample each completion's first token, and export the
+        prompt's KV (rollout/kv_handoff.py); raises like generate()."""
+        prompt = list(prompt_ids)
+        return await self._call(lambda: prefill_for_transfer(self.engine, request_id, prompt, params))
+
+    async def generate_prefilled(self, request_id: str, prefilled: PrefilledPrompt,
+                                 params: SamplingParams) -> AsyncIterator[Completion]:
+        """Like generate(), for a request whose prompt KV and first tokens were computed elsewhere (the first
+        delta carries the first tokens). Raises like generate(), and KVTransferInvalid, KVWeightVersionMismatch,
+        QueueFull when the KV blocks are not free now (rollout/kv_handoff.py)."""
+        async for delta in self._stream(request_id, params.n,
+                                        lambda: add_prefilled_request(self.engine, request_id, prefilled, params)):
+            yield delta
 
     async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
         """The request's n completions, in index order, once all have finished (an abort keeps partial output).
@@ -227,11 +245,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _add(self, request_id: str, add: Callable[[], None], stream: _Stream) -> None:
-        add()
+    def _add(self, request_id: str, add: Callable[[], list[TokenOutput] | None], stream: _Stream) -> None:
+        outputs = add()  # tokens the request brings (a prefilled request's first tokens), or None
         self._streams[request_id] = stream
         if stream.whole:
             stream.seqs = self.engine.requests[request_id]
+        if outputs:
+            self._deliver(outputs)
 
     def _abort(self, request_id: str | None) -> bool:
         if request_id is None:

@@ -30,3 +30,17 @@ class SessionBusy(RuntimeError):
 
 class ContextFull(ValueError):
     """The session's context would exceed the context length (OUT_OF_RANGE)."""
+
+
+class KVTransferInvalid(ValueError):
+    """A KV transfer does not fit what the receiving engine serves: layout, shape, dtype, codec or chunk order
+    (INVALID_ARGUMENT)."""
+
+
+class KVTransferCorrupt(ValueError):
+    """A KV transfer's payload does not match its header's checksum or length (DATA_LOSS)."""
+
+
+class KVWeightVersionMismatch(RuntimeError):
+    """A KV transfer was computed with other weights than the receiving engine serves (FAILED_PRECONDITION);
+    prefill again under the served version."""

@@ -18,6 +18,7 @@ from protos import rollout_pb2, rollout_pb2_grpc
 from protos.codec import CodecError, decode_array, encode_array
 from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
 from rollout.openai_schema import OpenAISettings
+from rollout.router import RouterSettings
 from rollout.sampling_params import SamplingParams, logprobs_temperature
 from rollout.sequence import FinishReason
 from rollout.session_service import SessionRPCs
@@ -99,6 +100,9 @@ class Config(Strict):
                                     "unavailable or full before it answers submitted=false.")
     openai: OpenAISettings | None = Field(None, description="The OpenAI-compatible HTTP endpoint over the same "
                                           "engine (rollout/openai_api.py, docs/openai.md); None: off.")
+    router: RouterSettings | None = Field(None, description="Route Generate to decode workers (prefill/decode "
+                                          "disaggregation, rollout/router.py) instead of serving an engine here; "
+                                          "None: this process generates (the default).")
 
 
 class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
@@ -306,6 +310,11 @@ async def serve(config: Config) -> None:
     from services.runtime import serve as serve_forever
     from services.runtime import setup_logging
 
+    if config.router is not None:
+        from rollout.router import serve_router
+
+        await serve_router(config)
+        return
     setup_logging("rollout", config.server.log_level)  # before the OpenAI endpoint logs its port
     settings = config.engine.model_dump()
     if settings.pop("torch_threads") is not None:

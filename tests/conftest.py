@@ -49,6 +49,23 @@ def tiny_model_dir(tmp_path_factory) -> pathlib.Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "qwen2", seed=0)
 
 
+@pytest.fixture(scope="session")
+def sharp_model_dir(tiny_model_dir, tmp_path_factory) -> pathlib.Path:
+    """The tiny model with its logits scaled 4x. A random model's next-token distribution is nearly uniform (top
+    logprob ~ -4.0 of a vocabulary of 101), so any rounding flips its greedy ties; a trained model's is not.
+    For tests of lossy KV (compression) that count greedy agreement."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("sharp-model") / "qwen2"
+    shutil.copytree(tiny_model_dir, out)
+    weights = load_file(out / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 4.0
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture
 def service_factory(tmp_path):
     """start(name, overrides) -> ServiceProcess; every process started is stopped at teardown."""

@@ -1,0 +1,139 @@
+"""Hand a prefilled request from one engine to another: export its prompt KV and first tokens, import them.
+
+`prefill_for_transfer` (prefill worker) runs between two steps, like compute_logprobs: it takes blocks for
+the prompt, runs one prefill batch built exactly as the scheduler builds one for a new request (completion
+0 computed, the other n - 1 sampling from its logits with their own seed and index), exports the prompt's
+KV and frees the blocks. The n completions are prefilled once.
+
+`add_prefilled_request` (decode worker) makes the request's n sequences, imports the KV into the blocks of
+completion 0, lets the others share them (fork) and appends each completion's first token, as the
+monolithic engine's postprocess does. Each then holds a private block for the slot of its first token
+(copy-on-write of the shared last block) and waits in the scheduler like a session turn that brings its
+blocks: every token cached but the first sampled one, which its next step feeds in. From there the engine
+cannot tell it from a request it prefilled itself (preemption recomputes it from its tokens, as any other).
+
+Both run on the engine thread only (AsyncEngine commands). They reuse the engine's bookkeeping
+(`_new_sequences`, `_count_prefill`, `_postprocess`) rather than copying it.
+"""
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.errors import InvalidRequest, KVTransferInvalid, KVWeightVersionMismatch, QueueFull
+from rollout.kv_transfer import PrefilledPrompt, ServedLayout
+from rollout.outputs import TokenOutput
+from rollout.sampling_params import SamplingParams, validate_prompt
+from rollout.scheduler import Batch
+
+if TYPE_CHECKING:
+    from rollout.engine import LLMEngine
+
+
+def served_layout(engine: "LLMEngine") -> ServedLayout:
+    """What a KV transfer must match to be imported into `engine` now."""
+    m = engine.model_config
+    return ServedLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                        dtype=engine.config.torch_dtype, vocab_size=m.vocab_size, weight_version=engine.weight_version)
+
+
+def prefill_for_transfer(engine: "LLMEngine", request_id: str, prompt_ids: list[int],
+                         params: SamplingParams) -> PrefilledPrompt:
+    """Prefill the prompt once, sample each completion's first token, and export the prompt's KV.
+
+    Raises InvalidRequest like add_request, QueueFull when running requests hold the blocks it needs."""
+    prompt = [int(t) for t in prompt_ids]
+    _validate(engine, prompt, params)
+    seqs = engine._new_sequences(request_id, prompt, params)
+    head, manager = seqs[0], engine.block_manager
+    while not manager.can_allocate(head) and engine.sessions.evict_idle():
+        pass
+    if not manager.can_allocate(head):
+        raise QueueFull(f"running requests hold the KV blocks a prefill of {len(prompt)} tokens needs; retry")
+    manager.allocate(head)
+    for child in seqs[1:]:
+        manager.fork(head, child)
+        child.prefill_from = head
+    try:
+        engine._count_prefill(seqs)
+        token_ids, logprobs = engine.runner.run(Batch(seqs, is_prefill=True))
+        keys, values = engine.runner.cache.export_blocks(head.block_table)
+    finally:
+        for seq in seqs:
+            manager.deallocate(seq)
+    return PrefilledPrompt(prompt_ids=prompt, keys=_token_major(keys, len(prompt)),
+                           values=_token_major(values, len(prompt)), first_token_ids=token_ids,
+                           first_logprobs=logprobs, seed=head.seed, weight_version=engine.weight_version)
+
+
+def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: PrefilledPrompt,
+                          params: SamplingParams) -> list[TokenOutput]:
+    """Queue a request whose prompt KV and first tokens come from `prefilled`; returns the first tokens' outputs.
+
+    `params.seed` must be the seed the first tokens were sampled with (the transfer's). Raises InvalidRequest,
+    DuplicateRequest like add_request, KVTransferInvalid for a transfer that does not fit the request,
+    KVWeightVersionMismatch when the engine serves other weights than the KV's, QueueFull when the blocks are
+    not free now (retry)."""
+    prompt = prefilled.prompt_ids
+    _validate(engine, prompt, params)
+    if params.seed != prefilled.seed or len(prefilled.first_token_ids) != params.n:
+        raise KVTransferInvalid(f"the transfer's seed {prefilled.seed} and {len(prefilled.first_token_ids)} first "
+                                f"tokens do not fit the request (seed {params.seed}, n={params.n})")
+    if prefilled.weight_version != engine.weight_version:
+        raise KVWeightVersionMismatch(f"weight_version: the KV was computed with weights version "
+                                      f"{prefilled.weight_version}, this worker serves {engine.weight_version}")
+    layout = served_layout(engine)
+    expected = (layout.num_layers, len(prompt), layout.num_kv_heads, layout.head_dim)
+    if tuple(prefilled.keys.shape) != expected or tuple(prefilled.values.shape) != expected:
+        raise KVTransferInvalid(f"keys/values: {list(prefilled.keys.shape)}, the engine needs {list(expected)}")
+    manager = engine.block_manager
+    seqs = engine._new_sequences(request_id, prompt, params)
+    # completion 0's blocks, and one block each for the slot of the first tokens (private copies)
+    needed = manager.blocks_for(len(prompt)) + len(seqs)
+    while needed > manager.num_free_blocks and engine.sessions.evict_idle():
+        pass
+    if needed > manager.num_free_blocks:
+        raise QueueFull(f"{manager.num_free_blocks} KV blocks are free, importing this request needs {needed}; retry")
+    head = seqs[0]
+    manager.allocate(head)
+    engine.runner.cache.import_blocks(head.block_table, *(_block_major(t, len(head.block_table), manager.block_size)
+                                                          for t in (prefilled.keys, prefilled.values)))
+    for child in seqs[1:]:
+        manager.fork(head, child)
+    for seq in seqs:
+        seq.num_cached_tokens = len(prompt)
+    engine.requests[request_id] = seqs
+    outputs = engine._postprocess(seqs, prefilled.first_token_ids, prefilled.first_logprobs)
+    for seq in reversed(seqs):  # the children first: completion 0 then holds its last block alone
+        if seq.is_finished:
+            continue
+        copy = manager.may_append(seq)
+        if copy is not None:
+            engine.runner.cache.copy_blocks([copy[0]], [copy[1]])
+        engine.scheduler.add(seq)
+    return outputs
+
+
+def _validate(engine: "LLMEngine", prompt: list[int], params: SamplingParams) -> None:
+    """add_request's checks of a prompt and its params against the engine's limits."""
+    validate_prompt(prompt, engine.model_config.vocab_size)
+    params.validate(prompt_len=len(prompt), vocab_size=engine.model_config.vocab_size,
+                    max_model_len=engine.config.max_model_len, max_n=engine.config.max_n)
+    manager = engine.block_manager
+    if manager.blocks_for(len(prompt) + params.max_tokens) > manager.num_blocks:
+        raise InvalidRequest("params.max_tokens", f"prompt + max_tokens ({len(prompt) + params.max_tokens} tokens) "
+                             f"exceeds the KV cache ({manager.num_blocks} blocks of {manager.block_size})")
+
+
+def _token_major(blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[layers, blocks, block_size, heads, dim] -> the first num_tokens of [layers, tokens, heads, dim]."""
+    layers, count, block_size, heads, dim = blocks.shape
+    return blocks.reshape(layers, count * block_size, heads, dim)[:, :num_tokens].contiguous()
+
+
+def _block_major(tokens: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """[layers, tokens, heads, dim] -> [layers, num_blocks, block_size, heads, dim], zero-padded."""
+    layers, count, heads, dim = tokens.shape
+    padded = tokens.new_zeros(layers, num_blocks * block_size, heads, dim)
+    padded[:, :count] = tokens
+    return padded.view(layers, num_blocks, block_size, heads, dim)

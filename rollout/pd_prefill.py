@@ -1,0 +1,118 @@
+"""The prefill worker: `relayrl serve prefill --model PATH`.
+
+Prefill/decode disaggregation, as built here (rollout/pd_decode.py, rollout/router.py):
+
+    client -> rollout router --Generate--> decode worker --Prefill--> prefill worker
+                  (by load,                    |  <--KV transfer (header + payload chunks)--
+                   key affinity)               v
+                                  import the KV, decode, stream tokens back (Rollout messages)
+
+The router forwards a Generate to a decode worker chosen by load (or by its routing key's affinity); the
+decode worker pulls the prefill from a prefill worker over a server-streamed KV transfer (rollout/kv_transfer.py,
+compressed by the configured codec), validates it, imports it and decodes. The decode worker pulls, rather
+than the prefill worker pushing, so a generation is one call chain that a dead hop fails as a whole: the
+router re-runs it elsewhere, and no half-delivered KV waits anywhere for a caller that is gone.
+
+This worker holds no sequence between calls: each Prefill runs between two engine steps (kv_handoff.py),
+prefills the n completions of the prompt once and frees its blocks. It receives weight updates like a rollout
+worker (WeightSync), and the transfer carries the version the KV was computed with.
+"""
+
+import uuid
+from typing import TYPE_CHECKING, Literal
+
+import grpc
+from pydantic import Field
+
+from protos import kv_pb2, kv_pb2_grpc
+from protos.codec import CodecError, decode_array
+from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
+from rollout.kv_compression import CODECS
+from rollout.service import EngineSettings, RolloutServicer
+from services.config import ServerConfig, Strict
+
+if TYPE_CHECKING:
+    from rollout.async_engine import AsyncEngine
+
+SERVICE_NAME = "relayrl.kv.v1.PrefillWorker"
+_CHUNK_BYTES = 1 << 20  # rollout.kv_transfer.DEFAULT_CHUNK_BYTES (not imported here: it pulls in torch)
+
+
+class Config(Strict):
+    """`relayrl serve prefill` configuration."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    model: str = Field(description="Local Hugging Face model folder (the decode workers' model).")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    codec: Literal["none", "int8", "int4"] = Field("none", description="Wire codec of the KV when a Prefill names "
+                                                   "none (rollout/kv_compression.py).")
+    chunk_bytes: int = Field(_CHUNK_BYTES, gt=0, description="Largest payload piece of a KV transfer message.")
+
+
+class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, engine: "AsyncEngine", tokenizer, codec: str = "none", chunk_bytes: int = _CHUNK_BYTES):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.codec = codec
+        self.chunk_bytes = chunk_bytes
+
+    async def Prefill(self, request: kv_pb2.PrefillRequest, context):
+        from rollout.async_engine import EngineDead
+        from rollout.kv_transfer import pack
+
+        generate = request.request
+        codec = request.codec or self.codec
+        if codec not in CODECS:
+            raise CodecError(f"codec: {codec!r} is not one of {CODECS}")
+        prompt_ids = decode_array(generate.prompt_ids, field="request.prompt_ids", expect="int32")
+        if prompt_ids.size and generate.prompt_text:
+            raise CodecError("request.prompt_ids: give prompt_ids or prompt_text, not both")
+        prompt = self.tokenizer(generate.prompt_text).input_ids if generate.prompt_text else prompt_ids.tolist()
+        request_id = generate.request_id or uuid.uuid4().hex
+        params = RolloutServicer._params(generate.params)
+        try:
+            prefilled = await self.engine.prefill_for_transfer(request_id, prompt, params)
+        except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
+            await context.abort(_code(exc), str(exc))
+        for chunk in pack(generate, prefilled, codec, self.chunk_bytes):
+            yield chunk
+
+
+def _code(exc: Exception) -> grpc.StatusCode:
+    for kind, code in ((InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                       (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS)):
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.UNAVAILABLE
+
+
+def start_engine(model: str, settings: EngineSettings) -> "AsyncEngine":
+    """The native engine of `model` on its own thread (as `relayrl serve rollout` starts it)."""
+    import torch
+
+    from rollout.async_engine import AsyncEngine
+    from rollout.config import EngineConfig
+    from rollout.engine import LLMEngine
+
+    values = settings.model_dump()
+    if values.pop("torch_threads") is not None:
+        torch.set_num_threads(settings.torch_threads)
+    return AsyncEngine(LLMEngine(EngineConfig(model=model, **values)))
+
+
+async def serve(config: Config) -> None:
+    """Load the model and serve PrefillWorker (+ WeightSync) until SIGTERM."""
+    from protos import weights_pb2_grpc
+    from rollout.weight_receiver import WeightReceiver
+    from services.runtime import serve as serve_forever
+
+    engine = start_engine(config.model, config.engine)
+    servicer = PrefillServicer(engine, engine.engine.tokenizer, config.codec, config.chunk_bytes)
+
+    async def on_stop() -> None:
+        engine.shutdown()
+
+    await serve_forever("prefill", [
+        (kv_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, SERVICE_NAME),
+        (weights_pb2_grpc.add_WeightSyncServicer_to_server, WeightReceiver(engine), "relayrl.weights.v1.WeightSync"),
+    ], config.server, on_stop)
