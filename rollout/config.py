@@ -123,13 +123,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} is outside (0, {self.model_config.max_position_embeddings}]"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold one decode token of "
-                             f"each of max_num_seqs={self.max_num_seqs} sequences")
         for name in ("block_size", "max_num_seqs", "max_queue", "max_n", "kv_cache_memory_bytes", "max_sessions",
                      "session_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold one decode token of "
+                             f"each of max_num_seqs={self.max_num_seqs} sequences")
         if self.max_n > self.max_num_seqs:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
         blocks_per_seq = -(-self.max_model_len // self.block_size)
