@@ -1,6 +1,7 @@
 """Prefix caching across requests: the same greedy tokens and logprobs (within 1e-5) as the engine without
 it, for prompts sharing prefixes, GRPO groups and a chat resending its history; hit counts derived block by
-block; a weight update makes cached prompts miss; cached blocks nobody holds are evicted least recently used."""
+block; sessions share cached blocks; a weight update makes cached prompts miss; cached blocks nobody holds
+are evicted least recently used."""
 
 import pytest
 import torch
@@ -144,6 +145,38 @@ def test_cached_blocks_nobody_holds_are_evicted_least_recently_used(tiny_model_d
     assert hits == [0, 0, 0, 12, 0, 8, 8, 8]
     assert engine.block_manager.num_free_blocks == 16
     assert len(engine.block_manager.evictable_block_ids) == len(engine.block_manager.cached_block_ids) > 0
+
+
+def session_turn(engine: LLMEngine, session_id: str, params: SamplingParams) -> int:
+    """Run the session's next turn to the end; the prompt tokens the cache supplied."""
+    hits = engine.stats["prefix_cache_hit_tokens"]
+    engine.add_session_request(f"{session_id}-{engine.sessions.sessions[session_id].turns}", session_id, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.stats["prefix_cache_hit_tokens"] - hits
+
+
+def test_sessions_share_a_cached_system_prompt_and_an_evicted_session_finds_its_blocks_again(tiny_model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    system = [1] + list(range(20, 35))  # 16 tokens: 4 full blocks
+    records, hits = {}, {}
+    for caching in (True, False):
+        engine = make_engine(tiny_model_dir, caching, num_blocks=40, max_model_len=64)
+        engine.open_session("a", system + [40, 41])
+        engine.open_session("b", system + [50, 51, 52])
+        hits[caching] = [session_turn(engine, "a", params), session_turn(engine, "b", params)]
+        assert engine.sessions.evict_idle()  # a's blocks (a was used least recently): b still holds the system's
+        engine.append_to_session("a", [42, 43])
+        hits[caching].append(session_turn(engine, "a", params))
+        records[caching] = [engine.close_session(name) for name in "ab"]
+        assert engine.block_manager.num_free_blocks == 40
+    # b starts on the 4 blocks of the system prompt that a computed; a's second turn (26 tokens) finds the 5 full
+    # blocks its first turn computed (its prompt and 5 of its 6 tokens): the system's, held by b, and its own, idle.
+    assert hits == {True: [0, 16, 20], False: [0, 0, 0]}
+    assert records[True][0].turn_prefill_tokens == [18, 26 - 20] and records[True][0].kv_recomputes == 1
+    for got, expected in zip(records[True], records[False]):
+        assert got.response_ids == expected.response_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), atol=1e-5, rtol=0)
 
 
 def test_prefix_caching_can_be_turned_off(tiny_model_dir):
