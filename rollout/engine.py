@@ -145,7 +145,8 @@ class LLMEngine:
         return self.sessions.expire()
 
     def step(self) -> list[TokenOutput]:
-        """Schedule, run, post-process: one prefill or decode step. Returns one output per sequence run."""
+        """Schedule, run, post-process: one step of decodes and prefill chunks. Returns one output per sequence
+        that sampled (a sequence whose prefill is not complete yet samples nothing)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []

@@ -44,8 +44,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
         self.weight_versions: list[int] = []
-        # n > 1: the other completions wait attached to completion 0 until its first prefill, where
-        # they fork its prompt blocks; `prefill_from` then points at the sibling whose logits they sample.
+        # n > 1: the other completions wait attached to completion 0 until the step that completes its
+        # prefill, where they fork its prompt blocks; `prefill_from` then points at the sibling whose
+        # logits they sample.
         self.forks: list[Sequence] = []
         self.prefill_from: Sequence | None = None
         # A session's turn (rollout/sessions.py): its blocks go back to the session when it finishes.

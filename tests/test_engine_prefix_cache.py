@@ -40,7 +40,8 @@ def assert_same(cached: tuple, uncached: tuple) -> None:
 def test_prompts_sharing_a_prefix_hit_its_full_blocks_and_match_the_uncached_engine(tiny_model_dir):
     cached, uncached = make_engine(tiny_model_dir, True), make_engine(tiny_model_dir, False)
     base = [1] + list(range(30, 51))  # 22 tokens: 5 full blocks and 2 tokens of a sixth
-    prompts = [base + [60, 61, 62], base + [70, 71, 72, 73], base + [80, 81]]  # 25, 26 and 24 tokens
+    # 25, 26, 24 and 21 tokens; the last computes one token only (the runner's decode path).
+    prompts = [base + [60, 61, 62], base + [70, 71, 72, 73], base + [80, 81], base[:20] + [90]]
     hits = []
     for prompt in prompts:
         result = run(cached, prompt, GREEDY)
@@ -48,11 +49,11 @@ def test_prompts_sharing_a_prefix_hit_its_full_blocks_and_match_the_uncached_eng
         hits.append(result[2])
     # The first computes everything; the others find base's 5 full blocks (the sixth holds the first
     # request's own tokens). The third (24 tokens, 6 full blocks) may take at most 5: its last token is computed.
-    assert hits == [0, 20, 20]
-    assert cached.stats["prefix_cache_queried_tokens"] == 25 + 26 + 24
-    assert cached.stats["prefill_tokens"] == 25 + 6 + 4
+    assert hits == [0, 20, 20, 20]
+    assert cached.stats["prefix_cache_queried_tokens"] == 25 + 26 + 24 + 21
+    assert cached.stats["prefill_tokens"] == 25 + 6 + 4 + 1
     assert uncached.stats["prefix_cache_queried_tokens"] == uncached.stats["prefix_cache_hit_tokens"] == 0
-    assert uncached.stats["prefill_tokens"] == 75
+    assert uncached.stats["prefill_tokens"] == 96
     assert cached.block_manager.num_free_blocks == cached.block_manager.num_blocks
 
 
