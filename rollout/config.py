@@ -99,8 +99,8 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks; None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is None
     max_num_seqs: int = 64  # sequences decoded together in one step
-    max_num_batched_tokens: int | None = None  # prompt tokens prefilled in one step; None: max(4096, max_model_len)
-    max_mixed_prefill_len: int = 512  # waiting sequences this short prefill in the same step as the running decode; 0: never
+    max_num_batched_tokens: int = 4096  # tokens computed in one step (decodes, then prefill chunks); >= max_num_seqs
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix an earlier sequence computed
     # Attention reads each length class of a step's sequences apart (rollout/attention.py); False: all in one
     # call padded to the longest context (the path before classes; bench/rollout_throughput.py compares them).
     attention_length_classes: bool = True
@@ -126,17 +126,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} is outside (0, {self.model_config.max_position_embeddings}]"
             )
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(4096, self.max_model_len)
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens: {self.max_num_batched_tokens} must hold one full sequence "
-                f"(max_model_len={self.max_model_len})"
-            )
         for name in ("block_size", "max_num_seqs", "max_queue", "max_n", "kv_cache_memory_bytes", "max_sessions",
                      "session_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold one decode token of "
+                             f"each of max_num_seqs={self.max_num_seqs} sequences")
         if self.max_n > self.max_num_seqs:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
         blocks_per_seq = -(-self.max_model_len // self.block_size)

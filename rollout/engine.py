@@ -18,7 +18,7 @@ from rollout.errors import ContextFull, DuplicateRequest, InvalidRequest, QueueF
 from rollout.model_runner import ModelRunner
 from rollout.outputs import Completion, RequestOutput, TokenOutput
 from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
-from rollout.scheduler import Scheduler
+from rollout.scheduler import Batch, Scheduler
 from rollout.sequence import FinishReason, Sequence
 from rollout.sessions import SessionRecord, SessionState, SessionTable
 
@@ -30,7 +30,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.runner = ModelRunner(config)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.sessions = SessionTable(self.block_manager, config.max_model_len, config.max_sessions,
                                      config.session_idle_timeout_s)
         self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle)
@@ -145,25 +145,26 @@ class LLMEngine:
         return self.sessions.expire()
 
     def step(self) -> list[TokenOutput]:
-        """Schedule, run, post-process: one prefill or decode step. Returns one output per sequence run."""
+        """Schedule, run, post-process: one step of decodes and prefill chunks. Returns one output per sequence
+        that sampled (a sequence whose prefill is not complete yet samples nothing)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if batch.is_prefill:
-            self._count_prefill(batch.seqs)
+        self._count_prefill(batch)
         token_ids, logprobs = self.runner.run(batch)
-        return self._postprocess(batch.seqs, token_ids, logprobs)
+        self.scheduler.update(batch)
+        return self._postprocess(batch.sampled, token_ids, logprobs)
 
-    def _count_prefill(self, seqs: list[Sequence]) -> None:
+    def _count_prefill(self, batch: Batch) -> None:
         """Tally the tokens this step computes beyond plain decodes (one fed-back token of a running sequence)."""
-        for seq in seqs:
-            uncached = seq.num_uncached_tokens
-            if seq.prefill_from is not None or (uncached == 1 and seq.num_output_tokens > 0):
+        for seq in batch.seqs:
+            computed = batch.num_new_tokens.get(seq.seq_id, 0)
+            if not seq.prefilling or (computed == 1 and seq.num_output_tokens > 0):  # a sampled token fed back
                 continue
-            self.num_prefill_tokens += uncached
+            self.num_prefill_tokens += computed
             if seq.session is not None:
-                seq.session.prefill_tokens += uncached
-                seq.session.turn_prefill_tokens[-1] += uncached
+                seq.session.prefill_tokens += computed
+                seq.session.turn_prefill_tokens[-1] += computed
 
     def abort(self, request_id: str) -> list[TokenOutput]:
         """End a request's unfinished completions (reason abort, partial output kept) and free their blocks."""
@@ -181,7 +182,8 @@ class LLMEngine:
         """Logprob of every token of each response given the prompt and the response tokens before it,
         under softmax(logits / temperature).
 
-        Runs between steps with blocks taken from the free list and returned at once. Raises
+        Runs between steps with blocks taken from the free list and returned at once (the prefix cache is
+        neither read nor filled). Raises
         InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
         """
         if not temperature > 0:
@@ -206,7 +208,7 @@ class LLMEngine:
         while pending:
             chunk = self._fitting(pending)
             for seq in chunk:
-                self.block_manager.allocate(seq)
+                self.block_manager.allocate(seq, reuse_prefix=False)  # runner.score computes every token
             try:
                 scored = self.runner.score(chunk, [len(prompt)] * len(chunk), temperature)
             finally:
@@ -243,7 +245,8 @@ class LLMEngine:
 
         With `adopt`, the model serves the given tensors themselves instead (a complete update whose
         memory the caller hands over, see CausalLM.adopt_weights). Sequences in flight keep their KV
-        and continue; their later tokens carry the new version.
+        and continue; their later tokens carry the new version. The prefix cache forgets every prefix:
+        KV computed with the old weights is never reused by a new request.
         """
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         with torch.no_grad():
@@ -252,6 +255,7 @@ class LLMEngine:
             else:
                 self.runner.model.load_weights(items)
         self.weight_version = version
+        self.block_manager.reset_prefix_cache()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -271,14 +275,18 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Gauges for metrics: running and waiting sequences, free KV blocks, preemptions and prefill tokens so
-        far, open sessions and the blocks they hold between turns, their KV evictions and expiries."""
+        """Gauges for metrics: running and waiting sequences, free KV blocks (cached ones nobody holds included),
+        preemptions and prefill tokens so far, the tokens looked up in the prefix cache so far and those it
+        supplied (hit rate = hits / queried), open sessions and the blocks they hold between turns, their KV
+        evictions and expiries."""
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "free_blocks": self.block_manager.num_free_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "prefill_tokens": self.num_prefill_tokens,
+            "prefix_cache_queried_tokens": self.block_manager.num_queried_tokens,
+            "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens,
             "sessions": len(self.sessions.sessions),
             "session_blocks": self.sessions.num_blocks_held,
             "session_evictions": self.sessions.num_evictions,

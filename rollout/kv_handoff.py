@@ -50,14 +50,19 @@ def prefill_for_transfer(engine: "LLMEngine", request_id: str, prompt_ids: list[
         pass
     if not manager.can_allocate(head):
         raise QueueFull(f"running requests hold the KV blocks a prefill of {len(prompt)} tokens needs; retry")
-    manager.allocate(head)
+    manager.allocate(head)  # a prompt prefilled before (a GRPO group's next request) reuses its cached blocks
     for child in seqs[1:]:
         manager.fork(head, child)
         child.prefill_from = head
+    head.prefilling = True
+    batch = Batch(seqs, num_new_tokens={head.seq_id: len(prompt) - head.num_cached_tokens}, sampled=seqs,
+                  is_prefill=True)
     try:
-        engine._count_prefill(seqs)
-        token_ids, logprobs = engine.runner.run(Batch(seqs, is_prefill=True))
+        engine._count_prefill(batch)
+        token_ids, logprobs = engine.runner.run(batch)
         keys, values = engine.runner.cache.export_blocks(head.block_table)
+        head.num_cached_tokens = len(prompt)
+        manager.register(head)
     finally:
         for seq in seqs:
             manager.deallocate(seq)
@@ -95,7 +100,8 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
     if needed > manager.num_free_blocks:
         raise QueueFull(f"{manager.num_free_blocks} KV blocks are free, importing this request needs {needed}; retry")
     head = seqs[0]
-    manager.allocate(head)
+    manager.allocate(head, reuse_prefix=False)  # every block is written by the import, none shared
+    manager.mark_imported(head.block_table)
     engine.runner.cache.import_blocks(head.block_table, *(_block_major(t, len(head.block_table), manager.block_size)
                                                           for t in (prefilled.keys, prefilled.values)))
     for child in seqs[1:]:

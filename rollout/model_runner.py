@@ -41,23 +41,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[list[int], list[float]]:
-        """Run the batch; returns the sampled token id and its logprob for each of batch.seqs."""
+        """Run the batch; returns the sampled token id and its logprob for each of batch.sampled."""
         if batch.block_copies:
             src, dst = zip(*batch.block_copies)
             self.cache.copy_blocks(list(src), list(dst))
         computed = [seq for seq in batch.seqs if seq.prefill_from is None]
-        if batch.is_prefill:  # decodes mixed in first: they attend as a group of their own (see _prepare)
-            computed.sort(key=lambda seq: len(seq) - seq.num_cached_tokens > 1)
-        input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill)
+        if batch.is_prefill:  # one-token rows first: they attend as a group of their own (see _prepare)
+            computed.sort(key=lambda seq: batch.num_new_tokens[seq.seq_id] > 1)
+        query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
+        input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens)
         hidden = self.model(input_ids, positions, self.cache, meta)
+        if not batch.sampled:  # every sequence is mid-prefill
+            return [], []
         row_of = {id(seq): row for seq, row in zip(computed, last_rows)}
-        rows = [row_of[id(seq.prefill_from or seq)] for seq in batch.seqs]
+        rows = [row_of[id(seq.prefill_from or seq)] for seq in batch.sampled]
         if rows != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(rows, device=self.device)]
-        tokens, logprobs = self.sampler(self.model.logits(hidden), self._sampling_tensors(batch.seqs))
-        for seq in batch.seqs:
-            seq.num_cached_tokens = len(seq)
-            seq.prefill_from = None
+        tokens, logprobs = self.sampler(self.model.logits(hidden), self._sampling_tensors(batch.sampled))
         return tokens.tolist(), logprobs.tolist()
 
     @torch.inference_mode()
@@ -81,18 +81,21 @@ class ModelRunner:
         return results
 
     def _prepare(
-        self, seqs: list[Sequence], is_prefill: bool
+        self, seqs: list[Sequence], is_prefill: bool, query_lens: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat new tokens of the batch, their positions, attention metadata, and each seq's last row.
+
+        In a prefill, each sequence computes `query_lens` tokens from its num_cached_tokens (None: all the rest).
 
         Leading sequences with one new token (a decode, also one mixed into a prefill step: `run` puts them
         first) attend as one group, the rest as another, each padded only to its own longest query."""
         block_size = self.block_size
         if is_prefill:
             starts = [seq.num_cached_tokens for seq in seqs]
-            query_lens = [len(seq) - start for seq, start in zip(seqs, starts)]
-            input_ids = [t for seq, start in zip(seqs, starts) for t in seq.token_ids[start:]]
-            positions = [p for seq, start in zip(seqs, starts) for p in range(start, len(seq))]
+            if query_lens is None:
+                query_lens = [len(seq) - start for seq, start in zip(seqs, starts)]
+            input_ids = [t for seq, start, n in zip(seqs, starts, query_lens) for t in seq.token_ids[start : start + n]]
+            positions = [p for start, n in zip(starts, query_lens) for p in range(start, start + n)]
             owners = [seq for seq, n in zip(seqs, query_lens) for _ in range(n)]
             last_rows = list(itertools.accumulate(query_lens, initial=-1))[1:]
             split = next((i for i, n in enumerate(query_lens) if n > 1), len(seqs))

@@ -21,8 +21,10 @@ class Sequence:
     """Completion `index` of request `request_id`.
 
     `token_ids` holds prompt then output tokens. `num_cached_tokens` of them have their KV in the
-    blocks of `block_table`; between steps a running sequence has every token cached but the last
-    (the one it sampled), which the next decode step feeds in.
+    blocks of `block_table`; between steps a decoding sequence has every token cached but the last
+    (the one it sampled), which the next decode step feeds in. From the step that starts it until the
+    step that computes its last token, a sequence is `prefilling`: it computes its uncached tokens in
+    chunks and samples nothing.
     """
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams, seed: int):
@@ -35,12 +37,16 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix hashes of its full blocks of tokens (BlockManager.prefix_hashes)
+        self.num_registered_blocks = 0  # leading blocks of block_table offered to the prefix cache
+        self.prefilling = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
         self.weight_versions: list[int] = []
-        # n > 1: the other completions wait attached to completion 0 until its first prefill, where
-        # they fork its prompt blocks; `prefill_from` then points at the sibling whose logits they sample.
+        # n > 1: the other completions wait attached to completion 0 until the step that completes its
+        # prefill, where they fork its prompt blocks; `prefill_from` then points at the sibling whose
+        # logits they sample.
         self.forks: list[Sequence] = []
         self.prefill_from: Sequence | None = None
         # A session's turn (rollout/sessions.py): its blocks go back to the session when it finishes.

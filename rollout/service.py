@@ -39,6 +39,10 @@ PREFILL_TOKENS = Gauge("relayrl_rollout_prefill_tokens", "Tokens computed by pre
                        "recomputes): a session turn adds only its new tokens")
 OPEN_SESSIONS = Gauge("relayrl_rollout_open_sessions", "Multi-turn sessions open")
 SESSION_BLOCKS = Gauge("relayrl_rollout_session_kv_blocks", "KV blocks held by idle sessions between turns")
+PREFIX_QUERIED_TOKENS = Gauge("relayrl_rollout_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
+                              "prefix cache so far")
+PREFIX_HIT_TOKENS = Gauge("relayrl_rollout_prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache "
+                          "supplied so far (hit rate = hits / queried)")
 SESSION_EVICTIONS = Gauge("relayrl_rollout_session_kv_evictions", "Idle sessions whose KV was dropped so far "
                           "(recomputed on their next turn)")
 
@@ -67,11 +71,12 @@ class EngineSettings(Strict):
     num_blocks: int | None = Field(None, gt=0, description="KV blocks; None: sized by kv_cache_memory_bytes.")
     kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget when num_blocks is None.")
     max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
-    max_num_batched_tokens: int | None = Field(None, gt=0, description="Prompt tokens prefilled per step.")
-    max_mixed_prefill_len: int = Field(
-        512, ge=0, description="Waiting sequences up to this many tokens prefill in the same step as the running "
-        "decode (fewer steps when requests and session turns arrive one by one; the decode rows attend apart, so "
-        "a longer prefill delays them by its own compute only); 0: never.")
+    max_num_batched_tokens: int = Field(
+        4096, gt=0, description="Tokens computed per step: the running decodes first, one each, then chunks of the "
+        "prompts being prefilled (a longer prompt is prefilled over several steps while the others keep decoding); "
+        "at least max_num_seqs.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
+                                        "request computed (same weights only; hit rate in the metrics).")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
     max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
@@ -325,6 +330,8 @@ async def serve(config: Config) -> None:
     FREE_BLOCKS.set_function(lambda: engine.stats["free_blocks"])
     WEIGHT_VERSION.set_function(lambda: engine.weight_version)
     PREFILL_TOKENS.set_function(lambda: engine.stats["prefill_tokens"])
+    PREFIX_QUERIED_TOKENS.set_function(lambda: engine.stats["prefix_cache_queried_tokens"])
+    PREFIX_HIT_TOKENS.set_function(lambda: engine.stats["prefix_cache_hit_tokens"])
     OPEN_SESSIONS.set_function(lambda: engine.stats["sessions"])
     SESSION_BLOCKS.set_function(lambda: engine.stats["session_blocks"])
     SESSION_EVICTIONS.set_function(lambda: engine.stats["session_evictions"])

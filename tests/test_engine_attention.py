@@ -88,7 +88,7 @@ def test_a_long_sequence_among_short_ones_reads_only_its_own_blocks(tiny_model_d
         engine.add_request(f"short{i}", prompt, params)
     groups = []
     prepare = engine.runner._prepare
-    engine.runner._prepare = lambda seqs, is_prefill: (result := prepare(seqs, is_prefill), groups.append(result[2].groups))[0]
+    engine.runner._prepare = lambda *args: (result := prepare(*args), groups.append(result[2].groups))[0]
     while engine.has_unfinished_requests():
         long_tokens += [out.token_id for out in engine.step() if out.request_id == "long"]
     decode_steps = [g[0] for g in groups if g[0].max_query_len == 1 and g[0].num_seqs == 32]

@@ -1,4 +1,5 @@
-"""KV accounting: whatever mix of completed, aborted and preempted requests, every block comes back."""
+"""KV accounting: whatever mix of completed, aborted and preempted requests, chunked prefills, prompts sharing
+cached prefixes and weight updates, every block comes back (free or cached) and the prefix cache stays coherent."""
 
 import pytest
 import torch
@@ -19,12 +20,17 @@ torch.set_num_threads(1)
 def small_engine(tmp_path_factory):
     folder = write_tiny_model(tmp_path_factory.mktemp("kv") / "m", hidden_size=64, num_layers=1, num_heads=2,
                               num_kv_heads=1, head_dim=32, seed=2)
+    # A budget of 8 tokens a step: most prompts are prefilled in chunks, beside decodes.
     return LLMEngine(EngineConfig(model=str(folder), block_size=4, num_blocks=20, max_model_len=64, max_num_seqs=6,
-                                  max_n=3))
+                                  max_n=3, max_num_batched_tokens=8))
 
 
+# Prompts share prefixes (of up to 7 blocks of 4 tokens) so that requests hit, share and evict cached blocks.
+PREFIXES = [[3 + (i * 7 + k * 13) % 90 for i in range(28)] for k in range(2)]
 request_strategy = st.fixed_dictionaries({
-    "prompt_len": st.integers(1, 30),
+    "prefix": st.integers(0, 1),
+    "shared_len": st.integers(0, 28),
+    "tail_len": st.integers(0, 8),
     "max_tokens": st.integers(1, 30),
     "n": st.integers(1, 3),
     "temperature": st.sampled_from([0.0, 1.0]),
@@ -33,36 +39,49 @@ action_strategy = st.one_of(
     st.tuples(st.just("add"), request_strategy),
     st.tuples(st.just("step"), st.integers(1, 6)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("weights"), st.just(None)),
 )
 
 
 def assert_blocks_consistent(engine: LLMEngine) -> None:
-    """Held blocks carry exactly the ref counts of the sequences holding them; the rest are free."""
+    """Held blocks carry exactly the ref counts of the sequences holding them; the rest are free, plainly or as
+    cached blocks (those, and only those, registered); a registered block holds the prefix its hash names."""
     manager = engine.block_manager
     holders = [0] * manager.num_blocks
     for seqs in engine.requests.values():
         for seq in seqs:
             for block_id in seq.block_table:
                 holders[block_id] += 1
+            assert seq.num_cached_tokens <= len(seq.block_table) * manager.block_size
+            hashes = manager.prefix_hashes(seq)
+            for index, block_id in enumerate(seq.block_table[: seq.num_registered_blocks]):
+                assert manager.block_hashes[block_id] in (None, hashes[index])
     assert holders == manager.ref_counts
-    assert sorted(manager.free_block_ids) == [b for b in range(manager.num_blocks) if holders[b] == 0]
+    assert sorted([*manager.free_block_ids, *manager.evictable_block_ids]) == [
+        b for b in range(manager.num_blocks) if holders[b] == 0]
+    assert all(manager.block_hashes[b] is None for b in manager.free_block_ids)
+    assert all(manager.block_hashes[b] is not None for b in manager.evictable_block_ids)
+    assert {h: b for b, h in enumerate(manager.block_hashes) if h is not None} == manager.cached_block_ids
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions=st.lists(action_strategy, min_size=1, max_size=25), finish_by_abort=st.booleans())
 def test_every_block_returns_to_the_free_list(small_engine, actions, finish_by_abort):
     engine = small_engine
+    weight = engine.runner.model.model.embed_tokens.weight.clone()
     added: list[str] = []
     for kind, arg in actions:
         if kind == "add":
             request_id = f"q{len(added)}"
-            prompt = [3 + (i % 90) for i in range(arg["prompt_len"])]
+            prompt = PREFIXES[arg["prefix"]][: arg["shared_len"]] + [95 + len(added) % 5] * arg["tail_len"]
             params = SamplingParams(temperature=arg["temperature"], max_tokens=arg["max_tokens"], n=arg["n"], seed=1)
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt or [1], params)
             added.append(request_id)
         elif kind == "step":
             for _ in range(arg):
                 engine.step()
+        elif kind == "weights":
+            engine.load_weights({"model.embed_tokens.weight": weight}, engine.weight_version + 1)
         elif added:
             engine.abort(added[arg % len(added)])
         assert_blocks_consistent(engine)

@@ -79,6 +79,9 @@ def test_64_concurrent_streams_carry_logprobs_and_versions(rollout_process):
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{rollout_process.metrics_port}/metrics", timeout=10).read()
     assert b"relayrl_rollout_generated_tokens_total 1536.0" in metrics
     assert b"relayrl_rollout_running_sequences 0.0" in metrics
+    # Every prompt looked up once (5 + i % 20 tokens each); no two share a first block.
+    assert f"relayrl_rollout_prefix_cache_queried_tokens {sum(5 + i % 20 for i in range(64))}.0".encode() in metrics
+    assert b"relayrl_rollout_prefix_cache_hit_tokens 0.0" in metrics
 
 
 @pytest.mark.parametrize("request_kwargs,field", [

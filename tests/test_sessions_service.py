@@ -28,9 +28,12 @@ def services(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("session-logs")
     buffer = start_service("buffer", {"data_dir": str(tmp_path_factory.mktemp("buffer")), "max_staleness": 4},
                            log_dir=logs)
+    # Without the prefix cache: these tests count each session's own prefill, and their sessions share SYSTEM
+    # (sessions sharing cached blocks: tests/test_engine_prefix_cache.py).
     rollout = start_service("rollout", {
         "model": str(tiny_model_dir), "engine.max_model_len": 256, "engine.torch_threads": 1,
-        "engine.session_idle_timeout_s": 2.0, "engine.max_sessions": 8, "buffer": buffer.address}, log_dir=logs)
+        "engine.session_idle_timeout_s": 2.0, "engine.max_sessions": 8, "engine.enable_prefix_caching": False,
+        "buffer": buffer.address}, log_dir=logs)
     yield rollout, buffer
     rollout.stop(timeout=10)
     buffer.stop(timeout=10)
