@@ -156,6 +156,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     from deploy.launcher import start_service
     from deploy.progress import Progress
     from deploy.provenance import write_provenance
+    from deploy.service_registry import REGISTRY_FILE
     from deploy.supervisor import Supervisor
     from rollout.envs.runner import env_spec, evaluate
     from rollout.envs.transcripts import transcripts
@@ -201,14 +202,15 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
                                     rl.eval_concurrency))
 
     supervisor = supervisor or Supervisor(config.supervise)
+    registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
     try:
         with progress.phase("starting buffer and rollout services"):
             buffer = supervisor.add_service(start_service("buffer", {
                 "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs))
+                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs, registry=registry))
             rollout = supervisor.add_service(start_service("rollout", {
                 "model": str(policy_dir), "engine.seed": config.seed, "buffer": buffer.address, **config.rollout},
-                log_dir=logs))
+                log_dir=logs, registry=registry))
         start = success(rollout.address)
         progress.note(f"held-out success at the start of RL: {start['success_rate']:.3f} "
                       f"(mean reward {start['mean_reward']:.3f}, {start['mean_turns']:.2f} turns, "

@@ -224,6 +224,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     from deploy.launcher import start_service
     from deploy.progress import Progress
     from deploy.provenance import write_provenance
+    from deploy.service_registry import REGISTRY_FILE
     from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
     from rollout.tiny import write_tiny_model
@@ -258,15 +259,16 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     batch_size = rl.group_size * rl.groups_per_batch
 
     supervisor = supervisor or Supervisor(config.supervise)
+    registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
     try:
         with progress.phase("starting buffer, reward and rollout services"):
             logs = run_dir / "logs"
             buffer = supervisor.add_service(start_service("buffer", {
                 "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs))
-            reward = supervisor.add_service(start_service("reward", {}, log_dir=logs))
+                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs, registry=registry))
+            reward = supervisor.add_service(start_service("reward", {}, log_dir=logs, registry=registry))
             rollout = supervisor.add_service(start_service("rollout", {
-                "model": str(policy_dir), "engine.seed": config.seed, **config.rollout}, log_dir=logs))
+                "model": str(policy_dir), "engine.seed": config.seed, **config.rollout}, log_dir=logs, registry=registry))
         sft_accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
         progress.note(f"held-out accuracy at the start of RL: {sft_accuracy:.3f}")
 
