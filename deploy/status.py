@@ -6,6 +6,7 @@ by status code) plus the service's own (rollout running / waiting sequences and 
 scores). Rates come from two polls of cumulative counters. `relayrl status` renders the rows.
 """
 
+import pathlib
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy import service_registry
 from protos import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.client import connect_sync
 from services.config import ClientConfig
@@ -42,6 +44,11 @@ def parse_address(text: str) -> Target:
     """'HOST:PORT' or 'HOST:PORT/METRICS_PORT' (the service's Prometheus /metrics port, when it exports one)."""
     address, _, metrics = text.partition("/")
     return Target(name=address, address=address, metrics_port=int(metrics) if metrics else None)
+
+
+def run_targets(run_dir: pathlib.Path) -> list[Target]:
+    """The services a run folder records (services.json; FileNotFoundError if none yet)."""
+    return [Target(e.name, e.address, e.name, e.metrics_port) for e in service_registry.read(run_dir)]
 
 
 @dataclass

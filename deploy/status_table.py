@@ -9,8 +9,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from deploy import service_registry
-from deploy.status import ServiceStatus, StatusPoller, Target, parse_address
+from deploy.status import ServiceStatus, StatusPoller, Target, parse_address, run_targets
 from services.config import ClientConfig
 
 COLUMNS = ("service", "address", "health", "weight version", "queue", "staleness", "throughput /s", "errors")
@@ -56,11 +55,7 @@ def targets_of(sources: Sequence[str]) -> tuple[Callable[[], list[Target]], str]
     """A run folder (its services.json, read again on every refresh) or addresses; and a title."""
     if len(sources) == 1 and pathlib.Path(sources[0]).is_dir():
         run_dir = pathlib.Path(sources[0])
-
-        def recorded() -> list[Target]:
-            return [Target(e.name, e.address, e.name, e.metrics_port) for e in service_registry.read(run_dir)]
-
-        return recorded, f"relayrl status: {run_dir}"
+        return lambda: run_targets(run_dir), f"relayrl status: {run_dir}"
     fixed = [parse_address(text) for text in sources]
     return lambda: fixed, "relayrl status"
 
