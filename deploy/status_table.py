@@ -60,6 +60,30 @@ def targets_of(sources: Sequence[str]) -> tuple[Callable[[], list[Target]], str]
     return lambda: fixed, "relayrl status"
 
 
+class Display:
+    """Where each refresh goes: a JSON line, a table updated in place (`live`, on a terminal), or the table
+    printed again (a file or a pipe, where a live table would show nothing until the end)."""
+
+    def __init__(self, console: Console, title: str, as_json: bool, live: bool):
+        self.console, self.title, self.as_json, self.live = console, title, as_json, live
+        self.view: Live | None = None
+
+    def show(self, rows: Sequence[ServiceStatus]) -> None:
+        if self.as_json:
+            print(json.dumps(report(rows)), flush=True)
+        elif not self.live:
+            self.console.print(table(rows, self.title))
+        elif self.view is None:
+            self.view = Live(table(rows, self.title), console=self.console, refresh_per_second=4)
+            self.view.start()
+        else:
+            self.view.update(table(rows, self.title))
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.stop()
+
+
 def status(sources: Sequence[str], *, watch: bool, as_json: bool, interval: float, timeout: float,
            client: ClientConfig | None = None, console: Console | None = None) -> int:
     """Poll, wait `interval`, poll again (rates need two polls), then print; with `watch`, keep refreshing
@@ -74,25 +98,16 @@ def status(sources: Sequence[str], *, watch: bool, as_json: bool, interval: floa
     poller.refresh()
     time.sleep(interval)
     rows = poller.refresh()
-    if as_json:
-        print(json.dumps(report(rows)), flush=True)
+    display = Display(console, title, as_json, live=watch and console.is_terminal)
+    display.show(rows)
     if watch:
-        live = None if as_json else Live(table(rows, title), console=console, refresh_per_second=4)
         try:
-            if live is not None:
-                live.start()
             while True:
                 time.sleep(interval)
                 rows = poller.refresh()
-                if live is None:
-                    print(json.dumps(report(rows)), flush=True)
-                else:
-                    live.update(table(rows, title))
+                display.show(rows)
         except KeyboardInterrupt:
             pass
         finally:
-            if live is not None:
-                live.stop()
-    elif not as_json:
-        console.print(table(rows, title))
+            display.close()
     return 0 if all(row.up for row in rows) else 1

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -137,3 +139,16 @@ def test_a_restarted_service_is_recorded_again(run):
     recorded = json.loads((run_dir / REGISTRY_FILE).read_text())["reward"]
     assert recorded["pid"] == reward.pid != old_pid
     assert recorded["address"] == reward.address and recorded["metrics_port"] == reward.metrics_port
+
+
+def test_watch_without_a_terminal_prints_every_refresh(tmp_path, service_factory):
+    service_factory("buffer", {"data_dir": str(tmp_path / "buffer")}, registry=tmp_path / REGISTRY_FILE)
+    for extra, per_refresh in (([], "relayrl status:"), (["--json"], '"services"')):
+        watch = subprocess.Popen([sys.executable, "-m", "deploy.cli", "status", str(tmp_path), "--watch",
+                                  "--interval", "0.5", *extra], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env={**os.environ, "PYTHONPATH": ROOT})
+        time.sleep(6)
+        watch.send_signal(signal.SIGINT)
+        out, _ = watch.communicate(timeout=30)
+        assert watch.returncode == 0
+        assert out.count(per_refresh) >= 3, out  # not one table at the end: one per refresh
