@@ -156,7 +156,10 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     from deploy.launcher import start_service
     from deploy.progress import Progress
     from deploy.provenance import write_provenance
+    from deploy.service_registry import REGISTRY_FILE
+    from deploy.status import run_targets
     from deploy.supervisor import Supervisor
+    from deploy.tensorboard import RunBoard
     from rollout.envs.runner import env_spec, evaluate
     from rollout.envs.transcripts import transcripts
     from rollout.tiny import write_tiny_model
@@ -201,14 +204,16 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
                                     rl.eval_concurrency))
 
     supervisor = supervisor or Supervisor(config.supervise)
+    registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
+    board = RunBoard(run_dir, "runner", lambda: run_targets(run_dir))
     try:
         with progress.phase("starting buffer and rollout services"):
             buffer = supervisor.add_service(start_service("buffer", {
                 "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs))
+                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs, registry=registry))
             rollout = supervisor.add_service(start_service("rollout", {
                 "model": str(policy_dir), "engine.seed": config.seed, "buffer": buffer.address, **config.rollout},
-                log_dir=logs))
+                log_dir=logs, registry=registry))
         start = success(rollout.address)
         progress.note(f"held-out success at the start of RL: {start['success_rate']:.3f} "
                       f"(mean reward {start['mean_reward']:.3f}, {start['mean_turns']:.2f} turns, "
@@ -242,6 +247,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
         supervisor.add_process("runner", ["-m", "rollout.envs.runner", "--config", str(runner_cfg)],
                                logs / "runner.log", heartbeat=run_dir / "runner_stats.jsonl")
         curve = [_point(run_dir, 0.0, start)]
+        board.eval(curve[-1])
         next_eval = started + rl.eval_interval_s
         while True:
             supervisor.check()
@@ -250,17 +256,21 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
                 break
             if now >= next_eval:
                 curve.append(_point(run_dir, time.monotonic() - started, success(rollout.address)))
+                board.eval(curve[-1])
                 progress.note(_line(curve[-1], rl.time_budget_s))
                 next_eval = time.monotonic() + rl.eval_interval_s
+            board.tick(time.monotonic() - started)
             time.sleep(0.5)
         rl_seconds = time.monotonic() - started
         for name in ("runner", "trainer"):
             supervisor.stop_member(name)
         curve.append(_point(run_dir, rl_seconds, success(rollout.address)))
+        board.eval(curve[-1])
         progress.note(_line(curve[-1], rl.time_budget_s))
         supervisor.check()
     finally:
         supervisor.stop()
+        board.close()
     trainer_metrics = _last_records(run_dir / "trainer_metrics.jsonl")
     # Each runner process (a new producer id after a restart) counts from zero: sum their last records.
     episodes = sum({r["producer_id"]: r["episodes"] for r in _last_records(run_dir / "runner_stats.jsonl")}.values())

@@ -48,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--token", help="bearer token")
     health.add_argument("--ca-cert", help="CA PEM to verify the server (TLS)")
 
+    status = sub.add_parser("status", help="one table of every service of a run: health, weight version, queue, "
+                            "staleness, throughput, errors")
+    status.add_argument("sources", nargs="+", metavar="RUN_DIR | ADDRESS",
+                        help="a run folder (its services.json) or service addresses HOST:PORT[/METRICS_PORT]")
+    status.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
+    status.add_argument("--json", action="store_true", help="one JSON object (per refresh with --watch)")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between polls (rates need two)")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    status.add_argument("--token", help="bearer token")
+    status.add_argument("--ca-cert", help="CA PEM to verify the servers (TLS)")
+
     run = sub.add_parser("run", help="the local quickstart: SFT warm-up, then async GRPO on one machine "
                          "(a config with `job: agentic`: on an environment, examples/agentic/)")
     run.add_argument("--config", help="YAML config file (default: the shipped quickstart)")
@@ -98,6 +109,18 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from deploy.status_table import status
+    from services.config import ClientConfig
+
+    try:
+        return status(args.sources, watch=args.watch, as_json=args.json, interval=args.interval,
+                      timeout=args.timeout, client=ClientConfig(token=args.token, ca_cert=args.ca_cert))
+    except FileNotFoundError as exc:
+        print(f"relayrl status: {exc.filename} not found: the run records no services (yet)", file=sys.stderr)
+        return 2
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from deploy import agentic
     from deploy.quickstart import main as quickstart
@@ -112,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "version":
         print(f"relayrl {_version()}")
         return 0
-    return {"serve": cmd_serve, "health": cmd_health, "run": cmd_run}[args.command](args)
+    return {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run}[args.command](args)
 
 
 if __name__ == "__main__":

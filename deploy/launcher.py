@@ -20,6 +20,8 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy import service_registry
+
 
 class LaunchError(RuntimeError):
     """A service process failed to start; the message carries the tail of its log."""
@@ -39,6 +41,7 @@ class ServiceProcess:
     overrides: dict = field(default_factory=dict)
     config_path: str | os.PathLike | None = None
     env: Mapping[str, str] | None = None
+    registry: pathlib.Path | None = None  # services.json of the run, rewritten on restart
 
     @property
     def pid(self) -> int:
@@ -75,7 +78,7 @@ class ServiceProcess:
         self.kill()
         fresh = start_service(self.name, {**self.overrides, "server.address": self.address},
                               config_path=self.config_path, log_dir=self.log_path.parent, env=self.env,
-                              timeout=timeout)
+                              timeout=timeout, registry=self.registry)
         self.proc, self.port_file, self.metrics_port = fresh.proc, fresh.port_file, fresh.metrics_port
 
     def log_tail(self, lines: int = 40) -> str:
@@ -116,13 +119,19 @@ def start_service(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
     check_health: bool = True,
+    registry: str | os.PathLike | None = None,
 ) -> ServiceProcess:
     """Start `relayrl serve NAME` as a process and wait until it serves.
 
     `overrides` become `--set key=value` (values YAML-encoded). Unless given, the service binds a free
-    loopback port; the bound port comes back through a port file.
+    loopback port; the bound port comes back through a port file. With `registry` (a run's services.json,
+    deploy.service_registry) the service exports /metrics on a free port unless told otherwise, and its
+    address, metrics port and pid are recorded there once it serves (again after each restart), for
+    `relayrl status RUN_DIR`.
     """
     overrides = dict(overrides or {})
+    if registry is not None:
+        overrides.setdefault("server.metrics_port", 0)
     log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="relayrl-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     port_file = log_dir / f"{name}-{os.getpid()}-{time.monotonic_ns()}.port"
@@ -141,7 +150,8 @@ def start_service(
                                 cwd=pathlib.Path(__file__).resolve().parent.parent)
     service = ServiceProcess(name, proc, address="", log_path=log_path, port_file=port_file,
                              overrides={k: v for k, v in overrides.items() if k != "server.port_file"},
-                             config_path=config_path, env=env)
+                             config_path=config_path, env=env,
+                             registry=pathlib.Path(registry) if registry is not None else None)
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if not service.alive():
@@ -161,4 +171,7 @@ def start_service(
         except TimeoutError as exc:
             service.kill()
             raise LaunchError(f"{name}: {exc}\n{service.log_tail()}") from None
+    if service.registry is not None:
+        service_registry.record(service.registry, name, service.address, service.metrics_port, service.pid,
+                                log_path)
     return service

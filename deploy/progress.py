@@ -38,13 +38,17 @@ class JsonlTail:
 
 
 class Progress:
-    def __init__(self, run_dir: pathlib.Path, console: Console | None = None):
+    """The run's progress on `console`: a live table on a terminal; without one (output to a file or a
+    pipe, where a live table shows nothing until the end) one plain line every `line_interval_s`."""
+
+    def __init__(self, run_dir: pathlib.Path, console: Console | None = None, line_interval_s: float = 10.0):
         self.run_dir = run_dir
         self.console = console or Console()
         self.metrics_path = run_dir / "metrics.jsonl"
         self.trainer = JsonlTail(run_dir / "trainer_metrics.jsonl")
         self.driver = JsonlTail(run_dir / "driver_stats.jsonl")
         self.live: Live | None = None
+        self.line_interval_s, self.next_line, self.in_rl = line_interval_s, 0.0, False
         self.budget_s = 0.0
         self.accuracy = 0.0
         self.start_accuracy = 0.0
@@ -52,6 +56,8 @@ class Progress:
     @contextlib.contextmanager
     def phase(self, text: str):
         started = time.monotonic()
+        if not self.console.is_terminal:  # a spinner shows nothing in a file: say what started
+            self.console.print(text + " ...")
         with self.console.status(text + " ..."):
             yield
         self.console.print(f"[green]done[/] {text} ({time.monotonic() - started:.0f}s)")
@@ -61,29 +67,45 @@ class Progress:
 
     def start_rl(self, budget_s: float, start_accuracy: float) -> None:
         self.budget_s, self.accuracy, self.start_accuracy = budget_s, start_accuracy, start_accuracy
-        self.live = Live(self._table(0.0), console=self.console, refresh_per_second=2, transient=False)
-        self.live.start()
+        self.in_rl = True
+        if self.console.is_terminal:
+            self.live = Live(self._table(0.0), console=self.console, refresh_per_second=2, transient=False)
+            self.live.start()
+        else:
+            self.next_line = 0.0
+            self.refresh(0.0)
+
+    def _fields(self, elapsed: float) -> dict[str, str]:
+        t, d = self.trainer.latest(), self.driver.latest()
+        return {
+            "time": f"{elapsed:.0f}/{self.budget_s:.0f}s",
+            "step": str(t.get("step", 0)),
+            "reward": f"{t.get('reward_mean', d.get('mean_reward', 0.0)):.3f}",
+            "held-out acc": f"{self.accuracy:.3f} (start {self.start_accuracy:.3f})",
+            "staleness": f"{t.get('staleness_mean', 0.0):.2f} (max {t.get('staleness_max', 0):.0f})",
+            "tokens/s": f"{d.get('tokens_per_s', 0.0):.0f}",
+            "completions/s": f"{d.get('completions_per_s', 0.0):.1f}",
+            "sync s": f"{t.get('publish_s', 0.0):.3f}",
+        }
 
     def _table(self, elapsed: float) -> Table:
-        t, d = self.trainer.latest(), self.driver.latest()
+        fields = self._fields(elapsed)
         table = Table(title="asynchronous GRPO", show_header=True, header_style="bold")
-        for col in ("time", "step", "reward", "held-out acc", "staleness", "tokens/s", "completions/s", "sync s"):
+        for col in fields:
             table.add_column(col, justify="right")
-        table.add_row(
-            f"{elapsed:.0f}/{self.budget_s:.0f}s",
-            str(t.get("step", 0)),
-            f"{t.get('reward_mean', d.get('mean_reward', 0.0)):.3f}",
-            f"{self.accuracy:.3f} (start {self.start_accuracy:.3f})",
-            f"{t.get('staleness_mean', 0.0):.2f} (max {t.get('staleness_max', 0):.0f})",
-            f"{d.get('tokens_per_s', 0.0):.0f}",
-            f"{d.get('completions_per_s', 0.0):.1f}",
-            f"{t.get('publish_s', 0.0):.3f}",
-        )
+        table.add_row(*fields.values())
         return table
+
+    def line(self, elapsed: float) -> str:
+        """The progress as one plain line (what a console without a terminal gets)."""
+        return "  ".join(f"{name} {value}" for name, value in self._fields(elapsed).items())
 
     def refresh(self, elapsed: float) -> None:
         if self.live is not None:
             self.live.update(self._table(elapsed))
+        elif self.in_rl and elapsed >= self.next_line:  # no terminal: a plain line per interval
+            self.next_line = elapsed + self.line_interval_s
+            self.console.print(self.line(elapsed), markup=False, highlight=False, soft_wrap=True)
 
     def point(self, elapsed: float, accuracy: float) -> dict:
         """Record one held-out evaluation with what the trainer and driver report at that moment."""
@@ -106,6 +128,7 @@ class Progress:
 
     def close(self) -> None:
         """Stop the live table (idempotent; also after a failed run)."""
+        self.in_rl = False
         if self.live is not None:
             self.live.stop()
             self.live = None

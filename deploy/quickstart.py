@@ -224,8 +224,11 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     from deploy.launcher import start_service
     from deploy.progress import Progress
     from deploy.provenance import write_provenance
+    from deploy.service_registry import REGISTRY_FILE
+    from deploy.status import run_targets
     from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
+    from deploy.tensorboard import RunBoard
     from rollout.tiny import write_tiny_model
 
     torch.set_num_threads(1)
@@ -258,15 +261,17 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     batch_size = rl.group_size * rl.groups_per_batch
 
     supervisor = supervisor or Supervisor(config.supervise)
+    registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
+    board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
     try:
         with progress.phase("starting buffer, reward and rollout services"):
             logs = run_dir / "logs"
             buffer = supervisor.add_service(start_service("buffer", {
                 "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs))
-            reward = supervisor.add_service(start_service("reward", {}, log_dir=logs))
+                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs, registry=registry))
+            reward = supervisor.add_service(start_service("reward", {}, log_dir=logs, registry=registry))
             rollout = supervisor.add_service(start_service("rollout", {
-                "model": str(policy_dir), "engine.seed": config.seed, **config.rollout}, log_dir=logs))
+                "model": str(policy_dir), "engine.seed": config.seed, **config.rollout}, log_dir=logs, registry=registry))
         sft_accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
         progress.note(f"held-out accuracy at the start of RL: {sft_accuracy:.3f}")
 
@@ -300,6 +305,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
                                heartbeat=run_dir / "driver_stats.jsonl")
         progress.start_rl(rl.time_budget_s, sft_accuracy)
         curve = [progress.point(0.0, sft_accuracy)]
+        board.eval(curve[-1])
         next_eval = started + rl.eval_interval_s
         while True:
             supervisor.check()  # RunFailed: something kept dying
@@ -311,16 +317,20 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
                 accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
                 point = progress.point(time.monotonic() - started, accuracy)
                 curve.append(point)
+                board.eval(point)
             progress.refresh(time.monotonic() - started)
+            board.tick(time.monotonic() - started)
             time.sleep(0.5)
         rl_seconds = time.monotonic() - started
         for name in ("driver", "trainer"):
             supervisor.stop_member(name)
         final = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
         curve.append(progress.point(rl_seconds, final))
+        board.eval(curve[-1])
         supervisor.check()
     finally:
         supervisor.stop()
+        board.close()
         progress.close()
     trainer_metrics = _read_jsonl(run_dir / "trainer_metrics.jsonl")
     driver_stats = _read_jsonl(run_dir / "driver_stats.jsonl")

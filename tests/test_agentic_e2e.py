@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 from rich.console import Console
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from deploy.agentic import AgenticConfig, run_agentic, selects
 from services.config import load_config
@@ -50,6 +51,12 @@ def test_relayrl_run_agentic_smoke(tmp_path):
     provenance = json.loads((run_dir / "provenance.json").read_text())
     assert provenance["seed"] == 0 and provenance["packages"]["torch"] and provenance["python"]
     assert (run_dir / "config.yaml").is_file()
+    # Where `relayrl status` finds the services, and the TensorBoard curves of every member.
+    assert set(json.loads((run_dir / "services.json").read_text())) == {"buffer", "rollout"}
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {tag.split("/")[0] for tag in events.Tags()["scalars"]} == {"trainer", "runner", "eval", "buffer",
+                                                                       "rollout"}
 
 
 @pytest.mark.slow
