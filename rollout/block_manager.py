@@ -44,7 +44,7 @@ class BlockManager:
 
     def blocks_missing(self, seq: Sequence) -> int:
         """Blocks `seq` still needs to hold all its tokens (a session turn brings the blocks of its context)."""
-        return max(0, self.blocks_for(len(seq)) - len(seq.block_table))
+        return max(0, self.blocks_for(seq.num_slots) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq)
@@ -85,9 +85,17 @@ class BlockManager:
                     self.cached_block_ids[block_hash] = block_id
         seq.num_registered_blocks = num_full
 
-    def mark_imported(self, block_ids: list[int]) -> None:
-        """The KV of these blocks came from another engine (a prefill worker, maybe compressed on the wire): no
-        sequence that starts with them offers its blocks to the prefix cache."""
+    def take_private(self, count: int) -> list[int]:
+        """`count` fresh blocks for KV that is not a plain prefix of tokens (a compacted sequence, see
+        rollout/kv_eviction.py): never offered to the prefix cache. The caller checks num_free_blocks first."""
+        blocks = [self._take() for _ in range(count)]
+        self.mark_uncacheable(blocks)
+        return blocks
+
+    def mark_uncacheable(self, block_ids: list[int]) -> None:
+        """The KV of these blocks is not what this engine computes for their tokens' prefix (imported from a prefill
+        worker, maybe compressed on the wire; or compacted by eviction): no sequence that starts with them offers
+        its blocks to the prefix cache."""
         for block_id in block_ids:
             self.block_epochs[block_id] = -1
 
@@ -133,6 +141,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_evicted_tokens = 0
 
     def release(self, block_table: list[int]) -> None:
         # The last block first: of a prefix, the longest part is the least likely to be asked for again.
@@ -152,7 +161,7 @@ class BlockManager:
         """Make the slot of the last token writable; returns (src, dst) when a shared block was copied."""
         if not self._needs_new_block(seq):
             return None
-        index = (len(seq) - 1) // self.block_size
+        index = (seq.num_slots - 1) // self.block_size
         if index == len(seq.block_table):
             seq.block_table.append(self._take())
             return None
@@ -164,7 +173,7 @@ class BlockManager:
         return shared, copy
 
     def _needs_new_block(self, seq: Sequence) -> bool:
-        index = (len(seq) - 1) // self.block_size
+        index = (seq.num_slots - 1) // self.block_size
         return index == len(seq.block_table) or self.ref_counts[seq.block_table[index]] > 1
 
     def _take(self) -> int:

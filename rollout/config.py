@@ -104,6 +104,11 @@ class EngineConfig:
     # Attention reads each length class of a step's sequences apart (rollout/attention.py); False: all in one
     # call padded to the longest context (the path before classes; bench/rollout_throughput.py compares them).
     attention_length_classes: bool = True
+    # KV eviction for long contexts (rollout/kv_eviction.py): a sequence keeps at most kv_budget_tokens cache slots.
+    kv_eviction: Literal["none", "window", "snapkv"] = "none"  # window: sinks + most recent; snapkv: + most attended
+    kv_budget_tokens: int = 1024  # cache slots a sequence keeps when kv_eviction is on
+    kv_sink_tokens: int = 4  # the first tokens, always kept (attention sinks)
+    kv_observation_window: int = 16  # snapkv: the latest queries that score the past; their tokens are always kept
     max_model_len: int | None = None  # prompt + response limit; None: the model's max_position_embeddings
     max_queue: int = 1024  # requests waiting to start; beyond it add_request raises QueueFull
     max_n: int = 16  # largest n (completions per prompt) a request may ask for
@@ -126,8 +131,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} is outside (0, {self.model_config.max_position_embeddings}]"
             )
-        for name in ("block_size", "max_num_seqs", "max_queue", "max_n", "kv_cache_memory_bytes", "max_sessions",
-                     "session_idle_timeout_s"):
+        if self.kv_budget_tokens <= self.kv_sink_tokens + self.kv_observation_window:
+            raise ValueError(f"kv_budget_tokens: {self.kv_budget_tokens} must exceed kv_sink_tokens + "
+                             f"kv_observation_window ({self.kv_sink_tokens} + {self.kv_observation_window})")
+        if self.kv_sink_tokens < 0:
+            raise ValueError(f"kv_sink_tokens: must be >= 0, got {self.kv_sink_tokens}")
+        for name in ("block_size", "kv_observation_window", "max_num_seqs", "max_queue", "max_n",
+                     "kv_cache_memory_bytes", "max_sessions", "session_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -15,6 +15,7 @@ import torch
 from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
 from rollout.errors import ContextFull, DuplicateRequest, InvalidRequest, QueueFull
+from rollout.kv_eviction import KVEvictor
 from rollout.model_runner import ModelRunner
 from rollout.outputs import Completion, RequestOutput, TokenOutput
 from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
@@ -34,6 +35,8 @@ class LLMEngine:
         self.sessions = SessionTable(self.block_manager, config.max_model_len, config.max_sessions,
                                      config.session_idle_timeout_s)
         self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle)
+        self.evictor = (KVEvictor(config, self.block_manager, self.runner.cache)
+                        if config.kv_eviction != "none" else None)
         self.requests: dict[str, list[Sequence]] = {}
         self.weight_version = 0
         self.num_prefill_tokens = 0  # tokens computed by prefill (new prompts, session turns, recomputes)
@@ -150,10 +153,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        due = self.evictor.plan(batch) if self.evictor is not None else []
         self._count_prefill(batch)
         token_ids, logprobs = self.runner.run(batch)
         self.scheduler.update(batch)
-        return self._postprocess(batch.sampled, token_ids, logprobs)
+        outputs = self._postprocess(batch.sampled, token_ids, logprobs)
+        if due:
+            self.evictor.evict(due, self.runner.observations)
+        return outputs
 
     def _count_prefill(self, batch: Batch) -> None:
         """Tally the tokens this step computes beyond plain decodes (one fed-back token of a running sequence)."""
@@ -291,6 +298,7 @@ class LLMEngine:
             "session_blocks": self.sessions.num_blocks_held,
             "session_evictions": self.sessions.num_evictions,
             "sessions_expired": self.sessions.num_expired,
+            "kv_evicted_tokens": self.evictor.num_evicted_tokens if self.evictor is not None else 0,
         }
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[TokenOutput]:

@@ -101,7 +101,7 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
         raise QueueFull(f"{manager.num_free_blocks} KV blocks are free, importing this request needs {needed}; retry")
     head = seqs[0]
     manager.allocate(head, reuse_prefix=False)  # every block is written by the import, none shared
-    manager.mark_imported(head.block_table)
+    manager.mark_uncacheable(head.block_table)
     engine.runner.cache.import_blocks(head.block_table, *(_block_major(t, len(head.block_table), manager.block_size)
                                                           for t in (prefilled.keys, prefilled.values)))
     for child in seqs[1:]:

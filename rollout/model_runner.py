@@ -1,10 +1,11 @@
 """Runs one scheduled batch: builds the index tensors, runs the model over the paged cache, samples."""
 
 import itertools
+from collections.abc import Collection
 
 import torch
 
-from rollout.attention import AttentionGroup, AttentionMetadata, LengthClass
+from rollout.attention import AttentionGroup, AttentionMetadata, LengthClass, Observation
 from rollout.config import EngineConfig
 from rollout.kv_cache import KVCache
 from rollout.model import CausalLM
@@ -36,6 +37,8 @@ class ModelRunner:
         max_blocks = -(-config.max_model_len // config.block_size)
         self._key_positions = torch.arange(max_blocks * config.block_size, device=self.device)
         self.length_classes = config.attention_length_classes
+        self.observation_window = config.kv_observation_window
+        self.observations: dict[int, list[torch.Tensor]] = {}  # of the last run: see attention.Observation
         self._attend = torch.tensor(0.0, dtype=config.torch_dtype, device=self.device)
         self._ignore = torch.tensor(float("-inf"), dtype=config.torch_dtype, device=self.device)
 
@@ -49,8 +52,9 @@ class ModelRunner:
         if batch.is_prefill:  # one-token rows first: they attend as a group of their own (see _prepare)
             computed.sort(key=lambda seq: batch.num_new_tokens[seq.seq_id] > 1)
         query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
-        input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens)
+        input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens, batch.observe)
         hidden = self.model(input_ids, positions, self.cache, meta)
+        self.observations = meta.observations
         if not batch.sampled:  # every sequence is mid-prefill
             return [], []
         row_of = {id(seq): row for seq, row in zip(computed, last_rows)}
@@ -81,11 +85,14 @@ class ModelRunner:
         return results
 
     def _prepare(
-        self, seqs: list[Sequence], is_prefill: bool, query_lens: list[int] | None = None
+        self, seqs: list[Sequence], is_prefill: bool, query_lens: list[int] | None = None,
+        observe: Collection[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat new tokens of the batch, their positions, attention metadata, and each seq's last row.
 
         In a prefill, each sequence computes `query_lens` tokens from its num_cached_tokens (None: all the rest).
+        A token at position p is written to cache slot p - num_evicted_tokens and sees the slots before it. The
+        sequences whose seq_id is in `observe` also report what their latest queries attend to (kv_eviction.py).
 
         Leading sequences with one new token (a decode, also one mixed into a prefill step: `run` puts them
         first) attend as one group, the rest as another, each padded only to its own longest query."""
@@ -106,13 +113,19 @@ class ModelRunner:
             owners = seqs
             last_rows = list(range(len(seqs)))
             split = len(seqs)
-        slot_mapping = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(owners, positions)]
+        slots = positions
+        shifts = [seq.num_evicted_tokens for seq in seqs]
+        if any(shifts):
+            slots = [p - seq.num_evicted_tokens for seq, p in zip(owners, positions)]
+            starts = [start - shift for start, shift in zip(starts, shifts)]
+        slot_mapping = [seq.block_table[s // block_size] * block_size + s % block_size for seq, s in zip(owners, slots)]
         # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
         input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
         groups = []
-        if split:  # one new token each: rows 0..split-1, at their positions
-            groups.append(self._group(seqs[:split], slice(0, split), positions_t[:split].unsqueeze(1), None, 1,
-                                      [start + 1 for start in starts[:split]]))
+        if split:  # one new token each: rows 0..split-1, at their slots
+            decode_slots = self._tensor(starts[:split]) if any(shifts) else positions_t[:split]
+            groups.append(self._group(seqs[:split], slice(0, split), decode_slots.unsqueeze(1), None, 1,
+                                      [start + 1 for start in starts[:split]], observe))
         if split < len(seqs):
             lens = query_lens[split:]
             longest = max(lens)
@@ -120,13 +133,16 @@ class ModelRunner:
             query_positions = self._tensor(starts[split:]).unsqueeze(1) + offsets
             query_slots = self._tensor([i * longest + j for i, n in enumerate(lens) for j in range(n)])
             groups.append(self._group(seqs[split:], slice(split, len(input_ids)), query_positions, query_slots, longest,
-                                      [s + n for s, n in zip(starts[split:], lens)]))
+                                      [s + n for s, n in zip(starts[split:], lens)], observe, lens))
         return input_ids_t, positions_t, AttentionMetadata(slot_mapping=slot_mapping_t, groups=groups), last_rows
 
     def _group(self, seqs: list[Sequence], rows: slice, query_positions: torch.Tensor, query_slots: torch.Tensor | None,
-               max_query_len: int, kv_lens: list[int]) -> AttentionGroup:
-        """The attention of `seqs`, whose queries sit at `query_positions` ([B, max_query_len]) and see the first
-        kv_lens[i] tokens of their sequence, split into length classes by blocks needed (rollout/attention.py)."""
+               max_query_len: int, kv_lens: list[int], observe: Collection[int] = (),
+               query_lens: list[int] | None = None) -> AttentionGroup:
+        """The attention of `seqs`, whose queries sit at cache slots `query_positions` ([B, max_query_len]) and see
+        the first kv_lens[i] slots of their sequence, split into length classes by blocks needed
+        (rollout/attention.py). Sequences in `observe` report the attention of their last `observation_window`
+        queries (of `query_lens[i]`, one each when None)."""
         block_size = self.block_size
         needed = [-(-n // block_size) for n in kv_lens]
         members: dict[int, list[int]] = {}
@@ -143,10 +159,25 @@ class ModelRunner:
             rows_t = None if everyone else self._tensor(indices)
             positions = query_positions if everyone else query_positions[rows_t]
             visible = self._key_positions[: width * block_size] <= positions.unsqueeze(-1)
+            watched = [(row, i) for row, i in enumerate(indices) if seqs[i].seq_id in observe]
             classes.append(LengthClass(rows=rows_t, block_ids=self._tensor(block_ids), num_blocks=width,
-                                       mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1)))
+                                       mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1),
+                                       observed=self._observed(seqs, watched, max_query_len, query_lens)))
         return AttentionGroup(rows=rows, num_seqs=len(seqs), classes=classes, query_slots=query_slots,
                               max_query_len=max_query_len)
+
+    def _observed(self, seqs: list[Sequence], watched: list[tuple[int, int]], max_query_len: int,
+                  query_lens: list[int] | None) -> Observation | None:
+        """Which rows of a length class report their attention, and the weights of their last queries."""
+        if not watched:
+            return None
+        weights = torch.zeros(len(watched), max_query_len, dtype=torch.float32, device=self.device)
+        for k, (_, i) in enumerate(watched):
+            n = 1 if query_lens is None else query_lens[i]
+            last = min(n, self.observation_window)
+            weights[k, n - last : n] = 1.0 / last
+        return Observation(rows=self._tensor([row for row, _ in watched]), seq_ids=[seqs[i].seq_id for _, i in watched],
+                           query_weights=weights)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -33,6 +33,7 @@ class Batch:
     sampled: list[Sequence]
     is_prefill: bool  # some sequence computes other than just its last token (the runner's general path)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    observe: set[int] = field(default_factory=set)  # seq_ids whose attention the step reports (kv_eviction.py)
 
 
 class Scheduler:

@@ -40,6 +40,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # prefix hashes of its full blocks of tokens (BlockManager.prefix_hashes)
         self.num_registered_blocks = 0  # leading blocks of block_table offered to the prefix cache
         self.prefilling = False
+        # Tokens whose KV was evicted (rollout/kv_eviction.py): the token at position p sits in cache slot
+        # p - num_evicted_tokens of block_table (positions stay the model's; keys carry their RoPE).
+        self.num_evicted_tokens = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
@@ -58,6 +61,11 @@ class Sequence:
     @property
     def num_uncached_tokens(self) -> int:
         return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def num_slots(self) -> int:
+        """Cache slots its tokens need: its tokens less the evicted ones."""
+        return len(self.token_ids) - self.num_evicted_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -43,6 +43,7 @@ PREFIX_QUERIED_TOKENS = Gauge("relayrl_rollout_prefix_cache_queried_tokens", "Pr
                               "prefix cache so far")
 PREFIX_HIT_TOKENS = Gauge("relayrl_rollout_prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache "
                           "supplied so far (hit rate = hits / queried)")
+KV_EVICTED_TOKENS = Gauge("relayrl_rollout_kv_evicted_tokens", "Tokens whose KV was evicted so far (kv_eviction)")
 SESSION_EVICTIONS = Gauge("relayrl_rollout_session_kv_evictions", "Idle sessions whose KV was dropped so far "
                           "(recomputed on their next turn)")
 
@@ -77,6 +78,14 @@ class EngineSettings(Strict):
         "at least max_num_seqs.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
                                         "request computed (same weights only; hit rate in the metrics).")
+    kv_eviction: Literal["none", "window", "snapkv"] = Field(
+        "none", description="KV eviction for long contexts (rollout/kv_eviction.py): each sequence keeps "
+        "kv_budget_tokens cache slots; 'window' keeps the first kv_sink_tokens and the most recent, 'snapkv' also the "
+        "past its latest queries attend to most. Not for session turns. Evicted rollouts are another behaviour policy.")
+    kv_budget_tokens: int = Field(1024, gt=0, description="Cache slots a sequence keeps when kv_eviction is on.")
+    kv_sink_tokens: int = Field(4, ge=0, description="First tokens always kept (attention sinks).")
+    kv_observation_window: int = Field(16, gt=0, description="snapkv: the latest queries that score the past (their "
+                                       "tokens are always kept).")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
     max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
@@ -335,6 +344,7 @@ async def serve(config: Config) -> None:
     OPEN_SESSIONS.set_function(lambda: engine.stats["sessions"])
     SESSION_BLOCKS.set_function(lambda: engine.stats["session_blocks"])
     SESSION_EVICTIONS.set_function(lambda: engine.stats["session_evictions"])
+    KV_EVICTED_TOKENS.set_function(lambda: engine.stats["kv_evicted_tokens"])
     buffer_channel = connect(config.buffer, config.buffer_client) if config.buffer else None
     servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer, buffer_channel, config.buffer_timeout_s)
     receiver = WeightReceiver(engine)

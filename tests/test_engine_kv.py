@@ -1,5 +1,6 @@
 """KV accounting: whatever mix of completed, aborted and preempted requests, chunked prefills, prompts sharing
-cached prefixes and weight updates, every block comes back (free or cached) and the prefix cache stays coherent."""
+cached prefixes, weight updates, requests imported from a prefill engine (rollout/kv_handoff.py) and KV eviction
+(rollout/kv_eviction.py), every block comes back (free or cached) and the prefix cache stays coherent."""
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from hypothesis import strategies as st
 from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
 from rollout.engine import LLMEngine
+from rollout.errors import QueueFull
+from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer
 from rollout.sampling_params import SamplingParams
 from rollout.sequence import Sequence
 from rollout.tiny import write_tiny_model
@@ -17,12 +20,23 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def small_engine(tmp_path_factory):
-    folder = write_tiny_model(tmp_path_factory.mktemp("kv") / "m", hidden_size=64, num_layers=1, num_heads=2,
-                              num_kv_heads=1, head_dim=32, seed=2)
-    # A budget of 8 tokens a step: most prompts are prefilled in chunks, beside decodes.
-    return LLMEngine(EngineConfig(model=str(folder), block_size=4, num_blocks=20, max_model_len=64, max_num_seqs=6,
-                                  max_n=3, max_num_batched_tokens=8))
+def small_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("kv") / "m", hidden_size=64, num_layers=1, num_heads=2,
+                            num_kv_heads=1, head_dim=32, seed=2)
+
+
+@pytest.fixture(scope="module", params=["none", "window", "snapkv"])
+def small_engine(small_model, request):
+    # A budget of 8 tokens a step: most prompts are prefilled in chunks, beside decodes. With eviction, a sequence
+    # keeps 12 cache slots (compacted when it reaches 16).
+    return LLMEngine(EngineConfig(model=str(small_model), block_size=4, num_blocks=20, max_model_len=64, max_num_seqs=6,
+                                  max_n=3, max_num_batched_tokens=8, kv_eviction=request.param, kv_budget_tokens=12,
+                                  kv_sink_tokens=2, kv_observation_window=3))
+
+
+@pytest.fixture(scope="module")
+def prefill_engine(small_model):
+    return LLMEngine(EngineConfig(model=str(small_model), block_size=4, num_blocks=40, max_model_len=64, max_n=3))
 
 
 # Prompts share prefixes (of up to 7 blocks of 4 tokens) so that requests hit, share and evict cached blocks.
@@ -37,6 +51,7 @@ request_strategy = st.fixed_dictionaries({
 })
 action_strategy = st.one_of(
     st.tuples(st.just("add"), request_strategy),
+    st.tuples(st.just("import"), request_strategy),
     st.tuples(st.just("step"), st.integers(1, 6)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
     st.tuples(st.just("weights"), st.just(None)),
@@ -52,7 +67,7 @@ def assert_blocks_consistent(engine: LLMEngine) -> None:
         for seq in seqs:
             for block_id in seq.block_table:
                 holders[block_id] += 1
-            assert seq.num_cached_tokens <= len(seq.block_table) * manager.block_size
+            assert seq.num_cached_tokens - seq.num_evicted_tokens <= len(seq.block_table) * manager.block_size
             hashes = manager.prefix_hashes(seq)
             for index, block_id in enumerate(seq.block_table[: seq.num_registered_blocks]):
                 assert manager.block_hashes[block_id] in (None, hashes[index])
@@ -66,7 +81,7 @@ def assert_blocks_consistent(engine: LLMEngine) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions=st.lists(action_strategy, min_size=1, max_size=25), finish_by_abort=st.booleans())
-def test_every_block_returns_to_the_free_list(small_engine, actions, finish_by_abort):
+def test_every_block_returns_to_the_free_list(small_engine, prefill_engine, actions, finish_by_abort):
     engine = small_engine
     weight = engine.runner.model.model.embed_tokens.weight.clone()
     added: list[str] = []
@@ -76,6 +91,17 @@ def test_every_block_returns_to_the_free_list(small_engine, actions, finish_by_a
             prompt = PREFIXES[arg["prefix"]][: arg["shared_len"]] + [95 + len(added) % 5] * arg["tail_len"]
             params = SamplingParams(temperature=arg["temperature"], max_tokens=arg["max_tokens"], n=arg["n"], seed=1)
             engine.add_request(request_id, prompt or [1], params)
+            added.append(request_id)
+        elif kind == "import":
+            request_id = f"q{len(added)}"
+            prompt = PREFIXES[arg["prefix"]][: arg["shared_len"]] + [95 + len(added) % 5] * arg["tail_len"]
+            params = SamplingParams(temperature=arg["temperature"], max_tokens=arg["max_tokens"], n=arg["n"], seed=1)
+            prefill_engine.load_weights({}, engine.weight_version)
+            prefilled = prefill_for_transfer(prefill_engine, request_id, prompt or [1], params)
+            try:
+                add_prefilled_request(engine, request_id, prefilled, params)
+            except QueueFull:  # the blocks are not free now: a decode worker retries later
+                continue
             added.append(request_id)
         elif kind == "step":
             for _ in range(arg):
