@@ -184,3 +184,47 @@ def test_a_killed_decode_worker_has_its_requests_rerun_elsewhere(cluster, tmp_pa
         router.stop(timeout=10)
         for decoder in decoders:
             decoder.stop(timeout=10)
+
+
+def test_a_trainer_publish_reaches_prefill_and_decode_workers_and_the_split_follows_it(sharp_model_dir, tmp_path):
+    """The trainer's broadcaster publishes new weights to a prefill worker, a decode worker and a monolithic worker
+    at once; afterwards the split serves the new version and equals the monolithic worker again."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deploy.launcher import start_service
+    from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
+
+    model = {"model": str(sharp_model_dir), **ENGINE}
+    mono = start_service("rollout", model, log_dir=tmp_path)
+    prefill_worker = start_service("prefill", model, log_dir=tmp_path)
+    decoder = start_service("decode", {**model, "prefill": [prefill_worker.address]}, log_dir=tmp_path)
+    router = start_service("rollout", {**model, "router.decode": [decoder.address]}, log_dir=tmp_path)
+    try:
+        requests = [request_of(i, length, {**params, "seed": params["seed"] or 1000 + i})
+                    for i, (length, params) in enumerate(REQUESTS)]
+        before = asyncio.run(generate_all(router.address, requests))
+        trainer_model = AutoModelForCausalLM.from_pretrained(sharp_model_dir, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(5)
+        weights = {name: t + torch.randn(t.shape, generator=gen) * 0.05 for name, t in trainer_model.state_dict().items()}
+
+        async def publish():
+            addresses = [mono.address, prefill_worker.address, decoder.address]
+            async with WeightBroadcaster(addresses, BroadcastConfig(timeout_s=60)) as broadcaster:
+                return await broadcaster.publish(weights, 1)
+
+        asyncio.run(publish())
+        mono_after = asyncio.run(generate_all(mono.address, requests))
+        split_after = asyncio.run(generate_all(router.address, requests))
+        changed = 0
+        for old, a, b in zip(before, mono_after, split_after):
+            for (tokens_old, logprobs_old), (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(
+                    tokens_and_logprobs(old), tokens_and_logprobs(a), tokens_and_logprobs(b)):
+                assert tokens_a == tokens_b
+                assert max(abs(x - y) for x, y in zip(logprobs_a, logprobs_b)) < 1e-5
+                changed += max(abs(x - y) for x, y in zip(logprobs_a, logprobs_old)) > 1e-3
+            assert {int(v) for c in b.completions for v in decode_array(c.weight_versions)} == {1}
+        assert changed >= 5  # the new weights are served, not the old ones
+    finally:
+        for service in (router, decoder, prefill_worker, mono):
+            service.stop(timeout=10)
