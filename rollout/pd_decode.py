@@ -25,8 +25,6 @@ from pydantic import Field
 from protos import kv_pb2, kv_pb2_grpc, rollout_pb2
 from protos.codec import encode_array
 from rollout.errors import (
-    DuplicateRequest,
-    InvalidRequest,
     KVTransferCorrupt,
     KVTransferInvalid,
     KVWeightVersionMismatch,
@@ -34,7 +32,7 @@ from rollout.errors import (
 )
 from rollout.outputs import Completion
 from rollout.sampling_params import SamplingParams
-from rollout.service import _FINISH_REASONS, EngineSettings, RolloutServicer
+from rollout.service import _FINISH_REASONS, REFUSAL_CODES, EngineSettings, RolloutServicer
 from services.config import ClientConfig, ServerConfig, Strict
 
 if TYPE_CHECKING:
@@ -51,9 +49,7 @@ _CODES = (
     (KVTransferInvalid, grpc.StatusCode.INVALID_ARGUMENT),
     (KVTransferCorrupt, grpc.StatusCode.DATA_LOSS),
     (KVWeightVersionMismatch, grpc.StatusCode.FAILED_PRECONDITION),
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
+    *REFUSAL_CODES,
 )
 
 _REFUSALS = tuple(kind for kind, _ in _CODES)

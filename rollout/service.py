@@ -56,7 +56,7 @@ _FINISH_REASONS = {
 
 MAX_VERSION_WAIT_S = 60.0  # the longest GetWeightVersion watch
 
-_REFUSAL_CODES = (
+REFUSAL_CODES = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
@@ -304,7 +304,7 @@ def _retrieved(task: asyncio.Future) -> None:
 async def _abort_with_status(context, exc: Exception, where: str = "") -> None:
     """End the call with the status code of an engine refusal (EngineDead: UNAVAILABLE), its message after `where`."""
     code = grpc.StatusCode.UNAVAILABLE
-    for kind, kind_code in _REFUSAL_CODES:
+    for kind, kind_code in REFUSAL_CODES:
         if isinstance(exc, kind):
             code = kind_code
             break
