@@ -131,13 +131,7 @@ class QuantizedKVCache:
         keys, values = self._load(layer, block_ids)
         k_out.copy_(keys)
         v_out.copy_(values)
-        if self._slot_of:
-            slots = self.open_slot.index_select(0, block_ids)
-            rows = (slots >= 0).nonzero().squeeze(1)
-            if rows.numel():
-                open_slots = slots.index_select(0, rows)
-                k_out.index_copy_(0, rows, self.open_keys[layer].index_select(0, open_slots))
-                v_out.index_copy_(0, rows, self.open_values[layer].index_select(0, open_slots))
+        self._overlay_open(layer, block_ids, k_out, v_out)
         return k_out, v_out
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -163,10 +157,11 @@ class QuantizedKVCache:
         """Dequantized copies of the given blocks, each [num_layers, len(block_ids), block_size, heads, head_dim]."""
         ids = torch.tensor(block_ids, device=self.device)
         keys, values = [], []
-        for layer in range(self.num_layers):
-            k, v = self.read_blocks(layer, ids)
-            keys.append(k.clone())
-            values.append(v.clone())
+        for layer in range(self.num_layers):  # not through read_blocks: its workspace may be an inference tensor
+            k, v = self._load(layer, ids)
+            self._overlay_open(layer, ids, k, v)
+            keys.append(k)
+            values.append(v)
         return torch.stack(keys), torch.stack(values)
 
     def import_blocks(self, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -181,6 +176,17 @@ class QuantizedKVCache:
             self._store(layer, ids, keys[layer].to(self.dtype), values[layer].to(self.dtype))
 
     # ------------------------------------------------------------------ internals
+
+    def _overlay_open(self, layer: int, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the rows of keys, values ([len(block_ids), ...]) whose block is open by the pool's float copy."""
+        if not self._slot_of:
+            return
+        slots = self.open_slot.index_select(0, block_ids)
+        rows = (slots >= 0).nonzero().squeeze(1)
+        if rows.numel():
+            open_slots = slots.index_select(0, rows)
+            keys.index_copy_(0, rows, self.open_keys[layer].index_select(0, open_slots))
+            values.index_copy_(0, rows, self.open_values[layer].index_select(0, open_slots))
 
     def _plan_write(self, slots: list[int]) -> _WritePlan:
         self._tick += 1
@@ -253,6 +259,7 @@ class QuantizedKVCache:
         self._block_in[slot] = None
         self.open_slot[block] = -1
 
+    @torch.inference_mode(False)  # the pool must stay a normal tensor: the KV hand-off copies blocks outside it
     def _grow_pool(self) -> int:
         """Append extra pool slots (doubling); returns the first new one. _shrink_pool removes them."""
         old = len(self._block_in)
@@ -264,6 +271,7 @@ class QuantizedKVCache:
         self._last_write += [0] * extra
         return old
 
+    @torch.inference_mode(False)
     def _shrink_pool(self) -> None:
         """Close the blocks in extra slots and drop those slots."""
         if len(self._block_in) == self.num_open_blocks:
