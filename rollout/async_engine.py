@@ -60,7 +60,7 @@ class AsyncEngine:
         return self.engine.weight_version
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return self.engine.stats
 
     def parameter_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

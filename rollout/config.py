@@ -7,8 +7,11 @@ from typing import Literal
 
 import torch
 
+from rollout.kv_cache_quantized import block_codec
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+KV_CACHE_DTYPES = ("auto", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,9 @@ class EngineConfig:
 
     The KV cache holds `num_blocks` blocks of `block_size` tokens; when `num_blocks` is None it is
     sized to `kv_cache_memory_bytes`, but never beyond what `max_num_seqs` sequences of
-    `max_model_len` tokens can use.
+    `max_model_len` tokens can use. A quantized cache (`kv_cache_dtype` int8 / int4,
+    rollout/kv_cache_quantized.py) also keeps `kv_open_blocks` partly written blocks in the model dtype;
+    they are paid out of the same budget.
     """
 
     model: str  # local Hugging Face folder (config.json + *.safetensors)
@@ -98,6 +103,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks; None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is None
+    # "auto": K and V in the model dtype; "int8" / "int4": KIVI-style quantized blocks (keys per channel over a
+    # block's tokens, values per token), dequantized when attention reads them (rollout/kv_cache_quantized.py)
+    kv_cache_dtype: Literal["auto", "int8", "int4"] = "auto"
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int = 4096  # tokens computed in one step (decodes, then prefill chunks); >= max_num_seqs
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix an earlier sequence computed
@@ -117,6 +125,8 @@ class EngineConfig:
     max_sessions: int = 256  # open multi-turn sessions (rollout/sessions.py); beyond it OpenSession is refused
     session_idle_timeout_s: float = 600.0  # a session idle this long is closed and its blocks freed
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
+    # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)
+    kv_open_blocks: int = field(init=False)
     torch_dtype: torch.dtype = field(init=False)  # derived from dtype
 
     def __post_init__(self) -> None:
@@ -145,9 +155,17 @@ class EngineConfig:
                              f"each of max_num_seqs={self.max_num_seqs} sequences")
         if self.max_n > self.max_num_seqs:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+        self.kv_open_blocks = 0 if self.kv_cache_dtype == "auto" else self.max_num_seqs
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.num_blocks is None:
-            self.num_blocks = min(self.kv_cache_memory_bytes // self.kv_bytes_per_block, self.max_num_seqs * blocks_per_seq)
+            open_bytes = self.kv_open_blocks * self.kv_float_bytes_per_block
+            if open_bytes >= self.kv_cache_memory_bytes:
+                raise ValueError(f"kv_cache_memory_bytes: {self.kv_cache_memory_bytes} cannot hold the {self.kv_open_blocks} "
+                                 f"open float blocks ({open_bytes} bytes) of a {self.kv_cache_dtype} cache")
+            self.num_blocks = min((self.kv_cache_memory_bytes - open_bytes) // self.kv_bytes_per_block,
+                                  self.max_num_seqs * blocks_per_seq)
         if self.num_blocks < blocks_per_seq:
             raise ValueError(
                 f"num_blocks: {self.num_blocks} blocks cannot hold one sequence of max_model_len={self.max_model_len} "
@@ -155,6 +173,16 @@ class EngineConfig:
             )
 
     @property
-    def kv_bytes_per_block(self) -> int:
+    def kv_float_bytes_per_block(self) -> int:
+        """Bytes of one block's keys and values in the model dtype (every layer)."""
         m = self.model_config
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.torch_dtype.itemsize
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block as the cache stores it: in the model dtype, or quantized codes plus their scales."""
+        if self.kv_cache_dtype == "auto":
+            return self.kv_float_bytes_per_block
+        m = self.model_config
+        codec = block_codec(self.kv_cache_dtype, self.block_size)
+        return codec.encoded_nbytes((m.num_layers, self.block_size, m.num_kv_heads, m.head_dim), self.torch_dtype)

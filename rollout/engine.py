@@ -281,11 +281,11 @@ class LLMEngine:
         return list(outputs.values())
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Gauges for metrics: running and waiting sequences, free KV blocks (cached ones nobody holds included),
         preemptions and prefill tokens so far, the tokens looked up in the prefix cache so far and those it
         supplied (hit rate = hits / queried), open sessions and the blocks they hold between turns, their KV
-        evictions and expiries."""
+        evictions and expiries, and the KV cache's bytes per token as stored (config.kv_cache_dtype says how)."""
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -299,6 +299,7 @@ class LLMEngine:
             "session_evictions": self.sessions.num_evictions,
             "sessions_expired": self.sessions.num_expired,
             "kv_evicted_tokens": self.evictor.num_evicted_tokens if self.evictor is not None else 0,
+            "kv_cache_bytes_per_token": self.config.kv_bytes_per_block / self.config.block_size,
         }
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[TokenOutput]:

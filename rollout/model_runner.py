@@ -7,7 +7,7 @@ import torch
 
 from rollout.attention import AttentionGroup, AttentionMetadata, LengthClass, Observation
 from rollout.config import EngineConfig
-from rollout.kv_cache import KVCache
+from rollout.kv_cache_quantized import make_kv_cache
 from rollout.model import CausalLM
 from rollout.sampler import Sampler, SamplingTensors, completion_key, row_keys
 from rollout.scheduler import Batch
@@ -23,15 +23,7 @@ class ModelRunner:
         self.model = CausalLM(model_config, config.max_model_len, config.torch_dtype, self.device)
         with torch.no_grad():
             self.model.load_checkpoint(config.model)
-        self.cache = KVCache(
-            model_config.num_layers,
-            config.num_blocks,
-            config.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            config.torch_dtype,
-            self.device,
-        )
+        self.cache = make_kv_cache(config, self.device)  # in the model dtype, or quantized (kv_cache_dtype)
         self.sampler = Sampler(config.logprobs_mode)
         # Built once, read every step: key positions of the widest block table and the two mask values.
         max_blocks = -(-config.max_model_len // config.block_size)
