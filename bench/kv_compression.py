@@ -11,7 +11,8 @@ kept in --model-dir and reused by later runs (building it takes ~40 s here). Pro
   the float pool of open blocks (one per running sequence) is not in it, it is in "seqs in budget".
 - wire B/tok: the codec of rollout/kv_compression.py (key groups of 64 tokens) on the KV of 256 tokens.
 - seqs in budget: the most sequences of max_model_len=512 tokens whose blocks, and their open float blocks, fit
-  64 MiB (checked against EngineConfig's own num_blocks).
+  64 MiB (checked against EngineConfig's own num_blocks); with eviction a sequence holds at most its budget (128
+  tokens) plus the block that triggers its compaction.
 - agree, |dlogp|, KL: every method is teacher-forced along the uncompressed cache's greedy tokens (4 new tokens, the
   quickstart's max_tokens) through the engine's own decode path (its sampler swapped for one that returns the forced
   token and keeps the full log-softmax); per position: argmax equal to the forced token, |logprob of the forced
@@ -56,14 +57,24 @@ class Method:
     name: str
     overrides: dict = field(default_factory=dict)  # EngineConfig fields
     wire_codec: str = "none"  # the codec of the same compression on the wire (rollout/kv_compression.py)
+    quality: dict = field(default_factory=dict)  # overrides of `overrides` for the quality columns only
+
+
+# Eviction keeps 128 of 512 tokens for the capacity column. The quickstart's contexts are 8-11 tokens, which a
+# 128-token budget never touches: the quality columns evict at a budget of 4 slots (1 sink, the last 2 always
+# kept), compacted when a sequence reaches 8 (block 4): the answer's later tokens see 4 of the prompt's 7 plus
+# what followed.
+EVICT = {"kv_budget_tokens": 128, "kv_sink_tokens": 4, "kv_observation_window": 16}
+EVICT_QUALITY = {"kv_budget_tokens": 4, "kv_sink_tokens": 1, "kv_observation_window": 2}
 
 
 METHODS = [
     Method("none"),
     Method("int8", {"kv_cache_dtype": "int8"}, "int8"),
     Method("int4", {"kv_cache_dtype": "int4"}, "int4"),
-    # Eviction (attention sinks + recent window, score-based under a token budget) goes here as e.g.
-    # Method("int4+evict", {"kv_cache_dtype": "int4", "kv_eviction": ...}, "int4").
+    Method("window", {"kv_eviction": "window", **EVICT}, quality=EVICT_QUALITY),
+    Method("snapkv", {"kv_eviction": "snapkv", **EVICT}, quality=EVICT_QUALITY),
+    Method("int4+snapkv", {"kv_cache_dtype": "int4", "kv_eviction": "snapkv", **EVICT}, "int4", quality=EVICT_QUALITY),
 ]
 
 
@@ -97,13 +108,16 @@ def trained_model(model_dir: pathlib.Path, sft_steps: int, train_tasks) -> pathl
 
 def engine(model: pathlib.Path, method: Method, block_size: int) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), block_size=block_size, num_blocks=4096, max_model_len=64,
-                                  max_num_seqs=256, max_num_batched_tokens=4096, **method.overrides))
+                                  max_num_seqs=256, max_num_batched_tokens=4096,
+                                  **{**method.overrides, **method.quality}))
 
 
 def seqs_in_budget(model: pathlib.Path, method: Method) -> int:
     """The most sequences of MAX_MODEL_LEN tokens a BUDGET_BYTES cache holds (blocks and open float blocks)."""
     probe = EngineConfig(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=1, max_n=1, **method.overrides)
     blocks_per_seq = -(-MAX_MODEL_LEN // probe.block_size)
+    if probe.kv_eviction != "none":  # at most the budget plus the block that triggers its compaction
+        blocks_per_seq = min(blocks_per_seq, -(-(probe.kv_budget_tokens + probe.block_size) // probe.block_size))
     open_bytes = probe.kv_float_bytes_per_block if probe.kv_open_blocks else 0
     count = BUDGET_BYTES // (blocks_per_seq * probe.kv_bytes_per_block + open_bytes)
     for seqs in (count, count + 1):  # EngineConfig agrees: count fit, count + 1 do not

@@ -25,6 +25,8 @@ class KVCache:
         # NaN from uninitialised memory would survive that product.
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_layers = num_layers
+        self.device = device
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

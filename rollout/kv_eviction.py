@@ -21,12 +21,13 @@ import torch
 from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
 from rollout.kv_cache import KVCache
+from rollout.kv_cache_quantized import QuantizedKVCache
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
 
 
 class KVEvictor:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, cache: KVCache):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, cache: KVCache | QuantizedKVCache):
         self.method = config.kv_eviction
         self.budget = config.kv_budget_tokens
         self.sinks = config.kv_sink_tokens
@@ -72,7 +73,7 @@ class KVEvictor:
     def select(self, slots: int, importance: list[torch.Tensor] | None) -> torch.Tensor:
         """Slots to keep, [num_layers, kv_heads, budget] in increasing order (one set for every layer and head when
         the method scores nothing)."""
-        layers, heads = self.cache.keys.shape[0], self.cache.num_kv_heads
+        layers, heads = self.cache.num_layers, self.cache.num_kv_heads
         sinks = torch.arange(self.sinks)
         if self.method == "window" or importance is None:
             keep = torch.cat([sinks, torch.arange(slots - (self.budget - self.sinks), slots)])
@@ -85,18 +86,18 @@ class KVEvictor:
 
 
 @torch.inference_mode()
-def compact(cache: KVCache, old_table: list[int], new_table: list[int], keep: torch.Tensor) -> None:
+def compact(cache: KVCache | QuantizedKVCache, old_table: list[int], new_table: list[int], keep: torch.Tensor) -> None:
     """Write the KV of slots keep[l, h] (of old_table's blocks) to slots 0.. of new_table, layer by layer and
     kv head by kv head."""
     block_size = cache.block_size
     count = keep.shape[-1]
-    old_ids = torch.tensor(old_table, device=cache.keys.device)
+    old_ids = torch.tensor(old_table, device=cache.device)
     targets = torch.tensor([new_table[s // block_size] * block_size + s % block_size for s in range(count)],
-                           device=cache.keys.device)
-    heads = torch.arange(cache.num_kv_heads, device=cache.keys.device)
-    for layer in range(keep.shape[0]):
+                           device=cache.device)
+    heads = torch.arange(cache.num_kv_heads, device=cache.device)
+    for layer in range(cache.num_layers):
         keys, values = cache.read_blocks(layer, old_ids)
-        rows = keep[layer].T.to(cache.keys.device)  # [count, heads]
+        rows = keep[layer].T.to(cache.device)  # [count, heads]
         kept_keys = keys.view(-1, cache.num_kv_heads, cache.head_dim)[rows, heads]
         kept_values = values.view(-1, cache.num_kv_heads, cache.head_dim)[rows, heads]
         cache.write(layer, targets, kept_keys, kept_values)

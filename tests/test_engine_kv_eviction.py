@@ -92,11 +92,13 @@ def test_snapkv_keeps_sinks_recent_and_the_most_attended_per_head(tiny_model_dir
     assert set(keep[1, 0].tolist()) >= {2, 3, 4, 5, 6, 8}
 
 
-def test_snapkv_observes_the_latest_queries_and_runs_to_the_end(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
+def test_snapkv_observes_the_latest_queries_and_runs_to_the_end(tiny_model_dir, kv_cache_dtype):
     """The observed attention of a decode query is a probability distribution over the sequence's slots, and
-    generation under eviction keeps its blocks within the budget and returns them all."""
+    generation under eviction (also with the int4 resident cache) returns every block."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4, max_model_len=160, kv_eviction="snapkv",
-                                    kv_budget_tokens=20, kv_sink_tokens=2, kv_observation_window=4))
+                                    kv_budget_tokens=20, kv_sink_tokens=2, kv_observation_window=4,
+                                    kv_cache_dtype=kv_cache_dtype))
     prompts = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 9, 25)]
     observed = []
     run = engine.runner.run
