@@ -109,8 +109,10 @@ def check_trajectory(result: dict, max_turns: int) -> None:
     assert result["malformed"] == feedback.count(MALFORMED)
     stats = result["stats"]
     assert stats["turns"] == result["turns"] and stats["kv_recomputes"] == 0
-    # KV kept between turns: turn k prefills its observation (and the last token sampled), not the context.
-    assert stats["turn_prefill_tokens"][0] == result["prompt_tokens"]
+    # KV kept between turns: turn k prefills its observation (and the last token sampled), not the context. The
+    # first turn prefills its prompt but for whole blocks (16 tokens) an earlier session's game prompt left cached.
+    cached = result["prompt_tokens"] - stats["turn_prefill_tokens"][0]
+    assert 0 <= cached < result["prompt_tokens"] and cached % 16 == 0
     for before, prefill in zip(episode, stats["turn_prefill_tokens"][1:]):
         assert prefill <= len(before["observation"]) + 1
     assert (result["reward"] > 0) == result["solved"]
