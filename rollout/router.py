@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class Router:
         self.workers = [Worker(address, rollout_pb2_grpc.RolloutStub(channel), kv_pb2_grpc.DecodeWorkerStub(channel))
                         for address, channel in zip(settings.decode, channels)]
         self.affinity: OrderedDict[str, Worker] = OrderedDict()
+        self.sessions: OrderedDict[str, Worker] = OrderedDict()  # open session id -> the worker that holds it
         self._poller: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -112,7 +114,9 @@ class Router:
 
 
 class RouterServicer(rollout_pb2_grpc.RolloutServicer):
-    """Rollout's Generate / GenerateStream / GenerateMany / Abort / GetWeightVersion / GetModelInfo, routed."""
+    """Rollout's RPCs, routed: Generate / GenerateStream / GenerateMany by load and routing key (re-run elsewhere when
+    a worker dies), a session's RPCs to the worker that opened it (its KV lives there: a session cannot move, so
+    its worker's death is UNAVAILABLE for it), Abort to every worker, the others to any live one."""
 
     def __init__(self, router: Router):
         self.router = router
@@ -171,6 +175,61 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
     async def GetModelInfo(self, request, context) -> rollout_pb2.GetModelInfoResponse:
         worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
         return await worker.rollout.GetModelInfo(request)
+
+    async def ComputeLogprobs(self, request, context) -> rollout_pb2.ComputeLogprobsResponse:
+        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
+        return await self._once(worker, worker.rollout.ComputeLogprobs(request), context)
+
+    async def OpenSession(self, request: rollout_pb2.OpenSessionRequest, context) -> rollout_pb2.OpenSessionResponse:
+        opening = rollout_pb2.OpenSessionRequest()
+        opening.CopyFrom(request)
+        opening.session_id = request.session_id or uuid.uuid4().hex
+        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
+        reply = await self._once(worker, worker.rollout.OpenSession(opening), context)
+        self.router.sessions[opening.session_id] = worker
+        if len(self.router.sessions) > _AFFINITY_KEYS:  # sessions that expired on their worker, oldest first
+            self.router.sessions.popitem(last=False)
+        return reply
+
+    async def AppendToSession(self, request, context) -> rollout_pb2.AppendToSessionResponse:
+        worker = await self._session_worker(request.session_id, context)
+        return await self._once(worker, worker.rollout.AppendToSession(request), context)
+
+    async def GenerateInSession(self, request, context):
+        worker = await self._session_worker(request.session_id, context)
+        try:
+            async for chunk in worker.rollout.GenerateInSession(request):
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            await self._lost(worker, exc, context)
+
+    async def CloseSession(self, request, context) -> rollout_pb2.CloseSessionResponse:
+        worker = await self._session_worker(request.session_id, context)
+        reply = await self._once(worker, worker.rollout.CloseSession(request), context)
+        self.router.sessions.pop(request.session_id, None)
+        return reply
+
+    async def _session_worker(self, session_id: str, context) -> Worker:
+        worker = self.router.sessions.get(session_id)
+        if worker is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"session {session_id!r} is not open (never opened through "
+                                "this router, or closed)")
+        self.router.sessions.move_to_end(session_id)
+        return worker
+
+    async def _once(self, worker: Worker, call, context):
+        """A call that cannot be re-run elsewhere: its worker's answer, or UNAVAILABLE when the worker is gone."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            await self._lost(worker, exc, context)
+
+    async def _lost(self, worker: Worker, exc: grpc.aio.AioRpcError, context) -> None:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.router.drop(worker, f"{exc.code().name}: {exc.details()}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker.address} is gone: "
+                                f"{exc.details()}")
+        await context.abort(exc.code(), exc.details())
 
     async def _choose(self, request: rollout_pb2.GenerateRequest, tried: set[str], context):
         if len(tried) >= self.router.settings.max_attempts:

@@ -228,3 +228,64 @@ def test_a_trainer_publish_reaches_prefill_and_decode_workers_and_the_split_foll
     finally:
         for service in (router, decoder, prefill_worker, mono):
             service.stop(timeout=10)
+
+
+def test_sessions_stay_on_the_decode_worker_that_opened_them(sharp_model_dir, tmp_path):
+    """Sessions opened through the router spread over two decode workers by load, and every later call of a
+    session reaches the worker holding its KV: the episodes equal the monolithic worker's, token for token."""
+    from deploy.launcher import start_service
+
+    model = {"model": str(sharp_model_dir), **ENGINE}
+    mono = start_service("rollout", model, log_dir=tmp_path)
+    prefill_worker = start_service("prefill", model, log_dir=tmp_path)
+    decoders = [start_service("decode", {**model, "prefill": [prefill_worker.address]}, log_dir=tmp_path)
+                for _ in range(2)]
+    router = start_service("rollout", {**model, "router.decode": [d.address for d in decoders], "router.poll_s": 0.1},
+                           log_dir=tmp_path)
+    greedy = rollout_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+
+    async def episodes(address: str, pause_s: float) -> list[list[int]]:
+        async with connect(address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            ids = []
+            for i in range(4):  # each opened after the last one's first turn took blocks (and a load poll saw it)
+                opened = await stub.OpenSession(rollout_pb2.OpenSessionRequest(prompt_ids=encode_array(
+                    prompt_of(i, 20 + i), "int32")), timeout=30)
+                ids.append(opened.session_id)
+                [turn async for turn in stub.GenerateInSession(rollout_pb2.GenerateInSessionRequest(
+                    session_id=opened.session_id, params=greedy, whole_turn=True), timeout=30)]
+                await asyncio.sleep(pause_s)
+            for turn in range(2):
+                for i, session_id in enumerate(ids):
+                    await stub.AppendToSession(rollout_pb2.AppendToSessionRequest(
+                        session_id=session_id, token_ids=encode_array(prompt_of(turn, 3 + i), "int32")), timeout=30)
+                    [c async for c in stub.GenerateInSession(rollout_pb2.GenerateInSessionRequest(
+                        session_id=session_id, params=greedy), timeout=30)]
+            holders = []
+            for session_id in ids:  # which worker holds each session: a reward-only append succeeds there alone
+                found = []
+                for decoder in decoders:
+                    async with connect(decoder.address) as direct:
+                        try:
+                            await rollout_pb2_grpc.RolloutStub(direct).AppendToSession(
+                                rollout_pb2.AppendToSessionRequest(session_id=session_id, turn_reward=0.0), timeout=30)
+                            found.append(decoder.address)
+                        except grpc.aio.AioRpcError as exc:
+                            assert exc.code() == grpc.StatusCode.NOT_FOUND
+                holders.append(found)
+            closed = [await stub.CloseSession(rollout_pb2.CloseSessionRequest(session_id=s), timeout=30) for s in ids]
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await stub.AppendToSession(rollout_pb2.AppendToSessionRequest(session_id=ids[0], turn_reward=1.0))
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+            return [decode_array(c.sample.response_ids).tolist() for c in closed], holders
+
+    try:
+        split, holders = asyncio.run(episodes(router.address, pause_s=0.4))
+        assert all(len(found) == 1 for found in holders)
+        assert {found[0] for found in holders} == {d.address for d in decoders}  # spread over both by load
+        reference, _ = asyncio.run(episodes(mono.address, pause_s=0))
+        assert split == reference and all(len(tokens) == 6 + (3 + i) + 6 + (3 + i) + 6 for i, tokens in
+                                          enumerate(split))
+    finally:
+        for service in (router, *decoders, prefill_worker, mono):
+            service.stop(timeout=10)
