@@ -15,7 +15,6 @@ import logging
 import pathlib
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 
 from pydantic import Field
@@ -108,30 +107,34 @@ def sft_warmup(config: QuickstartConfig, init_dir: pathlib.Path, out_dir: pathli
     """Supervised warm-up through the same training loop RL uses, fed from the task list."""
     from transformers import AutoTokenizer
 
+    samples = _sft_samples(train_tasks, AutoTokenizer.from_pretrained(init_dir))
+    supervised_warmup(init_dir, out_dir, samples, config.sft.steps, config.sft.batch_size, config.sft.lr, config.seed)
+
+
+def supervised_warmup(init_dir: pathlib.Path, out_dir: pathlib.Path, samples, steps: int, batch_size: int, lr: float,
+                      seed: int) -> None:
+    """`steps` SFT steps on `samples` (protos.sample.Sample) from `init_dir`, the result written to `out_dir` as a
+    Hugging Face folder; metrics to sft_metrics.jsonl beside it."""
     from trainer.config import TrainerConfig
     from trainer.dataset import DatasetSource
     from trainer.loop import train
     from trainer.parallel import init_distributed
 
-    tokenizer = AutoTokenizer.from_pretrained(init_dir)
     cfg = TrainerConfig.model_validate({
         "model_path": str(init_dir),
         "algorithm": {"name": "sft"},
-        "optim": {"lr": config.sft.lr, "max_grad_norm": 1.0},
-        "batch": {"global_batch_size": config.sft.batch_size, "micro_batch_size": config.sft.batch_size},
-        "max_steps": config.sft.steps,
-        "seed": config.seed,
+        "optim": {"lr": lr, "max_grad_norm": 1.0},
+        "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
+        "max_steps": steps,
+        "seed": seed,
         "log_interval": 50,
         "checkpoint": {"export_dir": str(out_dir)},
         "metrics_path": str(out_dir.parent / "sft_metrics.jsonl"),
     })
-    train(cfg, init_distributed("cpu"), DatasetSource(_sft_samples(train_tasks, tokenizer), seed=config.seed))
+    train(cfg, init_distributed("cpu"), DatasetSource(samples, seed=seed))
 
 
 # ---------------------------------------------------------------- evaluation
-
-
-_EVAL_RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
 
 async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_tokens: int, per_call: int = 64,
@@ -141,34 +144,13 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
     A rollout that restarts (or is frozen and then restarted) is waited for: each call is retried on
     UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED for up to `retry_for_s`.
     """
-    import grpc
-
-    from protos import rollout_pb2, rollout_pb2_grpc
-    from protos.codec import encode_array
+    from deploy.evaluation import greedy_completions
     from reward.match import extract_answer, normalize
-    from services.client import connect
 
-    correct = 0
-    async with connect(address) as channel:
-        stub = rollout_pb2_grpc.RolloutStub(channel)
-        # `per_call` prompts per GenerateMany call, one call at a time: a round trip per chunk, not per prompt.
-        for start in range(0, len(prompts), per_call):
-            chunk = prompts[start:start + per_call]
-            request = rollout_pb2.GenerateManyRequest(requests=[rollout_pb2.GenerateRequest(
-                prompt_ids=encode_array(ids, "int32"),
-                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)) for ids, _ in chunk])
-            give_up = time.monotonic() + retry_for_s
-            while True:
-                try:
-                    reply = await stub.GenerateMany(request, timeout=30)
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code().name not in _EVAL_RETRYABLE or time.monotonic() > give_up:
-                        raise
-                    await asyncio.sleep(0.5)
-            # The reward's own rule (reward.match.exact_match), which bench/vs_trl.py's TRL side also uses.
-            correct += sum(normalize(extract_answer(response.completions[0].text)) == normalize(answer)
-                           for response, (_, answer) in zip(reply.responses, chunk, strict=True))
+    completions = await greedy_completions(address, [ids for ids, _ in prompts], max_tokens, per_call, retry_for_s)
+    # The reward's own rule (reward.match.exact_match), which bench/vs_trl.py's TRL side also uses.
+    correct = sum(normalize(extract_answer(completion.text)) == normalize(answer)
+                  for completion, (_, answer) in zip(completions, prompts, strict=True))
     return correct / len(prompts)
 
 
