@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from deploy.supervisor import SuperviseConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
@@ -83,12 +83,13 @@ class RewardSection(Strict):
                               "reward instead of `function`.")
     timeout_s: float = Field(10.0, gt=0, description="Per-sample scoring timeout.")
 
-    @model_validator(mode="after")
-    def _check(self) -> "RewardSection":
-        if self.model is None and self.function not in BUILTINS and not re.match(DOTTED_PATTERN, self.function):
-            raise ValueError(f"function {self.function!r}: not a built-in ({', '.join(sorted(BUILTINS))}) nor a "
+    @field_validator("function")
+    @classmethod
+    def _known_or_dotted(cls, function: str) -> str:
+        if function not in BUILTINS and not re.match(DOTTED_PATTERN, function):
+            raise ValueError(f"{function!r} is not a built-in ({', '.join(sorted(BUILTINS))}) nor a "
                              "'package.module:function' path")
-        return self
+        return function
 
     @property
     def custom(self) -> bool:
