@@ -59,10 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--token", help="bearer token")
     status.add_argument("--ca-cert", help="CA PEM to verify the servers (TLS)")
 
-    run = sub.add_parser("run", help="the local quickstart: SFT warm-up, then async GRPO on one machine "
-                         "(a config with `job: agentic`: on an environment, examples/agentic/)")
-    run.add_argument("--config", help="YAML config file (default: the shipped quickstart)")
+    run = sub.add_parser("run", help="an experiment file (your model, data and reward: deploy/experiment.py); "
+                         "without one, the local quickstart (SFT warm-up, then async GRPO on one machine; a --config "
+                         "with `job: agentic`: on an environment, examples/agentic/)")
+    run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment.py documents every field)")
+    run.add_argument("--config", help="quickstart YAML config file (default: the shipped quickstart)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+
+    doctor = sub.add_parser("doctor", help="check an experiment file before a run: config, model and tokenizer, "
+                            "data fields, reward, ports, disk, versions; exit 1 on any error")
+    doctor.add_argument("experiment", help="EXPERIMENT.yaml")
+    doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     return parser
 
 
@@ -123,6 +130,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from deploy import agentic
+
+    if args.experiment and args.config:
+        print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)
+        return 2
+    if args.experiment and agentic.selects(args.experiment):
+        return agentic.main(args.experiment, args.set)
+    if args.experiment:
+        from deploy.experiment_run import main as run_experiment
+
+        return run_experiment(args.experiment, args.set)
     from deploy.quickstart import main as quickstart
 
     if agentic.selects(args.config):  # `job: agentic` in the YAML: environments over sessions
@@ -130,12 +147,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return quickstart(args.config, args.set)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from deploy.doctor import main as doctor
+
+    return doctor(args.experiment, args.set)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "version":
         print(f"relayrl {_version()}")
         return 0
-    return {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run}[args.command](args)
+    commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

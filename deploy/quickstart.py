@@ -11,17 +11,15 @@ count, never because something died; a process that keeps dying fails the run (e
 """
 
 import asyncio
-import json
 import logging
 import pathlib
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 
-import yaml
 from pydantic import Field
 
+from deploy.pipeline import RLConfig, write_yaml
 from deploy.supervisor import SuperviseConfig
 from services.config import Strict, load_config
 
@@ -54,34 +52,6 @@ class SFTConfig(Strict):
     steps: int = Field(450, ge=0, description="Optimizer steps (0 = no warm-up); 450 gives ~0.3 held-out accuracy.")
     batch_size: int = Field(64, gt=0)
     lr: float = Field(1e-3, gt=0)
-
-
-class RLConfig(Strict):
-    """Asynchronous GRPO."""
-
-    time_budget_s: float = Field(360.0, gt=0, description="Wall-clock budget of the RL phase.")
-    max_steps: int = Field(100_000, gt=0, description="Stop after this many optimizer steps (if sooner).")
-    group_size: int = Field(8, ge=2, description="Completions per prompt.")
-    groups_per_batch: int = Field(8, ge=1, description="Prompts per optimizer step.")
-    max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy; k = generation may run k versions "
-                               "ahead (the PPO ratio against the sampling policy's logprobs corrects for it). 2 made "
-                               "14% more completions/s here (1,609 vs 1,407 in 120 s runs, measured before GenerateMany).")
-    temperature: float = Field(1.0, gt=0)
-    max_tokens: int = Field(4, gt=0, description="Longest answer generated.")
-    lr: float = Field(1e-4, gt=0, description="3e-4 collapsed the policy here (TRL's GRPOTrainer too); 1e-4 learns.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up (a fresh Adam's first steps are large).")
-    eval_interval_s: float = Field(15.0, gt=0, description="Held-out greedy accuracy every this many seconds.")
-    algorithm: dict = Field(default_factory=lambda: {"name": "grpo"},
-                            description="trainer.config.AlgorithmConfig fields (variants: Dr. GRPO, DAPO, ...).")
-    publish_overlap: bool = Field(True, description="Send new weights while the next step computes (trainer.config.PublishConfig.overlap).")
-    driver_concurrency: int = Field(32, ge=1, description="Prompts the driver keeps in flight (more overlaps RPC latency; staleness stays bounded).")
-    checkpoint_interval: int = Field(10, gt=0, description="Trainer checkpoint every this many steps: a restarted "
-                                     "trainer resumes from it, and the batches trained since are held in the buffer "
-                                     "(leased) until it is saved.")
-    buffer_capacity_batches: int = Field(32, gt=0, description="Buffer capacity in batches (pending + leased, "
-                                         "including those held until the next checkpoint).")
-    metrics_sample_ids: bool = Field(False, description="List each step's sample ids in trainer_metrics.jsonl "
-                                     "(audits what was trained, e.g. across restarts).")
 
 
 class QuickstartConfig(Strict):
@@ -137,30 +107,34 @@ def sft_warmup(config: QuickstartConfig, init_dir: pathlib.Path, out_dir: pathli
     """Supervised warm-up through the same training loop RL uses, fed from the task list."""
     from transformers import AutoTokenizer
 
+    samples = _sft_samples(train_tasks, AutoTokenizer.from_pretrained(init_dir))
+    supervised_warmup(init_dir, out_dir, samples, config.sft.steps, config.sft.batch_size, config.sft.lr, config.seed)
+
+
+def supervised_warmup(init_dir: pathlib.Path, out_dir: pathlib.Path, samples, steps: int, batch_size: int, lr: float,
+                      seed: int) -> None:
+    """`steps` SFT steps on `samples` (protos.sample.Sample) from `init_dir`, the result written to `out_dir` as a
+    Hugging Face folder; metrics to sft_metrics.jsonl beside it."""
     from trainer.config import TrainerConfig
     from trainer.dataset import DatasetSource
     from trainer.loop import train
     from trainer.parallel import init_distributed
 
-    tokenizer = AutoTokenizer.from_pretrained(init_dir)
     cfg = TrainerConfig.model_validate({
         "model_path": str(init_dir),
         "algorithm": {"name": "sft"},
-        "optim": {"lr": config.sft.lr, "max_grad_norm": 1.0},
-        "batch": {"global_batch_size": config.sft.batch_size, "micro_batch_size": config.sft.batch_size},
-        "max_steps": config.sft.steps,
-        "seed": config.seed,
+        "optim": {"lr": lr, "max_grad_norm": 1.0},
+        "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
+        "max_steps": steps,
+        "seed": seed,
         "log_interval": 50,
         "checkpoint": {"export_dir": str(out_dir)},
         "metrics_path": str(out_dir.parent / "sft_metrics.jsonl"),
     })
-    train(cfg, init_distributed("cpu"), DatasetSource(_sft_samples(train_tasks, tokenizer), seed=config.seed))
+    train(cfg, init_distributed("cpu"), DatasetSource(samples, seed=seed))
 
 
 # ---------------------------------------------------------------- evaluation
-
-
-_EVAL_RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
 
 async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_tokens: int, per_call: int = 64,
@@ -170,49 +144,17 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
     A rollout that restarts (or is frozen and then restarted) is waited for: each call is retried on
     UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED for up to `retry_for_s`.
     """
-    import grpc
-
-    from protos import rollout_pb2, rollout_pb2_grpc
-    from protos.codec import encode_array
+    from deploy.evaluation import greedy_completions
     from reward.match import extract_answer, normalize
-    from services.client import connect
 
-    correct = 0
-    async with connect(address) as channel:
-        stub = rollout_pb2_grpc.RolloutStub(channel)
-        # `per_call` prompts per GenerateMany call, one call at a time: a round trip per chunk, not per prompt.
-        for start in range(0, len(prompts), per_call):
-            chunk = prompts[start:start + per_call]
-            request = rollout_pb2.GenerateManyRequest(requests=[rollout_pb2.GenerateRequest(
-                prompt_ids=encode_array(ids, "int32"),
-                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1)) for ids, _ in chunk])
-            give_up = time.monotonic() + retry_for_s
-            while True:
-                try:
-                    reply = await stub.GenerateMany(request, timeout=30)
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code().name not in _EVAL_RETRYABLE or time.monotonic() > give_up:
-                        raise
-                    await asyncio.sleep(0.5)
-            # The reward's own rule (reward.match.exact_match), which bench/vs_trl.py's TRL side also uses.
-            correct += sum(normalize(extract_answer(response.completions[0].text)) == normalize(answer)
-                           for response, (_, answer) in zip(reply.responses, chunk, strict=True))
+    completions = await greedy_completions(address, [ids for ids, _ in prompts], max_tokens, per_call, retry_for_s)
+    # The reward's own rule (reward.match.exact_match), which bench/vs_trl.py's TRL side also uses.
+    correct = sum(normalize(extract_answer(completion.text)) == normalize(answer)
+                  for completion, (_, answer) in zip(completions, prompts, strict=True))
     return correct / len(prompts)
 
 
 # ---------------------------------------------------------------- the run
-
-
-def _write_yaml(path: pathlib.Path, data: dict) -> pathlib.Path:
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> Summary:
@@ -221,14 +163,11 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     import torch
     from transformers import AutoTokenizer
 
-    from deploy.launcher import start_service
+    from deploy.pipeline import Pipeline, run_pipeline
     from deploy.progress import Progress
     from deploy.provenance import write_provenance
-    from deploy.service_registry import REGISTRY_FILE
-    from deploy.status import run_targets
     from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
-    from deploy.tensorboard import RunBoard
     from rollout.tiny import write_tiny_model
 
     torch.set_num_threads(1)
@@ -236,7 +175,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     if run_dir.exists():
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
-    _write_yaml(run_dir / "config.yaml", config.model_dump())
+    write_yaml(run_dir / "config.yaml", config.model_dump())
     write_provenance(run_dir, config.seed)
     progress = Progress(run_dir, console)
 
@@ -257,90 +196,22 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     eval_prompts = [([tokenizer.bos_token_id, *tokenizer.encode(t.prompt, add_special_tokens=False)], t.answer)
                     for t in eval_tasks]
     prompts_path = write_jsonl(train_tasks, run_dir / "prompts.jsonl")
-    rl = config.rl
-    batch_size = rl.group_size * rl.groups_per_batch
-
+    plan = Pipeline(
+        run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed, rl=config.rl,
+        supervise=config.supervise, buffer=config.buffer, rollout=config.rollout,
+        evaluate=lambda at: asyncio.run(evaluate(at.rollout, eval_prompts, config.rl.max_tokens)),
+    )
     supervisor = supervisor or Supervisor(config.supervise)
-    registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
-    board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
     try:
-        with progress.phase("starting buffer, reward and rollout services"):
-            logs = run_dir / "logs"
-            buffer = supervisor.add_service(start_service("buffer", {
-                "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs, registry=registry))
-            reward = supervisor.add_service(start_service("reward", {}, log_dir=logs, registry=registry))
-            rollout = supervisor.add_service(start_service("rollout", {
-                "model": str(policy_dir), "engine.seed": config.seed, **config.rollout}, log_dir=logs, registry=registry))
-        sft_accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
-        progress.note(f"held-out accuracy at the start of RL: {sft_accuracy:.3f}")
-
-        driver_cfg = _write_yaml(run_dir / "driver.yaml", {
-            "rollout": rollout.address, "reward": reward.address, "buffer": buffer.address,
-            "prompts": str(prompts_path), "tokenizer": str(policy_dir), "group_size": rl.group_size,
-            "groups_per_batch": rl.groups_per_batch, "max_staleness": rl.max_staleness,
-            "temperature": rl.temperature, "max_tokens": rl.max_tokens, "concurrency": rl.driver_concurrency,
-            "seed": config.seed, "stats_path": str(run_dir / "driver_stats.jsonl"),
-        })
-        trainer_cfg = _write_yaml(run_dir / "trainer.yaml", {
-            "model_path": str(policy_dir),
-            "algorithm": rl.algorithm,
-            "optim": {"lr": rl.lr, "warmup_steps": rl.warmup_steps, "max_grad_norm": 1.0},
-            "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
-            "buffer": {"address": buffer.address},
-            "max_steps": rl.max_steps,
-            "max_staleness": rl.max_staleness,
-            "publish": {"receivers": [rollout.address], "overlap": rl.publish_overlap},
-            "seed": config.seed,
-            "log_interval": 10,
-            "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
-            "metrics_sample_ids": rl.metrics_sample_ids,
-            "checkpoint": {"dir": str(run_dir / "checkpoints"), "interval": rl.checkpoint_interval},
-            "heartbeat_path": str(run_dir / "trainer.heartbeat"),
-        })
-        started = time.monotonic()
-        supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",
-                               exit_zero_is_done=True, heartbeat=run_dir / "trainer.heartbeat")
-        supervisor.add_process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log",
-                               heartbeat=run_dir / "driver_stats.jsonl")
-        progress.start_rl(rl.time_budget_s, sft_accuracy)
-        curve = [progress.point(0.0, sft_accuracy)]
-        board.eval(curve[-1])
-        next_eval = started + rl.eval_interval_s
-        while True:
-            supervisor.check()  # RunFailed: something kept dying
-            now = time.monotonic()
-            if supervisor.done("trainer") or now - started >= rl.time_budget_s:
-                break
-            if now >= next_eval:
-                next_eval = now + rl.eval_interval_s
-                accuracy = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
-                point = progress.point(time.monotonic() - started, accuracy)
-                curve.append(point)
-                board.eval(point)
-            progress.refresh(time.monotonic() - started)
-            board.tick(time.monotonic() - started)
-            time.sleep(0.5)
-        rl_seconds = time.monotonic() - started
-        for name in ("driver", "trainer"):
-            supervisor.stop_member(name)
-        final = asyncio.run(evaluate(rollout.address, eval_prompts, rl.max_tokens))
-        curve.append(progress.point(rl_seconds, final))
-        board.eval(curve[-1])
-        supervisor.check()
+        result = run_pipeline(plan, progress, supervisor)
     finally:
         supervisor.stop()
-        board.close()
         progress.close()
-    trainer_metrics = _read_jsonl(run_dir / "trainer_metrics.jsonl")
-    driver_stats = _read_jsonl(run_dir / "driver_stats.jsonl")
-    # Each driver process (a new producer id after a restart) counts from zero: sum their last records.
-    completions = sum({d.get("producer_id"): d["samples"] for d in driver_stats}.values())
     summary = Summary(
-        seed=config.seed, sft_accuracy=sft_accuracy, final_accuracy=final,
-        best_accuracy=max(p["accuracy"] for p in curve), steps=trainer_metrics[-1]["step"] if trainer_metrics else 0,
-        completions=completions, rl_seconds=rl_seconds, curve=curve, run_dir=str(run_dir),
-        restarts=supervisor.restarts(),
+        seed=config.seed, sft_accuracy=result.start_metric, final_accuracy=result.final_metric,
+        best_accuracy=max(p["accuracy"] for p in result.curve), steps=result.steps,
+        completions=result.completions, rl_seconds=result.rl_seconds, curve=result.curve, run_dir=str(run_dir),
+        restarts=result.restarts,
     )
     progress.finish(summary)
     return summary

@@ -187,3 +187,23 @@ def export_hf(out_dir: str | Path, policy: PolicyModel, tokenizer_dir: str | Pat
         staging.rename(out_dir)
     env.barrier()
     return out_dir
+
+
+def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir: str | Path) -> Path:
+    """Write a saved checkpoint's policy as a Hugging Face folder: the model folder's config and tokenizer with the
+    checkpoint's weights (a trainer stopped at a time budget exports this way, from its latest checkpoint)."""
+    from transformers import AutoConfig
+
+    out_dir = Path(out_dir)
+    config = AutoConfig.from_pretrained(model_path)
+    full_state = torch.load(Path(checkpoint) / MODEL_FILE, map_location="cpu", weights_only=True)
+    tensors = hf_state_dict(full_state, bool(getattr(config, "tie_word_embeddings", False)))
+    staging = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    config.save_pretrained(staging)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, staging / "model.safetensors", metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(staging)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging.rename(out_dir)
+    return out_dir

@@ -1,0 +1,265 @@
+"""`relayrl doctor EXPERIMENT.yaml`: what would stop a run, found before it starts, each with its fix.
+
+Checks the config, the model folder (config, weights, tokenizer; the tokenizer fits the embedding), that the
+trainer and the rollout share one tokenizer and vocabulary, the chat template when asked for, the data's fields,
+the reward (importable, its arguments fit), fixed ports, disk space for the buffer and checkpoints, and the
+versions of torch / transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
+"""
+
+import importlib
+import json
+import pathlib
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Literal
+
+from deploy.experiment import ExperimentConfig
+
+Level = Literal["ok", "warn", "error"]
+
+
+@dataclass
+class Finding:
+    level: Level
+    check: str
+    message: str
+    fix: str = ""
+
+    def render(self) -> str:
+        text = f"{self.level.upper():5} {self.check}: {self.message}"
+        return text + (f"\n      fix: {self.fix}" if self.fix else "")
+
+
+# ---------------------------------------------------------------- the model and its tokenizer
+
+
+@dataclass
+class ModelFacts:
+    vocab_size: int  # rows of the embedding (config.vocab_size)
+    tokenizer_size: int  # len(tokenizer), added tokens included
+    vocab: dict[str, int]
+    special: dict[str, str | None]
+    chat_template: str | None
+    weight_bytes: int
+
+
+def _model_facts(path: pathlib.Path, role: str, findings: list[Finding]) -> ModelFacts | None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    check = f"model ({role})"
+    if not path.is_dir():
+        findings.append(Finding("error", check, f"{path} is not a folder", "point model.path at a Hugging Face "
+                                "folder (config.json, *.safetensors, tokenizer files)"))
+        return None
+    if not (path / "config.json").exists():
+        findings.append(Finding("error", check, f"{path} has no config.json", "save the model with "
+                                "model.save_pretrained(folder)"))
+        return None
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        findings.append(Finding("error", check, f"{path} has no *.safetensors weights", "save with "
+                                "model.save_pretrained(folder, safe_serialization=True)"))
+        return None
+    try:
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        findings.append(Finding("error", check, f"{path} does not load with transformers: {exc}",
+                                "save the model and tokenizer with save_pretrained (transformers "
+                                f"{metadata.version('transformers')} must know its model_type)"))
+        return None
+    facts = ModelFacts(
+        vocab_size=int(config.vocab_size), tokenizer_size=len(tokenizer), vocab=tokenizer.get_vocab(),
+        special={name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "pad_token")},
+        chat_template=tokenizer.chat_template, weight_bytes=sum(w.stat().st_size for w in weights))
+    if facts.tokenizer_size > facts.vocab_size:
+        findings.append(Finding("error", check, f"the tokenizer has {facts.tokenizer_size} tokens but the model's "
+                                f"embedding has {facts.vocab_size} rows: token ids past it cannot be embedded",
+                                "use the tokenizer the model was trained with, or resize the embeddings "
+                                "(model.resize_token_embeddings(len(tokenizer))) and save again"))
+        return facts
+    if tokenizer.eos_token_id is None:
+        findings.append(Finding("warn", check, "the tokenizer has no eos token: completions end only at max_tokens",
+                                "set tokenizer.eos_token and save the tokenizer again"))
+    findings.append(Finding("ok", check, f"{path.name}: {config.model_type}, vocabulary {facts.tokenizer_size} of "
+                            f"{facts.vocab_size} embedding rows, {facts.weight_bytes / 1e6:.1f} MB of weights"))
+    return facts
+
+
+def check_models(config: ExperimentConfig, findings: list[Finding]) -> ModelFacts | None:
+    trainer = _model_facts(pathlib.Path(config.model.path), "trainer", findings)
+    if config.model.rollout_path is None or trainer is None:
+        return trainer
+    rollout = _model_facts(pathlib.Path(config.model.rollout_path), "rollout", findings)
+    if rollout is None:
+        return trainer
+    differences = []
+    if trainer.vocab != rollout.vocab:
+        only_trainer = len(trainer.vocab.keys() - rollout.vocab.keys())
+        only_rollout = len(rollout.vocab.keys() - trainer.vocab.keys())
+        moved = sum(trainer.vocab[t] != rollout.vocab[t] for t in trainer.vocab.keys() & rollout.vocab.keys())
+        differences.append(f"vocabularies differ ({only_trainer} tokens only in the trainer's, {only_rollout} only "
+                           f"in the rollout's, {moved} with other ids)")
+    if trainer.vocab_size != rollout.vocab_size:
+        differences.append(f"embedding rows {trainer.vocab_size} (trainer) vs {rollout.vocab_size} (rollout)")
+    if trainer.special != rollout.special:
+        differences.append(f"special tokens {trainer.special} (trainer) vs {rollout.special} (rollout)")
+    if differences:
+        findings.append(Finding("error", "tokenizer (trainer vs rollout)", "; ".join(differences) + ": the "
+                                "rollout's token ids would mean other tokens to the trainer",
+                                "give model.rollout_path a copy of the same model and tokenizer as model.path "
+                                "(or drop rollout_path)"))
+    else:
+        findings.append(Finding("ok", "tokenizer (trainer vs rollout)", "same vocabulary and special tokens"))
+    return trainer
+
+
+# ---------------------------------------------------------------- data, reward, ports, disk, versions
+
+
+def check_data(config: ExperimentConfig, facts: ModelFacts | None, findings: list[Finding]) -> int:
+    """The rows and fields of each source; returns the number of train rows (0 when unreadable)."""
+    from deploy.experiment_data import DataError, missing_fields, read_rows
+
+    data = config.data
+    if data.chat_template and facts is not None and not facts.chat_template:
+        findings.append(Finding("error", "chat template", "data.chat_template is on but the tokenizer has none",
+                                "set data.chat_template: false, or add a template (tokenizer.chat_template = ...; "
+                                "tokenizer.save_pretrained(model folder))"))
+    train_rows = 0
+    for name, source in (("train", data.train), ("eval", data.eval)):
+        if source is None:
+            continue
+        check = f"data ({name})"
+        try:
+            rows = read_rows(source)
+        except DataError as exc:
+            findings.append(Finding("error", check, str(exc)))
+            continue
+        if not rows:
+            findings.append(Finding("error", check, f"{source.path} holds no rows", "write the prompts there"))
+            continue
+        missing = missing_fields(rows, data)
+        for field_name, count in missing.items():
+            findings.append(Finding("error", check, f"{count} of {len(rows)} rows have no field {field_name!r} "
+                                    f"(the first row has {sorted(rows[0])})",
+                                    "name the right field in data.prompt_field / answer_field / id_field / "
+                                    "metadata_fields, or add it to the data"))
+        if name == "train":
+            train_rows = len(rows)
+        if not missing:
+            findings.append(Finding("ok", check, f"{len(rows)} rows with every named field"))
+    if data.eval is None and train_rows and train_rows <= data.num_eval:
+        findings.append(Finding("error", "data (eval)", f"data.num_eval={data.num_eval} would hold out all "
+                                f"{train_rows} train rows", "lower data.num_eval or give data.eval"))
+    return train_rows
+
+
+def check_reward(config: ExperimentConfig, findings: list[Finding]) -> None:
+    from reward.registry import BUILTINS, BadFunction, RewardSpec, check_args, load
+
+    reward = config.reward
+    if reward.model is not None:
+        if not (pathlib.Path(reward.model) / "config.json").exists():
+            findings.append(Finding("error", "reward", f"reward model {reward.model} has no config.json",
+                                    "point reward.model at a sequence-classification model folder"))
+        else:
+            findings.append(Finding("ok", "reward", f"reward model {reward.model}"))
+        return
+    spec = BUILTINS.get(reward.function) or RewardSpec(reward.function, reward.function)
+    added = [p for p in reward.python_path if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        importlib.invalidate_caches()
+        fn = load(spec)
+        check_args(spec, fn, reward.args)
+    except BadFunction as exc:
+        findings.append(Finding("error", "reward", str(exc), "make the module importable from reward.python_path "
+                                f"({', '.join(reward.python_path)}) and the function take (sample, **args)"))
+        return
+    finally:
+        for path in added:
+            sys.path.remove(path)
+    findings.append(Finding("ok", "reward", f"{reward.function} imports ({spec.target})"))
+
+
+def check_ports(config: ExperimentConfig, findings: list[Finding]) -> None:
+    for name in ("buffer", "reward", "rollout"):
+        port = getattr(config.services, name).port
+        if not port:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError as exc:
+                findings.append(Finding("error", f"port ({name})", f"127.0.0.1:{port} is taken ({exc.strerror})",
+                                        f"stop what listens there or set services.{name}.port: 0 (any free port)"))
+                continue
+        findings.append(Finding("ok", f"port ({name})", f"127.0.0.1:{port} is free"))
+
+
+def check_disk(config: ExperimentConfig, facts: ModelFacts | None, findings: list[Finding]) -> None:
+    training = config.training
+    # A checkpoint holds the weights and Adam's two moments in float32; a buffer sample ~20 bytes a token.
+    weights = facts.weight_bytes if facts else 0
+    checkpoints = (config.checkpoint.keep_last + 1) * 3 * weights
+    exports = weights * (1 + bool(config.checkpoint.export_dir) + bool(config.sft.steps))
+    buffer = training.buffer_capacity_batches * training.batch_size * (training.max_tokens + 512) * 20 * 2
+    need = checkpoints + exports + buffer
+    where = pathlib.Path(config.run_dir)
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    message = f"{free / 1e9:.1f} GB free at {where}, the run needs about {need / 1e9:.2f} GB"
+    if free < need:
+        findings.append(Finding("error", "disk", message, "free space, point run_dir elsewhere, or lower "
+                                "checkpoint.keep_last / training.buffer_capacity_batches"))
+    else:
+        findings.append(Finding("warn" if free < 2 * need else "ok", "disk", message))
+
+
+def check_versions(findings: list[Finding]) -> None:
+    found = {}
+    for name in ("torch", "transformers", "vllm"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    if found["torch"] is None or found["transformers"] is None:
+        findings.append(Finding("error", "versions", f"{found}", "pip install -e . (torch and transformers)"))
+        return
+    vllm = found["vllm"] or "not installed (the native engine serves; fine on CPU)"
+    findings.append(Finding("ok", "versions", f"torch {found['torch']}, transformers {found['transformers']}, "
+                            f"vllm {vllm}"))
+
+
+def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> list[Finding]:
+    """Every finding about the experiment file at `path`."""
+    from deploy.experiment import load_experiment
+    from services.config import ConfigError
+
+    try:
+        config = load_experiment(path, overrides or [])
+    except (ConfigError, FileNotFoundError) as exc:
+        return [Finding("error", "config", str(exc), "fix the field named (deploy/experiment.py documents each)")]
+    findings = [Finding("ok", "config", f"{path} is a valid experiment file")]
+    facts = check_models(config, findings)
+    check_data(config, facts, findings)
+    check_reward(config, findings)
+    check_ports(config, findings)
+    check_disk(config, facts, findings)
+    check_versions(findings)
+    return findings
+
+
+def main(path: str, overrides: list[str] | None = None) -> int:
+    findings = diagnose(path, overrides)
+    for finding in findings:
+        print(finding.render())
+    errors = sum(f.level == "error" for f in findings)
+    warnings = sum(f.level == "warn" for f in findings)
+    print(json.dumps({"errors": errors, "warnings": warnings}))
+    return 1 if errors else 0

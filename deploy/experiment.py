@@ -1,0 +1,215 @@
+"""The experiment file: a user's model, data and reward, and how to train on them (`relayrl run EXPERIMENT.yaml`).
+
+One typed YAML file, validated when loaded (unknown keys are errors, every field is documented here). Relative
+paths in it are taken from the folder of the file. Settings several services share (group size,
+max_staleness, versions per batch) are stated once, under `training`, and handed to each service by
+deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks one before a run.
+
+    model:      a Hugging Face folder (config.json, *.safetensors, tokenizer)
+    data:       JSONL / Parquet / a `datasets` folder; which fields hold prompt, answer, metadata; chat template
+    reward:     a built-in by name, an operator function by dotted path, or a reward model folder
+    algorithm:  trainer.config.AlgorithmConfig (grpo, ppo, ... and their variants)
+    training:   the shared RL settings (group size, staleness, learning rate, budget)
+    evaluation: held-out mean reward of greedy completions, every so many seconds or steps
+    checkpoint: trainer checkpoints and the final export to a Hugging Face folder
+    services:   where each service runs (this machine) and extra settings of each
+"""
+
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from deploy.supervisor import SuperviseConfig
+from reward.registry import BUILTINS, DOTTED_PATTERN
+from services.config import Strict, load_config
+from trainer.config import AlgorithmConfig
+
+DataFormat = Literal["auto", "jsonl", "parquet", "datasets"]
+
+
+class ModelSection(Strict):
+    """The policy: a local Hugging Face folder the trainer trains and the rollout serves."""
+
+    path: str = Field(description="Hugging Face folder: config.json, *.safetensors and the tokenizer files.")
+    rollout_path: str | None = Field(
+        None, description="A different folder for the rollout to serve (e.g. a copy in another dtype); it must hold "
+        "the same tokenizer and vocabulary as `path` (relayrl doctor checks). None = `path`.")
+
+
+class DataSource(Strict):
+    """One dataset on disk."""
+
+    path: str = Field(description="A .jsonl file (one JSON object per line), a .parquet file, or a folder written "
+                      "by `datasets`' save_to_disk.")
+    format: DataFormat = Field("auto", description="auto = by the path: .jsonl/.json lines, .parquet, a folder = "
+                               "datasets. parquet needs pyarrow, datasets needs the `datasets` package.")
+    split: str | None = Field(None, description="For a `datasets` folder holding a DatasetDict: the split to read.")
+
+
+class DataSection(Strict):
+    """Prompts (and reference answers) to train and evaluate on."""
+
+    train: DataSource = Field(description="The training prompts.")
+    eval: DataSource | None = Field(None, description="Held-out prompts; None = `num_eval` rows held out of train "
+                                    "(a seeded shuffle; never trained on).")
+    num_eval: int = Field(64, gt=0, description="Held-out rows taken from train when `eval` is not given, and the "
+                          "most rows of `eval` used.")
+    prompt_field: str = Field("prompt", description="The field holding the prompt text.")
+    answer_field: str | None = Field("answer", description="The field holding the reference answer; it reaches the "
+                                     "reward as metadata['answer']. None = no answer (a reward model, a judge).")
+    id_field: str | None = Field(None, description="The field holding a unique prompt id; None = the row number.")
+    metadata_fields: list[str] = Field(default_factory=list, description="More fields handed to the reward as "
+                                       "sample metadata (e.g. the tests of a code task).")
+    chat_template: bool = Field(False, description="Render each prompt as one user message through the tokenizer's "
+                                "chat template (with the generation prompt); the tokenizer must have one.")
+    system_prompt: str | None = Field(None, description="With chat_template: a system message before the prompt.")
+    add_bos: bool = Field(True, description="Without chat_template: prepend the tokenizer's bos token to each prompt.")
+
+
+class RewardSection(Strict):
+    """How a completion is scored (by the reward service)."""
+
+    function: str = Field("exact_match", description="A built-in (" + ", ".join(sorted(BUILTINS)) + ") or an "
+                          "operator function 'package.module:function' (fn(sample, **args) -> float | RewardOutput), "
+                          "importable from python_path. Ignored when `model` is set.")
+    args: dict[str, object] = Field(default_factory=dict, description="Arguments fixed for every call of the "
+                                    "function (e.g. {extract: boxed}).")
+    python_path: list[str] = Field(default_factory=lambda: ["."], description="Folders added to the reward "
+                                   "service's PYTHONPATH to import an operator function (relative: to this file).")
+    model: str | None = Field(None, description="A sequence-classification reward model folder scored as the "
+                              "reward instead of `function`.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-sample scoring timeout.")
+
+    @field_validator("function")
+    @classmethod
+    def _known_or_dotted(cls, function: str) -> str:
+        if function not in BUILTINS and not re.match(DOTTED_PATTERN, function):
+            raise ValueError(f"{function!r} is not a built-in ({', '.join(sorted(BUILTINS))}) nor a "
+                             "'package.module:function' path")
+        return function
+
+    @property
+    def custom(self) -> bool:
+        """Whether the reward service must be told about this function (a path, a reward model, bound args)."""
+        return self.model is not None or self.function not in BUILTINS or bool(self.args)
+
+
+class SFTSection(Strict):
+    """An optional supervised warm-up on the train split's (prompt, answer) pairs before RL."""
+
+    steps: int = Field(0, ge=0, description="Optimizer steps; 0 = no warm-up (RL starts from model.path).")
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(1e-4, gt=0)
+
+
+class TrainingSection(Strict):
+    """The RL settings; those shared by several services are stated here once."""
+
+    group_size: int = Field(8, ge=2, description="Completions per prompt (driver, buffer groups, GRPO advantages).")
+    groups_per_batch: int = Field(8, ge=1, description="Prompts per trainer batch.")
+    max_staleness: int = Field(1, ge=0, description="Weight versions a sample may lag the trainer (buffer, driver, "
+                               "trainer); 0 = synchronous on-policy.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per batch (trainer batch.mini_batches); each is "
+                              "a weight version, so the driver counts this many versions per batch.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    max_steps: int = Field(1000, gt=0, description="Stop after this many optimizer steps (if sooner than the budget).")
+    time_budget_s: float = Field(600.0, gt=0, description="Wall-clock budget of the RL phase.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of training completions.")
+    max_tokens: int = Field(64, gt=0, description="Longest completion generated.")
+    concurrency: int = Field(32, ge=1, description="Prompts the driver keeps in flight.")
+    buffer_capacity_batches: int = Field(32, gt=0, description="Replay buffer capacity in batches.")
+    publish_overlap: bool = Field(True, description="Send new weights while the next step computes.")
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_batch
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainingSection":
+        if self.batch_size % self.mini_batches:
+            raise ValueError(f"mini_batches={self.mini_batches} does not divide the batch of group_size x "
+                             f"groups_per_batch = {self.batch_size} samples")
+        return self
+
+
+class EvaluationSection(Strict):
+    """The held-out metric: mean reward of greedy completions of the eval prompts, by the run's reward."""
+
+    every_s: float = Field(30.0, gt=0, description="Evaluate every this many seconds of RL.")
+    every_steps: int | None = Field(None, gt=0, description="Evaluate every this many optimizer steps instead.")
+    max_tokens: int | None = Field(None, gt=0, description="Longest greedy completion; None = training.max_tokens.")
+
+
+class CheckpointSection(Strict):
+    """Trainer checkpoints (a restarted trainer resumes from the latest) and the final export."""
+
+    interval: int = Field(10, gt=0, description="Checkpoint every this many optimizer steps.")
+    keep_last: int = Field(2, gt=0, description="Checkpoints kept.")
+    export_dir: str | None = Field("export", description="At the end, the trained policy as a Hugging Face folder "
+                                   "(relative: inside run_dir); None = no export.")
+
+
+class ServicePlacement(Strict):
+    """Where one service runs and its extra settings."""
+
+    where: Literal["local"] = Field("local", description="local = a process on this machine (node groups: later).")
+    port: int = Field(0, ge=0, le=65535, description="Loopback port; 0 = any free port (relayrl doctor checks a "
+                      "fixed one is free).")
+    settings: dict = Field(default_factory=dict, description="Extra --set overrides of the service's own config "
+                           "(e.g. engine.max_num_seqs for rollout).")
+
+
+class ServicesSection(Strict):
+    """The three services of a run."""
+
+    buffer: ServicePlacement = Field(default_factory=ServicePlacement)
+    reward: ServicePlacement = Field(default_factory=ServicePlacement)
+    rollout: ServicePlacement = Field(default_factory=ServicePlacement)
+
+
+class ExperimentConfig(Strict):
+    """Everything `relayrl run EXPERIMENT.yaml` needs."""
+
+    job: Literal["experiment"] = Field("experiment", description="Marks an experiment file for `relayrl run`.")
+    seed: int = Field(0, description="Seeds the eval split, sampling and training.")
+    run_dir: str = Field("runs/experiment", description="Where the run writes everything (replaced); relative: to "
+                         "this file.")
+    model: ModelSection
+    data: DataSection
+    reward: RewardSection = Field(default_factory=RewardSection)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="What is optimised "
+                                       "(trainer.config.AlgorithmConfig; docs/algorithms.md).")
+    sft: SFTSection = Field(default_factory=SFTSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    services: ServicesSection = Field(default_factory=ServicesSection)
+    supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
+
+    def resolved(self, base: pathlib.Path) -> "ExperimentConfig":
+        """A copy with every relative path taken from `base` (the experiment file's folder)."""
+
+        def at(path: str | None, root: pathlib.Path = base) -> str | None:
+            return None if path is None else str((root / pathlib.Path(path).expanduser()).resolve())
+
+        data = self.model_copy(deep=True)
+        data.run_dir = at(self.run_dir)
+        data.model.path = at(self.model.path)
+        data.model.rollout_path = at(self.model.rollout_path)
+        data.data.train.path = at(self.data.train.path)
+        if data.data.eval is not None:
+            data.data.eval.path = at(self.data.eval.path)
+        data.reward.python_path = [at(p) for p in self.reward.python_path]
+        data.reward.model = at(self.reward.model)
+        data.checkpoint.export_dir = at(self.checkpoint.export_dir, pathlib.Path(data.run_dir))
+        return data
+
+
+def load_experiment(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Load and validate an experiment file (ConfigError names the field), paths resolved from its folder."""
+    path = pathlib.Path(path)
+    return load_config(ExperimentConfig, path, overrides).resolved(path.resolve().parent)

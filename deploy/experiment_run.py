@@ -1,0 +1,168 @@
+"""`relayrl run EXPERIMENT.yaml`: a user's model folder, data and reward through the quickstart's machinery.
+
+    read + map the data (deploy/experiment_data.py) -> optional SFT warm-up on (prompt, answer) pairs
+    -> the shared RL phase (deploy/pipeline.py: buffer, reward, rollout, driver, trainer, supervised)
+       with the held-out metric = mean reward of greedy completions, by the run's reward
+    -> the latest checkpoint exported as a Hugging Face folder, a summary table, a plot and metrics JSONL
+"""
+
+import asyncio
+import logging
+import os
+import pathlib
+import shutil
+import sys
+
+from deploy.experiment import ExperimentConfig, load_experiment
+
+log = logging.getLogger("relayrl.experiment")
+REWARD_NAME = "experiment"  # the name an operator function or reward model is served under in the run
+
+
+def reward_service(config: ExperimentConfig) -> tuple[dict, dict[str, str], str]:
+    """(reward service overrides, its environment, the function name the driver asks for)."""
+    from reward.registry import BUILTINS
+
+    reward = config.reward
+    env = {"PYTHONPATH": os.pathsep.join([*reward.python_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    overrides = dict(config.services.reward.settings)
+    if reward.model is not None:
+        overrides[f"reward_models.{REWARD_NAME}"] = {"path": reward.model}
+        return overrides, env, REWARD_NAME
+    if not reward.custom:
+        return overrides, env, reward.function
+    target = BUILTINS[reward.function].target if reward.function in BUILTINS else reward.function
+    overrides[f"functions.{REWARD_NAME}"] = {"target": target, "args": reward.args}
+    return overrides, env, REWARD_NAME
+
+
+def _placement(config: ExperimentConfig, name: str) -> dict:
+    placement = getattr(config.services, name)
+    fixed = {"server.address": f"127.0.0.1:{placement.port}"} if placement.port else {}
+    return {**fixed, **placement.settings}
+
+
+def _sft_samples(rows, tokenizer, add_bos: bool):
+    import numpy as np
+
+    from deploy.experiment_data import prompt_ids
+    from protos.sample import Sample
+
+    samples = []
+    for row in rows:
+        answer = [*tokenizer.encode(str(row.metadata["answer"]), add_special_tokens=False), tokenizer.eos_token_id]
+        samples.append(Sample(
+            sample_id=f"sft/{row.prompt_id}", prompt_id=row.prompt_id,
+            prompt_ids=np.asarray(prompt_ids(row, tokenizer, add_bos), np.int32),
+            response_ids=np.asarray(answer, np.int32), loss_mask=np.ones(len(answer), np.uint8),
+            rollout_logprobs=np.zeros(len(answer), np.float32), weight_versions=np.zeros(len(answer), np.int64),
+        ))
+    return samples
+
+
+def run_experiment(config: ExperimentConfig, console=None, supervisor=None):
+    """The whole run; returns deploy.quickstart.Summary (its accuracy fields hold the held-out mean reward)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from deploy import experiment_data
+    from deploy.evaluation import mean_reward
+    from deploy.pipeline import Pipeline, RLConfig, run_pipeline, write_yaml
+    from deploy.progress import Progress
+    from deploy.provenance import write_provenance
+    from deploy.quickstart import Summary, supervised_warmup
+    from deploy.supervisor import Supervisor
+    from trainer.checkpoint import export_checkpoint_hf, latest_checkpoint
+
+    torch.set_num_threads(1)
+    run_dir = pathlib.Path(config.run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    (run_dir / "logs").mkdir(parents=True)
+    write_yaml(run_dir / "config.yaml", config.model_dump(mode="json"))
+    write_provenance(run_dir, config.seed)
+    progress = Progress(run_dir, console)
+
+    model_dir = pathlib.Path(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
+    add_bos = config.data.add_bos and not config.data.chat_template
+    prompts_path = experiment_data.write_prompts(train_rows, run_dir / "prompts.jsonl")
+    policy_dir = model_dir
+    if config.sft.steps:
+        policy_dir = run_dir / "model-sft"
+        with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size}"):
+            supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos), config.sft.steps,
+                              config.sft.batch_size, config.sft.lr, config.seed)
+
+    training, evaluation = config.training, config.evaluation
+    reward_overrides, reward_env, function = reward_service(config)
+    eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos), row.prompt, row.metadata)
+                    for row in eval_rows]
+    eval_tokens = evaluation.max_tokens or training.max_tokens
+    rollout_overrides = _placement(config, "rollout")
+    if config.model.rollout_path and not config.sft.steps:
+        rollout_overrides.setdefault("model", config.model.rollout_path)
+    plan = Pipeline(
+        run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
+        rl=RLConfig(
+            time_budget_s=training.time_budget_s, max_steps=training.max_steps, group_size=training.group_size,
+            groups_per_batch=training.groups_per_batch, max_staleness=training.max_staleness,
+            temperature=training.temperature, max_tokens=training.max_tokens, lr=training.lr,
+            warmup_steps=training.warmup_steps, eval_interval_s=evaluation.every_s,
+            algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
+            driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
+            buffer_capacity_batches=training.buffer_capacity_batches,
+        ),
+        supervise=config.supervise,
+        buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
+        driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s, "add_bos": add_bos},
+        trainer={"batch": {"mini_batches": training.mini_batches,
+                           "micro_batch_size": training.batch_size // training.mini_batches},
+                 "checkpoint": {"keep_last": config.checkpoint.keep_last}},
+        eval_interval_steps=evaluation.every_steps,
+        evaluate=lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
+                                                    config.reward.timeout_s)),
+    )
+    supervisor = supervisor or Supervisor(config.supervise)
+    try:
+        result = run_pipeline(plan, progress, supervisor)
+    finally:
+        supervisor.stop()
+        progress.close()
+    if config.checkpoint.export_dir:
+        checkpoint = latest_checkpoint(run_dir / "checkpoints")
+        if checkpoint is None:
+            progress.note("no checkpoint was saved (fewer steps than checkpoint.interval): nothing exported")
+        else:
+            export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
+            progress.note(f"exported {checkpoint.name} to {config.checkpoint.export_dir}")
+    summary = Summary(
+        seed=config.seed, sft_accuracy=result.start_metric, final_accuracy=result.final_metric,
+        best_accuracy=max(p["accuracy"] for p in result.curve), steps=result.steps, completions=result.completions,
+        rl_seconds=result.rl_seconds, curve=result.curve, run_dir=str(run_dir), restarts=result.restarts,
+    )
+    progress.finish(summary)
+    return summary
+
+
+def main(path: str, overrides: list[str] | None = None) -> int:
+    from deploy.experiment_data import DataError
+    from deploy.supervisor import RunFailed
+    from services.config import ConfigError
+
+    try:
+        config = load_experiment(path, overrides or [])
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"relayrl run: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_experiment(config)
+    except DataError as exc:
+        print(f"relayrl run: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"relayrl run failed: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,85 @@
+"""A user's own project, built the way a user would: a model folder with its own word-level tokenizer (not the
+quickstart's character tokenizer), a JSONL dataset, a reward function in a module beside the experiment file."""
+
+import json
+import pathlib
+import random
+
+LABELS = {"animal": ["cat", "dog", "cow", "owl"], "fruit": ["apple", "pear", "plum", "fig"],
+          "tool": ["saw", "drill", "hammer", "wrench"]}
+FILLERS = ["red", "big", "old", "small", "green", "new"]
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+REWARD_MODULE = '''
+def first_word(sample, bonus=1.0):
+    """1 when the completion's first word is the reference answer, else 0."""
+    words = sample.response_text.split()
+    return bonus if words and words[0] == sample.metadata["answer"] else 0.0
+'''
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the task's words, split on whitespace, decoded with spaces between words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [*SPECIALS, *LABELS, *(noun for nouns in LABELS.values() for noun in nouns), *FILLERS, "kind", "?"]
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def write_model(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A small randomly initialised Llama with the word tokenizer, saved as a Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = word_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_data(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """Rows {question, label, id}: 'NOUN FILLER FILLER kind ?' -> the noun's class."""
+    rows = [{"id": f"{noun}-{a}-{b}", "question": f"{noun} {a} {b} kind ?", "label": label}
+            for label, nouns in LABELS.items() for noun in nouns for a in FILLERS for b in FILLERS]
+    random.Random(seed).shuffle(rows)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def experiment(folder: pathlib.Path, run_dir: pathlib.Path, **training) -> dict:
+    """The experiment file's content for the project in `folder`."""
+    return {
+        "seed": 0,
+        "run_dir": str(run_dir),
+        "model": {"path": "model"},
+        "data": {"train": {"path": "data.jsonl"}, "num_eval": 48, "prompt_field": "question",
+                 "answer_field": "label", "id_field": "id"},
+        "reward": {"function": "my_reward:first_word", "args": {"bonus": 1.0}},
+        "training": {"group_size": 8, "groups_per_batch": 4, "max_staleness": 1, "lr": 3e-3, "max_tokens": 2,
+                     "time_budget_s": 60, "max_steps": 200, "concurrency": 8, **training},
+        "evaluation": {"every_s": 20},
+        "checkpoint": {"interval": 5},
+    }
+
+
+def write_project(folder: pathlib.Path, run_dir: pathlib.Path, **training) -> pathlib.Path:
+    """Model, data, reward module and experiment file in `folder`; returns the experiment file."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_model(folder / "model")
+    write_data(folder / "data.jsonl")
+    (folder / "my_reward.py").write_text(REWARD_MODULE)
+    path = folder / "experiment.yaml"
+    path.write_text(yaml.safe_dump(experiment(folder, run_dir, **training), sort_keys=False))
+    return path
