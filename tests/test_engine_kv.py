@@ -11,6 +11,7 @@ from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
 from rollout.engine import LLMEngine
 from rollout.errors import QueueFull
+from rollout.kv_cache_quantized import QuantizedKVCache
 from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer
 from rollout.sampling_params import SamplingParams
 from rollout.sequence import Sequence
@@ -25,13 +26,16 @@ def small_model(tmp_path_factory):
                             num_kv_heads=1, head_dim=32, seed=2)
 
 
-@pytest.fixture(scope="module", params=["none", "window", "snapkv"])
+@pytest.fixture(scope="module", params=[("auto", "none"), ("auto", "window"), ("auto", "snapkv"), ("int4", "none"),
+                                        ("int4", "snapkv")], ids=lambda p: "-".join(p))
 def small_engine(small_model, request):
     # A budget of 8 tokens a step: most prompts are prefilled in chunks, beside decodes. With eviction, a sequence
-    # keeps 12 cache slots (compacted when it reaches 16).
+    # keeps 12 cache slots (compacted when it reaches 16). The int4 cache's pool of 6 open blocks (one per sequence)
+    # fills up: blocks are closed early and reopened.
+    kv_cache_dtype, eviction = request.param
     return LLMEngine(EngineConfig(model=str(small_model), block_size=4, num_blocks=20, max_model_len=64, max_num_seqs=6,
-                                  max_n=3, max_num_batched_tokens=8, kv_eviction=request.param, kv_budget_tokens=12,
-                                  kv_sink_tokens=2, kv_observation_window=3))
+                                  max_n=3, max_num_batched_tokens=8, kv_cache_dtype=kv_cache_dtype,
+                                  kv_eviction=eviction, kv_budget_tokens=12, kv_sink_tokens=2, kv_observation_window=3))
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +81,10 @@ def assert_blocks_consistent(engine: LLMEngine) -> None:
     assert all(manager.block_hashes[b] is None for b in manager.free_block_ids)
     assert all(manager.block_hashes[b] is not None for b in manager.evictable_block_ids)
     assert {h: b for b, h in enumerate(manager.block_hashes) if h is not None} == manager.cached_block_ids
+    cache = engine.runner.cache
+    if isinstance(cache, QuantizedKVCache):  # its pool of open (float) blocks and their map agree
+        assert cache.open_keys.shape[1] == cache.num_open_blocks >= cache.num_open
+        assert [int(s) for s in cache.open_slot if s >= 0] == [cache._slot_of[b] for b in sorted(cache._slot_of)]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

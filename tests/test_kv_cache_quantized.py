@@ -1,18 +1,14 @@
 """The quantized resident KV cache (rollout/kv_cache_quantized.py): what it stores and reads back, its pool of open
-blocks, and the engine on it: close to the float cache, its blocks accounted for, prefix caching and n > 1 intact."""
+blocks, and the engine on it: close to the float cache, prefix caching and n > 1 intact (its block accounting: test_engine_kv.py)."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_engine_kv import PREFIXES, action_strategy, assert_blocks_consistent
 
 from rollout.config import EngineConfig
 from rollout.engine import LLMEngine
 from rollout.kv_cache_quantized import QuantizedKVCache, block_codec
 from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer
 from rollout.sampling_params import SamplingParams
-from rollout.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 32
@@ -203,38 +199,3 @@ def test_a_quantized_decode_worker_imports_a_prefilled_prompt(sharp_model_dir):
             tokens_of[out.index].append(out.token_id)
     assert tokens_of[0][:11] == alone[0][0].token_ids[1:] and tokens_of[1] == tokens_of[0]
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
-
-
-@pytest.fixture(scope="module")
-def quantized_engine(tmp_path_factory):
-    folder = write_tiny_model(tmp_path_factory.mktemp("kvq") / "m", hidden_size=64, num_layers=1, num_heads=2,
-                              num_kv_heads=1, head_dim=32, seed=2)
-    # A pool of 6 open blocks for up to 6 sequences: full pools, reopened blocks and extra slots all happen.
-    return LLMEngine(EngineConfig(model=str(folder), kv_cache_dtype="int4", block_size=4, num_blocks=20,
-                                  max_model_len=64, max_num_seqs=6, max_n=3, max_num_batched_tokens=8))
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions=st.lists(action_strategy, min_size=1, max_size=25))
-def test_every_block_returns_with_a_quantized_cache(quantized_engine, actions):
-    engine = quantized_engine
-    cache = engine.runner.cache
-    added: list[str] = []
-    for kind, arg in actions:
-        if kind == "add":
-            request_id = f"q{len(added)}"
-            prompt = PREFIXES[arg["prefix"]][: arg["shared_len"]] + [95 + len(added) % 5] * arg["tail_len"]
-            params = SamplingParams(temperature=arg["temperature"], max_tokens=arg["max_tokens"], n=arg["n"], seed=1)
-            engine.add_request(request_id, prompt or [1], params)
-            added.append(request_id)
-        elif kind == "step":
-            for _ in range(arg):
-                engine.step()
-        elif added and kind == "abort":
-            engine.abort(added[arg % len(added)])
-        assert_blocks_consistent(engine)
-        assert cache.open_keys.shape[1] == cache.num_open_blocks >= cache.num_open
-        assert [int(s) for s in cache.open_slot if s >= 0] == [cache._slot_of[b] for b in sorted(cache._slot_of)]
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
