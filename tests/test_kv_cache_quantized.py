@@ -1,5 +1,6 @@
 """The quantized resident KV cache (rollout/kv_cache_quantized.py): what it stores and reads back, its pool of open
-blocks, and the engine on it: close to the float cache, prefix caching and n > 1 intact (its block accounting: test_engine_kv.py)."""
+blocks, and the engine on it: close to the float cache, prefix caching and n > 1 intact (its block accounting is
+tested with the others' in test_engine_kv.py)."""
 
 import pytest
 import torch
