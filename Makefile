@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test test-fast test-slow test-families bench protos lint clean
+.PHONY: run test test-slow test-families bench protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,14 +34,12 @@ run: $(STAMP)
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 # The algorithm families' learning runs (marker `families`, ~15 minutes) are `make test-families`.
+# The slow ones (marker `slow`: whole jobs end to end, chaos, restarts; ~7 minutes) are `make test-slow`; CI runs both.
 test: $(STAMP) $(NODE_STAMP)
-	$(BIN)/python -m pytest -q -m "not families" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -m "not families and not slow" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-test-fast: $(STAMP) $(NODE_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
-
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+test-slow: $(STAMP) $(NODE_STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not families" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # Each algorithm family shown learning (tests/test_families.py, tests/test_distill_e2e.py); -rA prints each
 # test's figures (metric before -> after). Collecting nothing here is a failure.
