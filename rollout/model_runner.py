@@ -151,7 +151,7 @@ class ModelRunner:
             rows_t = None if everyone else self._tensor(indices)
             positions = query_positions if everyone else query_positions[rows_t]
             visible = self._key_positions[: width * block_size] <= positions.unsqueeze(-1)
-            watched = [(row, i) for row, i in enumerate(indices) if seqs[i].seq_id in observe]
+            watched = [(row, i) for row, i in enumerate(indices) if seqs[i].seq_id in observe] if observe else []
             classes.append(LengthClass(rows=rows_t, block_ids=self._tensor(block_ids), num_blocks=width,
                                        mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1),
                                        observed=self._observed(seqs, watched, max_query_len, query_lens)))
