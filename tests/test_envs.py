@@ -149,3 +149,15 @@ def test_transcripts_with_mistakes():
     games = transcripts(tokenizer, "guess_number", {}, GuessNumber.tasks(GuessNumberConfig(), 0)[0], 300,
                         skill=0.0, seed=0)
     assert 0.4 < sum(s.metadata["solved"] for s in games) / 300 < 0.8  # guesses anywhere still open
+
+
+def test_sft_batches_of_transcripts_hold_batch_size_episodes():
+    """Transcripts are independent episodes, each its own group: an SFT batch of 32 holds 32 of them. (Grouped by
+    task, as the buffer groups the completions of one prompt, a batch of guess-the-number took a whole task's
+    ~266 transcripts: SFT ran 8x the samples per step and 8x slower.)"""
+    from trainer.dataset import DatasetSource
+
+    tasks = GuessNumber.tasks(GuessNumberConfig(), 0)[0]
+    samples = transcripts(char_tokenizer(), "guess_number", {}, tasks, 400, skill=0.0, seed=0)
+    assert len({s.group_id for s in samples}) == 400
+    assert [len(DatasetSource(samples, seed=0).pull(32).samples) for _ in range(3)] == [32, 32, 32]

@@ -71,7 +71,7 @@ def play_transcript(tokenizer, env: Environment, player: Player, rng: random.Ran
             mask += [0] * len(added)
     n = len(response)
     return Sample(
-        sample_id=sample_id, prompt_id=env.task.task_id,
+        sample_id=sample_id, prompt_id=env.task.task_id, group_id=sample_id,  # independent episodes, not a group
         prompt_ids=np.asarray(prompt, np.int32), response_ids=np.asarray(response, np.int32),
         loss_mask=np.asarray(mask, np.uint8), rollout_logprobs=np.zeros(n, np.float32),
         weight_versions=np.zeros(n, np.int64), reward=reward, metadata={"solved": env.solved, "turns": env.turns},
