@@ -62,14 +62,25 @@ def test_relayrl_run_agentic_smoke(tmp_path):
 @pytest.mark.slow
 @pytest.mark.families  # a learning run (~5 minutes): `make test-families`, which CI runs after `make test`
 @pytest.mark.timeout(900)
-def test_agentic_guess_number_training_reward_rises(tmp_path):
+def test_agentic_guess_number_held_out_success_rises(tmp_path):
+    """Greedy held-out success over the 15 secrets: the same weights play the same games, so a run that does not
+    learn ends exactly where it started. Runs here (2 cores shared with other jobs) went 0.333 -> 0.400 -> 0.533 ->
+    0.667 in 180 s (120 steps), 0.333 -> 0.467 -> 0.533 -> 0.600 with lr 5e-4, and 0.333 -> 0.400 -> 0.533 ->
+    0.467 -> 0.533 in 240 s (142 steps), while the mean sampled training reward moved -0.002, +0.021, +0.034: at
+    temperature 1 the game's reward is too noisy to show the rise in a few hundred steps (CI's run: 0.310 -> 0.309),
+    so it is printed, not asserted."""
     config = load_config(AgenticConfig, EXAMPLES / "guess_number.yaml",
-                         [f"run_dir={tmp_path / 'run'}", "rl.time_budget_s=180", "rl.eval_interval_s=60"])
+                         [f"run_dir={tmp_path / 'run'}", "rl.time_budget_s=240", "rl.eval_interval_s=60"])
     summary = run_agentic(config, console=Console(file=io.StringIO(), width=120))
     steps = [json.loads(line) for line in (tmp_path / "run" / "trainer_metrics.jsonl").read_text().splitlines()]
     assert len(steps) >= 60, f"only {len(steps)} optimizer steps in the budget"
+    curve = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     window = max(20, len(steps) // 4)
-    early = statistics.mean(s["reward_mean"] for s in steps[:window])
-    late = statistics.mean(s["reward_mean"] for s in steps[-window:])
-    assert late > early + 0.03, f"mean reward did not rise: first {window} steps {early:.3f}, last {late:.3f}"
+    rates = " -> ".join(f"{point['success_rate']:.3f}" for point in curve)
+    print(f"guess_number: held-out success {rates} over "
+          f"{len(steps)} steps; mean training reward {statistics.mean(s['reward_mean'] for s in steps[:window]):.3f}"
+          f" -> {statistics.mean(s['reward_mean'] for s in steps[-window:]):.3f} (first / last {window} steps)")
+    start, later = curve[0]["success_rate"], [point["success_rate"] for point in curve[1:]]
+    assert later[-1] >= start + 0.13, f"held-out success did not rise by 2 of 15 games: {rates}"
+    assert statistics.mean(later) >= start + 0.1, f"held-out success did not stay up: {rates}"
     assert summary.episodes > 0 and summary.restarts == {}
