@@ -8,12 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "codec")
+    __slots__ = ("request", "codec", "kv_group_rank", "kv_group_tag")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_TAG_FIELD_NUMBER: _ClassVar[int]
     request: _rollout_pb2.GenerateRequest
     codec: str
-    def __init__(self, request: _Optional[_Union[_rollout_pb2.GenerateRequest, _Mapping]] = ..., codec: _Optional[str] = ...) -> None: ...
+    kv_group_rank: int
+    kv_group_tag: int
+    def __init__(self, request: _Optional[_Union[_rollout_pb2.GenerateRequest, _Mapping]] = ..., codec: _Optional[str] = ..., kv_group_rank: _Optional[int] = ..., kv_group_tag: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype")
@@ -30,7 +34,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("request", "layout", "codec", "weight_version", "payload_bytes", "checksum", "first_token_ids", "first_logprobs")
+    __slots__ = ("request", "layout", "codec", "weight_version", "payload_bytes", "checksum", "first_token_ids", "first_logprobs", "payload_from_rank")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +43,7 @@ class KVTransferHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FROM_RANK_FIELD_NUMBER: _ClassVar[int]
     request: _rollout_pb2.GenerateRequest
     layout: KVLayout
     codec: str
@@ -47,7 +52,8 @@ class KVTransferHeader(_message.Message):
     checksum: int
     first_token_ids: _common_pb2.Array
     first_logprobs: _common_pb2.Array
-    def __init__(self, request: _Optional[_Union[_rollout_pb2.GenerateRequest, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., codec: _Optional[str] = ..., weight_version: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., first_logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
+    payload_from_rank: int
+    def __init__(self, request: _Optional[_Union[_rollout_pb2.GenerateRequest, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., codec: _Optional[str] = ..., weight_version: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., first_logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., payload_from_rank: _Optional[int] = ...) -> None: ...
 
 class KVTransferChunk(_message.Message):
     __slots__ = ("header", "payload")

@@ -56,10 +56,17 @@ class ReceivedTransfer:
     payload_bytes: int  # bytes of the encoded KV as they travelled
 
 
+def encode_payload(prefilled: PrefilledPrompt, codec: str) -> bytes:
+    """The KV of `prefilled` encoded by `codec`, as a transfer carries it."""
+    return make_codec(codec).encode(prefilled.keys, prefilled.values).to_bytes()
+
+
 def pack(request: rollout_pb2.GenerateRequest, prefilled: PrefilledPrompt, codec: str,
-         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[kv_pb2.KVTransferChunk]:
-    """The chunks of a transfer of `prefilled` for `request` (its prompt and seed are taken from `prefilled`)."""
-    payload = make_codec(codec).encode(prefilled.keys, prefilled.values).to_bytes()
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, payload: bytes | None = None,
+         payload_from_rank: int | None = None) -> Iterator[kv_pb2.KVTransferChunk]:
+    """The chunks of a transfer of `prefilled` for `request` (its prompt and seed are taken from `prefilled`).
+    With `payload_from_rank` the header alone: the payload goes over the KV group (rollout/kv_group.py)."""
+    payload = encode_payload(prefilled, codec) if payload is None else payload
     layers, tokens, heads, head_dim = prefilled.keys.shape
     sent = rollout_pb2.GenerateRequest()
     sent.CopyFrom(request)
@@ -76,8 +83,11 @@ def pack(request: rollout_pb2.GenerateRequest, prefilled: PrefilledPrompt, codec
         checksum=zlib.crc32(payload),
         first_token_ids=encode_array(prefilled.first_token_ids, "int32"),
         first_logprobs=encode_array(prefilled.first_logprobs, "float32"),
+        payload_from_rank=payload_from_rank,
     )
     yield kv_pb2.KVTransferChunk(header=header)
+    if payload_from_rank is not None:
+        return
     view = memoryview(payload)
     for start in range(0, len(payload), chunk_bytes):
         yield kv_pb2.KVTransferChunk(payload=bytes(view[start : start + chunk_bytes]))
@@ -98,7 +108,7 @@ def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout) -> Re
             pieces.append(chunk.payload)
     if header is None:
         raise KVTransferInvalid("the transfer is empty: it has no header")
-    layout = _check_header(header, served)
+    layout = check_header(header, served)
     payload = b"".join(pieces)
     if len(payload) != header.payload_bytes:
         raise KVTransferCorrupt(f"payload: {len(payload)} bytes arrived, the header announced {header.payload_bytes}")
@@ -121,7 +131,8 @@ def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout) -> Re
     return ReceivedTransfer(request, prefilled, header.codec, len(payload))
 
 
-def _check_header(header: kv_pb2.KVTransferHeader, served: ServedLayout) -> tuple[int, int, int, int]:
+def check_header(header: kv_pb2.KVTransferHeader, served: ServedLayout) -> tuple[int, int, int, int]:
+    """The KV shape a header announces, once it is checked against `served` (raises as unpack does)."""
     layout = header.layout
     expected = (served.num_layers, served.num_kv_heads, served.head_dim)
     if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != expected:

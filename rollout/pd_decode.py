@@ -30,6 +30,7 @@ from rollout.errors import (
     KVWeightVersionMismatch,
     QueueFull,
 )
+from rollout.kv_group import KVGroup, KVGroupConfig, KVGroupError
 from rollout.outputs import Completion
 from rollout.sampling_params import SamplingParams
 from rollout.service import _FINISH_REASONS, REFUSAL_CODES, EngineSettings, RolloutServicer
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE_NAME = "relayrl.kv.v1.DecodeWorker"
 KV_BYTES = Counter("relayrl_decode_kv_transfer_bytes_total", "Encoded KV payload bytes received from prefill workers")
+KV_GROUP_BYTES = Counter("relayrl_decode_kv_group_bytes_total", "Encoded KV payload bytes received over the KV "
+                         "group (rollout/kv_group.py), a part of relayrl_decode_kv_transfer_bytes_total")
 KV_REFUSED = Counter("relayrl_decode_kv_transfers_refused_total", "KV transfers refused", ["reason"])
 _RETRY_S = 0.02  # pause before asking again for blocks or a prefill under the served weights
 
@@ -68,6 +71,9 @@ class Config(Strict):
     import_wait_s: float = Field(30.0, gt=0, description="How long a request waits for KV blocks, or for a prefill "
                                  "under the weights served here, before RESOURCE_EXHAUSTED / FAILED_PRECONDITION.")
     prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one Prefill call.")
+    kv_group: KVGroupConfig | None = Field(None, description="A torch.distributed group shared with prefill "
+                                           "workers: their payloads come by recv, not gRPC chunks, once the group "
+                                           "is up (rollout/kv_group.py). None = gRPC only.")
 
 
 def params_proto(params: SamplingParams) -> rollout_pb2.SamplingParams:
@@ -82,8 +88,11 @@ def params_proto(params: SamplingParams) -> rollout_pb2.SamplingParams:
 
 class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, prefill_channels: list[grpc.aio.Channel],
-                 codec: str | None = None, import_wait_s: float = 30.0, prefill_timeout_s: float = 60.0):
+                 codec: str | None = None, import_wait_s: float = 30.0, prefill_timeout_s: float = 60.0,
+                 group: KVGroup | None = None):
         super().__init__(engine, model_name, tokenizer)
+        self.group = group
+        self._tags = itertools.count(1)
         self.prefill_stubs = [kv_pb2_grpc.PrefillWorkerStub(channel) for channel in prefill_channels]
         self._next_prefill = itertools.cycle(range(len(self.prefill_stubs)))
         self.codec = codec or ""
@@ -159,16 +168,43 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
         last_error = None
         for _ in range(len(self.prefill_stubs)):
             stub = self.prefill_stubs[next(self._next_prefill)]
-            call = stub.Prefill(kv_pb2.PrefillRequest(request=request, codec=self.codec), timeout=self.prefill_timeout_s)
             try:
-                chunks = [chunk async for chunk in call]
+                chunks = await self._prefill_chunks(stub, request)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     await context.abort(exc.code(), f"prefill: {exc.details()}")
                 last_error = exc
                 continue
+            except KVGroupError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill: {exc}")
             return self._unpack(chunks)
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no prefill worker answers: {last_error.details()}")
+
+    async def _prefill_chunks(self, stub, request: rollout_pb2.GenerateRequest) -> list[kv_pb2.KVTransferChunk]:
+        """One Prefill call's transfer; with the KV group up, its payload comes by recv (as one payload chunk)."""
+        from rollout.kv_handoff import served_layout
+        from rollout.kv_transfer import check_header
+
+        ask = kv_pb2.PrefillRequest(request=request, codec=self.codec)
+        if self.group is not None and self.group.ready:
+            ask.kv_group_rank = self.group.rank
+            ask.kv_group_tag = next(self._tags) % (1 << 31)
+        chunks, received = [], None
+        async for chunk in stub.Prefill(ask, timeout=self.prefill_timeout_s):
+            chunks.append(chunk)
+            if chunk.WhichOneof("kind") == "header" and chunk.header.HasField("payload_from_rank"):
+                header = chunk.header
+                if not ask.HasField("kv_group_rank"):
+                    raise KVTransferInvalid("payload_from_rank: the payload was sent over a KV group this worker "
+                                            "did not ask for")
+                check_header(header, served_layout(self.engine.engine))  # before allocating payload_bytes
+                received = asyncio.create_task(asyncio.to_thread(
+                    self.group.recv, header.payload_bytes, header.payload_from_rank, ask.kv_group_tag))
+        if received is not None:
+            payload = await received
+            KV_GROUP_BYTES.inc(len(payload))
+            chunks.append(kv_pb2.KVTransferChunk(payload=payload))
+        return chunks
 
     async def _import(self, transfer: "ReceivedTransfer", deadline: float) -> AsyncIterator[Completion]:
         """The deltas of the imported request; waits (until `deadline`) while its KV blocks are not free."""
@@ -201,10 +237,12 @@ async def serve(config: Config) -> None:
     from services.client import connect
     from services.runtime import serve as serve_forever
 
+
     engine = start_engine(config.model, config.engine)
     channels = [connect(address, config.prefill_client) for address in config.prefill]
     servicer = DecodeServicer(engine, config.model, engine.engine.tokenizer, channels, config.codec,
-                              config.import_wait_s, config.prefill_timeout_s)
+                              config.import_wait_s, config.prefill_timeout_s,
+                              KVGroup(config.kv_group) if config.kv_group else None)
 
     async def on_stop() -> None:
         engine.shutdown()

@@ -11,13 +11,16 @@ The router forwards a Generate to a decode worker chosen by load (or by its rout
 decode worker pulls the prefill from a prefill worker over a server-streamed KV transfer (rollout/kv_transfer.py,
 compressed by the configured codec), validates it, imports it and decodes. The decode worker pulls, rather
 than the prefill worker pushing, so a generation is one call chain that a dead hop fails as a whole: the
-router re-runs it elsewhere, and no half-delivered KV waits anywhere for a caller that is gone.
+router re-runs it elsewhere, and no half-delivered KV waits anywhere for a caller that is gone. Workers that
+share a torch.distributed group (`kv_group`) send the payload over it and only the header over gRPC
+(rollout/kv_group.py).
 
 This worker holds no sequence between calls: each Prefill runs between two engine steps (kv_handoff.py),
 prefills the n completions of the prompt once and frees its blocks. It receives weight updates like a rollout
 worker (WeightSync), and the transfer carries the version the KV was computed with.
 """
 
+import asyncio
 import uuid
 from typing import TYPE_CHECKING, Literal
 
@@ -28,6 +31,7 @@ from protos import kv_pb2, kv_pb2_grpc
 from protos.codec import CodecError, decode_array
 from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
 from rollout.kv_compression import CODECS
+from rollout.kv_group import KVGroup, KVGroupConfig, KVGroupError
 from rollout.service import EngineSettings, RolloutServicer
 from services.config import ServerConfig, Strict
 
@@ -47,18 +51,23 @@ class Config(Strict):
     codec: Literal["none", "int8", "int4"] = Field("none", description="Wire codec of the KV when a Prefill names "
                                                    "none (rollout/kv_compression.py).")
     chunk_bytes: int = Field(_CHUNK_BYTES, gt=0, description="Largest payload piece of a KV transfer message.")
+    kv_group: KVGroupConfig | None = Field(None, description="A torch.distributed group shared with decode "
+                                             "workers: payloads to its members go by send, not gRPC chunks "
+                                             "(rollout/kv_group.py). None = gRPC only.")
 
 
 class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: "AsyncEngine", tokenizer, codec: str = "none", chunk_bytes: int = _CHUNK_BYTES):
+    def __init__(self, engine: "AsyncEngine", tokenizer, codec: str = "none", chunk_bytes: int = _CHUNK_BYTES,
+                 group: KVGroup | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.codec = codec
         self.chunk_bytes = chunk_bytes
+        self.group = group
 
     async def Prefill(self, request: kv_pb2.PrefillRequest, context):
         from rollout.async_engine import EngineDead
-        from rollout.kv_transfer import pack
+        from rollout.kv_transfer import encode_payload, pack
 
         generate = request.request
         codec = request.codec or self.codec
@@ -74,8 +83,17 @@ class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
             prefilled = await self.engine.prefill_for_transfer(request_id, prompt, params)
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
             await context.abort(_code(exc), str(exc))
-        for chunk in pack(generate, prefilled, codec, self.chunk_bytes):
+        payload = encode_payload(prefilled, codec)
+        grouped = request.HasField("kv_group_rank") and self.group is not None and self.group.ready
+        to_rank = request.kv_group_rank if grouped else None
+        for chunk in pack(generate, prefilled, codec, self.chunk_bytes, payload,
+                          None if to_rank is None else self.group.rank):
             yield chunk
+        if to_rank is not None:  # the decode worker posts its recv when the header arrives
+            try:
+                await asyncio.to_thread(self.group.send, payload, to_rank, request.kv_group_tag)
+            except KVGroupError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 def _code(exc: Exception) -> grpc.StatusCode:
@@ -107,7 +125,8 @@ async def serve(config: Config) -> None:
     from services.runtime import serve as serve_forever
 
     engine = start_engine(config.model, config.engine)
-    servicer = PrefillServicer(engine, engine.engine.tokenizer, config.codec, config.chunk_bytes)
+    group = KVGroup(config.kv_group) if config.kv_group else None
+    servicer = PrefillServicer(engine, engine.engine.tokenizer, config.codec, config.chunk_bytes, group)
 
     async def on_stop() -> None:
         engine.shutdown()

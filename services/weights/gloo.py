@@ -9,7 +9,7 @@ from services.net import is_loopback
 from services.weights.transfer import GroupSpec, Pending, Transfer, TransferError, TransferTimeout, remaining
 
 
-def _device(master_addr: str, rank: int) -> dist.ProcessGroupGloo.Device:
+def device_for(master_addr: str, rank: int) -> dist.ProcessGroupGloo.Device:
     # Rank 0 (the trainer) binds the configured interface, master_addr itself. With a loopback master
     # every member is on this host: bind loopback rather than whatever the hostname resolves to.
     # Other receivers use gloo's default (GLOO_SOCKET_IFNAME, else the hostname's address).
@@ -40,7 +40,7 @@ class GlooTransfer(Transfer):
         super().__init__(spec)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        options._devices = [_device(spec.master_addr, spec.rank)]
+        options._devices = [device_for(spec.master_addr, spec.rank)]
         try:
             self.pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
                 store, spec.rank, spec.world_size, options
