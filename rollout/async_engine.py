@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rollout.engine import LLMEngine
-from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer
+from rollout.kv_handoff import add_prefilled_request, prefill_many_for_transfer
 from rollout.kv_transfer import PrefilledPrompt
 from rollout.outputs import Completion, TokenOutput
 from rollout.sampling_params import SamplingParams
@@ -49,6 +49,7 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
+        self._transfer_prefills: list[tuple[str, list[int], SamplingParams, Future]] = []  # engine thread only
         self._stopping = threading.Event()
         self._error: BaseException | None = None
         self._version_changed: asyncio.Event | None = None  # made in the caller's loop at the first watch
@@ -103,9 +104,29 @@ class AsyncEngine:
     async def prefill_for_transfer(self, request_id: str, prompt_ids: Sequence[int],
                                    params: SamplingParams) -> PrefilledPrompt:
         """Prefill the prompt once between two steps, sample each completion's first token, and export the
-        prompt's KV (rollout/kv_handoff.py); raises like generate()."""
+        prompt's KV (rollout/kv_handoff.py); raises like generate(). Calls that wait together run as one
+        prefill batch (up to max_num_batched_tokens of prompt)."""
         prompt = list(prompt_ids)
-        return await self._call(lambda: prefill_for_transfer(self.engine, request_id, prompt, params))
+        done: Future = Future()
+        await self._call(lambda: self._transfer_prefills.append((request_id, prompt, params, done)))
+        return await asyncio.wait_for(asyncio.wrap_future(done), self.command_timeout_s)
+
+    def _run_transfer_prefills(self) -> None:
+        """The queued prefill_for_transfer calls, in batches of at most max_num_batched_tokens prompt tokens."""
+        pending, self._transfer_prefills = self._transfer_prefills, []
+        budget = self.engine.config.max_num_batched_tokens
+        while pending:
+            batch, tokens = [], 0
+            while pending and (not batch or tokens + len(pending[0][1]) <= budget):
+                tokens += len(pending[0][1])
+                batch.append(pending.pop(0))
+            try:
+                results = prefill_many_for_transfer(self.engine, [(rid, prompt, params) for rid, prompt, params, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - the batch's callers learn why; the loop goes on
+                results = [exc] * len(batch)
+            for (*_, done), result in zip(batch, results):
+                if done.set_running_or_notify_cancel():
+                    (done.set_exception if isinstance(result, Exception) else done.set_result)(result)
 
     async def generate_prefilled(self, request_id: str, prefilled: PrefilledPrompt,
                                  params: SamplingParams) -> AsyncIterator[Completion]:
@@ -220,6 +241,8 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self._transfer_prefills:
+                    self._run_transfer_prefills()
                 self.engine.expire_sessions()
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
@@ -301,6 +324,10 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
         self._streams.clear()
+        pending, self._transfer_prefills = self._transfer_prefills, []
+        for *_, future in pending:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDead(f"the rollout engine stopped: {error!r}"))
         while True:
             try:
                 _, future = self._commands.get_nowait()

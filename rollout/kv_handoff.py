@@ -5,6 +5,8 @@ the prompt, runs one prefill batch built exactly as the scheduler builds one for
 0 computed, the other n - 1 sampling from its logits with their own seed and index), exports the prompt's
 KV and frees the blocks. The n completions are prefilled once.
 
+`prefill_many_for_transfer` does that for the prefill worker's concurrent requests in one batch.
+
 `add_prefilled_request` (decode worker) makes the request's n sequences, imports the KV into the blocks of
 completion 0, lets the others share them (fork) and appends each completion's first token, as the
 monolithic engine's postprocess does. Each then holds a private block for the slot of its first token
@@ -20,7 +22,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout.errors import InvalidRequest, KVTransferInvalid, KVWeightVersionMismatch, QueueFull
+from rollout.errors import (
+    DuplicateRequest,
+    InvalidRequest,
+    KVTransferInvalid,
+    KVWeightVersionMismatch,
+    QueueFull,
+)
 from rollout.kv_transfer import PrefilledPrompt, ServedLayout
 from rollout.outputs import TokenOutput
 from rollout.sampling_params import SamplingParams, validate_prompt
@@ -42,33 +50,70 @@ def prefill_for_transfer(engine: "LLMEngine", request_id: str, prompt_ids: list[
     """Prefill the prompt once, sample each completion's first token, and export the prompt's KV.
 
     Raises InvalidRequest like add_request, QueueFull when running requests hold the blocks it needs."""
-    prompt = [int(t) for t in prompt_ids]
-    _validate(engine, prompt, params)
-    seqs = engine._new_sequences(request_id, prompt, params)
-    head, manager = seqs[0], engine.block_manager
-    while not manager.can_allocate(head) and engine.sessions.evict_idle():
-        pass
-    if not manager.can_allocate(head):
-        raise QueueFull(f"running requests hold the KV blocks a prefill of {len(prompt)} tokens needs; retry")
-    manager.allocate(head)  # a prompt prefilled before (a GRPO group's next request) reuses its cached blocks
-    for child in seqs[1:]:
-        manager.fork(head, child)
-        child.prefill_from = head
-    head.prefilling = True
-    batch = Batch(seqs, num_new_tokens={head.seq_id: len(prompt) - head.num_cached_tokens}, sampled=seqs,
-                  is_prefill=True)
+    (result,) = prefill_many_for_transfer(engine, [(request_id, prompt_ids, params)])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def prefill_many_for_transfer(engine: "LLMEngine", requests: list[tuple[str, list[int], SamplingParams]]
+                              ) -> list[PrefilledPrompt | Exception]:
+    """prefill_for_transfer of several requests in one prefill batch (the prefill worker's concurrent calls):
+    one forward over every prompt, each request's result or its refusal (InvalidRequest, QueueFull) in order.
+    Each completion samples with its own seed, so a request's tokens do not depend on its batch-mates."""
+    manager = engine.block_manager
+    results: list[PrefilledPrompt | Exception | None] = [None] * len(requests)
+    admitted: list[tuple[int, list[int], list]] = []  # (index, prompt, sequences)
     try:
-        engine._count_prefill(batch)
-        token_ids, logprobs = engine.runner.run(batch)
+        for i, (request_id, prompt_ids, params) in enumerate(requests):
+            prompt = [int(t) for t in prompt_ids]
+            try:
+                _validate(engine, prompt, params)
+                seqs = engine._new_sequences(request_id, prompt, params)
+                head = seqs[0]
+                while not manager.can_allocate(head) and engine.sessions.evict_idle():
+                    pass
+                if not manager.can_allocate(head):
+                    raise QueueFull(f"running requests hold the KV blocks a prefill of {len(prompt)} tokens needs; "
+                                    "retry")
+            except (InvalidRequest, QueueFull, DuplicateRequest) as exc:
+                results[i] = exc
+                continue
+            manager.allocate(head)  # a prompt prefilled before (a GRPO group's next request) reuses its cached blocks
+            for child in seqs[1:]:
+                manager.fork(head, child)
+                child.prefill_from = head
+            head.prefilling = True
+            admitted.append((i, prompt, seqs))
+        if admitted:
+            _prefill_and_export(engine, admitted, results)
+    finally:
+        for _, _, seqs in admitted:
+            for seq in seqs:
+                manager.deallocate(seq)
+    return results
+
+
+def _prefill_and_export(engine: "LLMEngine", admitted: list[tuple[int, list[int], list]],
+                        results: list) -> None:
+    """One prefill batch of the admitted requests; each one's first tokens and prompt KV into `results`."""
+    everything = [seq for _, _, seqs in admitted for seq in seqs]
+    batch = Batch(everything, num_new_tokens={seqs[0].seq_id: len(prompt) - seqs[0].num_cached_tokens
+                                              for _, prompt, seqs in admitted},
+                  sampled=everything, is_prefill=True)
+    engine._count_prefill(batch)
+    token_ids, logprobs = engine.runner.run(batch)
+    offset = 0
+    for i, prompt, seqs in admitted:
+        head, n = seqs[0], len(seqs)
         keys, values = engine.runner.cache.export_blocks(head.block_table)
         head.num_cached_tokens = len(prompt)
-        manager.register(head)
-    finally:
-        for seq in seqs:
-            manager.deallocate(seq)
-    return PrefilledPrompt(prompt_ids=prompt, keys=_token_major(keys, len(prompt)),
-                           values=_token_major(values, len(prompt)), first_token_ids=token_ids,
-                           first_logprobs=logprobs, seed=head.seed, weight_version=engine.weight_version)
+        engine.block_manager.register(head)
+        results[i] = PrefilledPrompt(
+            prompt_ids=prompt, keys=_token_major(keys, len(prompt)), values=_token_major(values, len(prompt)),
+            first_token_ids=token_ids[offset : offset + n], first_logprobs=logprobs[offset : offset + n],
+            seed=head.seed, weight_version=engine.weight_version)
+        offset += n
 
 
 def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: PrefilledPrompt,

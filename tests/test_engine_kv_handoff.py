@@ -9,8 +9,13 @@ import torch
 from protos import rollout_pb2
 from rollout.config import EngineConfig
 from rollout.engine import LLMEngine
-from rollout.errors import KVWeightVersionMismatch, QueueFull
-from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer, served_layout
+from rollout.errors import InvalidRequest, KVWeightVersionMismatch, QueueFull
+from rollout.kv_handoff import (
+    add_prefilled_request,
+    prefill_for_transfer,
+    prefill_many_for_transfer,
+    served_layout,
+)
 from rollout.kv_transfer import pack, unpack
 from rollout.sampling_params import SamplingParams
 
@@ -108,3 +113,49 @@ def test_import_without_free_blocks_is_queue_full_and_takes_nothing(tiny_model_d
         add_prefilled_request(decode, "a", prefilled, params)
     assert not decode.requests and decode.block_manager.num_free_blocks == 8
     assert torch.isfinite(prefilled.keys).all()
+
+
+def test_a_batch_of_prefills_for_transfer_equals_one_at_a_time(tiny_model_dir):
+    """The prefill worker's concurrent requests in one batch: the same first tokens, logprobs and KV as one by one,
+    and a refused request (too long for the cache) refused alone."""
+    alone_engine, batched_engine = engine(tiny_model_dir), engine(tiny_model_dir, num_blocks=24)
+    too_long = SamplingParams(temperature=0, max_tokens=120)
+    requests = [(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
+    requests.insert(2, ("huge", PROMPTS[4], too_long))
+    alone = [prefill_for_transfer(alone_engine, rid, prompt, params) for rid, prompt, params in requests if rid != "huge"]
+    batched = prefill_many_for_transfer(batched_engine, requests)
+    assert isinstance(batched.pop(2), InvalidRequest)
+    for one, many in zip(alone, batched, strict=True):
+        assert many.first_token_ids == one.first_token_ids and many.seed == one.seed
+        assert max(abs(a - b) for a, b in zip(many.first_logprobs, one.first_logprobs)) < 1e-5
+        torch.testing.assert_close(many.keys, one.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(many.values, one.values, atol=1e-5, rtol=0)
+    assert batched_engine.block_manager.num_free_blocks == batched_engine.block_manager.num_blocks
+
+
+def test_concurrent_prefills_for_transfer_run_as_one_batch(tiny_model_dir):
+    import asyncio
+    import time
+
+    from rollout.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine(tiny_model_dir))
+    runs = []
+    run = async_engine.engine.runner.run
+    async_engine.engine.runner.run = lambda batch: runs.append(len(batch.seqs)) or run(batch)
+
+    async def together():
+        # held behind one command so that all six wait together, as calls do while the engine is busy
+        gate = async_engine._submit(lambda: time.sleep(0.3))
+        calls = [async_engine.prefill_for_transfer(f"r{i}", prompt, params)
+                 for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
+        results = await asyncio.gather(*calls)
+        gate.result()
+        return results
+
+    try:
+        results = asyncio.run(together())
+    finally:
+        async_engine.shutdown()
+    assert [len(r.first_token_ids) for r in results] == [p.n for p in PARAMS]
+    assert runs == [sum(p.n for p in PARAMS)]  # one forward: every request's sequences
