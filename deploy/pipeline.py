@@ -208,6 +208,7 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
         addresses = Addresses(buffer=buffer.address, reward=reward.address, rollout=rollout.address)
         if earlier:
             start_metric, spent = earlier[0]["accuracy"], rl_seconds(run_dir)
+            progress.trainer.drain()  # the steps before the resume are in the earlier points' means
             progress.note(f"resuming RL at {spent:.0f}s of {rl.time_budget_s:.0f}s (held-out metric at the start "
                           f"of RL: {start_metric:.3f}, at the last evaluation: {earlier[-1]['accuracy']:.3f})")
         else:
