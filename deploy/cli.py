@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment.py documents every field)")
     run.add_argument("--config", help="quickstart YAML config file (default: the shipped quickstart)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
+                     "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
     doctor = sub.add_parser("doctor", help="check an experiment file before a run: config, model and tokenizer, "
                             "data fields, reward, ports, disk, versions; exit 1 on any error")
@@ -134,6 +136,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.experiment and args.config:
         print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)
         return 2
+    if args.resume:
+        if args.experiment or args.config or args.set:
+            print("relayrl run: --resume goes on with the run's recorded config: give no experiment file, --config "
+                  "or --set with it", file=sys.stderr)
+            return 2
+        from deploy.resume import main as resume
+
+        return resume(args.resume)
     if args.experiment and agentic.selects(args.experiment):
         return agentic.main(args.experiment, args.set)
     if args.experiment:

@@ -123,6 +123,8 @@ class TrainingSection(Strict):
     concurrency: int = Field(32, ge=1, description="Prompts the driver keeps in flight.")
     buffer_capacity_batches: int = Field(32, gt=0, description="Replay buffer capacity in batches.")
     publish_overlap: bool = Field(True, description="Send new weights while the next step computes.")
+    metrics_sample_ids: bool = Field(False, description="List each step's sample ids in trainer_metrics.jsonl "
+                                     "(audits what was trained, e.g. across restarts and resumes).")
 
     @property
     def batch_size(self) -> int:

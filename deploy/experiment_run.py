@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import pathlib
-import shutil
 import sys
 
 from deploy.experiment import ExperimentConfig, load_experiment
@@ -60,27 +59,24 @@ def _sft_samples(rows, tokenizer, add_bos: bool):
     return samples
 
 
-def run_experiment(config: ExperimentConfig, console=None, supervisor=None):
-    """The whole run; returns deploy.quickstart.Summary (its accuracy fields hold the held-out mean reward)."""
+def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False):
+    """The whole run; returns deploy.quickstart.Summary (its accuracy fields hold the held-out mean reward). With
+    `resume`, the run in config.run_dir goes on from where it stopped (deploy/run_state.py)."""
     import torch
     from transformers import AutoTokenizer
 
     from deploy import experiment_data
     from deploy.evaluation import mean_reward
-    from deploy.pipeline import Pipeline, RLConfig, run_pipeline, write_yaml
+    from deploy.pipeline import Pipeline, RLConfig, run_pipeline
     from deploy.progress import Progress
-    from deploy.provenance import write_provenance
     from deploy.quickstart import Summary, supervised_warmup
+    from deploy.run_state import start_run_dir, whole_model
     from deploy.supervisor import Supervisor
     from trainer.checkpoint import export_checkpoint_hf, latest_checkpoint
 
     torch.set_num_threads(1)
     run_dir = pathlib.Path(config.run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    (run_dir / "logs").mkdir(parents=True)
-    write_yaml(run_dir / "config.yaml", config.model_dump(mode="json"))
-    write_provenance(run_dir, config.seed)
+    start_run_dir(run_dir, config.model_dump(mode="json"), config.seed, resume)
     progress = Progress(run_dir, console)
 
     model_dir = pathlib.Path(config.model.path)
@@ -89,7 +85,10 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None):
     add_bos = config.data.add_bos and not config.data.chat_template
     prompts_path = experiment_data.write_prompts(train_rows, run_dir / "prompts.jsonl")
     policy_dir = model_dir
-    if config.sft.steps:
+    if config.sft.steps and resume and whole_model(run_dir / "model-sft"):
+        policy_dir = run_dir / "model-sft"
+        progress.note(f"resuming: {policy_dir} is whole, so SFT is not run again")
+    elif config.sft.steps:
         policy_dir = run_dir / "model-sft"
         with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size}"):
             supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos), config.sft.steps,
@@ -112,7 +111,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None):
             warmup_steps=training.warmup_steps, eval_interval_s=evaluation.every_s,
             algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
             driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
-            buffer_capacity_batches=training.buffer_capacity_batches,
+            buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
         ),
         supervise=config.supervise,
         buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
@@ -146,7 +145,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None):
     return summary
 
 
-def main(path: str, overrides: list[str] | None = None) -> int:
+def main(path: str, overrides: list[str] | None = None, resume: bool = False) -> int:
     from deploy.experiment_data import DataError
     from deploy.supervisor import RunFailed
     from services.config import ConfigError
@@ -158,7 +157,7 @@ def main(path: str, overrides: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run_experiment(config)
+        run_experiment(config, resume=resume)
     except DataError as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,11 @@
     -> driver (generate, score, put) and trainer (pull, step, ack, publish) as supervised processes
     -> evaluate every eval_interval_s (or every eval_interval_steps) until the budget or the step count -> stop
 
+A resumed run (`relayrl run --resume`, deploy/run_state.py) goes through the same steps on the same folder: the
+buffer recovers its log, the trainer its latest checkpoint and ledger (and publishes its weights at once), the
+driver its position; the curve so far (metrics.jsonl) stands for the start evaluation, and the clock goes on
+from the RL seconds already spent.
+
 The settings several services share (group size, max_staleness, versions per batch) are read once here from
 RLConfig and handed to each: the buffer, the driver and the trainer never state them separately.
 """
@@ -127,7 +132,8 @@ def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
         # The trainer advances one weight version per optimizer step, batch.mini_batches of them per batch.
         "versions_per_batch": plan.trainer.get("batch", {}).get("mini_batches", 1),
         "temperature": rl.temperature, "max_tokens": rl.max_tokens, "concurrency": rl.driver_concurrency,
-        "seed": plan.seed, "stats_path": str(plan.run_dir / "driver_stats.jsonl"), **plan.driver,
+        "seed": plan.seed, "stats_path": str(plan.run_dir / "driver_stats.jsonl"),
+        "position_path": str(plan.run_dir / "driver_position.json"), **plan.driver,
     }
 
 
@@ -152,19 +158,43 @@ def trainer_config(plan: Pipeline, addresses: Addresses) -> dict:
     }, plan.trainer)
 
 
+def wait_for_published_weights(rollout: str, supervisor, timeout_s: float) -> None:
+    """Until the rollout serves weights a trainer published (a resumed trainer publishes its checkpoint's as it
+    starts; until then a restarted rollout serves the base folder's, at version 0), the trainer ends, or
+    `timeout_s` passes (then the run goes on: evaluations meanwhile see older weights)."""
+    import grpc
+
+    from protos import rollout_pb2, rollout_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(rollout) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        while time.monotonic() < deadline and not supervisor.done("trainer"):
+            supervisor.check()
+            try:
+                if stub.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=5).version > 0:
+                    return
+            except grpc.RpcError:
+                pass  # restarting: the supervisor sees to it
+            time.sleep(0.5)
+
+
 def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
     """Run the RL phase under `supervisor` (deploy.supervisor.Supervisor), reporting to `progress`
     (deploy.progress.Progress); the caller stops the supervisor."""
     from deploy.launcher import start_service
+    from deploy.run_state import rl_seconds, save_rl_seconds
     from deploy.service_registry import REGISTRY_FILE
     from deploy.status import run_targets
     from deploy.tensorboard import RunBoard
+    from trainer.checkpoint import latest_checkpoint
 
     rl, run_dir = plan.rl, plan.run_dir
     batch_size = rl.group_size * rl.groups_per_batch
     registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
     logs = run_dir / "logs"
     board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
+    earlier = read_jsonl(run_dir / "metrics.jsonl")  # the curve of a resumed run so far
     try:
         with progress.phase("starting buffer, reward and rollout services"):
             buffer = supervisor.add_service(start_service("buffer", {
@@ -176,24 +206,37 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
                 "model": str(plan.policy_dir), "engine.seed": plan.seed, **plan.rollout}, log_dir=logs,
                 registry=registry))
         addresses = Addresses(buffer=buffer.address, reward=reward.address, rollout=rollout.address)
-        start_metric = plan.evaluate(addresses)
-        progress.note(f"held-out metric at the start of RL: {start_metric:.3f}")
+        if earlier:
+            start_metric, spent = earlier[0]["accuracy"], rl_seconds(run_dir)
+            progress.trainer.drain()  # the steps before the resume are in the earlier points' means
+            progress.note(f"resuming RL at {spent:.0f}s of {rl.time_budget_s:.0f}s (held-out metric at the start "
+                          f"of RL: {start_metric:.3f}, at the last evaluation: {earlier[-1]['accuracy']:.3f})")
+        else:
+            start_metric, spent = plan.evaluate(addresses), 0.0
+            progress.note(f"held-out metric at the start of RL: {start_metric:.3f}")
 
         driver_cfg = write_yaml(run_dir / "driver.yaml", driver_config(plan, addresses))
-        trainer_cfg = write_yaml(run_dir / "trainer.yaml", trainer_config(plan, addresses))
-        started = time.monotonic()
+        # The versions the killed job's trainers published are lost with its rollout (and the buffer may not have
+        # heard of the last ones): a resumed trainer continues above every version its step records name.
+        used = max((r["weight_version"] for r in read_jsonl(run_dir / "trainer_metrics.jsonl")), default=0)
+        trainer_cfg = write_yaml(run_dir / "trainer.yaml", _merged(trainer_config(plan, addresses),
+                                                                   {"publish": {"versions_above": used}}))
+        started = time.monotonic() - spent
         supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",
                                exit_zero_is_done=True, heartbeat=run_dir / "trainer.heartbeat")
         supervisor.add_process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log",
                                heartbeat=run_dir / "driver_stats.jsonl")
+        if earlier and latest_checkpoint(run_dir / "checkpoints") is not None:
+            wait_for_published_weights(addresses.rollout, supervisor, plan.supervise.start_timeout_s)
         progress.start_rl(rl.time_budget_s, start_metric)
-        curve = [progress.point(0.0, start_metric)]
+        curve = earlier or [progress.point(0.0, start_metric)]
         board.eval(curve[-1])
         next_eval_at, next_eval_step = started + rl.eval_interval_s, plan.eval_interval_steps or 0
         metrics_path = run_dir / "trainer_metrics.jsonl"
         while True:
             supervisor.check()  # RunFailed: something kept dying
             now = time.monotonic()
+            save_rl_seconds(run_dir, now - started)
             if supervisor.done("trainer") or now - started >= rl.time_budget_s:
                 break
             if plan.eval_interval_steps:
@@ -209,11 +252,12 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
             progress.refresh(time.monotonic() - started)
             board.tick(time.monotonic() - started)
             time.sleep(0.5)
-        rl_seconds = time.monotonic() - started
+        rl_seconds_spent = time.monotonic() - started
+        save_rl_seconds(run_dir, rl_seconds_spent)
         for name in ("driver", "trainer"):
             supervisor.stop_member(name)
         final = plan.evaluate(addresses)
-        curve.append(progress.point(rl_seconds, final))
+        curve.append(progress.point(rl_seconds_spent, final))
         board.eval(curve[-1])
         supervisor.check()
     finally:
@@ -222,6 +266,6 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
     driver_stats = read_jsonl(run_dir / "driver_stats.jsonl")
     # Each driver process (a new producer id after a restart) counts from zero: sum their last records.
     completions = sum({d.get("producer_id"): d["samples"] for d in driver_stats}.values())
-    return PipelineResult(start_metric=start_metric, final_metric=final, curve=curve, rl_seconds=rl_seconds,
+    return PipelineResult(start_metric=start_metric, final_metric=final, curve=curve, rl_seconds=rl_seconds_spent,
                           steps=trainer_metrics[-1]["step"] if trainer_metrics else 0, completions=completions,
                           restarts=supervisor.restarts())

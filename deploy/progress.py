@@ -1,4 +1,5 @@
-"""What the quickstart shows and leaves behind: live progress, a summary table, metrics JSONL, a plot."""
+"""What the quickstart shows and leaves behind: live progress, a summary table (and summary.json), metrics JSONL,
+a plot."""
 
 import contextlib
 import json
@@ -8,6 +9,8 @@ import time
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from deploy.run_state import write_summary
 
 
 class JsonlTail:
@@ -154,6 +157,7 @@ class Progress:
             table.add_row(name, str(value))
         self.console.print(table)
         plot(summary.curve, self.run_dir / "progress.png")
+        write_summary(self.run_dir, summary)  # last: the run is finished (deploy/run_state.py)
 
 
 def plot(curve: list[dict], path: pathlib.Path) -> None:

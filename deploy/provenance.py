@@ -39,7 +39,12 @@ def provenance(seed: int) -> dict:
             "packages": versions, "source": git_revision()}
 
 
-def write_provenance(run_dir: pathlib.Path, seed: int) -> pathlib.Path:
+def write_provenance(run_dir: pathlib.Path, seed: int, resumed: bool = False) -> pathlib.Path:
+    """Record where the run started; a resumed run keeps that and adds where it went on, under "resumes"."""
     path = pathlib.Path(run_dir) / "provenance.json"
-    path.write_text(json.dumps(provenance(seed), indent=1) + "\n")
+    record = provenance(seed)
+    if resumed and path.exists():
+        record = json.loads(path.read_text())
+        record.setdefault("resumes", []).append(provenance(seed))
+    path.write_text(json.dumps(record, indent=1) + "\n")
     return path

@@ -13,13 +13,12 @@ count, never because something died; a process that keeps dying fails the run (e
 import asyncio
 import logging
 import pathlib
-import shutil
 import sys
 from dataclasses import dataclass, field
 
 from pydantic import Field
 
-from deploy.pipeline import RLConfig, write_yaml
+from deploy.pipeline import RLConfig
 from deploy.supervisor import SuperviseConfig
 from services.config import Strict, load_config
 
@@ -56,7 +55,8 @@ class SFTConfig(Strict):
 
 class QuickstartConfig(Strict):
     seed: int = Field(0, description="Seeds the model, the task split, sampling and training.")
-    run_dir: str = Field("runs/quickstart", description="Where everything of the run is written (replaced).")
+    run_dir: str = Field("runs/quickstart", description="Where everything of the run is written (replaced; "
+                         "`relayrl run --resume RUN_DIR` goes on in it).")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     start_checkpoint: str | None = Field(None, description="Start RL from this HF folder (skips building + SFT).")
@@ -114,12 +114,15 @@ def sft_warmup(config: QuickstartConfig, init_dir: pathlib.Path, out_dir: pathli
 def supervised_warmup(init_dir: pathlib.Path, out_dir: pathlib.Path, samples, steps: int, batch_size: int, lr: float,
                       seed: int) -> None:
     """`steps` SFT steps on `samples` (protos.sample.Sample) from `init_dir`, the result written to `out_dir` as a
-    Hugging Face folder; metrics to sft_metrics.jsonl beside it."""
+    Hugging Face folder; metrics to sft_metrics.jsonl beside it (replaced: a resumed run that redoes an SFT
+    cut short keeps only the whole one's)."""
     from trainer.config import TrainerConfig
     from trainer.dataset import DatasetSource
     from trainer.loop import train
     from trainer.parallel import init_distributed
 
+    metrics_path = out_dir.parent / "sft_metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
     cfg = TrainerConfig.model_validate({
         "model_path": str(init_dir),
         "algorithm": {"name": "sft"},
@@ -129,7 +132,7 @@ def supervised_warmup(init_dir: pathlib.Path, out_dir: pathlib.Path, samples, st
         "seed": seed,
         "log_interval": 50,
         "checkpoint": {"export_dir": str(out_dir)},
-        "metrics_path": str(out_dir.parent / "sft_metrics.jsonl"),
+        "metrics_path": str(metrics_path),
     })
     train(cfg, init_distributed("cpu"), DatasetSource(samples, seed=seed))
 
@@ -157,32 +160,32 @@ async def evaluate(address: str, prompts: list[tuple[list[int], str]], max_token
 # ---------------------------------------------------------------- the run
 
 
-def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> Summary:
+def run_quickstart(config: QuickstartConfig, console=None, supervisor=None, resume: bool = False) -> Summary:
     """The whole run. `supervisor` (a deploy.supervisor.Supervisor, default one from config.supervise)
-    lets a caller watch the processes it starts and restarts."""
+    lets a caller watch the processes it starts and restarts. With `resume`, the run in config.run_dir goes on
+    from where it stopped (deploy/run_state.py): a whole SFT output is kept, the RL phase resumes."""
     import torch
     from transformers import AutoTokenizer
 
     from deploy.pipeline import Pipeline, run_pipeline
     from deploy.progress import Progress
-    from deploy.provenance import write_provenance
+    from deploy.run_state import start_run_dir, whole_model
     from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
     from rollout.tiny import write_tiny_model
 
     torch.set_num_threads(1)
     run_dir = pathlib.Path(config.run_dir).resolve()
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    (run_dir / "logs").mkdir(parents=True)
-    write_yaml(run_dir / "config.yaml", config.model_dump())
-    write_provenance(run_dir, config.seed)
+    start_run_dir(run_dir, config.model_dump(), config.seed, resume)
     progress = Progress(run_dir, console)
 
     train_tasks, eval_tasks = split_tasks(arithmetic_tasks(config.task.digits, config.task.op),
                                           config.task.num_eval, config.seed)
     if config.start_checkpoint:
         policy_dir = pathlib.Path(config.start_checkpoint).resolve()
+    elif resume and config.sft.steps and whole_model(run_dir / "model-sft"):
+        policy_dir = run_dir / "model-sft"
+        progress.note(f"resuming: {policy_dir} is whole, so the model is not built and SFT not run again")
     else:
         init_dir = write_tiny_model(run_dir / "model-init", seed=config.seed, arch=config.model.arch,
                                     hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
@@ -217,7 +220,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None) -> S
     return summary
 
 
-def main(config_path: str | None = None, overrides: list[str] | None = None) -> int:
+def main(config_path: str | None = None, overrides: list[str] | None = None, resume: bool = False) -> int:
     from services.config import ConfigError
 
     try:
@@ -229,7 +232,7 @@ def main(config_path: str | None = None, overrides: list[str] | None = None) -> 
 
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        summary = run_quickstart(config)
+        summary = run_quickstart(config, resume=resume)
     except RunFailed as exc:
         print(f"relayrl run failed: {exc}", file=sys.stderr)
         return 1

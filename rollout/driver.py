@@ -8,7 +8,7 @@ in flight; rollout/admission.py) lags the version generating it by at most max_s
 max_staleness = 0 is synchronous (on-policy) RL.
 
 Every group and sample id carries a producer id (fresh at each start unless configured), so a restarted
-driver never reuses an id the buffer holds; samples the buffer already stored come back as duplicates,
+driver never reuses an id the buffer holds; with position_path it also goes on where the last one stopped; samples the buffer already stored come back as duplicates,
 counted in the stats and logged.
 """
 
@@ -69,6 +69,9 @@ class DriverConfig(Strict):
     producer_id: str | None = Field(
         None, description="Goes into every group and sample id; None = a fresh random token at each start, so "
         "a restarted driver never reuses an id (the buffer would drop its new samples as duplicates).")
+    position_path: str | None = Field(
+        None, description="Keep the driver's place in the prompt stream here (rollout/position.py): a driver started "
+        "again goes on from it, neither repeating nor skipping a group, under a producer id none before it had.")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(8, gt=0)

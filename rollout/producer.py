@@ -2,7 +2,8 @@
 rollout/admission.py, a bounded number in flight, stats written to a JSONL file every 2 s.
 
 A subclass sets `rollout`, `buffer` (stubs) and `stats` (with a "retries" count) and implements
-`run_group(item, group_index)` and `snapshot()`.
+`run_group(item, group_index)` and `snapshot()`. With `position_path` set, where the producer stands in its
+stream is kept there (rollout/position.py): a producer started again goes on from it.
 """
 
 import asyncio
@@ -10,7 +11,6 @@ import itertools
 import json
 import logging
 import random
-import secrets
 import time
 from collections.abc import Iterator
 
@@ -18,6 +18,7 @@ import grpc
 
 from protos import buffer_pb2, rollout_pb2
 from rollout.admission import Gauge, Pipeline, admit
+from rollout.position import Position
 
 log = logging.getLogger("relayrl.producer")
 WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
@@ -33,9 +34,17 @@ def item_stream(items: list, seed: int) -> Iterator:
         yield from order
 
 
+def unstored_items(items: list, seed: int, position: Position) -> Iterator[tuple[int, object]]:
+    """(group index, item) of the stream, skipping the groups `position` says are stored."""
+    for index, item in enumerate(item_stream(items, seed)):
+        if not position.is_stored(index):
+            yield index, item
+
+
 class GroupProducer:
     """The admission loop over groups. `config` needs group_size, groups_per_batch, versions_per_batch,
-    max_staleness, concurrency, max_groups, seed, stats_path, rpc_timeout_s, admission_poll_s, producer_id."""
+    max_staleness, concurrency, max_groups, seed, stats_path, rpc_timeout_s, admission_poll_s, producer_id,
+    position_path."""
 
     stats: dict
     rollout: object
@@ -44,7 +53,8 @@ class GroupProducer:
     def __init__(self, config, channels: list):
         self.config = config
         self.channels = channels
-        self.producer_id = config.producer_id or secrets.token_hex(4)
+        self.position = Position.load(config.position_path)
+        self.producer_id = self.position.new_producer_id(config.producer_id)
         self.gauge = Gauge(self._poll_pipeline, config.admission_poll_s, self._watch_version)
         self.version = 0
         self.groups_started = 0
@@ -109,10 +119,12 @@ class GroupProducer:
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
 
     async def _run_counted(self, item, group_index: int) -> None:
-        """run_group, its samples counted in flight (from admission) until they are stored."""
+        """run_group, its samples counted in flight (from admission) until they are stored; then the position
+        moves past it."""
         size = self.config.group_size
         try:
             await self.run_group(item, group_index)
+            self.position.stored(group_index)
         finally:
             self.in_flight_samples -= size
             self.stored_samples += size
@@ -120,7 +132,7 @@ class GroupProducer:
     async def run(self, items: list, stop: asyncio.Event | None = None) -> None:
         cfg = self.config
         stop = stop or asyncio.Event()
-        stream = item_stream(items, cfg.seed)
+        stream = unstored_items(items, cfg.seed, self.position)
         in_flight: set[asyncio.Task] = set()
         reporter = asyncio.create_task(self._report(stop)) if cfg.stats_path else None
         try:
@@ -131,10 +143,10 @@ class GroupProducer:
                         task.result()  # a failed group stops the producer with its error
                 if not await self._admit(stop):
                     break
-                index = self.groups_started
+                index, item = next(stream)
                 self.groups_started += 1
                 self.in_flight_samples += cfg.group_size  # counted now: the next admission reads it
-                in_flight.add(asyncio.create_task(self._run_counted(next(stream), index)))
+                in_flight.add(asyncio.create_task(self._run_counted(item, index)))
             for task in asyncio.as_completed(in_flight):
                 await task
         finally:

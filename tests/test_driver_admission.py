@@ -1,10 +1,12 @@
-"""Admission control reads what the trainer consumes; producer ids stay unique across driver restarts.
+"""Admission control reads what the trainer consumes; producer ids stay unique across driver restarts, and a
+restarted driver goes on from its saved position.
 
 The rule (rollout/admission.py) on its own, then the Driver against real buffer, reward and rollout
 processes, with a stand-in trainer that pulls, acks and publishes weights the way trainer/loop.py does.
 """
 
 import asyncio
+import itertools
 
 import grpc
 import pytest
@@ -15,6 +17,8 @@ from protos import buffer_pb2, buffer_pb2_grpc
 from protos.sample import Sample
 from rollout.admission import Pipeline, admit, expected_lag
 from rollout.driver import Driver, DriverConfig, load_prompts
+from rollout.position import Position
+from rollout.producer import item_stream
 from services.client import connect
 
 G, B = 8, 64  # group size, batch size (8 groups)
@@ -108,6 +112,36 @@ def test_a_restarted_driver_with_the_same_seed_gets_its_samples_stored(pipeline)
     assert second.stats["duplicates"] == 0 and stats.duplicates == 0
     assert stats.accepted == 6 * GROUP
     assert first.producer_id != second.producer_id
+
+
+def test_a_restarted_driver_goes_on_from_its_position(pipeline, tmp_path):
+    config, buffer, _, _ = pipeline
+    position = tmp_path / "driver_position.json"
+
+    async def main():
+        first = await run_driver(config(max_groups=3, max_staleness=100, position_path=str(position)))
+        second = await run_driver(config(max_groups=3, max_staleness=100, position_path=str(position)))
+        return first, second, await drain_group_ids(buffer.address, 6 * GROUP)
+
+    first, second, group_ids = asyncio.run(main())
+    prompts = load_prompts(config())
+    expected = [p.prompt_id for p in itertools.islice(item_stream(prompts, 0), 6)]
+    # Group ids are PROMPT#PRODUCER.INDEX: the second driver ran the stream's groups 3-5, not 0-2 again.
+    indices = sorted((int(g.rsplit(".", 1)[1]), g.split("#")[0]) for g in group_ids)
+    assert indices == list(enumerate(expected))
+    assert first.producer_id != second.producer_id
+    assert Position.load(position).next_index == 6
+
+
+async def drain_group_ids(address: str, samples: int) -> set[str]:
+    """Lease (and never ack) `samples` samples; the ids of their groups."""
+    group_ids: set[str] = set()
+    async with connect(address) as channel:
+        stub = buffer_pb2_grpc.BufferStub(channel)
+        async for batch in stub.Pull(buffer_pb2.PullRequest(batch_size=samples, max_batches=1, lease_timeout_s=600),
+                                     timeout=10):
+            group_ids |= {s.group_id for s in batch.samples}
+    return group_ids
 
 
 def test_a_restarted_driver_admits_nothing_while_the_buffer_holds_enough(pipeline):

@@ -132,9 +132,9 @@ def test_relayrl_run_exits_non_zero_naming_what_keeps_dying(tmp_path, capsys, mo
     started: list[Supervisor] = []
     real = quickstart.run_quickstart
 
-    def run_watched(config, console=None, supervisor=None):
+    def run_watched(config, console=None, supervisor=None, resume=False):
         started.append(Supervisor(config.supervise))
-        return real(config, Console(file=io.StringIO()), started[0])
+        return real(config, Console(file=io.StringIO()), started[0], resume)
 
     monkeypatch.setattr(quickstart, "run_quickstart", run_watched)
     stop = threading.Event()

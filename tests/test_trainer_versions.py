@@ -135,3 +135,22 @@ def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch
         worker.join(1)
         client.close()
         publisher.close()
+
+
+def test_a_resumed_trainer_continues_above_the_versions_the_job_used_before():
+    # A whole job killed and resumed: its rollout is new (version 0) and the buffer heard of version 5 only, but
+    # the killed trainer had stepped to version 7 and published it: the next version is 8, not 6.
+    from types import SimpleNamespace
+
+    from trainer.checkpoint import TrainState
+    from trainer.loop import continue_versions
+    from trainer.parallel import init_distributed
+
+    book = SimpleNamespace(source=SimpleNamespace(trainer_version=lambda: 5))
+    state = TrainState(step=5, weight_version=5)
+    assert continue_versions(state, book, None, init_distributed("cpu"), used_before=7)
+    assert state.weight_version == 8
+    fresh = TrainState()
+    assert not continue_versions(fresh, SimpleNamespace(source=SimpleNamespace(trainer_version=lambda: -1)), None,
+                                 init_distributed("cpu"))
+    assert fresh.weight_version == 0

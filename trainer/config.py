@@ -346,6 +346,10 @@ class PublishConfig(Strict):
         5.0, gt=0, description="While the trainer waits for a batch, check every this many seconds that every "
         "receiver serves the last published version; one serving an older one (a restarted rollout worker starts at "
         "its base weights) gets the weights again under the next version, so a restart never waits for a step.")
+    versions_above: int = Field(
+        0, ge=0, description="Weight versions up to this one were used earlier in the job by trainers whose record "
+        "the buffer and the receivers may have lost (a whole job killed and resumed: deploy/pipeline.py passes its "
+        "step records' highest): the trainer continues above it, so a version never names two sets of weights.")
 
 
 class TrainerConfig(Strict):

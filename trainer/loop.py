@@ -106,7 +106,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
            publish: Publisher | None) -> TrainState:
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
     weights = policy_weights(learner, env, publish, config.publish) if publishing else None
-    publish_now = continue_versions(state, book, publish, env)
+    publish_now = continue_versions(state, book, publish, env, config.publish.versions_above)
     if env.is_main:
         book.source.set_version(state.weight_version)
         book.checkpointed(state.weight_version)  # the resumed checkpoint holds its ledger's training: ack it
@@ -190,17 +190,18 @@ def checkpoint(config: TrainerConfig, learner: Learner, state: TrainState, env: 
         book.checkpointed(state.weight_version)
 
 
-def continue_versions(state: TrainState, book: LeaseBook | None, publish: Publisher | None, env: DistEnv) -> bool:
+def continue_versions(state: TrainState, book: LeaseBook | None, publish: Publisher | None, env: DistEnv,
+                      used_before: int = 0) -> bool:
     """Continue the job's weight-version counter (collective); whether to publish the trainer's weights now.
 
     A trainer that starts from anything but the base weights at version 0 (a resumed checkpoint, or versions
-    seen beyond its own: warm rollout workers, a buffer that outlived the last trainer) publishes what it
-    holds under the next version above every one the checkpoint, the buffer or a receiver has seen.
+    seen beyond its own: warm rollout workers, a buffer that outlived the last trainer, `used_before` by the
+    job's earlier trainers) publishes what it holds under the next version above every one seen.
     """
     held = state.weight_version
     if env.is_main:
         served = getattr(publish, "served_versions", dict)()
-        seen = {"checkpoint": held, "buffer": book.source.trainer_version(),
+        seen = {"checkpoint": held, "buffer": book.source.trainer_version(), "used before": used_before,
                 **{f"receiver {address}": version for address, version in served.items() if version is not None}}
         known = max(seen.values())
         if state.step > 0 or known > held:

@@ -58,6 +58,9 @@ class RunnerConfig(Strict):
         0.025, gt=0, description="Poll buffer Stats and the rollout's GetWeightVersion at most this often.")
     producer_id: str | None = Field(
         None, description="Goes into every group and sample id; None = a fresh random token at each start.")
+    position_path: str | None = Field(
+        None, description="Keep the runner's place in the task stream here (rollout/position.py): a runner started "
+        "again goes on from it.")
     temperature: float = Field(1.0, ge=0, description="The same in every turn (a session's logprobs have one).")
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(96, gt=0, description="Longest policy turn.")
