@@ -23,10 +23,30 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> float:
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
+
+
+def one_at_a_time(engine, requests) -> None:
+    from rollout.kv_handoff import prefill_for_transfer
+
+    for request_id, prompt, params in requests:
+        prefill_for_transfer(engine, request_id, prompt, params)
+
+
+def batched(engine, requests) -> None:
+    """As the prefill worker batches them: up to max_num_batched_tokens of prompt per batch."""
+    from rollout.kv_handoff import prefill_many_for_transfer
+
+    pending, budget = list(requests), engine.config.max_num_batched_tokens
+    while pending:
+        batch, tokens = [], 0
+        while pending and (not batch or tokens + len(pending[0][1]) <= budget):
+            tokens += len(pending[0][1])
+            batch.append(pending.pop(0))
+        prefill_many_for_transfer(engine, batch)
 
 
 def main() -> None:
@@ -34,7 +54,6 @@ def main() -> None:
 
     from rollout.config import EngineConfig
     from rollout.engine import LLMEngine
-    from rollout.kv_handoff import prefill_for_transfer, prefill_many_for_transfer
     from rollout.sampling_params import SamplingParams
     from rollout.tiny import write_tiny_model
 
@@ -55,21 +74,8 @@ def main() -> None:
                 budget = engine.config.max_num_batched_tokens
                 requests = [(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
 
-                def alone():
-                    for rid, prompt, p in requests:
-                        prefill_for_transfer(engine, rid, prompt, p)
-
-                def batched():
-                    pending = list(requests)
-                    while pending:
-                        batch, tokens = [], 0
-                        while pending and (not batch or tokens + len(pending[0][1]) <= budget):
-                            tokens += len(pending[0][1])
-                            batch.append(pending.pop(0))
-                        prefill_many_for_transfer(engine, batch)
-
-                alone_s = min(timed(alone) for _ in range(args.repeats))
-                batched_s = min(timed(batched) for _ in range(args.repeats))
+                alone_s = min(timed(one_at_a_time, engine, requests) for _ in range(args.repeats))
+                batched_s = min(timed(batched, engine, requests) for _ in range(args.repeats))
                 print(f"{label} n={n}: one at a time {args.requests / alone_s:.1f} prompts/s, batched "
                       f"{args.requests / batched_s:.1f} prompts/s (budget {budget} tokens)")
                 print(f"result: prefill_batching_speedup_{label}_n{n} = {alone_s / batched_s:.2f} (baseline one "
