@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protos.sample import Sample, SampleStatus
-from reward.metrics import FAILURES, LATENCY, SCORES
 from reward.judge import Judge, JudgeError
+from reward.metrics import FAILURES, LATENCY, SCORES
 from reward.registry import BadFunction, Registry, RewardSpec, call_args, check_args, load
 from reward.workers import Call, Reply, WorkerDied, WorkerPool, run_function
 
