@@ -2,7 +2,7 @@
 
 Checks the config, the model folder (config, weights, tokenizer; the tokenizer fits the embedding), that the
 trainer and the rollout share one tokenizer and vocabulary, the chat template when asked for, the data's fields,
-the reward (importable, its arguments fit), fixed ports, disk space for the buffer and checkpoints, and the
+the reward (importable, its arguments fit; a judge answers), fixed ports, disk space for the buffer and checkpoints, and the
 versions of torch / transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
 """
 
@@ -169,6 +169,9 @@ def check_reward(config: ExperimentConfig, findings: list[Finding]) -> None:
         else:
             findings.append(Finding("ok", "reward", f"reward model {reward.model}"))
         return
+    if reward.judge is not None:
+        check_judge(reward.judge, findings)
+        return
     spec = BUILTINS.get(reward.function) or RewardSpec(reward.function, reward.function)
     added = [p for p in reward.python_path if p not in sys.path]
     sys.path[:0] = added
@@ -184,6 +187,26 @@ def check_reward(config: ExperimentConfig, findings: list[Finding]) -> None:
         for path in added:
             sys.path.remove(path)
     findings.append(Finding("ok", "reward", f"{reward.function} imports ({spec.target})"))
+
+
+def check_judge(judge, findings: list[Finding]) -> None:
+    """The judge answers GET {url}/models and serves `judge.model` (the run would score every sample FAILED)."""
+    import httpx
+
+    url = judge.url.rstrip("/") + "/models"
+    fix = "start the judge's server (vLLM, SGLang, a relayrl rollout with `openai:`) or fix reward.judge.url"
+    try:
+        reply = httpx.get(url, timeout=min(judge.timeout_s, 10.0))
+        reply.raise_for_status()
+        served = [m.get("id") for m in reply.json().get("data", [])]
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        findings.append(Finding("error", "reward", f"judge at {url} unreachable: {type(exc).__name__}: {exc}", fix))
+        return
+    if judge.model not in served:
+        findings.append(Finding("error", "reward", f"judge at {judge.url} does not serve {judge.model!r} "
+                                f"(it serves {served})", "set reward.judge.model to one of those"))
+        return
+    findings.append(Finding("ok", "reward", f"judge {judge.model!r} answers at {judge.url} ({judge.mode} mode)"))
 
 
 def check_ports(config: ExperimentConfig, findings: list[Finding]) -> None:

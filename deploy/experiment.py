@@ -7,7 +7,7 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
 
     model:      a Hugging Face folder (config.json, *.safetensors, tokenizer)
     data:       JSONL / Parquet / a `datasets` folder; which fields hold prompt, answer, metadata; chat template
-    reward:     a built-in by name, an operator function by dotted path, or a reward model folder
+    reward:     a built-in by name, an operator function by dotted path, a reward model folder, or a served LLM judge
     algorithm:  trainer.config.AlgorithmConfig (grpo, ppo, ... and their variants)
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from deploy.supervisor import SuperviseConfig
+from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
 from services.config import Strict, load_config
 from trainer.config import AlgorithmConfig
@@ -74,13 +75,16 @@ class RewardSection(Strict):
 
     function: str = Field("exact_match", description="A built-in (" + ", ".join(sorted(BUILTINS)) + ") or an "
                           "operator function 'package.module:function' (fn(sample, **args) -> float | RewardOutput), "
-                          "importable from python_path. Ignored when `model` is set.")
+                          "importable from python_path. Ignored when `model` or `judge` is set.")
     args: dict[str, object] = Field(default_factory=dict, description="Arguments fixed for every call of the "
                                     "function (e.g. {extract: boxed}).")
     python_path: list[str] = Field(default_factory=lambda: ["."], description="Folders added to the reward "
                                    "service's PYTHONPATH to import an operator function (relative: to this file).")
     model: str | None = Field(None, description="A sequence-classification reward model folder scored as the "
                               "reward instead of `function`.")
+    judge: JudgeConfig | None = Field(None, description="An LLM served elsewhere (OpenAI-compatible: vLLM, SGLang, "
+                                      "a relayrl rollout) that grades each completion instead of `function`: "
+                                      "{url, model, template, mode: logprob | generate, ...} (reward/judge.py).")
     timeout_s: float = Field(10.0, gt=0, description="Per-sample scoring timeout.")
 
     @field_validator("function")
@@ -91,10 +95,17 @@ class RewardSection(Strict):
                              "'package.module:function' path")
         return function
 
+    @model_validator(mode="after")
+    def _one_scorer(self) -> "RewardSection":
+        if self.model is not None and self.judge is not None:
+            raise ValueError("model and judge: give one (a reward model folder, or a served LLM judge)")
+        return self
+
     @property
     def custom(self) -> bool:
-        """Whether the reward service must be told about this function (a path, a reward model, bound args)."""
-        return self.model is not None or self.function not in BUILTINS or bool(self.args)
+        """Whether the reward service must be told about this function (a path, a model, a judge, bound args)."""
+        return (self.model is not None or self.judge is not None or self.function not in BUILTINS
+                or bool(self.args))
 
 
 class SFTSection(Strict):

@@ -28,6 +28,9 @@ def reward_service(config: ExperimentConfig) -> tuple[dict, dict[str, str], str]
     if reward.model is not None:
         overrides[f"reward_models.{REWARD_NAME}"] = {"path": reward.model}
         return overrides, env, REWARD_NAME
+    if reward.judge is not None:
+        overrides[f"judges.{REWARD_NAME}"] = reward.judge.model_dump(mode="json")
+        return overrides, env, REWARD_NAME
     if not reward.custom:
         return overrides, env, reward.function
     target = BUILTINS[reward.function].target if reward.function in BUILTINS else reward.function

@@ -7,6 +7,9 @@ function, arguments that do not fit it) fail the whole call.
 Built-ins marked `inline` (exact and numeric match) score responses of up to `inline_max_chars`
 characters in this process: a worker round trip costs more than such a check (milliseconds of
 IPC against microseconds). Longer responses, and every other function, go to the workers.
+
+LLM judges (reward/judge.py) run in this process's asyncio loop too: they wait on an HTTP endpoint, and
+a worker process per request would only add a hop.
 """
 
 import asyncio
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protos.sample import Sample, SampleStatus
+from reward.judge import Judge, JudgeError
 from reward.metrics import FAILURES, LATENCY, SCORES
 from reward.registry import BadFunction, Registry, RewardSpec, call_args, check_args, load
 from reward.workers import Call, Reply, WorkerDied, WorkerPool, run_function
@@ -63,8 +67,10 @@ class ScorerSettings:
 class Scorer:
     """Resolves functions by name and scores samples with them in worker processes."""
 
-    def __init__(self, registry: Registry, settings: ScorerSettings, allow_custom: bool = False):
+    def __init__(self, registry: Registry, settings: ScorerSettings, allow_custom: bool = False,
+                 judges: Mapping[str, Judge] | None = None):
         self.registry, self.settings, self.allow_custom = registry, settings, allow_custom
+        self.judges = dict(judges or {})  # function name -> judge (its spec is in the registry too)
         self.sample_pool = WorkerPool(settings.max_concurrency, "reward", settings.threads_per_worker,
                                       settings.load_timeout_s)
         self.batch_pool = WorkerPool(settings.model_workers, "reward-model", settings.threads_per_worker,
@@ -95,6 +101,11 @@ class Scorer:
         a failing prepare hook).
         """
         args = call_args(spec, request_args)
+        if spec.name in self.judges:
+            if request_args:
+                raise BadFunction(f"function {spec.name!r}: an LLM judge takes no function_args (its server "
+                                  "config fixes them)")
+            return {}
         if spec.inline:
             check_args(spec, load(spec), args)  # a long response may still go to a worker, which checks again
             return args
@@ -121,6 +132,12 @@ class Scorer:
                 outcomes[i] = self._score_inline(sample, spec, args)
             else:
                 todo.append(i)
+        judge = self.judges.get(spec.name)
+        if judge is not None:
+            judged = await asyncio.gather(*(self._judge(judge, spec, samples[i], timeout_s) for i in todo))
+            for i, outcome in zip(todo, judged):
+                outcomes[i] = outcome
+            return outcomes  # type: ignore[return-value]
         size = self.settings.batch_chunk if spec.batched else 1
         chunks = [todo[start:start + size] for start in range(0, len(todo), size)]
         results = await asyncio.gather(*(self._score_chunk([samples[i] for i in chunk], spec, args, timeout_s)
@@ -135,6 +152,19 @@ class Scorer:
         reply = run_function(spec, load(spec), [sample], args)
         LATENCY.labels(spec.name).observe(time.perf_counter() - start)
         return self._outcomes(spec, [sample], reply)[0]
+
+    async def _judge(self, judge: Judge, spec: RewardSpec, sample: Sample, timeout_s: float) -> ScoreOutcome:
+        start = time.perf_counter()
+        try:
+            output = await asyncio.wait_for(judge.score(sample), timeout_s)
+        except TimeoutError:
+            return self._failed(spec, [sample], "timeout", f"timeout after {timeout_s:g}s")[0]
+        except JudgeError as exc:
+            return self._failed(spec, [sample], "judge_error", str(exc))[0]
+        finally:
+            LATENCY.labels(spec.name).observe(time.perf_counter() - start)
+        SCORES.labels(spec.name).observe(output.score)
+        return ScoreOutcome(output.score, output.details, SampleStatus.COMPLETED, output.note)
 
     async def _score_chunk(self, samples: list[Sample], spec: RewardSpec, args: Mapping[str, Any],
                            timeout_s: float) -> list[ScoreOutcome]:

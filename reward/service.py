@@ -6,6 +6,7 @@ from pydantic import Field
 from protos import reward_pb2, reward_pb2_grpc
 from protos.codec import CodecError, unpack_metadata
 from protos.sample import Sample
+from reward.judge import Judge, JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN, BadFunction, Registry, RewardSpec, UnknownFunction
 from reward.scorer import FunctionUnavailable, Scorer, ScorerSettings, check_timeout
 from services.config import ServerConfig, Strict
@@ -52,6 +53,9 @@ class Config(Strict):
     functions: dict[str, FunctionConfig] = Field(default_factory=dict, description="Extra named functions.")
     reward_models: dict[str, RewardModelConfig] = Field(
         default_factory=dict, description="name -> reward model; requests call it as function `name`.")
+    judges: dict[str, JudgeConfig] = Field(
+        default_factory=dict, description="name -> an LLM served elsewhere (OpenAI-compatible) that grades each "
+        "completion; requests call it as function `name` (reward/judge.py).")
 
 
 def build_registry(config: Config) -> Registry:
@@ -62,6 +66,8 @@ def build_registry(config: Config) -> Registry:
     for name, model in config.reward_models.items():
         registry.add(RewardSpec(name, "reward.model:reward_model", batched=True, bound_args=model.model_dump(),
                                 prepare="reward.model:prepare"))
+    for name, judge in config.judges.items():  # scored in the server's loop (Scorer.judges), never imported
+        registry.add(RewardSpec(name, "reward.judge:Judge", bound_args=judge.model_dump()))
     return registry
 
 
@@ -122,10 +128,13 @@ async def serve(config: Config) -> None:
         threads_per_worker=config.threads_per_worker, batch_chunk=config.batch_chunk,
         load_timeout_s=config.load_timeout_s, inline_max_chars=config.inline_max_chars,
     )
-    scorer = Scorer(build_registry(config), settings, allow_custom=config.allow_custom)
+    judges = {name: Judge(name, judge) for name, judge in config.judges.items()}
+    scorer = Scorer(build_registry(config), settings, allow_custom=config.allow_custom, judges=judges)
     scorer.start()
     try:
         await run_server("reward", [(reward_pb2_grpc.add_RewardServicer_to_server,
                                      RewardServicer(scorer, config), SERVICE_NAME)], config.server)
     finally:
         scorer.close()
+        for judge in judges.values():
+            await judge.close()

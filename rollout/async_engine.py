@@ -169,6 +169,12 @@ class AsyncEngine:
         return await self._call(lambda: (self.engine.compute_logprobs(prompt_ids, responses, temperature),
                                          self.engine.weight_version))
 
+    async def top_logprobs(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], temperature: float, top: int
+    ) -> list[list[tuple[int, float]]]:
+        """The `top` most likely tokens (id, logprob) at each position of a response (LLMEngine.compute_top_logprobs)."""
+        return await self._call(lambda: self.engine.compute_top_logprobs(prompt_ids, response_ids, temperature, top))
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request (or a session's running turn, by session id); its completions end with reason
         abort. Returns whether it was running."""

@@ -193,6 +193,18 @@ class LLMEngine:
         neither read nor filled). Raises
         InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
         """
+        return [logprobs for logprobs, _ in self._score(prompt_ids, responses, temperature, 0)]
+
+    def compute_top_logprobs(
+        self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float, top: int
+    ) -> list[list[tuple[int, float]]]:
+        """At each position of the response, the `top` most likely tokens (id, logprob) given the prompt and the
+        response tokens before it, under softmax(logits / temperature); one scoring pass like compute_logprobs."""
+        return self._score(prompt_ids, [response_ids], temperature, top)[0][1]
+
+    def _score(
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float, top: int
+    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
         if not temperature > 0:
             raise InvalidRequest("temperature", f"must be > 0 to score under softmax(logits / temperature), got {temperature}")
         prompt = [int(t) for t in prompt_ids]
@@ -210,19 +222,19 @@ class LLMEngine:
                 raise InvalidRequest(field, f"prompt + response exceeds the KV cache ({self.block_manager.num_blocks} "
                                             f"blocks of {self.block_manager.block_size})")
             seqs.append(Sequence(-1, "", i, prompt + tokens, SamplingParams(), 0))
-        results: list[list[float]] = [[] for _ in seqs]
+        results: list[tuple[list[float], list[list[tuple[int, float]]]]] = [([], []) for _ in seqs]
         pending = [seq for seq in seqs if len(seq) > len(prompt)]
         while pending:
             chunk = self._fitting(pending)
             for seq in chunk:
                 self.block_manager.allocate(seq, reuse_prefix=False)  # runner.score computes every token
             try:
-                scored = self.runner.score(chunk, [len(prompt)] * len(chunk), temperature)
+                scored = self.runner.score(chunk, [len(prompt)] * len(chunk), temperature, top)
             finally:
                 for seq in chunk:
                     self.block_manager.deallocate(seq)
-            for seq, logprobs in zip(chunk, scored):
-                results[seq.index] = logprobs
+            for seq, result in zip(chunk, scored):
+                results[seq.index] = result
             pending = pending[len(chunk):]
         return results
 

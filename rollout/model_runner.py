@@ -57,8 +57,10 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist()
 
     @torch.inference_mode()
-    def score(self, seqs: list[Sequence], starts: list[int], temperature: float = 1.0) -> list[list[float]]:
-        """Logprobs under softmax(logits / temperature) of tokens starts[i]: of each sequence given the tokens before them.
+    def score(self, seqs: list[Sequence], starts: list[int], temperature: float = 1.0,
+              top: int = 0) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        """Logprobs under softmax(logits / temperature) of tokens starts[i]: of each sequence given the tokens before them,
+        and at each of those positions the `top` most likely tokens with theirs ([] when top is 0).
 
         One prefill over the whole sequences (fresh: blocks for every token, none cached yet); logits are made per
         sequence, so a long sequence with a large vocabulary never holds [all tokens, vocab] at once.
@@ -72,8 +74,14 @@ class ModelRunner:
             logits = self.model.logits(hidden[first + start - 1 : last]).float()
             if temperature != 1.0:
                 logits = logits / temperature
-            chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            results.append((chosen - torch.logsumexp(logits, dim=-1)).tolist())
+            log_norm = torch.logsumexp(logits, dim=-1)
+            chosen = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm).tolist()
+            tops: list[list[tuple[int, float]]] = []
+            if top:
+                values, ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
+                values = values - log_norm.unsqueeze(-1)
+                tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+            results.append((chosen, tops))
         return results
 
     def _prepare(

@@ -47,7 +47,7 @@ from rollout.openai_schema import (
 )
 from rollout.openai_sessions import ChatSession, HistoryDiverged, SessionBook
 from rollout.outputs import Completion
-from rollout.sampling_params import SamplingParams
+from rollout.sampling_params import SamplingParams, logprobs_temperature
 from rollout.sessions import SessionRecord
 from rollout.tool_calls import ToolCallParser
 
@@ -124,10 +124,19 @@ class _Endpoint:
         if request.headers.get("x-session-id"):
             raise APIError(400, "a session holds a chat conversation: send its calls to /v1/chat/completions",
                            "X-Session-Id")
+        if body.logprobs and body.stream:
+            raise APIError(400, "logprobs: top-k alternatives are not streamed; ask without stream", "logprobs")
+        if body.logprobs and body.logprobs > self.settings.max_logprobs:
+            raise APIError(400, f"logprobs: at most {self.settings.max_logprobs} alternatives are served "
+                           "(openai.max_logprobs)", "logprobs")
         prompt = self.tokenizer(body.prompt).input_ids if isinstance(body.prompt, str) else body.prompt
         reply = self._reply(f"cmpl-{uuid.uuid4().hex}", body, len(prompt), body.logprobs is not None, chat=False)
         deltas = self.engine.generate(reply.id, prompt, self._params(body, body.max_tokens, len(prompt)))
-        return await self._respond(reply, deltas, body)
+        result = await self._respond(reply, deltas, body)
+        if body.logprobs:
+            for choice, out in zip(reply.choices, result["choices"]):
+                out["logprobs"]["top_logprobs"] = await self._top_logprobs(prompt, choice.token_ids, body)
+        return result
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
@@ -217,6 +226,19 @@ class _Endpoint:
             content, calls = choice.content_and_calls()
             reply = ChatMessage(role="assistant", content=content, tool_calls=[c.to_openai() for c in calls] or None)
             session.replied(keys, reply.key(), len(choice.token_ids), choice.token_ids[-1] in self.eos_token_ids)
+
+    async def _top_logprobs(self, prompt: list[int], token_ids: list[int], body: CompletionRequest) -> list[dict]:
+        """Per generated token, its `body.logprobs` most likely alternatives {text: logprob}, from one scoring pass
+        under the temperature the sampled tokens' logprobs use (the top-k / top-p cut is not applied)."""
+        temperature = logprobs_temperature(self.engine.engine.config.logprobs_mode, body.temperature)
+        rows = await self.engine.top_logprobs(prompt, token_ids, temperature, body.logprobs)
+        tops = []
+        for row in rows:
+            top: dict[str, float] = {}
+            for token_id, logprob in row:  # most likely first; two ids with one text keep the likelier
+                top.setdefault(self.tokenizer.decode([token_id]), logprob)
+            tops.append(top)
+        return tops
 
     # ---- shared
 

@@ -2,7 +2,7 @@
 
 Requests follow OpenAI's API; fields we do not serve are ignored when their value changes nothing
 (user, metadata, parallel_tool_calls, ...) and refused with a 400 naming them when it would (echo,
-penalties, logit_bias, top-k alternatives). Extensions, as vLLM has them: top_k, ignore_eos,
+penalties, logit_bias, chat's top-k alternatives). Extensions, as vLLM has them: top_k, ignore_eos,
 stop_token_ids.
 """
 
@@ -26,6 +26,8 @@ class OpenAISettings(Strict):
     served_model_name: str | None = Field(None, description="The `model` requests name; None: the model folder.")
     session_by_key: bool = Field(False, description="The bearer API key is the session key of chat calls (for "
                                  "frameworks that cannot send headers); an X-Session-Id header always is one.")
+    max_logprobs: int = Field(20, ge=0, description="Most top-k alternatives a completion may ask for (`logprobs`); "
+                              "they come from one extra scoring pass over the prompt and completion (as vLLM, 20).")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 (engine queue full) and 503 (engine stopped).")
     grace_s: float = Field(5.0, ge=0, description="On stop, how long open requests may run before they are cut.")
     insecure: bool = Field(False, description="Serve a non-loopback host although anyone reaching it may call it.")
@@ -104,9 +106,9 @@ class CompletionRequest(_Request):
 
     @field_validator("logprobs")
     @classmethod
-    def _sampled_only(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError(f"top-{value} alternatives {_UNSERVED}; logprobs: 0 gives each sampled token's logprob")
+    def _not_negative(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
         return value
 
     @field_validator("echo", "suffix")
