@@ -46,7 +46,7 @@ class DataSource(Strict):
     path: str = Field(description="A .jsonl file (one JSON object per line), a .parquet file, or a folder written "
                       "by `datasets`' save_to_disk.")
     format: DataFormat = Field("auto", description="auto = by the path: .jsonl/.json lines, .parquet, a folder = "
-                               "datasets. parquet needs pyarrow, datasets needs the `datasets` package.")
+                               "datasets. Parquet and datasets need the [data] extra (pyarrow, datasets).")
     split: str | None = Field(None, description="For a `datasets` folder holding a DatasetDict: the split to read.")
 
 
