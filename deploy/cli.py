@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "without one, the local quickstart (SFT warm-up, then async GRPO on one machine; a --config "
                          "with `job: agentic`: on an environment, examples/agentic/)")
     run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment.py documents every field)")
-    run.add_argument("--config", help="quickstart YAML config file (default: the shipped quickstart)")
+    run.add_argument("--config", help="a built-in job's YAML: the addition job (deploy/quickstart.yaml, "
+                     "examples/algorithms/*.yaml) or an agentic one (examples/agentic/*.yaml); with neither this nor "
+                     "an experiment file: the quickstart (deploy/quickstart_experiment.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
@@ -150,6 +152,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from deploy.experiment_run import main as run_experiment
 
         return run_experiment(args.experiment, args.set)
+    if args.config is None:  # the quickstart: the shipped experiment file on the project it writes first
+        from deploy.quickstart_project import main as quickstart_experiment
+
+        return quickstart_experiment(args.set)
     from deploy.quickstart import main as quickstart
 
     if agentic.selects(args.config):  # `job: agentic` in the YAML: environments over sessions

@@ -1,0 +1,47 @@
+"""The quickstart's project, written the way a user would lay out their own (`relayrl run` with no argument).
+
+    runs/quickstart-project/
+        model/            a tiny Qwen2 built in code (rollout.tiny) with its character tokenizer
+        train.jsonl       every 2-digit addition {prompt_id, prompt: "12+34=", answer: "46"} but the held-out ones
+        eval.jsonl        200 held out by a seeded shuffle (deploy.tasks.split_tasks, as the --config job splits)
+        experiment.yaml   a copy of the shipped deploy/quickstart_experiment.yaml
+
+then runs that experiment file like any other (deploy/experiment_run.py). The project is written once and kept.
+"""
+
+import json
+import pathlib
+import shutil
+
+SHIPPED = pathlib.Path(__file__).with_name("quickstart_experiment.yaml")
+DEFAULT_FOLDER = pathlib.Path("runs") / "quickstart-project"
+
+
+def write_project(folder: pathlib.Path, seed: int = 0, num_eval: int = 200) -> pathlib.Path:
+    """Model, data and the experiment file in `folder` (kept when already whole); returns the experiment file."""
+    from deploy.tasks import arithmetic_tasks, split_tasks
+    from rollout.tiny import write_tiny_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "model" / "config.json").is_file():
+        staging = folder / ".model-staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        write_tiny_model(staging, seed=seed)  # deploy.quickstart.ModelConfig's defaults
+        staging.rename(folder / "model")
+    train, held_out = split_tasks(arithmetic_tasks(2, "+"), num_eval, seed)
+    for name, tasks in (("train.jsonl", train), ("eval.jsonl", held_out)):
+        rows = "".join(json.dumps({"prompt_id": t.prompt_id, "prompt": t.prompt, "answer": t.answer}) + "\n"
+                       for t in tasks)
+        (folder / name).write_text(rows)
+    experiment = folder / "experiment.yaml"
+    if not experiment.exists():
+        shutil.copyfile(SHIPPED, experiment)
+    return experiment
+
+
+def main(overrides: list[str] | None = None) -> int:
+    from deploy.experiment_run import main as run_experiment
+
+    experiment = write_project(DEFAULT_FOLDER.resolve())
+    print(f"relayrl run: the quickstart project is in {experiment.parent} (its experiment file: {experiment.name})")
+    return run_experiment(str(experiment), overrides or [])

@@ -1,0 +1,61 @@
+"""The quickstart as a shipped experiment file (deploy/quickstart_experiment.yaml, deploy/quickstart_project.py):
+`relayrl run` with no argument writes the project the way a user lays one out and runs that file; it trains on
+exactly the samples and measures exactly the prompts of the built-in addition job (`--config`)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from deploy.doctor import main as doctor
+from deploy.experiment import load_experiment
+from deploy.quickstart_project import write_project
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_the_project_is_the_addition_jobs_samples_and_held_out_prompts(tmp_path):
+    from deploy import experiment_data
+    from deploy.experiment_run import _sft_samples
+    from deploy.quickstart import _sft_samples as job_sft_samples
+    from deploy.tasks import arithmetic_tasks, split_tasks
+
+    experiment = write_project(tmp_path / "project")
+    config = load_experiment(experiment)
+    assert config.run_dir == str((tmp_path / "quickstart").resolve())
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
+    train_tasks, eval_tasks = split_tasks(arithmetic_tasks(2, "+"), 200, 0)
+    ours, theirs = _sft_samples(train_rows, tokenizer, add_bos=True), job_sft_samples(train_tasks, tokenizer)
+    assert [s.sample_id for s in ours] == [s.sample_id for s in theirs]
+    assert all(a.prompt_ids.tolist() == b.prompt_ids.tolist() and a.response_ids.tolist() == b.response_ids.tolist()
+               for a, b in zip(ours, theirs, strict=True))
+    assert [(experiment_data.prompt_ids(row, tokenizer, True), row.metadata["answer"]) for row in eval_rows] == [
+        ([tokenizer.bos_token_id, *tokenizer.encode(t.prompt, add_special_tokens=False)], t.answer) for t in eval_tasks]
+    assert write_project(tmp_path / "project") == experiment  # written once, kept
+
+
+def test_doctor_passes_the_quickstart_project(tmp_path):
+    assert doctor(str(write_project(tmp_path / "project"))) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_relayrl_run_without_an_argument_runs_the_quickstart_experiment(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "run", "--set", "sft.steps=60", "--set", "training.time_budget_s=20",
+         "--set", "evaluation.every_s=8"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=500,
+        check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "runs/quickstart-project" in done.stdout
+    run = tmp_path / "runs" / "quickstart"
+    curve = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(curve) >= 2 and all(0 <= point["accuracy"] <= 1 for point in curve)
+    assert (run / "summary.json").is_file() and (run / "export" / "config.json").is_file()
+    assert (tmp_path / "runs" / "quickstart-project" / "experiment.yaml").read_text() == (
+        ROOT / "deploy" / "quickstart_experiment.yaml").read_text()
