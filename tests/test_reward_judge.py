@@ -3,8 +3,13 @@ process scores through it. The logprob score is P(yes) / (P(yes) + P(no)) as tra
 same prompt; a written verdict is parsed (or scores 0, counted); an unreachable judge fails its samples with
 a clear reason while the service keeps serving; the experiment file takes a `judge` section."""
 
+import asyncio
+import json
 import socket
+import threading
+import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
@@ -20,7 +25,10 @@ from deploy.experiment import load_experiment
 from deploy.experiment_run import reward_service
 from deploy.launcher import start_service
 from protos import reward_pb2, reward_pb2_grpc
-from reward.judge import JudgeConfig, read_verdict, render, yes_probability
+from protos.sample import Sample, SampleStatus
+from reward.judge import Judge, JudgeConfig, read_verdict, render, yes_probability
+from reward.scorer import Scorer, ScorerSettings
+from reward.service import Config, build_registry
 from services.client import connect_sync
 from services.config import ConfigError
 
@@ -81,8 +89,6 @@ def rendered(i: int) -> str:
 
 
 def test_render_fills_once_and_verdicts_parse():
-    from protos.sample import Sample
-
     empty = np.zeros(0)
     sample = Sample("s", "p", empty.astype("int32"), empty.astype("int32"), empty.astype("uint8"),
                     empty.astype("float32"), empty.astype("int64"), prompt_text="say {response}",
@@ -97,6 +103,68 @@ def test_render_fills_once_and_verdicts_parse():
         JudgeConfig(url="http://x/v1", model="m", template="{prompt} only")
     with pytest.raises(ValueError, match="score_range"):
         JudgeConfig(url="http://x/v1", model="m", template="{response}", score_range=(1, 1))
+
+
+class SlowJudge(BaseHTTPRequestHandler):
+    """Answers every completion with the verdict "8" after `delay` seconds; counts requests in flight."""
+
+    delay, in_flight, most_in_flight, lock = 0.0, 0, 0, threading.Lock()
+
+    def do_POST(self):
+        cls = type(self)
+        with cls.lock:
+            cls.in_flight += 1
+            cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        try:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            time.sleep(cls.delay)
+            body = json.dumps({"choices": [{"text": "8"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the judge gave up on it at the sample's timeout
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+    def log_message(self, *args):
+        pass
+
+
+def test_timeout_counts_from_a_free_slot_and_the_limit_holds():
+    """Five samples through a judge with 2 slots, 0.3 s a verdict, 0.5 s per sample: the last ones wait
+    ~0.6 s for a slot and still complete; at most 2 requests are in flight; a slower verdict times out."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    judge = {"url": f"http://127.0.0.1:{server.server_port}/v1", "model": MODEL, "template": TEMPLATE,
+             "mode": "generate", "max_concurrency": 2, "retries": 0}
+    config = Config(judges={"slow": judge})
+    empty = np.zeros(0)
+    samples = [Sample(f"s{i}", "p", empty.astype("int32"), empty.astype("int32"), empty.astype("uint8"),
+                      empty.astype("float32"), empty.astype("int64"), prompt_text="q", response_text="a")
+               for i in range(5)]
+
+    async def score(delay: float) -> list:
+        SlowJudge.delay, SlowJudge.most_in_flight = delay, 0
+        judges = {"slow": Judge("slow", config.judges["slow"])}
+        scorer = Scorer(build_registry(config), ScorerSettings(), judges=judges)  # no start(): no workers needed
+        try:
+            return await scorer.score(samples, scorer.resolve("slow"), {}, timeout_s=0.5)
+        finally:
+            await scorer.judges["slow"].close()
+
+    try:
+        outcomes = asyncio.run(score(0.3))
+        assert [(o.status, o.reward) for o in outcomes] == [(SampleStatus.COMPLETED, 0.8)] * 5
+        assert SlowJudge.most_in_flight == 2
+        late = asyncio.run(score(0.8))
+        assert all(o.status == SampleStatus.FAILED and o.reason == "timeout after 0.5s" for o in late)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---- the endpoint's top-k alternatives
