@@ -158,7 +158,8 @@ class Scorer:
         try:
             output = await judge.score(sample, timeout_s)
         except TimeoutError:
-            return self._failed(spec, [sample], "timeout", f"timeout after {timeout_s:g}s")[0]
+            return self._failed(spec, [sample], "timeout", f"timeout after {timeout_s:g}s waiting for judge "
+                                f"{judge.name!r} at {judge.endpoint}")[0]
         except JudgeError as exc:
             return self._failed(spec, [sample], "judge_error", str(exc))[0]
         finally:

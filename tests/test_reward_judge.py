@@ -176,7 +176,8 @@ def test_timeout_counts_from_a_free_slot_and_the_limit_holds(fake_judge):
     assert [(o.status, o.reward) for o in outcomes] == [(SampleStatus.COMPLETED, 0.8)] * 5
     assert FakeJudge.most_in_flight == 2
     late = fake_judge(5, 0.5, delay=0.8, max_concurrency=2, retries=0)
-    assert all(o.status == SampleStatus.FAILED and o.reason == "timeout after 0.5s" for o in late)
+    assert all(o.status == SampleStatus.FAILED for o in late)
+    assert late[0].reason.startswith("timeout after 0.5s waiting for judge 'fake' at http://127.0.0.1:")
 
 
 def test_retries_what_a_retry_may_fix_with_backoff(fake_judge):
