@@ -14,7 +14,7 @@ A verdict that cannot be read (no number; neither yes nor no among the alternati
 details["judge_unparsed"] = 1, counted in relayrl_reward_judge_unparsed_total. A judge that cannot be
 reached, or refuses, raises JudgeError after its retries: the sample comes back FAILED with that message.
 Judges run in the reward server's asyncio loop (they wait on the network, not the CPU), at most
-`max_concurrency` requests at once per judge.
+`max_concurrency` samples in grading at once per judge; a sample's timeout counts from when it gets a slot.
 """
 
 import asyncio
@@ -136,12 +136,16 @@ class Judge:
         self._limit = asyncio.Semaphore(config.max_concurrency)
         self._client: httpx.AsyncClient | None = None
 
-    async def score(self, sample: Sample) -> RewardOutput:
+    async def score(self, sample: Sample, timeout_s: float) -> RewardOutput:
+        """Grade `sample`; TimeoutError when its grading (retries included) takes longer than `timeout_s`.
+
+        The clock starts once one of the judge's `max_concurrency` slots is free, as a worker's does once a
+        worker is free: a batch larger than the limit waits its turn without eating its samples' timeouts.
+        """
         prompt = render(self.config.template, sample, self.config.answer_key)
-        if self.config.mode == "logprob":
-            output = await self._score_logprob(prompt)
-        else:
-            output = await self._score_generate(prompt)
+        grade = self._score_logprob if self.config.mode == "logprob" else self._score_generate
+        async with self._limit:
+            output = await asyncio.wait_for(grade(prompt), timeout_s)
         if output.details.get("judge_unparsed"):
             JUDGE_UNPARSED.labels(self.name).inc()
         return output
@@ -174,26 +178,25 @@ class Judge:
         body = {"model": self.config.model, **body}
         attempts = self.config.retries + 1
         problem = ""
-        async with self._limit:
-            for attempt in range(attempts):
-                if attempt:
-                    await asyncio.sleep(self.config.backoff_s * 2 ** (attempt - 1))
-                try:
-                    reply = await self._http().post(self.endpoint, json=body)
-                except httpx.TransportError as exc:  # connect refused, timeout, reset
-                    problem = f"{type(exc).__name__}: {exc or 'no answer'}"
-                    continue
-                if reply.status_code == 429 or reply.status_code >= 500:
-                    problem = f"HTTP {reply.status_code}: {_message(reply)}"
-                    continue
-                if reply.status_code != 200:
-                    raise JudgeError(f"judge {self.name!r} refused the request (HTTP {reply.status_code} from "
-                                     f"{self.endpoint}): {_message(reply)}")
-                try:
-                    return reply.json()["choices"][0]
-                except (ValueError, KeyError, IndexError, TypeError):
-                    raise JudgeError(f"judge {self.name!r}: {self.endpoint} answered something that is not a "
-                                     f"completion: {reply.text[:200]!r}") from None
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.config.backoff_s * 2 ** (attempt - 1))
+            try:
+                reply = await self._http().post(self.endpoint, json=body)
+            except httpx.TransportError as exc:  # connect refused, timeout, reset
+                problem = f"{type(exc).__name__}: {exc or 'no answer'}"
+                continue
+            if reply.status_code == 429 or reply.status_code >= 500:
+                problem = f"HTTP {reply.status_code}: {_message(reply)}"
+                continue
+            if reply.status_code != 200:
+                raise JudgeError(f"judge {self.name!r} refused the request (HTTP {reply.status_code} from "
+                                 f"{self.endpoint}): {_message(reply)}")
+            try:
+                return reply.json()["choices"][0]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise JudgeError(f"judge {self.name!r}: {self.endpoint} answered something that is not a "
+                                 f"completion: {reply.text[:200]!r}") from None
         raise JudgeError(f"judge {self.name!r} at {self.endpoint} did not answer after {attempts} attempt(s): "
                          f"{problem}")
 

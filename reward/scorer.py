@@ -156,9 +156,10 @@ class Scorer:
     async def _judge(self, judge: Judge, spec: RewardSpec, sample: Sample, timeout_s: float) -> ScoreOutcome:
         start = time.perf_counter()
         try:
-            output = await asyncio.wait_for(judge.score(sample), timeout_s)
+            output = await judge.score(sample, timeout_s)
         except TimeoutError:
-            return self._failed(spec, [sample], "timeout", f"timeout after {timeout_s:g}s")[0]
+            return self._failed(spec, [sample], "timeout", f"timeout after {timeout_s:g}s waiting for judge "
+                                f"{judge.name!r} at {judge.endpoint}")[0]
         except JudgeError as exc:
             return self._failed(spec, [sample], "judge_error", str(exc))[0]
         finally:

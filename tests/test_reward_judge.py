@@ -3,8 +3,13 @@ process scores through it. The logprob score is P(yes) / (P(yes) + P(no)) as tra
 same prompt; a written verdict is parsed (or scores 0, counted); an unreachable judge fails its samples with
 a clear reason while the service keeps serving; the experiment file takes a `judge` section."""
 
+import asyncio
+import json
 import socket
+import threading
+import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
@@ -20,7 +25,10 @@ from deploy.experiment import load_experiment
 from deploy.experiment_run import reward_service
 from deploy.launcher import start_service
 from protos import reward_pb2, reward_pb2_grpc
-from reward.judge import JudgeConfig, read_verdict, render, yes_probability
+from protos.sample import Sample, SampleStatus
+from reward.judge import Judge, JudgeConfig, read_verdict, render, yes_probability
+from reward.scorer import Scorer, ScorerSettings
+from reward.service import Config, build_registry
 from services.client import connect_sync
 from services.config import ConfigError
 
@@ -81,8 +89,6 @@ def rendered(i: int) -> str:
 
 
 def test_render_fills_once_and_verdicts_parse():
-    from protos.sample import Sample
-
     empty = np.zeros(0)
     sample = Sample("s", "p", empty.astype("int32"), empty.astype("int32"), empty.astype("uint8"),
                     empty.astype("float32"), empty.astype("int64"), prompt_text="say {response}",
@@ -97,6 +103,95 @@ def test_render_fills_once_and_verdicts_parse():
         JudgeConfig(url="http://x/v1", model="m", template="{prompt} only")
     with pytest.raises(ValueError, match="score_range"):
         JudgeConfig(url="http://x/v1", model="m", template="{response}", score_range=(1, 1))
+
+
+class FakeJudge(BaseHTTPRequestHandler):
+    """Answers each completion after `delay` seconds: the next of `statuses` (an error body), once they are
+    used up 200 with the verdict "8". Counts requests, and the most in flight at once."""
+
+    delay, statuses, requests, in_flight, most_in_flight = 0.0, [], 0, 0, 0
+    lock = threading.Lock()
+
+    def do_POST(self):
+        cls = type(self)
+        with cls.lock:
+            cls.requests += 1
+            cls.in_flight += 1
+            cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+            status = cls.statuses.pop(0) if cls.statuses else 200
+        try:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            time.sleep(cls.delay)
+            error = {"error": {"message": f"fake {status}"}}
+            body = json.dumps({"choices": [{"text": "8"}]} if status == 200 else error).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the judge gave up on it at the sample's timeout
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_judge():
+    """score(n, timeout_s, delay=, statuses=, **judge settings): n samples through a FakeJudge, in-process."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeJudge)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    empty = np.zeros(0)
+
+    async def score_async(n: int, timeout_s: float, settings: dict) -> list:
+        config = Config(judges={"fake": {"url": f"http://127.0.0.1:{server.server_port}/v1", "model": MODEL,
+                                         "template": TEMPLATE, "mode": "generate", **settings}})
+        judge = Judge("fake", config.judges["fake"])
+        scorer = Scorer(build_registry(config), ScorerSettings(), judges={"fake": judge})  # never start()ed
+        samples = [Sample(f"s{i}", "p", empty.astype("int32"), empty.astype("int32"), empty.astype("uint8"),
+                          empty.astype("float32"), empty.astype("int64"), prompt_text="q", response_text="a")
+                   for i in range(n)]
+        try:
+            return await scorer.score(samples, scorer.resolve("fake"), {}, timeout_s)
+        finally:
+            await judge.close()
+
+    def score(n: int, timeout_s: float, delay: float = 0.0, statuses: tuple = (), **settings) -> list:
+        FakeJudge.delay, FakeJudge.statuses = delay, [*statuses]
+        FakeJudge.requests = FakeJudge.most_in_flight = 0
+        return asyncio.run(score_async(n, timeout_s, settings))
+
+    yield score
+    server.shutdown()
+    server.server_close()
+
+
+def test_timeout_counts_from_a_free_slot_and_the_limit_holds(fake_judge):
+    """Five samples through a judge with 2 slots, 0.3 s a verdict, 0.5 s per sample: the last ones wait
+    ~0.6 s for a slot and still complete; at most 2 requests are in flight; a slower verdict times out."""
+    outcomes = fake_judge(5, 0.5, delay=0.3, max_concurrency=2, retries=0)
+    assert [(o.status, o.reward) for o in outcomes] == [(SampleStatus.COMPLETED, 0.8)] * 5
+    assert FakeJudge.most_in_flight == 2
+    late = fake_judge(5, 0.5, delay=0.8, max_concurrency=2, retries=0)
+    assert all(o.status == SampleStatus.FAILED for o in late)
+    assert late[0].reason.startswith("timeout after 0.5s waiting for judge 'fake' at http://127.0.0.1:")
+
+
+def test_retries_what_a_retry_may_fix_with_backoff(fake_judge):
+    """503 and 429 are retried after 0.1 s, then 0.2 s; a 400 is not; used-up retries give the last error."""
+    started = time.perf_counter()
+    [recovered] = fake_judge(1, 5.0, statuses=(503, 429), retries=2, backoff_s=0.1)
+    assert (recovered.status, recovered.reward, FakeJudge.requests) == (SampleStatus.COMPLETED, 0.8, 3)
+    assert time.perf_counter() - started >= 0.3
+    [refused] = fake_judge(1, 5.0, statuses=(400,), retries=2, backoff_s=0.1)
+    assert (refused.status, FakeJudge.requests) == (SampleStatus.FAILED, 1)
+    assert "judge 'fake' refused the request (HTTP 400" in refused.reason and "fake 400" in refused.reason
+    [gave_up] = fake_judge(1, 5.0, statuses=(503, 503, 502), retries=2, backoff_s=0.01)
+    assert (gave_up.status, FakeJudge.requests) == (SampleStatus.FAILED, 3)
+    assert "did not answer after 3 attempt(s): HTTP 502: fake 502" in gave_up.reason
 
 
 # ---- the endpoint's top-k alternatives
