@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -132,8 +133,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the job's finally blocks, which stop its processes
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from deploy import agentic
+
+    # Python's default SIGTERM ends the process at once, leaving the services and trainer it started running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     if args.experiment and args.config:
         print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)

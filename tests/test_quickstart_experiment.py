@@ -59,3 +59,50 @@ def test_relayrl_run_without_an_argument_runs_the_quickstart_experiment(tmp_path
     assert (run / "summary.json").is_file() and (run / "export" / "config.json").is_file()
     assert (tmp_path / "runs" / "quickstart-project" / "experiment.yaml").read_text() == (
         ROOT / "deploy" / "quickstart_experiment.yaml").read_text()
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in pathlib.Path(f"/proc/{parent}/task").glob("*"):
+            children = {int(c) for c in (task / "children").read_text().split()} if (task / "children").exists() else set()
+            todo.extend(children - found)
+            found |= children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
+    """Python's default SIGTERM ended `relayrl run` at once and left its services, trainer and driver running."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", "--set", "sft.steps=5", "--set",
+                            "training.time_budget_s=200"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        metrics = tmp_path / "runs" / "quickstart" / "trainer_metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert job.poll() is None and time.monotonic() < deadline, "the run never reached a training step"
+            time.sleep(0.5)
+        started = _descendants(job.pid)
+        assert len(started) >= 5  # buffer, reward, rollout, driver, trainer (and the reward's workers)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(120) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [pid for pid in started if _alive(pid)]
+    finally:
+        job.kill()
