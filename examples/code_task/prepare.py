@@ -75,10 +75,10 @@ def tasks(seed: int) -> list[dict]:
             for arg in ARGS:
                 for a in range(2, 10):
                     for b in range(1, 10):
-                        value = (lambda x: a * x + b) if sign == "+" else (lambda x: a * x - b)
+                        offset = b if sign == "+" else -b
                         rows.append({"spec": spec.format(name=name, arg=arg, a=a, b=b),
                                      "solution": solution(name, arg, a, b, sign),
-                                     "tests": [{"call": f"{name}({x})", "expected": value(x)} for x in TEST_INPUTS]})
+                                     "tests": [{"call": f"{name}({x})", "expected": a * x + offset} for x in TEST_INPUTS]})
     random.Random(seed).shuffle(rows)
     return [{"id": f"t{index}", **row} for index, row in enumerate(rows)]
 
