@@ -38,14 +38,9 @@ def one_at_a_time(engine, requests) -> None:
 
 def batched(engine, requests) -> None:
     """As the prefill worker batches them: up to max_num_batched_tokens of prompt per batch."""
-    from rollout.kv_handoff import prefill_many_for_transfer
+    from rollout.kv_handoff import budget_batches, prefill_many_for_transfer
 
-    pending, budget = list(requests), engine.config.max_num_batched_tokens
-    while pending:
-        batch, tokens = [], 0
-        while pending and (not batch or tokens + len(pending[0][1]) <= budget):
-            tokens += len(pending[0][1])
-            batch.append(pending.pop(0))
+    for batch in budget_batches(requests, engine.config.max_num_batched_tokens):
         prefill_many_for_transfer(engine, batch)
 
 

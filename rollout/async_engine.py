@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rollout.engine import LLMEngine
-from rollout.kv_handoff import add_prefilled_request, prefill_many_for_transfer
+from rollout.kv_handoff import add_prefilled_request, budget_batches, prefill_many_for_transfer
 from rollout.kv_transfer import PrefilledPrompt
 from rollout.outputs import Completion, TokenOutput
 from rollout.sampling_params import SamplingParams
@@ -114,12 +114,7 @@ class AsyncEngine:
     def _run_transfer_prefills(self) -> None:
         """The queued prefill_for_transfer calls, in batches of at most max_num_batched_tokens prompt tokens."""
         pending, self._transfer_prefills = self._transfer_prefills, []
-        budget = self.engine.config.max_num_batched_tokens
-        while pending:
-            batch, tokens = [], 0
-            while pending and (not batch or tokens + len(pending[0][1]) <= budget):
-                tokens += len(pending[0][1])
-                batch.append(pending.pop(0))
+        for batch in budget_batches(pending, self.engine.config.max_num_batched_tokens):
             try:
                 results = prefill_many_for_transfer(self.engine, [(rid, prompt, params) for rid, prompt, params, _ in batch])
             except Exception as exc:  # noqa: BLE001 - the batch's callers learn why; the loop goes on

@@ -94,6 +94,21 @@ def prefill_many_for_transfer(engine: "LLMEngine", requests: list[tuple[str, lis
     return results
 
 
+def budget_batches(requests: list, budget: int) -> list[list]:
+    """`requests` ((request_id, prompt, ...) tuples, in order) in batches of at most `budget` prompt tokens each
+    (a longer prompt alone in its batch): how the prefill worker batches waiting calls."""
+    batches: list[list] = []
+    tokens = budget + 1
+    for request in requests:
+        if batches and tokens + len(request[1]) <= budget:
+            batches[-1].append(request)
+            tokens += len(request[1])
+        else:
+            batches.append([request])
+            tokens = len(request[1])
+    return batches
+
+
 def _prefill_and_export(engine: "LLMEngine", admitted: list[tuple[int, list[int], list]],
                         results: list) -> None:
     """One prefill batch of the admitted requests; each one's first tokens and prompt KV into `results`."""

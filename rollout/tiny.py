@@ -127,3 +127,33 @@ def write_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+WORD_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+
+def word_tokenizer(words: list[str], pre_tokenizer=None) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: ids 0-3 are WORD_SPECIALS, then `words` in order; text is split by `pre_tokenizer`
+    (default: whitespace and punctuation apart) and decoded with spaces between tokens. The bring-your-own
+    examples and tests use it for a model whose tokenizer is not the quickstart's."""
+    vocab = {token: index for index, token in enumerate([*WORD_SPECIALS, *words])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizer or pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def write_llama(folder: str | Path, tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, hidden_size: int = 128,
+                intermediate_size: int = 256, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                head_dim: int = 32, max_position_embeddings: int = 64) -> Path:
+    """A randomly initialised (seeded) Llama sized to `tokenizer`, saved with it as a Hugging Face folder."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)

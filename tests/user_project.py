@@ -8,7 +8,6 @@ import random
 LABELS = {"animal": ["cat", "dog", "cow", "owl"], "fruit": ["apple", "pear", "plum", "fig"],
           "tool": ["saw", "drill", "hammer", "wrench"]}
 FILLERS = ["red", "big", "old", "small", "green", "new"]
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 REWARD_MODULE = '''
 def first_word(sample, bonus=1.0):
@@ -20,31 +19,20 @@ def first_word(sample, bonus=1.0):
 
 def word_tokenizer():
     """A word-level tokenizer over the task's words, split on whitespace, decoded with spaces between words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
 
-    words = [*SPECIALS, *LABELS, *(noun for nouns in LABELS.values() for noun in nouns), *FILLERS, "kind", "?"]
-    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
+    from rollout.tiny import word_tokenizer as tokenizer_over
+
+    words = [*LABELS, *(noun for nouns in LABELS.values() for noun in nouns), *FILLERS, "kind", "?"]
+    return tokenizer_over(words, pre_tokenizers.WhitespaceSplit())
 
 
 def write_model(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """A small randomly initialised Llama with the word tokenizer, saved as a Hugging Face folder."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from rollout.tiny import write_llama
 
-    tokenizer = word_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return write_llama(folder, word_tokenizer(), seed=seed, hidden_size=64, intermediate_size=128, num_heads=2,
+                       num_kv_heads=1)
 
 
 def write_data(path: pathlib.Path, seed: int = 0) -> pathlib.Path:

@@ -28,7 +28,6 @@ SPECS = [
     ("Write {name}({arg}) that takes {b} from {a} times {arg}.", "-"),
 ]
 TEST_INPUTS = [0, 1, 4, -3]
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
 def solution(name: str, arg: str, a: int, b: int, sign: str) -> str:
@@ -37,34 +36,22 @@ def solution(name: str, arg: str, a: int, b: int, sign: str) -> str:
 
 def word_tokenizer():
     """One token per word, number and punctuation run of the specs and solutions; decoded with spaces between."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
+
+    from rollout.tiny import word_tokenizer as tokenizer_over
 
     pre = pre_tokenizers.Whitespace()  # \w+ and runs of punctuation: "f(x):" -> "f", "(", "x", "):"
     texts = [spec.format(name=n, arg=x, a=2, b=1) + " " + solution(n, x, 2, 1, sign)
              for spec, sign in SPECS for n in NAMES for x in ARGS]
     words = sorted({word for text in texts for word, _ in pre.pre_tokenize_str(text)} - {"1", "2"})
-    vocab = {token: index for index, token in enumerate([*SPECIALS, *map(str, range(10)), *words])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
+    return tokenizer_over([*map(str, range(10)), *words], pre)
 
 
 def write_model(folder: pathlib.Path, seed: int) -> None:
     """A small randomly initialised Llama and its tokenizer, as a Hugging Face folder."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from rollout.tiny import write_llama
 
-    tokenizer = word_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    write_llama(folder, word_tokenizer(), seed=seed)
 
 
 def tasks(seed: int) -> list[dict]:

@@ -20,38 +20,22 @@ GAINS = ["buys {b} more", "finds {b} more", "gets {b} more"]  # a + b
 LOSSES = ["gives away {b}", "loses {b}", "sells {b}"]  # a - b
 QUESTION = "How many {thing} does {name} have now?"
 MAX_NUMBER = 9  # operands 1..9; answers 0..18
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
 def word_tokenizer():
     """One token per word, number and punctuation mark of the problems; decoded with spaces between tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from rollout.tiny import word_tokenizer as tokenizer_over
 
     words = {word for text in [*GAINS, *LOSSES, QUESTION, "has and ."] for word in text.replace("?", " ?").split()}
     words = sorted(w for w in words if not w.startswith("{")) + NAMES + THINGS
-    numbers = [str(n) for n in range(2 * MAX_NUMBER + 1)]
-    vocab = {token: index for index, token in enumerate([*SPECIALS, *numbers, *words])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation apart: "more." -> "more", "."
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
+    return tokenizer_over([*(str(n) for n in range(2 * MAX_NUMBER + 1)), *words])
 
 
 def write_model(folder: pathlib.Path, seed: int) -> None:
     """A small randomly initialised Llama and its tokenizer, as a Hugging Face folder."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from rollout.tiny import write_llama
 
-    tokenizer = word_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    write_llama(folder, word_tokenizer(), seed=seed)
 
 
 def problems(seed: int) -> list[dict]:
