@@ -64,6 +64,11 @@ class AsyncEngine:
     def stats(self) -> dict[str, int | float]:
         return self.engine.stats
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live, with the CUDA index ("cuda" resolved when they were made)."""
+        return next(self.engine.runner.model.parameters()).device
+
     def parameter_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter a weight update may carry."""
         return {name: (tuple(p.shape), p.dtype) for name, p in self.engine.runner.model.named_parameters()}

@@ -32,10 +32,10 @@ from services.weights import (
     Transfer,
     TransferError,
     allocate_staging,
-    backend_device,
     deadline_after,
     make_group,
     receive_buckets,
+    transfer_device,
     unpack_buckets,
 )
 
@@ -49,6 +49,11 @@ class UpdatableEngine(Protocol):
 
     @property
     def weight_version(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's parameters live (with the CUDA index): staging and NCCL groups go there."""
+        ...
 
     def parameter_layout(self) -> Layout: ...
 
@@ -105,11 +110,13 @@ def check_layout(manifest: Manifest, layout: Layout) -> None:
 
 class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
     """Receives weight updates for `engine`. `layout` (name -> (shape, dtype)) is what updates must
-    match; by default the engine's parameters."""
+    match; by default the engine's parameters. `device`: where NCCL-backed updates land, by default the
+    engine's (gloo lands on the CPU)."""
 
-    def __init__(self, engine: UpdatableEngine, layout: Layout | None = None):
+    def __init__(self, engine: UpdatableEngine, layout: Layout | None = None, device: torch.device | str | None = None):
         self.engine = engine
         self.layout = layout if layout is not None else engine.parameter_layout()
+        self.device = torch.device(device) if device is not None else engine.device
         self._pending: _Update | None = None
         self._staging: _Staging | None = None  # free for the next update
         self._served: _Staging | None = None  # adopted by the engine: never written
@@ -124,6 +131,10 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         spec = GroupSpec.from_proto(request.group)
         if not request.timeout_s > 0:
             raise CodecError(f"timeout_s: must be > 0, got {request.timeout_s}")
+        try:
+            device = transfer_device(spec.backend, self.device)
+        except TransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker cannot take the update: {exc}")
         async with self._switch_lock:
             current = self.engine.weight_version
             if request.version <= current:
@@ -134,7 +145,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"group {spec.group_name!r} is not held here (restarted?): form a new group")
             update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s),
-                             self._take_staging(manifest, backend_device(spec.backend)))
+                             self._take_staging(manifest, device))
             update.done.set_running_or_notify_cancel()  # a waiter that gives up must not cancel it
             self._pending = update
             log.info("receiving weight version %d on group %s (rank %d of %d, %d bytes)", update.version,
@@ -207,7 +218,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         left = update.deadline - time.monotonic()
         if left <= 0:
             raise TransferError(f"version {update.version}: deadline passed before joining the group")
-        group = make_group(spec, left)
+        group = make_group(spec, left, device=self.device)
         with self._group_lock:
             # An update aborted meanwhile must not install its group over a newer one.
             if not update.cancelled.is_set():

@@ -111,6 +111,8 @@ def test_the_receiver_refuses_what_it_cannot_apply_and_keeps_its_version(tied_mo
                                                          GroupSpec("gloo", "127.0.0.1", port, 2, 0, "refusals")))
             codes["bad backend"] = await code(begin, _begin(address, good, 1,
                                                             GroupSpec("mpi", "127.0.0.1", port, 2, 1, "refusals")))
+            codes["nccl on cpu"] = await code(begin, _begin(address, good, 1,
+                                                            GroupSpec("nccl", "127.0.0.1", port, 2, 1, "refusals")))
             codes["unknown group"] = await code(begin, _begin(address, good, 1, GroupSpec(
                 "gloo", "127.0.0.1", port, 2, 1, "never-formed", existing=True)))
             codes["commit unbegun"] = await code(stub.CommitUpdate, weights_pb2.CommitUpdateRequest(version=1))
@@ -129,6 +131,8 @@ def test_the_receiver_refuses_what_it_cannot_apply_and_keeps_its_version(tied_mo
     assert codes["wrong dtype"][0] == invalid and "bfloat16" in codes["wrong dtype"][1]
     assert codes["bad rank"][0] == invalid and codes["bad backend"][0] == invalid
     assert codes["unknown group"][0] == grpc.StatusCode.ABORTED
+    # An engine on the CPU cannot take CUDA buckets: said at once, not by a failed join later.
+    assert codes["nccl on cpu"][0] == grpc.StatusCode.FAILED_PRECONDITION and "cuda:N" in codes["nccl on cpu"][1]
     assert codes["commit unbegun"][0] == grpc.StatusCode.FAILED_PRECONDITION
     assert codes["begin ok"][0] == grpc.StatusCode.OK
     assert codes["commit failed join"][0] in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)

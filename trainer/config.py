@@ -336,7 +336,10 @@ class PublishConfig(Strict):
         "one buffer laid out as the broadcast, so a publish sends straight from their memory (overlapped: from one "
         "memcpy of it) instead of gathering a state dict and packing it into buckets.",
     )
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective that carries the tensors.")
+    backend: Literal["gloo", "nccl", "cupy_nccl"] = Field(
+        "gloo", description="Collective that carries the tensors: gloo (CPU), or on GPUs nccl (torch's ProcessGroupNCCL) "
+        "or cupy_nccl (cupy's NCCL, the `gpu` extra). The NCCL ones send from the trainer's GPU and need every rollout "
+        "engine on a GPU of its own (not the trainer's).")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -390,6 +393,9 @@ class TrainerConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        if self.publish.backend != "gloo" and self.publish.receivers and self.device == "cpu":
+            raise ValueError(f"publish.backend {self.publish.backend!r} sends from the trainer's GPU: set device to "
+                             "cuda (or auto on a GPU machine), or use backend 'gloo'")
         if self.algorithm.name == "dpo" and self.batch.micro_batch_size % 2:
             raise ValueError("batch.micro_batch_size: DPO trains (chosen, rejected) pairs, so it must be even")
         return self

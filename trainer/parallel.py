@@ -79,7 +79,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv
     """Join the torchrun process group if there is one; otherwise a world of one."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if "WORLD_SIZE" not in os.environ:
-        return DistEnv(rank=0, world_size=1, device=torch.device("cuda" if use_cuda else "cpu"))
+        # With its index: the weight broadcast's NCCL group is made on exactly this device.
+        return DistEnv(rank=0, world_size=1,
+                       device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)

@@ -39,7 +39,7 @@ def run(config: TrainerConfig) -> TrainState:
             source = BufferClient(config.buffer.model_copy(update={"consumer": consumer}))
             cleanup.callback(source.close)
             if config.publish.receivers:
-                publisher = RolloutPublisher(config.publish)
+                publisher = RolloutPublisher(config.publish, env.device)
                 cleanup.callback(publisher.close)
         return train(config, env, source, publisher)
 
@@ -79,13 +79,15 @@ class RolloutPublisher:
     (the loop's counter follows); refused again, WeightVersionConflict is raised.
     """
 
-    def __init__(self, config: PublishConfig) -> None:
+    def __init__(self, config: PublishConfig, device: torch.device | None = None) -> None:
+        """`device`: the trainer's; the NCCL backends send from it (gloo sends from the CPU)."""
         from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
 
         self._log_level = Sparse()
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
             BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s, dtype=config.dtype),
+            device if config.backend != "gloo" else None,
         )
 
     def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:

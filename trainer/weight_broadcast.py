@@ -54,6 +54,7 @@ from services.weights import (
     make_group,
     merge_order,
     plan_buckets,
+    transfer_device,
     unpack_buckets,
 )
 from services.weights.manifest import ALIGN_BYTES
@@ -66,7 +67,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class BroadcastConfig(Strict):
     """How the trainer publishes weights."""
 
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective for the tensors: gloo (CPU) or nccl (GPU).")
+    backend: Literal["gloo", "nccl", "cupy_nccl"] = Field(
+        "gloo", description="Collective for the tensors: gloo (CPU), nccl (GPU, torch's ProcessGroupNCCL) or cupy_nccl "
+        "(GPU, cupy's NCCL bindings: the `gpu` extra). The NCCL ones need every member on a GPU of its own.")
     bucket_mb: float = Field(32.0, gt=0, description="Tensors are packed into buckets of up to this many MiB; "
                              "packing the next bucket overlaps sending this one. On gloo, 32-64 MiB beat smaller "
                              "buckets and one broadcast per tensor: each collective has a fixed cost in time and CPU.")
@@ -151,12 +154,15 @@ class WeightBroadcaster:
     """Publishes named tensors as versioned weights to rollout workers at `receivers` (host:port).
 
     `await publish(named_tensors, version)` returns a PublishReport and never raises for a receiver's
-    failure. Call `await close()` at the end (or use `async with`).
+    failure. Call `await close()` at the end (or use `async with`). `device`: this process's CUDA device
+    (cuda:N) for the NCCL backends, where buckets are packed and sent from; None = the published tensors'.
     """
 
-    def __init__(self, receivers: Sequence[str], config: BroadcastConfig | None = None):
+    def __init__(self, receivers: Sequence[str], config: BroadcastConfig | None = None,
+                 device: torch.device | str | None = None):
         self.config = config or BroadcastConfig()
         self.receivers = list(receivers)
+        self.device = None if device is None else transfer_device(self.config.backend, device)
         self._bucket_bytes = int(self.config.bucket_mb * (1 << 20))
         solo_mb = self.config.bucket_mb if self.config.solo_mb is None else self.config.solo_mb
         self._solo_bytes = int(solo_mb * (1 << 20))
@@ -326,7 +332,8 @@ class WeightBroadcaster:
         try:
             if group.transfer is None:
                 spec = group.spec(0, self.config.master_addr, self._store.port, self.config.backend)
-                group.transfer = await asyncio.to_thread(make_group, spec, self.config.timeout_s, self._store)
+                device = self.device if self.device is not None else next(iter(tensors.values())).device
+                group.transfer = await asyncio.to_thread(make_group, spec, self.config.timeout_s, self._store, device)
             report.rendezvous_s = time.perf_counter() - started
             step = "transfer"
             started = time.perf_counter()
@@ -434,11 +441,12 @@ class WeightBroadcaster:
 class BlockingWeightBroadcaster:
     """A WeightBroadcaster for synchronous code: `publish` blocks; the asyncio side runs on its own thread."""
 
-    def __init__(self, receivers: Sequence[str], config: BroadcastConfig | None = None):
+    def __init__(self, receivers: Sequence[str], config: BroadcastConfig | None = None,
+                 device: torch.device | str | None = None):
+        self.broadcaster = WeightBroadcaster(receivers, config, device)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-broadcast", daemon=True)
         self._thread.start()
-        self.broadcaster = WeightBroadcaster(receivers, config)
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
         return self._run(self.broadcaster.publish(named_tensors, version), self.broadcaster.config.publish_bound_s)

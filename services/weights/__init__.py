@@ -1,5 +1,5 @@
 """Weight sync shared by trainer and rollout: the manifest and bucket layout (manifest.py, buckets.py),
-the process group that carries the bytes (transfer.py with gloo.py / nccl.py), and the bucket stream."""
+the process group that carries the bytes (transfer.py with gloo.py / nccl.py / cupy_nccl.py), and the bucket stream."""
 
 from services.weights.bucket_stream import (
     BucketSender,
@@ -15,14 +15,14 @@ from services.weights.transfer import (
     Transfer,
     TransferError,
     TransferTimeout,
-    backend_device,
     deadline_after,
     host_store,
     make_group,
+    transfer_device,
 )
 
 __all__ = [
     "BucketSender", "GroupSpec", "Manifest", "TensorSlot", "Transfer", "TransferError", "TransferTimeout", "allocate_staging",
-    "backend_device", "bind_to_buckets", "deadline_after", "host_store", "make_group", "merge_order", "pack_bucket", "plan_buckets",
-    "receive_buckets", "send_buckets", "unpack_bucket", "unpack_buckets",
+    "bind_to_buckets", "deadline_after", "host_store", "make_group", "merge_order", "pack_bucket", "plan_buckets",
+    "receive_buckets", "send_buckets", "transfer_device", "unpack_bucket", "unpack_buckets",
 ]

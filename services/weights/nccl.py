@@ -1,17 +1,29 @@
 """Weight transfer over NCCL (CUDA tensors) through torch.distributed's ProcessGroupNCCL.
 
-Each member must own a different GPU (NCCL refuses two ranks on one device) and call
-`torch.cuda.set_device` before joining. Written against the same interface as gloo.py; it has not run
-yet on this project's machines (no GPU), so treat it as untested.
+Each member names its CUDA device (transfer.transfer_device) and must own a different GPU; the members check
+in on the store first and the communicator is created eagerly on that device (nccl_rendezvous.py), so neither
+a missing member nor a shared GPU can block past the rendezvous deadline or surface at the first broadcast.
+Runs only where CUDA is: tests/test_weight_sync_nccl.py (marker `gpu`).
 """
 
 import datetime
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from services.weights.transfer import GroupSpec, Pending, Transfer, TransferError, TransferTimeout
+from services.weights.nccl_rendezvous import check_in, gpu_identity, within
+from services.weights.transfer import (
+    GroupSpec,
+    Pending,
+    Transfer,
+    TransferError,
+    TransferTimeout,
+    deadline_after,
+)
+
+_POLL_S = 0.0005
 
 
 class _NcclPending(Pending):
@@ -24,32 +36,51 @@ class _NcclPending(Pending):
         while not self.work.is_completed():
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"rank {self.rank} NCCL broadcast: deadline passed")
-            time.sleep(0.0005)
-        if not self.work.is_success():
-            raise TransferError(f"rank {self.rank} NCCL broadcast failed: {self.work.exception()}")
+            time.sleep(_POLL_S)
+        try:  # completed, or failed: wait() raises the work's error (is_success() is not supported by NCCL work)
+            self.work.wait()
+        except RuntimeError as exc:
+            raise TransferError(f"rank {self.rank} NCCL broadcast failed: {exc}") from exc
 
 
 class NcclTransfer(Transfer):
-    """A ProcessGroupNCCL on the current CUDA device; each member must use a different GPU."""
+    """A ProcessGroupNCCL whose communicator lives on `device`; every collective times out after `timeout_s`."""
 
-    def __init__(self, spec: GroupSpec, store: dist.Store, timeout_s: float):
+    def __init__(self, spec: GroupSpec, store: dist.Store, timeout_s: float, device: torch.device):
         super().__init__(spec)
-        if not torch.cuda.is_available():
-            raise TransferError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        if not dist.is_nccl_available() or not torch.cuda.is_available():
+            raise TransferError("backend 'nccl' needs torch with CUDA and NCCL; on CPU use backend 'gloo'")
+        self._device = device
+        deadline = deadline_after(timeout_s)
+        check_in(store, spec, gpu_identity(device), deadline)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        self._device = torch.device("cuda", torch.cuda.current_device())
-        self.pg: dist.ProcessGroupNCCL | None = dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, options)
+        # As torch.distributed builds one for a bound device: the communicator is made now, not at the first use.
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore("torch-nccl/", store), spec.rank, spec.world_size, options)
+        pg._set_sequence_number_for_group()
+        try:
+            within(deadline, f"group {spec.group_name}: NCCL communicator on {device}",
+                   lambda: pg.eager_connect_single_device(device))
+        except TransferError:
+            threading.Thread(target=pg.abort, name=f"abort-{spec.group_name}", daemon=True).start()
+            raise
+        self.pg: dist.ProcessGroupNCCL | None = pg
 
     @property
     def device(self) -> torch.device:
         return self._device
 
     def broadcast(self, tensor: torch.Tensor) -> Pending:
-        assert self.pg is not None, "broadcast on a released group"
-        return _NcclPending(self.pg.broadcast(tensor, 0), self.spec.rank)
+        if self.pg is None:
+            raise TransferError(f"group {self.spec.group_name} was released")
+        if tensor.device != self._device:
+            raise TransferError(f"group {self.spec.group_name}: a bucket on {tensor.device}, the group is on {self._device}")
+        try:
+            return _NcclPending(self.pg.broadcast(tensor, 0), self.spec.rank)
+        except RuntimeError as exc:
+            raise TransferError(f"rank {self.spec.rank} NCCL broadcast failed to start: {exc}") from exc
 
     def _release(self) -> None:
-        if self.pg is not None:
-            self.pg.abort()
-        self.pg = None
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            pg.abort()

@@ -1,9 +1,12 @@
 """The data plane of a weight update: a process group that broadcasts buckets from rank 0 (the trainer).
 
-One small interface, one file per backend (gloo.py, nccl.py), chosen by `GroupSpec.backend`.
+One small interface, one file per backend, chosen by `GroupSpec.backend`: gloo.py (CPU tensors over TCP),
+nccl.py (CUDA tensors through torch's ProcessGroupNCCL), cupy_nccl.py (CUDA tensors through cupy's NCCL
+bindings, the `gpu` extra). The NCCL backends run on the CUDA device each member names explicitly.
 """
 
 import datetime
+import importlib.util
 import socket
 import threading
 import time
@@ -17,8 +20,8 @@ import torch.distributed as dist
 from protos import weights_pb2
 from protos.codec import CodecError
 
-Backend = Literal["gloo", "nccl"]
-BACKENDS: tuple[str, ...] = ("gloo", "nccl")
+Backend = Literal["gloo", "nccl", "cupy_nccl"]
+BACKENDS: tuple[str, ...] = ("gloo", "nccl", "cupy_nccl")
 
 
 class TransferError(RuntimeError):
@@ -62,9 +65,20 @@ class GroupSpec:
                    msg.existing)
 
 
-def backend_device(backend: str) -> torch.device:
-    """Where buckets live for `backend`: CPU for gloo, the current CUDA device for NCCL."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+def transfer_device(backend: str, device: torch.device | str | None) -> torch.device:
+    """Where a member's buckets live for `backend`: the CPU for gloo; for the NCCL backends `device`, a CUDA
+    device with its index. It is chosen explicitly by each member (the rollout engine's device, the trainer's),
+    never taken as the calling thread's current CUDA device (cuda:0 in a gRPC handler thread, whatever GPU the
+    engine is on). TransferError says why `device` cannot carry `backend`."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    resolved = None if device is None else torch.device(device)
+    if resolved is None or resolved.type != "cuda" or resolved.index is None:
+        raise TransferError(f"backend {backend!r} moves CUDA tensors: it needs a CUDA device with its index "
+                            f"(cuda:N), not {resolved}; on CPU use backend 'gloo'")
+    if backend == "cupy_nccl" and importlib.util.find_spec("cupy") is None:
+        raise TransferError("backend 'cupy_nccl' needs cupy: pip install 'relayrl[gpu]' (cupy-cuda12x)")
+    return resolved
 
 
 def deadline_after(seconds: float) -> float:
@@ -142,18 +156,25 @@ class Transfer(ABC):
         thread.join(wait_s)
 
 
-def make_group(spec: GroupSpec, timeout_s: float, store: dist.Store | None = None) -> Transfer:
+def make_group(spec: GroupSpec, timeout_s: float, store: dist.Store | None = None,
+               device: torch.device | str | None = None) -> Transfer:
     """Form the group described by `spec` (blocks until every member joined, at most `timeout_s`).
 
     Rank 0 passes the store it hosts (`host_store`); the others connect to it. Each group lives under
-    its own `group_name` prefix, so one store serves every group the trainer forms.
+    its own `group_name` prefix, so one store serves every group the trainer forms. `device`: this member's
+    CUDA device for the NCCL backends (see transfer_device); ignored by gloo.
     """
+    on = transfer_device(spec.backend, device)
     store = store if store is not None else join_store(spec, timeout_s)
     scoped = dist.PrefixStore(f"{spec.group_name}/", store)
     if spec.backend == "gloo":
         from services.weights.gloo import GlooTransfer
 
         return GlooTransfer(spec, scoped, timeout_s)
+    if spec.backend == "cupy_nccl":
+        from services.weights.cupy_nccl import CupyNcclTransfer
+
+        return CupyNcclTransfer(spec, scoped, timeout_s, on)
     from services.weights.nccl import NcclTransfer
 
-    return NcclTransfer(spec, scoped, timeout_s)
+    return NcclTransfer(spec, scoped, timeout_s, on)
