@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test test-slow test-families bench protos lint clean
+.PHONY: run test test-slow test-families test-gpu bench protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,12 @@ test-slow: $(STAMP) $(NODE_STAMP)
 # test's figures (metric before -> after). Collecting nothing here is a failure.
 test-families: $(STAMP)
 	$(BIN)/python -m pytest -q -rA -m families $(PYTEST_ARGS)
+
+# The GPU code paths (marker `gpu`: NCCL weight sync, FlashInfer attention, the KV group over NCCL); they skip without
+# CUDA, and the multi-GPU ones without 2 GPUs. The `gpu` extra brings cupy and flashinfer. -rA prints what ran and skipped.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,gpu]'
+	$(BIN)/python -m pytest -q -rA -m gpu $(PYTEST_ARGS)
 
 # The benchmarks compare against peers (TRL for vs_trl.py): the `bench` extra installs them.
 bench: $(STAMP)

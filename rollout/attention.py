@@ -12,14 +12,22 @@ When every context falls in one class (the common case in RL) the step is one ca
 A step's sequences also attend apart by query length: those with one new token (decode) in one group,
 those with several (prefill) in another, so a prefill mixed into a decode step does not pad every decode
 row to its query length.
+
+On CUDA, for a float16/bfloat16 cache, the same call can run FlashInfer's paged kernel instead
+(rollout/attention_flashinfer.py, EngineConfig.attention_backend): the metadata then carries the planned kernel
+and no length classes.
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from rollout.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from rollout.attention_flashinfer import FlashInferAttention
 
 
 @dataclass
@@ -67,6 +75,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     observations: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # see Observation
+    kernel: "FlashInferAttention | None" = None  # planned for this pass: it attends instead of `groups`
 
 
 def paged_attention(
@@ -80,6 +89,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq * D]."""
     cache.write(layer, meta.slot_mapping, k, v)
+    if meta.kernel is not None:
+        return meta.kernel.attend(q, cache.keys[layer], cache.values[layer])
     if len(meta.groups) == 1:
         return _attend(q, layer, cache, meta.groups[0], scale, meta.observations)
     return torch.cat([_attend(q[group.rows], layer, cache, group, scale, meta.observations) for group in meta.groups])

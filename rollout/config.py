@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from rollout.attention_flashinfer import choose_attention
 from rollout.kv_cache_quantized import block_codec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,6 +113,10 @@ class EngineConfig:
     # Attention reads each length class of a step's sequences apart (rollout/attention.py); False: all in one
     # call padded to the longest context (the path before classes; bench/rollout_throughput.py compares them).
     attention_length_classes: bool = True
+    # Who computes paged attention (rollout/attention_flashinfer.py): "torch" (any device, any dtype), "flashinfer"
+    # (FlashInfer's paged kernel: CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto), "auto": flashinfer
+    # wherever it can run.
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     # KV eviction for long contexts (rollout/kv_eviction.py): a sequence keeps at most kv_budget_tokens cache slots.
     kv_eviction: Literal["none", "window", "snapkv"] = "none"  # window: sinks + most recent; snapkv: + most attended
     kv_budget_tokens: int = 1024  # cache slots a sequence keeps when kv_eviction is on
@@ -128,6 +133,7 @@ class EngineConfig:
     # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)
     kv_open_blocks: int = field(init=False)
     torch_dtype: torch.dtype = field(init=False)  # derived from dtype
+    attention_kernel: str = field(init=False)  # derived: "torch" or "flashinfer", what attention_backend resolves to
 
     def __post_init__(self) -> None:
         self.model_config = ModelConfig.from_pretrained(self.model)
@@ -157,6 +163,10 @@ class EngineConfig:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of auto, torch, flashinfer")
+        self.attention_kernel = choose_attention(self.attention_backend, torch.device(self.device), self.torch_dtype,
+                                                 self.model_config.head_dim, self.kv_cache_dtype)
         self.kv_open_blocks = 0 if self.kv_cache_dtype == "auto" else self.max_num_seqs
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.num_blocks is None:

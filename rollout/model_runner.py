@@ -6,6 +6,7 @@ from collections.abc import Collection
 import torch
 
 from rollout.attention import AttentionGroup, AttentionMetadata, LengthClass, Observation
+from rollout.attention_flashinfer import FlashInferAttention
 from rollout.config import EngineConfig
 from rollout.kv_cache_quantized import make_kv_cache
 from rollout.model import CausalLM
@@ -24,6 +25,11 @@ class ModelRunner:
         with torch.no_grad():
             self.model.load_checkpoint(config.model)
         self.cache = make_kv_cache(config, self.device)  # in the model dtype, or quantized (kv_cache_dtype)
+        # FlashInfer's paged kernel where config.attention_backend chose it; None: plain torch (rollout/attention.py)
+        self.kernel = None
+        if config.attention_kernel == "flashinfer":
+            self.kernel = FlashInferAttention(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
+                                              config.block_size, config.torch_dtype, self.device)
         self.sampler = Sampler(config.logprobs_mode)
         # Built once, read every step: key positions of the widest block table and the two mask values.
         max_blocks = -(-config.max_model_len // config.block_size)
@@ -121,6 +127,11 @@ class ModelRunner:
         slot_mapping = [seq.block_table[s // block_size] * block_size + s % block_size for seq, s in zip(owners, slots)]
         # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
         input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
+        if self.kernel is not None and not observe:  # the kernel reads the block tables itself; no classes to build
+            row_lens = query_lens if query_lens is not None else [1] * len(seqs)
+            self.kernel.plan([seq.block_table for seq in seqs], row_lens,
+                             [start + n for start, n in zip(starts, row_lens)])
+            return input_ids_t, positions_t, AttentionMetadata(slot_mapping_t, [], kernel=self.kernel), last_rows
         groups = []
         if split:  # one new token each: rows 0..split-1, at their slots
             decode_slots = self._tensor(starts[:split]) if any(shifts) else positions_t[:split]

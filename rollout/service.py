@@ -82,6 +82,10 @@ class EngineSettings(Strict):
         4096, gt=0, description="Tokens computed per step: the running decodes first, one each, then chunks of the "
         "prompts being prefilled (a longer prompt is prefilled over several steps while the others keep decoding); "
         "at least max_num_seqs.")
+    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", description="Paged attention: 'torch' (any device and dtype), 'flashinfer' (FlashInfer's paged kernel: "
+        "CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto; the `gpu` extra), 'auto' = flashinfer "
+        "wherever it can run.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
                                         "request computed (same weights only; hit rate in the metrics).")
     kv_eviction: Literal["none", "window", "snapkv"] = Field(
