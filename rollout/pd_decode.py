@@ -94,6 +94,8 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
         self.group = group
         self._tags = itertools.count(1)
         self.prefill_stubs = [kv_pb2_grpc.PrefillWorkerStub(channel) for channel in prefill_channels]
+        # Over an NCCL group, one grouped transfer in flight per prefill worker (KVGroup.one_at_a_time).
+        self._grouped_turn = {id(stub): asyncio.Lock() for stub in self.prefill_stubs}
         self._next_prefill = itertools.cycle(range(len(self.prefill_stubs)))
         self.codec = codec or ""
         self.import_wait_s = import_wait_s
@@ -182,13 +184,20 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
 
     async def _prefill_chunks(self, stub, request: rollout_pb2.GenerateRequest) -> list[kv_pb2.KVTransferChunk]:
         """One Prefill call's transfer; with the KV group up, its payload comes by recv (as one payload chunk)."""
-        from rollout.kv_handoff import served_layout
-        from rollout.kv_transfer import check_header
-
         ask = kv_pb2.PrefillRequest(request=request, codec=self.codec)
         if self.group is not None and self.group.ready:
             ask.kv_group_rank = self.group.rank
             ask.kv_group_tag = next(self._tags) % (1 << 31)
+            if self.group.one_at_a_time:
+                async with self._grouped_turn[id(stub)]:
+                    return await self._stream_prefill(stub, ask)
+        return await self._stream_prefill(stub, ask)
+
+    async def _stream_prefill(self, stub, ask: kv_pb2.PrefillRequest) -> list[kv_pb2.KVTransferChunk]:
+        """The chunks of `ask`'s Prefill call, the payload received over the group when the header says so."""
+        from rollout.kv_handoff import served_layout
+        from rollout.kv_transfer import check_header
+
         chunks, received = [], None
         async for chunk in stub.Prefill(ask, timeout=self.prefill_timeout_s):
             chunks.append(chunk)
@@ -242,7 +251,7 @@ async def serve(config: Config) -> None:
     channels = [connect(address, config.prefill_client) for address in config.prefill]
     servicer = DecodeServicer(engine, config.model, engine.engine.tokenizer, channels, config.codec,
                               config.import_wait_s, config.prefill_timeout_s,
-                              KVGroup(config.kv_group) if config.kv_group else None)
+                              KVGroup(config.kv_group, engine.device) if config.kv_group else None)
 
     async def on_stop() -> None:
         engine.shutdown()

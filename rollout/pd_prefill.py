@@ -125,7 +125,7 @@ async def serve(config: Config) -> None:
     from services.runtime import serve as serve_forever
 
     engine = start_engine(config.model, config.engine)
-    group = KVGroup(config.kv_group) if config.kv_group else None
+    group = KVGroup(config.kv_group, engine.device) if config.kv_group else None
     servicer = PrefillServicer(engine, engine.engine.tokenizer, config.codec, config.chunk_bytes, group)
 
     async def on_stop() -> None:

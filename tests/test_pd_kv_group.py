@@ -1,12 +1,18 @@
 """The KV channel over torch.distributed (rollout/kv_group.py), with real processes on loopback: a prefill worker
 and a decode worker in one gloo group move payloads by send/recv, only headers over gRPC, and generate exactly
-what a monolithic worker generates."""
+what a monolithic worker generates. The `gpu` tests do the same over an NCCL group between two GPUs, and show
+two workers on one GPU refused by the group (by name, in their logs) while transfers go on over gRPC."""
 
 import asyncio
+import contextlib
 import time
 import urllib.request
 
+import pytest
+import torch
+
 from protos import kv_pb2, kv_pb2_grpc
+from rollout.kv_group import KVGroup, KVGroupConfig
 from services.client import connect
 from tests.test_pd_disagg import ENGINE, REQUESTS, generate_all, request_of, tokens_and_logprobs
 
@@ -16,27 +22,36 @@ def metric(service, name: str) -> float:
     return sum(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def wait_joined(service, timeout: float = 60.0) -> None:
+def wait_joined(service, phrase: str = "joined", timeout: float = 60.0) -> None:
+    """Until the worker's log says `phrase` about the KV group ("joined", or "could not join")."""
     deadline = time.monotonic() + timeout
-    while "joined" not in service.log_tail(200):
-        assert time.monotonic() < deadline, f"{service.name} never joined the KV group:\n{service.log_tail()}"
+    while phrase not in service.log_tail(200):
+        assert time.monotonic() < deadline, f"{service.name} never logged {phrase!r}:\n{service.log_tail()}"
         time.sleep(0.2)
 
 
-def test_payloads_go_over_the_group_and_the_split_still_equals_monolithic(sharp_model_dir, tmp_path, free_port):
+@contextlib.contextmanager
+def split_equal_to_monolithic(model_dir, tmp_path, port, backend="gloo", devices=("cpu", "cpu", "cpu"), atol=1e-5,
+                              grouped=True):
+    """A monolithic rollout worker, a prefill worker (rank 0) and a decode worker (rank 1) of one KV group, on
+    `devices` (rollout, prefill, decode): the split's tokens equal the monolithic worker's, its logprobs within
+    `atol`, and every payload byte came over the group when `grouped` (none otherwise). Yields (prefill, decode,
+    requests) and stops the three at the end."""
     from deploy.launcher import start_service
 
-    model = {"model": str(sharp_model_dir), **ENGINE}
-    group = {"master": f"127.0.0.1:{free_port}", "world_size": 2}
-    started = [start_service("rollout", model, log_dir=tmp_path)]
+    model = {"model": str(model_dir), **ENGINE}
+    group = {"master": f"127.0.0.1:{port}", "world_size": 2, "backend": backend}
+    started = []
     try:
-        prefill = start_service("prefill", {**model, "kv_group": {**group, "rank": 0}}, log_dir=tmp_path)
+        started.append(start_service("rollout", {**model, "engine.device": devices[0]}, log_dir=tmp_path))
+        prefill = start_service("prefill", {**model, "engine.device": devices[1], "kv_group": {**group, "rank": 0}},
+                                log_dir=tmp_path)
         started.append(prefill)
-        decode = start_service("decode", {**model, "prefill": [prefill.address], "kv_group": {**group, "rank": 1},
-                                          "server.metrics_port": 0}, log_dir=tmp_path)
+        decode = start_service("decode", {**model, "engine.device": devices[2], "prefill": [prefill.address],
+                                          "kv_group": {**group, "rank": 1}, "server.metrics_port": 0}, log_dir=tmp_path)
         started.append(decode)
-        wait_joined(prefill)
-        wait_joined(decode)
+        for worker in (prefill, decode):
+            wait_joined(worker, "joined" if grouped else "could not join")
         requests = [request_of(i, length, params) for i, (length, params) in enumerate(REQUESTS)]
         mono = asyncio.run(generate_all(started[0].address, requests))
         split = asyncio.run(generate_all(decode.address, requests))
@@ -44,10 +59,17 @@ def test_payloads_go_over_the_group_and_the_split_still_equals_monolithic(sharp_
             for (tokens, logprobs), (want_tokens, want_logprobs) in zip(tokens_and_logprobs(got),
                                                                         tokens_and_logprobs(reference)):
                 assert tokens == want_tokens
-                assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-5
-        grouped = metric(decode, "relayrl_decode_kv_group_bytes_total")
-        assert grouped > 0 and grouped == metric(decode, "relayrl_decode_kv_transfer_bytes_total")
+                assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < atol
+        moved = metric(decode, "relayrl_decode_kv_transfer_bytes_total")
+        assert moved > 0 and metric(decode, "relayrl_decode_kv_group_bytes_total") == (moved if grouped else 0)
+        yield prefill, decode, requests
+    finally:
+        for service in started:
+            service.stop(timeout=10)
 
+
+def test_payloads_go_over_the_group_and_the_split_still_equals_monolithic(sharp_model_dir, tmp_path, free_port):
+    with split_equal_to_monolithic(sharp_model_dir, tmp_path, free_port) as (prefill, _, requests):
         # Over gRPC the same prefill worker still streams the payload to a caller outside the group.
         async def header_only_when_asked():
             async with connect(prefill.address) as channel:
@@ -57,6 +79,29 @@ def test_payloads_go_over_the_group_and_the_split_still_equals_monolithic(sharp_
         plain = asyncio.run(header_only_when_asked())
         assert not plain[0].header.HasField("payload_from_rank")
         assert sum(len(c.payload) for c in plain[1:]) == plain[0].header.payload_bytes > 0
-    finally:
-        for service in started:
-            service.stop(timeout=10)
+
+
+@pytest.mark.gpu
+def test_over_nccl_between_two_gpus_the_split_still_equals_monolithic(sharp_model_dir, tmp_path, free_port):
+    """Prefill on cuda:0, decode (and the monolithic reference) on cuda:1: the payload moves GPU to GPU by NCCL."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    with split_equal_to_monolithic(sharp_model_dir, tmp_path, free_port, "nccl", ("cuda:1", "cuda:0", "cuda:1"),
+                                   atol=1e-4) as (prefill, decode, _):
+        assert "nccl on cuda:0" in prefill.log_tail(200) and "nccl on cuda:1" in decode.log_tail(200)
+
+
+@pytest.mark.gpu
+def test_over_nccl_two_workers_on_one_gpu_are_refused_and_kv_goes_over_grpc(sharp_model_dir, tmp_path, free_port):
+    """NCCL needs one GPU per member: both workers log the refusal naming both ranks, and the split still serves."""
+    with split_equal_to_monolithic(sharp_model_dir, tmp_path, free_port, "nccl", ("cuda:0",) * 3, atol=1e-4,
+                                   grouped=False) as (prefill, decode, _):
+        for worker in (prefill, decode):
+            assert "ranks 0 and 1 are both on GPU" in worker.log_tail(200)
+
+
+def test_an_nccl_group_needs_the_engine_on_a_cuda_device():
+    config = KVGroupConfig(master="127.0.0.1:1", world_size=2, rank=0, backend="nccl")
+    for device in (None, torch.device("cpu"), torch.device("cuda")):
+        with pytest.raises(ValueError, match="backend 'nccl' moves KV between GPUs"):
+            KVGroup(config, device)

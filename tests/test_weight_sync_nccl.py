@@ -56,6 +56,7 @@ def _manifest():
 def _receive(backend: str, port: int, name: str, device: str, rounds: int, deadline_s: float, out) -> None:
     """Rank 1, in a process of its own: join on `device`, receive `rounds` updates, and put on `out` the names of
     the tensors that differ from the sender's in each ("ok", [[...], ...]), or the error (its class, its text)."""
+    group = None
     try:
         manifest = _manifest()
         group = make_group(GroupSpec(backend, "127.0.0.1", port, 2, 1, name), timeout_s=30, device=device)
@@ -67,10 +68,12 @@ def _receive(backend: str, port: int, name: str, device: str, rounds: int, deadl
             got = unpack_buckets(manifest, staging)
             differing.append(sorted(n for n, t in expected.items()
                                     if got[n].device != torch.device(device) or not torch.equal(got[n].cpu(), t)))
-        group.close(wait_s=5)
         out.put(("ok", differing))
     except TransferError as exc:
         out.put((type(exc).__name__, str(exc)))
+    finally:
+        if group is not None:
+            group.close(wait_s=5)
 
 
 def _spawn(*args):
@@ -169,7 +172,7 @@ def test_a_publish_reaches_a_rollout_service_on_another_gpu(backend, tiny_model_
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().to("cuda:0")
     gen = torch.Generator().manual_seed(2)
     weights = {name: t + (torch.randn(t.shape, generator=gen) * 0.05).to(t.device) for name, t in model.state_dict().items()}
-    service = start_service("rollout", {"model": str(tiny_model_dir), "engine": {"device": "cuda:1"}}, log_dir=tmp_path)
+    service = start_service("rollout", {"model": str(tiny_model_dir), "engine.device": "cuda:1"}, log_dir=tmp_path)
     try:
         async def publish():
             config = BroadcastConfig(backend=backend, bucket_mb=0.05, timeout_s=60)
@@ -215,9 +218,8 @@ def test_check_in_refuses_two_members_on_one_gpu_and_times_out_without_a_member(
         store = host_store("127.0.0.1", timeout_s=20)
 
         def member(rank: int) -> str:
-            spec = GroupSpec("nccl", "127.0.0.1", store.port, world, rank, name)
             try:
-                check_in(dist.PrefixStore(f"{name}/", store), spec, identities[rank],
+                check_in(dist.PrefixStore(f"{name}/", store), name, rank, world, identities[rank],
                          deadline_after(timeout_s))
             except TransferError as exc:
                 return f"{type(exc).__name__}: {exc}"

@@ -83,7 +83,7 @@ class CupyNcclTransfer(Transfer):
 
         self._device = device
         deadline = deadline_after(timeout_s)
-        check_in(store, spec, gpu_identity(device), deadline)
+        check_in(store, spec.group_name, spec.rank, spec.world_size, gpu_identity(device), deadline)
         unique_id = _share_unique_id(store, spec, self._nccl, deadline)
 
         def create():

@@ -52,7 +52,7 @@ class NcclTransfer(Transfer):
             raise TransferError("backend 'nccl' needs torch with CUDA and NCCL; on CPU use backend 'gloo'")
         self._device = device
         deadline = deadline_after(timeout_s)
-        check_in(store, spec, gpu_identity(device), deadline)
+        check_in(store, spec.group_name, spec.rank, spec.world_size, gpu_identity(device), deadline)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
         # As torch.distributed builds one for a bound device: the communicator is made now, not at the first use.

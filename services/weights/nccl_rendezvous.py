@@ -1,5 +1,5 @@
-"""What both NCCL backends (nccl.py: torch's ProcessGroupNCCL, cupy_nccl.py: cupy's communicator) do before
-they create a communicator, so that forming a group stays within its deadline and fails with a clear error.
+"""What the NCCL groups (weight sync: nccl.py, torch's ProcessGroupNCCL, and cupy_nccl.py, cupy's communicator;
+the KV group of prefill and decode workers: rollout/kv_group.py) do before they create a communicator, so that forming a group stays within its deadline and fails with a clear error.
 
 NCCL's own initialisation blocks until every rank has called it, with no timeout of its own, and it refuses
 two ranks on one GPU with an error that names neither process. So every member first checks in on the
@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from services.weights.transfer import GroupSpec, TransferError, TransferTimeout
+from services.weights.transfer import TransferError, TransferTimeout
 
 T = TypeVar("T")
 _POLL_S = 0.01
@@ -29,24 +29,23 @@ def gpu_identity(device: torch.device) -> str:
     return f"{socket.gethostname()}/GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
-def check_in(store: dist.Store, spec: GroupSpec, identity: str, deadline: float) -> None:
-    """Record this member's GPU `identity` on the group's store and wait (until `deadline`) for every member.
+def check_in(store: dist.Store, group: str, rank: int, world_size: int, identity: str, deadline: float) -> None:
+    """Record member `rank`'s GPU `identity` on the group's store and wait (until `deadline`) for every member.
 
     TransferTimeout when some member has not checked in by the deadline; TransferError when another member
     uses the same GPU (NCCL needs one GPU per member)."""
-    store.set(f"gpu/{spec.rank}", identity)
+    store.set(f"gpu/{rank}", identity)
     arrived = store.add("checked-in", 1)
-    while arrived < spec.world_size:
+    while arrived < world_size:
         if time.monotonic() > deadline:
-            raise TransferTimeout(f"group {spec.group_name}: {arrived} of {spec.world_size} members checked in "
-                                  "before the deadline")
+            raise TransferTimeout(f"group {group}: {arrived} of {world_size} members checked in before the deadline")
         time.sleep(_POLL_S)
         arrived = store.add("checked-in", 0)
-    for rank in range(spec.world_size):
-        if rank != spec.rank and store.get(f"gpu/{rank}").decode() == identity:
-            raise TransferError(f"group {spec.group_name}: ranks {min(rank, spec.rank)} and {max(rank, spec.rank)} "
-                                f"are both on GPU {identity}; NCCL needs one GPU per member (put the trainer and "
-                                "each rollout engine on a device of its own, or use backend 'gloo')")
+    for other in range(world_size):
+        if other != rank and store.get(f"gpu/{other}").decode() == identity:
+            raise TransferError(f"group {group}: ranks {min(rank, other)} and {max(rank, other)} are both on GPU "
+                                f"{identity}; NCCL needs one GPU per member (give each process a device of its own, "
+                                "or use backend 'gloo')")
 
 
 def within(deadline: float, what: str, step: Callable[[], T]) -> T:
