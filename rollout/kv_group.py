@@ -117,7 +117,8 @@ class KVGroup:
         deadline = time.monotonic() + self.config.timeout_s
         check_in(store, "kv", self.rank, self.config.world_size, gpu_identity(self.device), deadline)
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        # torch's watchdog ends the process when an op outlives this: twice ours, so that _wait's fires first.
+        options._timeout = datetime.timedelta(seconds=2 * self.config.timeout_s)
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), self.rank, self.config.world_size, options)
         pg._set_sequence_number_for_group()
         pg.eager_connect_single_device(self.device)

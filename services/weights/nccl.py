@@ -44,7 +44,7 @@ class _NcclPending(Pending):
 
 
 class NcclTransfer(Transfer):
-    """A ProcessGroupNCCL whose communicator lives on `device`; every collective times out after `timeout_s`."""
+    """A ProcessGroupNCCL whose communicator lives on `device`; every wait ends at its deadline."""
 
     def __init__(self, spec: GroupSpec, store: dist.Store, timeout_s: float, device: torch.device):
         super().__init__(spec)
@@ -54,7 +54,9 @@ class NcclTransfer(Transfer):
         deadline = deadline_after(timeout_s)
         check_in(store, spec.group_name, spec.rank, spec.world_size, gpu_identity(device), deadline)
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = datetime.timedelta(seconds=timeout_s)
+        # torch's watchdog ends the whole process when a collective outlives this timeout (its default error
+        # handling): twice ours, so that our own deadline fires first and only the group is aborted.
+        options._timeout = datetime.timedelta(seconds=2 * timeout_s)
         # As torch.distributed builds one for a bound device: the communicator is made now, not at the first use.
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("torch-nccl/", store), spec.rank, spec.world_size, options)
         pg._set_sequence_number_for_group()
