@@ -34,7 +34,7 @@ from pydantic import Field
 
 from services.config import Strict
 from services.weights.gloo import device_for
-from services.weights.nccl_rendezvous import check_in, gpu_identity
+from services.weights.nccl_rendezvous import check_in, gpu_identity, within
 from services.weights.transfer import TransferError
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ class KVGroup:
         options._timeout = datetime.timedelta(seconds=2 * self.config.timeout_s)
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), self.rank, self.config.world_size, options)
         pg._set_sequence_number_for_group()
-        pg.eager_connect_single_device(self.device)
+        within(deadline, f"KV group rank {self.rank}: NCCL communicator on {self.device}",
+               lambda: pg.eager_connect_single_device(self.device))
         return pg
 
     def send(self, payload: bytes, dst: int, tag: int) -> None:
