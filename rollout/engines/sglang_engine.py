@@ -7,6 +7,8 @@ stream=True)` whose chunks carry cumulative `meta_info.output_token_logprobs` as
 `tokenizer_manager.abort_request(rid)`; `update_weights_from_tensor`. Tests: tests/test_engine_sglang.py,
 marked gpu.
 
+- Logprobs are taken to be of softmax(logits / T), SGLang's default for sampled tokens (unless
+  SGLANG_RETURN_ORIGINAL_LOGPROB is set); not yet checked on a GPU at T != 0.
 - Versions: SGLang switches weights under its own lock; a token is tagged with the version served when its
   chunk arrived here, so a token computed just before a switch but delivered after it may carry the new one.
 - n completions are n requests (`{request_id}/{i}`) whose prompt SGLang's radix cache shares.
