@@ -1,4 +1,5 @@
-"""Generated tokens/s: the native engine vs transformers `generate`, same tiny model, same prompts.
+"""Generated tokens/s: the native engine vs transformers `generate` (and vLLM where it is importable), same
+tiny model, same prompts.
 
 Model: a tiny Qwen2 (hidden 256, 4 layers, 4 heads / 2 kv heads, head_dim 64, char vocabulary),
 float32, CPU. Workload per batch size B: B prompts of 16-48 tokens, sampled at temperature 1
@@ -7,7 +8,12 @@ transformers gets the prompts left-padded in one `generate` call; the engine get
 once (`LLMEngine.generate`). Tokens/s counts the tokens each completion really produced (up to and
 including eos), the same way for both. Median over `--repeats` runs after one warm-up.
 
-Clocks: both run single-threaded in this process, so process CPU time (time.process_time) is the
+vLLM (when `import vllm` works, e.g. in .venv-vllm after `make test-vllm`): the CPU build, in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, `uni` executor, eager, float32), all B requests in one `LLM.generate`, eos as
+a stop token, no detokenizing; its column and `result: tokens_per_s_vs_vllm_bs*` lines (native / vLLM) appear
+only then. The RL shape: `--rl-prompts` short prompts (8-16 tokens) with n = 8 samples each.
+
+Clocks: all run single-threaded in this process, so process CPU time (time.process_time) is the
 time each would take on a core of its own. This class of machine is 2 cores shared with other
 jobs, where wall-clock time mostly measures the neighbours; the table shows both, and the result
 lines use CPU time. Runs of the two alternate, so slow phases of the machine hit both alike.
@@ -56,8 +62,10 @@ def make_prompts(batch: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, 100, (n,), generator=gen).tolist() for n in lengths]
 
 
-def run_transformers(model, prompts: list[list[int]], max_tokens: int, seed: int) -> int:
-    """One left-padded generate call; returns the tokens generated (each row up to and including eos)."""
+def run_transformers(model, prompts: list[list[int]], max_tokens: int, seed: int, n: int = 1) -> int:
+    """One left-padded generate call (n rows per prompt); returns the tokens generated (each row up to and including
+    eos)."""
+    prompts = [p for p in prompts for _ in range(n)]
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -79,10 +87,31 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int, seed: int
     return generated
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, seed: int) -> int:
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed + i) for i in range(len(prompts))]
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, seed: int, n: int = 1) -> int:
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed + i, n=n) for i in range(len(prompts))]
     outputs = engine.generate(prompts, params)
     return sum(len(c.token_ids) for out in outputs for c in out.completions)
+
+
+def start_vllm(folder, max_num_seqs: int):
+    """vLLM's CPU build in this process, or None where vllm is not importable."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        from vllm import LLM
+    except ImportError:
+        return None
+    return LLM(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=max_num_seqs, enforce_eager=True,
+               distributed_executor_backend="uni", seed=0, enable_prefix_caching=False)
+
+
+def run_vllm(llm, prompts: list[list[int]], max_tokens: int, seed: int, n: int = 1) -> int:
+    from vllm import SamplingParams as VllmParams
+
+    params = [VllmParams(temperature=1.0, max_tokens=max_tokens, seed=seed + i, n=n, stop_token_ids=[EOS],
+                         detokenize=False) for i in range(len(prompts))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
 def measure(runs: dict, repeats: int) -> dict[str, tuple[float, float]]:
@@ -119,6 +148,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default 128, quick 32)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default 3, quick 1)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rl-prompts", type=int, default=8, help="prompts of the RL shape (n = 8 samples each)")
     parser.add_argument("--long-tail", type=int, default=None, help="the long prompt's tokens (default 1500, quick 600)")
     args = parser.parse_args()
     max_tokens = args.max_tokens or (32 if args.quick else 128)
@@ -132,32 +162,52 @@ def main() -> None:
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, seed=0,
     )
     hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    engine = LLMEngine(EngineConfig(model=str(folder), max_model_len=256, max_num_seqs=max(args.batches), max_n=1))
+    max_num_seqs = max(*args.batches, 8 * args.rl_prompts)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_model_len=256, max_num_seqs=max_num_seqs, max_n=8))
+    vllm = start_vllm(folder, max_num_seqs)
+    torch.set_num_threads(args.threads)  # vLLM's CPU worker sets its own
 
     print(f"tiny qwen2 hidden 256 x 4 layers, head_dim 64, float32, CPU, {args.threads} thread(s), "
           f"up to {max_tokens} new tokens, median of {repeats}")
-    print(f"{'batch':>5} | {'native tok/s cpu (wall)':>23} | {'transformers tok/s cpu (wall)':>29} | "
-          f"{'ratio cpu (wall)':>16} | {'matmul share':>12} | {'ceiling':>7}")
-    ratios, ceilings = {}, {}
-    for batch in args.batches:
-        prompts = make_prompts(batch, seed=batch)
+    shapes = {f"{b}": (make_prompts(b, seed=b), 1) for b in args.batches}
+    gen = torch.Generator().manual_seed(8)
+    shapes[f"rl {args.rl_prompts}x8"] = ([torch.randint(3, 100, (int(n),), generator=gen).tolist()
+                                          for n in torch.randint(8, 17, (args.rl_prompts,), generator=gen)], 8)
+    print(f"{'shape':>8} | {'native tok/s cpu (wall)':>23} | {'transformers tok/s cpu (wall)':>29} | "
+          f"{'ratio cpu (wall)':>16} | {'matmul share':>12} | {'ceiling':>7}" + (" | vLLM tok/s cpu (wall) | native/vLLM cpu"
+                                                                              if vllm else ""))
+    ratios, ceilings, vs_vllm = {}, {}, {}
+    for shape, (prompts, n) in shapes.items():
+        runs = {"native": lambda s, p=prompts, n=n: run_engine(engine, p, max_tokens, s, n),
+                "hf": lambda s, p=prompts, n=n: run_transformers(hf_model, p, max_tokens, s, n)}
+        if vllm is not None:
+            runs["vllm"] = lambda s, p=prompts, n=n: run_vllm(vllm, p, max_tokens, s, n)
         with torch.inference_mode():
-            rates = measure({
-                "native": lambda s, p=prompts: run_engine(engine, p, max_tokens, s),
-                "hf": lambda s, p=prompts: run_transformers(hf_model, p, max_tokens, s),
-            }, repeats)
-            share = matmul_share(lambda p=prompts: run_engine(engine, p, max_tokens, 20_000))
+            rates = measure(runs, repeats)
+            share = matmul_share(lambda p=prompts, n=n: run_engine(engine, p, max_tokens, 20_000, n))
         (native_cpu, native_wall), (hf_cpu, hf_wall) = rates["native"], rates["hf"]
-        ratios[batch] = native_cpu / hf_cpu
-        ceilings[batch] = ratios[batch] / share
-        print(f"{batch:>5} | {native_cpu:>11.0f} ({native_wall:>9.0f}) | {hf_cpu:>17.0f} ({hf_wall:>9.0f}) | "
-              f"{ratios[batch]:>7.2f} ({native_wall / hf_wall:>6.2f}) | {share:>12.2f} | {ceilings[batch]:>7.2f}")
+        ratios[shape] = native_cpu / hf_cpu
+        ceilings[shape] = ratios[shape] / share
+        line = (f"{shape:>8} | {native_cpu:>11.0f} ({native_wall:>9.0f}) | {hf_cpu:>17.0f} ({hf_wall:>9.0f}) | "
+                f"{ratios[shape]:>7.2f} ({native_wall / hf_wall:>6.2f}) | {share:>12.2f} | {ceilings[shape]:>7.2f}")
+        if vllm is not None:
+            vllm_cpu, vllm_wall = rates["vllm"]
+            vs_vllm[shape] = native_cpu / vllm_cpu
+            line += f" | {vllm_cpu:>9.0f} ({vllm_wall:>9.0f}) | {vs_vllm[shape]:>15.2f}"
+        print(line)
     print("matmul share = the native engine's CPU time in matmul kernels (torch.profiler, one more run); ceiling = "
           "ratio / matmul share, the ratio with everything but those matmuls free")
-    for batch, ratio in ratios.items():
-        target = ">= 3" if batch == 64 else "none"
-        print(f"result: tokens_per_s_ratio_bs{batch} = {ratio:.2f} (baseline transformers generate, CPU time, "
-              f"target {target}; ceiling with its matmuls alone: {ceilings[batch]:.2f})")
+    for shape, ratio in ratios.items():
+        name = shape.replace(" ", "_") if shape.startswith("rl") else f"bs{shape}"
+        target = ">= 3" if shape == "64" else "none"
+        print(f"result: tokens_per_s_ratio_{name} = {ratio:.2f} (baseline transformers generate, CPU time, "
+              f"target {target}; ceiling with its matmuls alone: {ceilings[shape]:.2f})")
+    for shape, ratio in vs_vllm.items():
+        name = shape.replace(" ", "_") if shape.startswith("rl") else f"bs{shape}"
+        print(f"result: tokens_per_s_vs_vllm_{name} = {ratio:.2f} (baseline vLLM CPU build, eager, one process, "
+              f"CPU time, target >= 1)")
+    if vllm is None:
+        print("vLLM not importable here: no vLLM column (run from .venv-vllm, see `make test-vllm`)")
     long_folder = write_tiny_model(
         tempfile.mkdtemp(prefix="bench-rollout-") + "/model",
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, seed=0, max_position_embeddings=2048,

@@ -1,4 +1,5 @@
-"""AsyncEngine: the LLMEngine driven by its own thread, used from asyncio.
+"""AsyncEngine: the LLMEngine driven by its own thread, used from asyncio: the `native` engine behind the
+engine interface (rollout/engines/base.py).
 
 The thread loops: run the commands queued by callers (add a request, abort, swap weights), then
 one engine step, then hand each request's new tokens to its asyncio queue. Commands therefore run
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from rollout.engine import LLMEngine
+from rollout.engines.base import Layout, ModelInfo
+from rollout.errors import EngineDead
 from rollout.kv_handoff import add_prefilled_request, budget_batches, prefill_many_for_transfer
 from rollout.kv_transfer import PrefilledPrompt
 from rollout.outputs import Completion, TokenOutput
@@ -38,13 +41,13 @@ class _Stream:
     seqs: list[EngineSequence] = field(default_factory=list)  # the request's sequences, kept for a whole delivery
 
 
-class EngineDead(RuntimeError):
-    """The engine thread stopped (shut down or crashed); no request can be served."""
-
-
 class AsyncEngine:
+    """Drives a step engine from its own thread: the native LLMEngine, or an adapter with the same methods
+    (rollout/engines/vllm_engine.py's VllmCore)."""
+
     def __init__(self, engine: LLMEngine, command_timeout_s: float = 300.0, idle_poll_s: float = 0.5):
         self.engine = engine
+        self.info: ModelInfo = engine.info
         self.command_timeout_s = command_timeout_s  # longest a caller waits for a command (one step + itself)
         self._idle_poll_s = idle_poll_s
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
@@ -57,6 +60,11 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def tokenizer(self):
+        """The model folder's tokenizer (loaded on first use)."""
+        return self.engine.tokenizer
+
+    @property
     def weight_version(self) -> int:
         return self.engine.weight_version
 
@@ -66,12 +74,12 @@ class AsyncEngine:
 
     @property
     def device(self) -> torch.device:
-        """Where the model's parameters live, with the CUDA index ("cuda" resolved when they were made)."""
-        return next(self.engine.runner.model.parameters()).device
+        """Where the model's parameters live, with the CUDA index (the step engine's)."""
+        return self.engine.device
 
-    def parameter_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def parameter_layout(self) -> Layout:
         """name -> (shape, dtype) of every parameter a weight update may carry."""
-        return {name: (tuple(p.shape), p.dtype) for name, p in self.engine.runner.model.named_parameters()}
+        return self.engine.parameter_layout()
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams

@@ -68,12 +68,12 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
             qk_norm=model_type == "qwen3",
-            eos_token_ids=_eos_ids(folder, raw),
+            eos_token_ids=read_eos_token_ids(folder, raw),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         )
 
 
-def _eos_ids(folder: Path, raw: dict) -> tuple[int, ...]:
+def read_eos_token_ids(folder: Path, raw: dict) -> tuple[int, ...]:
     """eos ids of config.json and generation_config.json together (chat models list several)."""
     ids: list[int] = []
     sources = [raw.get("eos_token_id")]

@@ -14,6 +14,7 @@ import torch
 
 from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
+from rollout.engines.base import Layout, ModelInfo
 from rollout.errors import ContextFull, DuplicateRequest, InvalidRequest, QueueFull
 from rollout.kv_eviction import KVEvictor
 from rollout.model_runner import ModelRunner
@@ -54,6 +55,21 @@ class LLMEngine:
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         return self._tokenizer
+
+    @property
+    def info(self) -> ModelInfo:
+        config = self.config
+        return ModelInfo("native", self.model_config.vocab_size, config.max_model_len, self.model_config.eos_token_ids,
+                         config.logprobs_mode, config.session_idle_timeout_s)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live, with the CUDA index ("cuda" resolved when they were made)."""
+        return next(self.runner.model.parameters()).device
+
+    def parameter_layout(self) -> Layout:
+        """name -> (shape, dtype) of every parameter a weight update may carry."""
+        return {name: (tuple(p.shape), p.dtype) for name, p in self.runner.model.named_parameters()}
 
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Queue a request; raises InvalidRequest, DuplicateRequest or QueueFull."""

@@ -9,6 +9,10 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
+class EngineDead(RuntimeError):
+    """The engine stopped (shut down or crashed); no request can be served (UNAVAILABLE)."""
+
+
 class QueueFull(RuntimeError):
     """The engine's waiting queue is full (RESOURCE_EXHAUSTED); retry later."""
 

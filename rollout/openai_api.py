@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP endpoint (FastAPI + uvicorn) over the rollout service's AsyncEngine.
+"""An OpenAI-compatible HTTP endpoint (FastAPI + uvicorn) over the rollout service's engine (rollout/engines/base.py).
 
 It runs in the rollout service's process and asyncio loop (serve_openai), so its requests share the
 engine's batches and limits with gRPC. Routes: GET /v1/models, POST /v1/completions and
@@ -26,11 +26,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
-from rollout.async_engine import AsyncEngine, EngineDead
 from rollout.chat import NoChatTemplate, render_continuation, render_prompt
+from rollout.engines.base import RolloutEngine
 from rollout.errors import (
     ContextFull,
     DuplicateRequest,
+    EngineDead,
     InvalidRequest,
     QueueFull,
     SessionBusy,
@@ -83,7 +84,7 @@ _REFUSALS = (
 _NO_ANSWER = "the rollout engine did not answer in time"  # TimeoutError's message is empty
 
 
-def create_app(engine: AsyncEngine, tokenizer, model_name: str, settings: OpenAISettings,
+def create_app(engine: RolloutEngine, tokenizer, model_name: str, settings: OpenAISettings,
                submit: Submit | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `submit` puts a closed session's sample into the buffer (None: no buffer)."""
     api = _Endpoint(engine, tokenizer, settings.served_model_name or model_name, settings, submit)
@@ -104,13 +105,13 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, settings: OpenAI
 class _Endpoint:
     """The routes and what they share: the engine, the tokenizer, the sessions chat calls drive."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, settings: OpenAISettings,
+    def __init__(self, engine: RolloutEngine, tokenizer, model_name: str, settings: OpenAISettings,
                  submit: Submit | None):
         self.engine, self.tokenizer, self.model_name, self.settings, self.submit = (
             engine, tokenizer, model_name, settings, submit)
-        self.max_model_len = engine.engine.config.max_model_len
-        self.eos_token_ids = set(engine.engine.model_config.eos_token_ids)
-        self.book = SessionBook(engine.engine.config.session_idle_timeout_s)
+        self.max_model_len = engine.info.max_model_len
+        self.eos_token_ids = set(engine.info.eos_token_ids)
+        self.book = SessionBook(engine.info.session_idle_timeout_s)
         self.created = int(time.time())
 
     # ---- routes
@@ -230,7 +231,7 @@ class _Endpoint:
     async def _top_logprobs(self, prompt: list[int], token_ids: list[int], body: CompletionRequest) -> list[dict]:
         """Per generated token, its `body.logprobs` most likely alternatives {text: logprob}, from one scoring pass
         under the temperature the sampled tokens' logprobs use (the top-k / top-p cut is not applied)."""
-        temperature = logprobs_temperature(self.engine.engine.config.logprobs_mode, body.temperature)
+        temperature = logprobs_temperature(self.engine.info.logprobs_mode, body.temperature)
         rows = await self.engine.top_logprobs(prompt, token_ids, temperature, body.logprobs)
         tops = []
         for row in rows:
@@ -373,7 +374,7 @@ class OpenAIServer:
         await self.task
 
 
-async def serve_openai(settings: OpenAISettings, engine: AsyncEngine, tokenizer, model_name: str,
+async def serve_openai(settings: OpenAISettings, engine: RolloutEngine, tokenizer, model_name: str,
                        submit: Submit | None = None) -> OpenAIServer:
     """Start serving the endpoint in this asyncio loop; returns once it listens (raises if it cannot bind)."""
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET

@@ -24,6 +24,7 @@ from pydantic import Field
 
 from protos import kv_pb2, kv_pb2_grpc, rollout_pb2
 from protos.codec import encode_array
+from rollout.engines.settings import NativeSettings
 from rollout.errors import (
     KVTransferCorrupt,
     KVTransferInvalid,
@@ -33,7 +34,7 @@ from rollout.errors import (
 from rollout.kv_group import KVGroup, KVGroupConfig, KVGroupError
 from rollout.outputs import Completion
 from rollout.sampling_params import SamplingParams
-from rollout.service import _FINISH_REASONS, REFUSAL_CODES, EngineSettings, RolloutServicer
+from rollout.service import _FINISH_REASONS, REFUSAL_CODES, RolloutServicer
 from services.config import ClientConfig, ServerConfig, Strict
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class Config(Strict):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     model: str = Field(description="Local Hugging Face model folder (the prefill workers' model).")
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: NativeSettings = Field(default_factory=NativeSettings)
     prefill: list[str] = Field(min_length=1, description="host:port of each prefill worker (taken in turn).")
     prefill_client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach prefill workers.")
     codec: Literal["none", "int8", "int4"] | None = Field(None, description="Wire codec asked of the prefill workers; "
@@ -104,7 +105,7 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                         context) -> AsyncIterator[Completion]:
         """Pull the prefill, import it, stream the deltas; refusals end the call with their status."""
-        from rollout.async_engine import EngineDead
+        from rollout.errors import EngineDead
 
         request = rollout_pb2.GenerateRequest(request_id=request_id, prompt_ids=encode_array(prompt, "int32"),
                                               params=params_proto(params))
@@ -135,7 +136,7 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
         return completions
 
     async def Continue(self, request_iterator, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
-        from rollout.async_engine import EngineDead
+        from rollout.errors import EngineDead
 
         chunks = [chunk async for chunk in request_iterator]
         try:
@@ -240,7 +241,7 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
 async def serve(config: Config) -> None:
     """Load the model and serve Rollout + DecodeWorker (+ WeightSync) until SIGTERM."""
     from protos import rollout_pb2_grpc, weights_pb2_grpc
-    from rollout.pd_prefill import start_engine
+    from rollout.engines import start_engine
     from rollout.service import SERVICE_NAME as ROLLOUT_SERVICE
     from rollout.weight_receiver import WeightReceiver
     from services.client import connect
@@ -249,7 +250,7 @@ async def serve(config: Config) -> None:
 
     engine = start_engine(config.model, config.engine)
     channels = [connect(address, config.prefill_client) for address in config.prefill]
-    servicer = DecodeServicer(engine, config.model, engine.engine.tokenizer, channels, config.codec,
+    servicer = DecodeServicer(engine, config.model, engine.tokenizer, channels, config.codec,
                               config.import_wait_s, config.prefill_timeout_s,
                               KVGroup(config.kv_group, engine.device) if config.kv_group else None)
 

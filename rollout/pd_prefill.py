@@ -29,10 +29,11 @@ from pydantic import Field
 
 from protos import kv_pb2, kv_pb2_grpc
 from protos.codec import CodecError, decode_array
+from rollout.engines.settings import NativeSettings
 from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
 from rollout.kv_compression import CODECS
 from rollout.kv_group import KVGroup, KVGroupConfig, KVGroupError
-from rollout.service import EngineSettings, RolloutServicer
+from rollout.service import RolloutServicer
 from services.config import ServerConfig, Strict
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class Config(Strict):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     model: str = Field(description="Local Hugging Face model folder (the decode workers' model).")
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: NativeSettings = Field(default_factory=NativeSettings)
     codec: Literal["none", "int8", "int4"] = Field("none", description="Wire codec of the KV when a Prefill names "
                                                    "none (rollout/kv_compression.py).")
     chunk_bytes: int = Field(_CHUNK_BYTES, gt=0, description="Largest payload piece of a KV transfer message.")
@@ -66,7 +67,7 @@ class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
         self.group = group
 
     async def Prefill(self, request: kv_pb2.PrefillRequest, context):
-        from rollout.async_engine import EngineDead
+        from rollout.errors import EngineDead
         from rollout.kv_transfer import encode_payload, pack
 
         generate = request.request
@@ -104,29 +105,16 @@ def _code(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.UNAVAILABLE
 
 
-def start_engine(model: str, settings: EngineSettings) -> "AsyncEngine":
-    """The native engine of `model` on its own thread (as `relayrl serve rollout` starts it)."""
-    import torch
-
-    from rollout.async_engine import AsyncEngine
-    from rollout.config import EngineConfig
-    from rollout.engine import LLMEngine
-
-    values = settings.model_dump()
-    if values.pop("torch_threads") is not None:
-        torch.set_num_threads(settings.torch_threads)
-    return AsyncEngine(LLMEngine(EngineConfig(model=model, **values)))
-
-
 async def serve(config: Config) -> None:
     """Load the model and serve PrefillWorker (+ WeightSync) until SIGTERM."""
     from protos import weights_pb2_grpc
+    from rollout.engines import start_engine
     from rollout.weight_receiver import WeightReceiver
     from services.runtime import serve as serve_forever
 
     engine = start_engine(config.model, config.engine)
     group = KVGroup(config.kv_group, engine.device) if config.kv_group else None
-    servicer = PrefillServicer(engine, engine.engine.tokenizer, config.codec, config.chunk_bytes, group)
+    servicer = PrefillServicer(engine, engine.tokenizer, config.codec, config.chunk_bytes, group)
 
     async def on_stop() -> None:
         engine.shutdown()

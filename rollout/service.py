@@ -1,14 +1,15 @@
 """The rollout service: `relayrl serve rollout --model PATH`.
 
-Three layers: the AsyncEngine (pure logic), RolloutServicer (proto <-> domain, status codes), and
-serve() wiring both into the shared runtime with the WeightSync receiver. Heavy imports (torch,
-the engine) happen inside serve(), after the config has been parsed.
+Three layers: the engine (pure logic behind the engine interface, rollout/engines/base.py: native, vLLM or
+SGLang as `engine.type` says), RolloutServicer (proto <-> domain, status codes), and serve() wiring both into
+the shared runtime with the WeightSync receiver. Heavy imports (torch, the engine) happen inside serve(),
+after the config has been parsed.
 """
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -16,7 +17,8 @@ from pydantic import Field
 
 from protos import rollout_pb2, rollout_pb2_grpc
 from protos.codec import CodecError, decode_array, encode_array
-from rollout.errors import DuplicateRequest, InvalidRequest, QueueFull
+from rollout.engines.settings import EngineChoice, NativeSettings
+from rollout.errors import DuplicateRequest, EngineDead, InvalidRequest, QueueFull
 from rollout.openai_schema import OpenAISettings
 from rollout.router import RouterSettings
 from rollout.sampling_params import SamplingParams, logprobs_temperature
@@ -25,7 +27,7 @@ from rollout.session_service import SessionRPCs
 from services.config import ClientConfig, ServerConfig, Strict
 
 if TYPE_CHECKING:
-    from rollout.async_engine import AsyncEngine
+    from rollout.engines.base import RolloutEngine
     from rollout.outputs import Completion
 
 SERVICE_NAME = "relayrl.rollout.v1.Rollout"
@@ -49,6 +51,13 @@ KV_BYTES_PER_TOKEN = Gauge("relayrl_rollout_kv_cache_bytes_per_token", "KV cache
 SESSION_EVICTIONS = Gauge("relayrl_rollout_session_kv_evictions", "Idle sessions whose KV was dropped so far "
                           "(recomputed on their next turn)")
 
+_STATS_GAUGES = {  # engine.stats key -> its gauge
+    "running": RUNNING_SEQS, "waiting": WAITING_SEQS, "free_blocks": FREE_BLOCKS, "prefill_tokens": PREFILL_TOKENS,
+    "prefix_cache_queried_tokens": PREFIX_QUERIED_TOKENS, "prefix_cache_hit_tokens": PREFIX_HIT_TOKENS,
+    "sessions": OPEN_SESSIONS, "session_blocks": SESSION_BLOCKS, "session_evictions": SESSION_EVICTIONS,
+    "kv_evicted_tokens": KV_EVICTED_TOKENS,
+}
+
 _FINISH_REASONS = {
     None: rollout_pb2.FINISH_REASON_NONE,
     FinishReason.STOP: rollout_pb2.FINISH_REASON_STOP,
@@ -65,58 +74,13 @@ REFUSAL_CODES = (
 )
 
 
-class EngineSettings(Strict):
-    """Native engine settings (see rollout.config.EngineConfig for how they are used)."""
-
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
-    device: str = Field("cpu", description="'cpu', 'cuda', 'cuda:1', ...")
-    block_size: int = Field(16, gt=0, description="Tokens per KV block.")
-    num_blocks: int | None = Field(None, gt=0, description="KV blocks; None: sized by kv_cache_memory_bytes.")
-    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget when num_blocks is None.")
-    kv_cache_dtype: Literal["auto", "int8", "int4"] = Field(
-        "auto", description="'auto': KV in the model dtype; 'int8' / 'int4': quantized blocks (KIVI: keys per channel, "
-        "values per token), dequantized in attention; ~3.4x / ~5.8x more tokens in the same budget against float32, "
-        "a lossy cache whose tokens the trainer's recomputed logprobs and off-policy correction handle (README).")
-    max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
-    max_num_batched_tokens: int = Field(
-        4096, gt=0, description="Tokens computed per step: the running decodes first, one each, then chunks of the "
-        "prompts being prefilled (a longer prompt is prefilled over several steps while the others keep decoding); "
-        "at least max_num_seqs.")
-    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
-        "auto", description="Paged attention: 'torch' (any device and dtype), 'flashinfer' (FlashInfer's paged kernel: "
-        "CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto; the `gpu` extra), 'auto' = flashinfer "
-        "wherever it can run.")
-    enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
-                                        "request computed (same weights only; hit rate in the metrics).")
-    kv_eviction: Literal["none", "window", "snapkv"] = Field(
-        "none", description="KV eviction for long contexts (rollout/kv_eviction.py): each sequence keeps "
-        "kv_budget_tokens cache slots; 'window' keeps the first kv_sink_tokens and the most recent, 'snapkv' also the "
-        "past its latest queries attend to most. Not for session turns. Evicted rollouts are another behaviour policy.")
-    kv_budget_tokens: int = Field(1024, gt=0, description="Cache slots a sequence keeps when kv_eviction is on.")
-    kv_sink_tokens: int = Field(4, ge=0, description="First tokens always kept (attention sinks).")
-    kv_observation_window: int = Field(16, gt=0, description="snapkv: the latest queries that score the past (their "
-                                       "tokens are always kept).")
-    max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
-    max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
-    max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
-    seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
-    logprobs_mode: Literal["tempered", "raw", "processed"] = Field(
-        "tempered", description="'tempered': logprobs of softmax(logits / temperature), before top-k/top-p (what "
-        "the trainer recomputes, at Sample.temperature); 'raw': at temperature 1; 'processed': of the distribution "
-        "sampled from, after top-k/top-p (rollout/sampler.py).")
-    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
-    max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions; beyond it OpenSession is "
-                              "RESOURCE_EXHAUSTED.")
-    session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed and its KV "
-                                          "freed; its id then answers NOT_FOUND (expired).")
-
-
 class Config(Strict):
     """`relayrl serve rollout` configuration."""
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     model: str = Field(description="Local Hugging Face model folder (config.json, *.safetensors, tokenizer).")
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: EngineChoice = Field(default_factory=NativeSettings, description="The engine that generates: "
+                                 "{type: native | vllm | sglang, ...its settings} (rollout/engines/settings.py).")
     buffer: str | None = Field(None, description="Replay buffer address for CloseSession(submit=true); None: "
                                "submitting is FAILED_PRECONDITION.")
     buffer_client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the buffer.")
@@ -130,10 +94,10 @@ class Config(Strict):
 
 
 class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
-    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs over an AsyncEngine,
-    and the session RPCs (rollout/session_service.py)."""
+    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs over an engine
+    (rollout/engines/base.py), and the session RPCs (rollout/session_service.py)."""
 
-    def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, buffer_channel=None,
+    def __init__(self, engine: "RolloutEngine", model_name: str, tokenizer, buffer_channel=None,
                  buffer_timeout_s: float = 30.0):
         self.engine = engine
         self.buffer_channel = buffer_channel  # grpc.aio.Channel to the replay buffer, or None
@@ -141,10 +105,10 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.decode_text = _text_decoder(tokenizer)
-        model_config = engine.engine.model_config
-        self.vocab_size = model_config.vocab_size
-        self.eos_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
-        self.max_model_len = engine.engine.config.max_model_len
+        info = engine.info
+        self.vocab_size = info.vocab_size
+        self.eos_token_id = info.eos_token_ids[0] if info.eos_token_ids else -1
+        self.max_model_len = info.max_model_len
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         request_id, prompt, params = self._parse(request)
@@ -163,8 +127,6 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         ids = [request_id for request_id, _, _ in parsed]
         if len(set(ids)) < len(ids):
             raise CodecError("requests: request_ids must be distinct")
-        from rollout.async_engine import EngineDead
-
         tasks = [asyncio.ensure_future(self.engine.generate_all(*one)) for one in parsed]
         try:
             results = await asyncio.gather(*tasks)
@@ -182,7 +144,7 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
     def _response(self, request: rollout_pb2.GenerateRequest, request_id: str, prompt: list[int],
                   params: SamplingParams, done: list["Completion"]) -> rollout_pb2.GenerateResponse:
         with_logprobs = request.params.logprobs
-        logprobs_t = logprobs_temperature(self.engine.engine.config.logprobs_mode, params.temperature)
+        logprobs_t = logprobs_temperature(self.engine.info.logprobs_mode, params.temperature)
         completions = []
         for completion in done:
             TOKENS_GENERATED.inc(len(completion.token_ids))
@@ -228,14 +190,12 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             weight_version=self.engine.weight_version,
-            paused=False,  # the native engine switches weights between steps without pausing
+            paused=False,  # every engine switches weights between steps without pausing
             eos_token_id=self.eos_token_id,
-            engine="native",
+            engine=self.engine.info.engine,
         )
 
     async def ComputeLogprobs(self, request: rollout_pb2.ComputeLogprobsRequest, context) -> rollout_pb2.ComputeLogprobsResponse:
-        from rollout.async_engine import EngineDead
-
         prompt = decode_array(request.prompt_ids, field="prompt_ids", expect="int32").tolist()
         responses = [decode_array(r, field=f"response_ids[{i}]", expect="int32").tolist()
                      for i, r in enumerate(request.response_ids)]
@@ -250,8 +210,6 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         self, request_id: str, prompt: list[int], params: SamplingParams, context
     ) -> AsyncIterator["Completion"]:
         """The engine's deltas, with refusals turned into status codes. Cancelling the call aborts the request."""
-        from rollout.async_engine import EngineDead
-
         try:
             async for delta in self.engine.generate(request_id, prompt, params):
                 TOKENS_GENERATED.inc(len(delta.token_ids))
@@ -263,8 +221,6 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         self, request_id: str, prompt: list[int], params: SamplingParams, context
     ) -> list["Completion"]:
         """The finished completions, with refusals turned into status codes. Cancelling the call aborts the request."""
-        from rollout.async_engine import EngineDead
-
         try:
             return await self.engine.generate_all(request_id, prompt, params)
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
@@ -323,12 +279,8 @@ async def _abort_with_status(context, exc: Exception, where: str = "") -> None:
 
 async def serve(config: Config) -> None:
     """Load the model, start the engine thread, and serve Rollout (+ WeightSync) until SIGTERM."""
-    import torch
-
     from protos import weights_pb2_grpc
-    from rollout.async_engine import AsyncEngine
-    from rollout.config import EngineConfig
-    from rollout.engine import LLMEngine
+    from rollout.engines import start_engine
     from rollout.weight_receiver import WeightReceiver
     from services.client import connect
     from services.runtime import serve as serve_forever
@@ -340,30 +292,22 @@ async def serve(config: Config) -> None:
         await serve_router(config)
         return
     setup_logging("rollout", config.server.log_level)  # before the OpenAI endpoint logs its port
-    settings = config.engine.model_dump()
-    if settings.pop("torch_threads") is not None:
-        torch.set_num_threads(config.engine.torch_threads)
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=config.model, **settings)))
-    RUNNING_SEQS.set_function(lambda: engine.stats["running"])
-    WAITING_SEQS.set_function(lambda: engine.stats["waiting"])
-    FREE_BLOCKS.set_function(lambda: engine.stats["free_blocks"])
+    engine = start_engine(config.model, config.engine)
+    for key, gauge in _STATS_GAUGES.items():
+        if key in engine.stats:  # each engine reports the counters it keeps
+            gauge.set_function(lambda key=key: engine.stats[key])
     WEIGHT_VERSION.set_function(lambda: engine.weight_version)
-    PREFILL_TOKENS.set_function(lambda: engine.stats["prefill_tokens"])
-    PREFIX_QUERIED_TOKENS.set_function(lambda: engine.stats["prefix_cache_queried_tokens"])
-    PREFIX_HIT_TOKENS.set_function(lambda: engine.stats["prefix_cache_hit_tokens"])
-    OPEN_SESSIONS.set_function(lambda: engine.stats["sessions"])
-    SESSION_BLOCKS.set_function(lambda: engine.stats["session_blocks"])
-    SESSION_EVICTIONS.set_function(lambda: engine.stats["session_evictions"])
-    KV_EVICTED_TOKENS.set_function(lambda: engine.stats["kv_evicted_tokens"])
-    KV_BYTES_PER_TOKEN.labels(kv_cache_dtype=config.engine.kv_cache_dtype).set(engine.stats["kv_cache_bytes_per_token"])
+    if "kv_cache_bytes_per_token" in engine.stats:
+        KV_BYTES_PER_TOKEN.labels(kv_cache_dtype=config.engine.kv_cache_dtype).set(
+            engine.stats["kv_cache_bytes_per_token"])
     buffer_channel = connect(config.buffer, config.buffer_client) if config.buffer else None
-    servicer = RolloutServicer(engine, config.model, engine.engine.tokenizer, buffer_channel, config.buffer_timeout_s)
+    servicer = RolloutServicer(engine, config.model, engine.tokenizer, buffer_channel, config.buffer_timeout_s)
     receiver = WeightReceiver(engine)
     openai_server = None
     if config.openai is not None:  # up before the port file appears, so a ready service serves both
         from rollout.openai_api import serve_openai
 
-        openai_server = await serve_openai(config.openai, engine, engine.engine.tokenizer, config.model,
+        openai_server = await serve_openai(config.openai, engine, engine.tokenizer, config.model,
                                            servicer.submit_episode if buffer_channel is not None else None)
 
     async def on_stop() -> None:

@@ -200,7 +200,7 @@ class _refusals:
         return self
 
     async def __aexit__(self, kind, exc, tb):
-        from rollout.async_engine import EngineDead
+        from rollout.errors import EngineDead
 
         if exc is None:
             return False

@@ -77,7 +77,10 @@ class SessionRecord:
 
 
 class SessionTable:
-    def __init__(self, block_manager: BlockManager, max_model_len: int, max_sessions: int, idle_timeout_s: float,
+    """The open sessions. `block_manager` holds their KV between turns (the native engine); None for an engine
+    whose own prefix cache keeps a context's KV (vLLM, SGLang: a turn sends the whole context)."""
+
+    def __init__(self, block_manager: BlockManager | None, max_model_len: int, max_sessions: int, idle_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -205,6 +208,7 @@ class SessionTable:
         return sum(len(s.block_table) for s in list(self.sessions.values()))  # read by the metrics thread too
 
     def _free(self, session: Session) -> None:
-        self.block_manager.release(session.block_table)
+        if self.block_manager is not None:
+            self.block_manager.release(session.block_table)
         session.block_table = []
         session.num_cached_tokens = 0

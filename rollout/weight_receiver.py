@@ -45,7 +45,7 @@ Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class UpdatableEngine(Protocol):
-    """What the receiver needs from the engine (rollout.async_engine.AsyncEngine provides it)."""
+    """What the receiver needs from the engine (every engine of rollout/engines/base.py provides it)."""
 
     @property
     def weight_version(self) -> int: ...

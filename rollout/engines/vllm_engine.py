@@ -1,0 +1,353 @@
+"""vLLM behind the engine interface: VllmCore, a step engine that AsyncEngine drives from its thread.
+
+VllmCore has the native LLMEngine's thread-side methods (add_request, step, abort, compute_logprobs,
+load_weights, sessions), so rollout.async_engine.AsyncEngine gives it the same asyncio side as the native
+engine: streams, whole deliveries, version watches, commands run between two steps. vLLM's own LLMEngine runs
+in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set otherwise; `uni` executor for one device), so
+a step's outputs are the tokens of that step, and every token is tagged with the weight version that
+produced it, exactly as in the native engine.
+
+- Tokens: `SamplingParams(logprobs=0)` returns each sampled token's logprob; `logprobs_mode` tempered is
+  vLLM's processed_logprobs (softmax(logits / temperature)), raw its raw_logprobs.
+- Weight updates: the worker extension (rollout/engines/vllm_worker.py) loads the tensors through the
+  model runner's reload_weights (a plain model.load_weights fails on CPU, where vLLM repacks linear weights
+  after loading), then the prefix cache is reset: KV of other weights is never reused.
+- Sessions keep their tokens here (rollout/sessions.py's table without blocks); a turn sends the whole
+  context, and vLLM's prefix cache supplies the KV of the earlier turns.
+"""
+
+import dataclasses
+import itertools
+import json
+import os
+import random
+import time
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from rollout.config import read_eos_token_ids
+from rollout.engines.base import Layout, ModelInfo, checkpoint_layout
+from rollout.engines.settings import VllmSettings
+from rollout.errors import ContextFull, DuplicateRequest, InvalidRequest
+from rollout.outputs import TokenOutput
+from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
+from rollout.sequence import FinishReason, Sequence, SequenceStatus
+from rollout.sessions import SessionRecord, SessionState, SessionTable
+
+_EXPIRY_CHECK_S = 1.0
+_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_WORKER_EXTENSION = "rollout.engines.vllm_worker.WeightLoader"
+
+
+def start_vllm(model: str, settings: VllmSettings):
+    """vLLM serving `model`, behind AsyncEngine's asyncio side."""
+    from rollout.async_engine import AsyncEngine
+
+    return AsyncEngine(VllmCore(model, settings))
+
+
+class VllmCore:
+    """vLLM's LLMEngine with the native engine's step-engine methods. One thread calls them (AsyncEngine's)."""
+
+    def __init__(self, model: str, settings: VllmSettings):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_gib))
+        from vllm import EngineArgs, LLMEngine
+
+        self.model = model
+        self.settings = settings
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(model, settings)))
+        vllm_model = self.llm.model_config
+        raw = json.loads((Path(model) / "config.json").read_text())
+        self.info = ModelInfo("vllm", vllm_model.get_vocab_size(), vllm_model.max_model_len,
+                              read_eos_token_ids(Path(model), raw), settings.logprobs_mode,
+                              settings.session_idle_timeout_s)
+        self.served_dtype = vllm_model.dtype
+        self.requests: dict[str, list[Sequence]] = {}
+        self.sessions = SessionTable(None, self.info.max_model_len, settings.max_sessions,
+                                     settings.session_idle_timeout_s)
+        self.weight_version = 0
+        self._pending: list[TokenOutput] = []  # outputs of steps run while scoring, handed out by the next step()
+        self._scoring: dict[str, object] = {}  # scoring request id -> its vLLM RequestOutput once finished
+        self._seed_rng = random.Random(settings.seed)
+        self._seq_ids = itertools.count()
+        self._score_ids = itertools.count()
+        self._next_expiry_check = 0.0
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The model folder's tokenizer (text in the service), loaded on first use."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model)
+        return self._tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        """Where received weights are staged: the CPU on the vllm-cpu build, else the GPU vLLM's single worker
+        runs on in this process (the `uni` executor: the current CUDA device when it was built)."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def parameter_layout(self) -> Layout:
+        """The checkpoint's tensors (Hugging Face names, as the trainer publishes them) in the served dtype."""
+        return checkpoint_layout(self.model, self.served_dtype)
+
+    # ---- requests
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Queue a request; raises InvalidRequest or DuplicateRequest."""
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.info.vocab_size)
+        params.validate(prompt_len=len(prompt), vocab_size=self.info.vocab_size,
+                        max_model_len=self.info.max_model_len, max_n=self.settings.max_n)
+        self.requests[request_id] = self._submit(request_id, prompt, params)
+
+    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[Sequence]:
+        if request_id in self.requests or request_id in self._scoring:
+            raise DuplicateRequest(f"request_id: {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
+        self.llm.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, seed))
+        return seqs
+
+    def _vllm_params(self, params: SamplingParams, seed: int):
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VllmParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
+            stop_token_ids=list(params.stop_token_ids), stop=list(params.stop) or None,
+            ignore_eos=params.ignore_eos, seed=seed % 2**63, logprobs=0, output_kind=RequestOutputKind.DELTA,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    def step(self) -> list[TokenOutput]:
+        """One vLLM step; one output per token it produced (a completion ended without a token: one output
+        with the reason)."""
+        outputs, self._pending = self._pending, []
+        for request_output in self.llm.step():
+            outputs += self._take(request_output)
+        return outputs
+
+    def _take(self, request_output) -> list[TokenOutput]:
+        request_id = request_output.request_id
+        if request_id in self._scoring:
+            if request_output.finished:
+                self._scoring[request_id] = request_output
+            return []
+        seqs = self.requests.get(request_id)
+        if seqs is None:  # aborted here already
+            return []
+        outputs = []
+        for completion in request_output.outputs:
+            seq = seqs[completion.index]
+            reason = _FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
+            last = len(completion.token_ids) - 1
+            for i, token_id in enumerate(completion.token_ids):
+                logprob = completion.logprobs[i][token_id].logprob
+                seq.append(token_id, logprob, self.weight_version)
+                outputs.append(TokenOutput(request_id, seq.index, token_id, logprob, self.weight_version,
+                                           reason if i == last else None))
+            if reason is not None:
+                if last < 0:
+                    outputs.append(TokenOutput(request_id, seq.index, None, None, None, reason))
+                self._finish(seq, reason)
+        if all(seq.is_finished for seq in seqs):
+            del self.requests[request_id]
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        if seq.session is not None:
+            self.sessions.end_turn(seq)
+
+    def abort(self, request_id: str) -> list[TokenOutput]:
+        """End a request's unfinished completions (reason abort, partial output kept)."""
+        seqs = self.requests.pop(request_id, [])
+        if seqs:
+            self.llm.abort_request([request_id])
+        outputs = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+                outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT))
+        return outputs
+
+    # ---- scoring given tokens
+
+    def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]],
+                         temperature: float = 1.0) -> list[list[float]]:
+        """Logprob of every token of each response given the prompt and the response tokens before it, under
+        softmax(logits / temperature): vLLM's prompt logprobs of prompt + response, renormalized at the
+        temperature from the whole vocabulary's when it is not 1."""
+        prompt, tokens = self._check_scoring(prompt_ids, responses, temperature)
+        rows = self._prompt_logprobs(prompt, tokens, whole_vocab=temperature != 1.0)
+        result = []
+        for response, positions in zip(tokens, rows):
+            values = []
+            for token_id, entry in zip(response, positions):
+                if temperature == 1.0:
+                    values.append(entry[token_id].logprob)
+                else:
+                    values.append(float(_tempered(entry, temperature)[token_id]))
+            result.append(values)
+        return result
+
+    def compute_top_logprobs(self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float,
+                             top: int) -> list[list[tuple[int, float]]]:
+        """The `top` most likely tokens (id, logprob) at each position of the response."""
+        prompt, tokens = self._check_scoring(prompt_ids, [response_ids], temperature)
+        rows = []
+        for entry in self._prompt_logprobs(prompt, tokens, whole_vocab=True)[0]:
+            logprobs = _tempered(entry, temperature)
+            values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+            rows.append(list(zip(ids.tolist(), values.tolist())))
+        return rows
+
+    def _check_scoring(self, prompt_ids, responses, temperature) -> tuple[list[int], list[list[int]]]:
+        if not temperature > 0:
+            raise InvalidRequest("temperature", f"must be > 0 to score under softmax(logits / temperature), got {temperature}")
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.info.vocab_size)
+        tokens = []
+        for i, response in enumerate(responses):
+            ids = [int(t) for t in response]
+            if ids:
+                validate_prompt(ids, self.info.vocab_size, f"response_ids[{i}]")
+            if len(prompt) + len(ids) > self.info.max_model_len:
+                raise InvalidRequest(f"response_ids[{i}]", f"prompt + response ({len(prompt) + len(ids)} tokens) "
+                                     f"exceeds the context length {self.info.max_model_len}")
+            tokens.append(ids)
+        return prompt, tokens
+
+    def _prompt_logprobs(self, prompt: list[int], responses: list[list[int]], whole_vocab: bool) -> list[list[dict]]:
+        """Per response, vLLM's prompt-logprob entry (token id -> Logprob) at each response position. Runs vLLM
+        steps until the scoring requests finish; the other requests' outputs of those steps wait in _pending."""
+        from vllm import SamplingParams as VllmParams
+
+        params = VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if whole_vocab else 0, detokenize=False)
+        ids = {}
+        for i, response in enumerate(responses):
+            if response:
+                ids[i] = f"score-{next(self._score_ids)}"
+                self._scoring[ids[i]] = None
+                self.llm.add_request(ids[i], {"prompt_token_ids": prompt + response}, params)
+        try:
+            while any(self._scoring[rid] is None for rid in ids.values()):
+                for request_output in self.llm.step():
+                    self._pending += self._take(request_output)
+        finally:
+            finished = {i: self._scoring.pop(rid) for i, rid in ids.items()}
+        return [finished[i].prompt_logprobs[len(prompt):] if i in finished else [] for i in range(len(responses))]
+
+    # ---- weights
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     version: int, adopt: bool = False) -> None:
+        """Load the tensors into vLLM's model through the worker extension and serve them as `version`; the
+        prefix cache forgets every prefix. vLLM copies (and on CPU repacks) them, so `adopt` changes nothing."""
+        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        self.llm.collective_rpc("load_tensors", args=(items,))
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    @property
+    def stats(self) -> dict[str, int | float]:
+        """Sequences unfinished, open sessions (vLLM keeps its own scheduler's counters)."""
+        return {"running": sum(not s.is_finished for seqs in list(self.requests.values()) for s in seqs),
+                "sessions": len(self.sessions.sessions), "sessions_expired": self.sessions.num_expired}
+
+    # ---- sessions (rollout/sessions.py)
+
+    def open_session(self, session_id: str, prompt_ids: Seq[int]) -> int:
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.info.vocab_size)
+        return len(self.sessions.open(session_id, prompt).token_ids)
+
+    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None) -> int:
+        tokens = [int(t) for t in token_ids]
+        if tokens:
+            validate_prompt(tokens, self.info.vocab_size, "token_ids")
+        elif turn_reward is None:
+            raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
+        return len(self.sessions.append(session_id, tokens, self.weight_version, turn_reward).token_ids)
+
+    def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
+        """Queue the session's next policy turn: its whole context as the prompt (the prefix cache has the KV)."""
+        session = self.sessions.idle(session_id)
+        if params.n != 1:
+            raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
+        context = len(session.token_ids)
+        room = self.info.max_model_len - context
+        if room <= 0:
+            raise ContextFull(f"the session's context ({context} tokens) is at the context length "
+                              f"{self.info.max_model_len}; nothing more can be generated")
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        params.validate(prompt_len=context, vocab_size=self.info.vocab_size, max_model_len=self.info.max_model_len,
+                        max_n=1)
+        temperature = logprobs_temperature(self.info.logprobs_mode, params.temperature)
+        if session.temperature is not None and temperature != session.temperature:
+            raise InvalidRequest("params.temperature", f"the session's logprobs are at temperature "
+                                 f"{session.temperature:g}; every turn must use it (got {temperature:g})")
+        [seq] = self._submit(request_id, list(session.token_ids), params)
+        self.sessions.start_turn(session, seq, temperature)
+        seq.num_cached_tokens = context  # vLLM's prefix cache holds it (kv_recomputes stays 0)
+        self.requests[request_id] = [seq]
+
+    def session_turn(self, session_id: str) -> str | None:
+        session = self.sessions.sessions.get(session_id)
+        return session.turn.request_id if session is not None and session.turn is not None else None
+
+    def session_state(self, session_id: str) -> SessionState:
+        return self.sessions.state(session_id, self.weight_version)
+
+    def close_session(self, session_id: str) -> SessionRecord:
+        request_id = self.session_turn(session_id)
+        if request_id is not None:
+            self.abort(request_id)
+        return self.sessions.close(session_id)
+
+    def expire_sessions(self) -> list[str]:
+        now = time.monotonic()
+        if now < self._next_expiry_check:
+            return []
+        self._next_expiry_check = now + _EXPIRY_CHECK_S
+        return self.sessions.expire()
+
+
+def engine_args(model: str, settings: VllmSettings) -> dict:
+    """vLLM EngineArgs of the settings (engine_args last: they override)."""
+    args = {
+        "model": model, "dtype": settings.dtype, "max_model_len": settings.max_model_len, "max_num_seqs": settings.max_num_seqs,
+        "enable_prefix_caching": settings.enable_prefix_caching, "kv_cache_dtype": settings.kv_cache_dtype,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "tensor_parallel_size": settings.tensor_parallel_size, "enforce_eager": settings.enforce_eager, "seed": settings.seed,
+        "logprobs_mode": "processed_logprobs" if settings.logprobs_mode == "tempered" else "raw_logprobs",
+        "max_logprobs": -1, "worker_extension_cls": _WORKER_EXTENSION,
+    }
+    if settings.tensor_parallel_size == 1:
+        args["distributed_executor_backend"] = "uni"
+    if settings.kv_transfer_config is not None:
+        from vllm.config import KVTransferConfig
+
+        args["kv_transfer_config"] = KVTransferConfig(**settings.kv_transfer_config)
+    return {**args, **settings.engine_args}
+
+
+def _tempered(entry: dict, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) over the vocabulary from vLLM's whole-vocabulary logprobs at T = 1 (a logprob is
+    the logit less a constant, which the softmax cancels)."""
+    ids = torch.tensor(list(entry.keys()))
+    raw = torch.tensor([lp.logprob for lp in entry.values()], dtype=torch.float64)
+    dense = torch.full((int(ids.max()) + 1,), float("-inf"), dtype=torch.float64)
+    dense[ids] = raw
+    return torch.log_softmax(dense / temperature, dim=0)
