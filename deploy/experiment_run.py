@@ -150,6 +150,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
 
 def main(path: str, overrides: list[str] | None = None, resume: bool = False) -> int:
     from deploy.experiment_data import DataError
+    from deploy.placement import local_problems
     from deploy.supervisor import RunFailed
     from services.config import ConfigError
 
@@ -157,6 +158,11 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False) ->
         config = load_experiment(path, overrides or [])
     except (ConfigError, FileNotFoundError) as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
+        return 2
+    beyond = local_problems(config.services)
+    if beyond:
+        print(f"relayrl run: starts one process per service on this machine; {path} asks for more "
+              f"({'; '.join(beyond)}): `relayrl deploy k8s {path}` renders it for Kubernetes", file=sys.stderr)
         return 2
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
