@@ -18,7 +18,8 @@ from services.config import AuthConfig, ClientConfig, Strict, TLSConfig
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # A Kubernetes quantity of bytes: 512Mi, 16Gi, 1G, 1500000000.
 MEMORY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-SERVERS = ("buffer", "reward", "rollout")  # the gRPC services; the trainer is a client of them
+# The port each gRPC service listens on in a cluster when its `port` is 0 (on this machine 0 = any free port).
+CLUSTER_PORTS = {"buffer": 50051, "reward": 50052, "rollout": 50053}
 
 
 class NodeGroup(Strict):
@@ -53,7 +54,7 @@ class ServicePlacement(Strict):
     replicas: int = Field(1, ge=1, description="Copies of the service (rollout and reward only: the buffer is one "
                           "process, the single owner of its log).")
     port: int = Field(0, ge=0, le=65535, description="The port it listens on; 0 = any free port on this machine "
-                      "(relayrl doctor checks a fixed one is free). On a cluster 0 means the service's default port.")
+                      "(relayrl doctor checks a fixed one is free). On a cluster 0 means the service's CLUSTER_PORTS one.")
     resources: Resources = Field(default_factory=Resources, description="Per replica; for Ray and Kubernetes.")
     tls: TLSConfig | None = Field(None, description="Server TLS (cert, key; client_ca for mTLS): "
                                   "services.config.TLSConfig. Off = plain text.")
