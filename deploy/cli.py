@@ -76,11 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("experiment", help="EXPERIMENT.yaml")
     doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
 
-    deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement")
+    deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
+                            "Kubernetes")
     targets = deploy.add_subparsers(dest="target", required=True, metavar="TARGET")
     check = targets.add_parser("check", help="validate the file and print each service's group, replicas, nodes, "
                                "resources and ports as a table; exit 2 naming the problem")
-    for target in (check,):
+    k8s = targets.add_parser("k8s", help="render Kubernetes manifests (deploy/k8s.py): a workload and a headless "
+                             "Service per service, the trainer as an indexed Job under torchrun, a ConfigMap, Secrets")
+    k8s.add_argument("--out", help="write one YAML file per object into this folder (else all to stdout)")
+    for target in (check, k8s):
         target.add_argument("experiment", help="EXPERIMENT.yaml")
         target.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                             help="override a config field")
@@ -187,9 +191,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from deploy.placement_table import main as check
+    if args.target == "check":
+        from deploy.placement_table import main as check
 
-    return check(args.experiment, args.set)
+        return check(args.experiment, args.set)
+    from deploy.k8s import main as k8s
+
+    return k8s(args.experiment, args.set, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from deploy.placement import NodeGroup, ServicesSection, placement_problems
+from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
 from deploy.supervisor import SuperviseConfig
 from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
@@ -188,6 +188,8 @@ class ExperimentConfig(Strict):
     groups: list[NodeGroup] = Field(default_factory=list, description="Node groups services are placed on "
                                     "(deploy/placement.py); none = every service on this machine.")
     services: ServicesSection = Field(default_factory=ServicesSection)
+    kubernetes: KubernetesSection = Field(default_factory=KubernetesSection, description="Image, namespace and "
+                                          "project volume for `relayrl deploy k8s` (deploy/k8s.py).")
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MEMORY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 # The port each gRPC service listens on in a cluster when its `port` is 0 (on this machine 0 = any free port).
 CLUSTER_PORTS = {"buffer": 50051, "reward": 50052, "rollout": 50053}
+SERVERS = tuple(CLUSTER_PORTS)  # the gRPC services; the trainer is a client of them
 
 
 class NodeGroup(Strict):
@@ -105,6 +106,23 @@ class ServicesSection(Strict):
     def placed(self) -> dict[str, ServicePlacement | TrainerPlacement]:
         """Every service by name, in the order a run starts them."""
         return {"buffer": self.buffer, "reward": self.reward, "rollout": self.rollout, "trainer": self.trainer}
+
+
+class KubernetesSection(Strict):
+    """What `relayrl deploy k8s FILE` needs beyond the placement (deploy/k8s.py renders the manifests)."""
+
+    image: str | None = Field(None, description="Container image with relayrl installed (its `relayrl` command, "
+                              "`python -m trainer`, torchrun); every pod runs it.")
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
+    namespace: str = Field("default", pattern=DNS_LABEL, description="Namespace of every object.")
+    name: str = Field("relayrl", pattern=DNS_LABEL, max_length=40, description="Prefix of every object's name and "
+                      "the `app.kubernetes.io/instance` label (two experiments in one namespace need two names).")
+    project_claim: str | None = Field(None, description="A PersistentVolumeClaim holding the experiment's folder "
+                                      "(model, data, reward modules), mounted in every pod at project_path; the run "
+                                      "(run_dir: buffer log, checkpoints, prompts) is written in it too, so it must be "
+                                      "ReadWriteMany when pods on several nodes share it.")
+    project_path: str = Field("/project", pattern=r"^/", description="Where the claim is mounted: the experiment's "
+                              "relative paths are taken from it.")
 
 
 def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> list[str]:
