@@ -146,6 +146,12 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
         if isinstance(placement, ServicePlacement):
             if placement.auth is not None and placement.client.token is None:
                 problems.append(f"{field}.client.token: {name} has auth on, so the run's clients need a token")
+            if placement.tls is not None and placement.client.ca_cert is None:
+                problems.append(f"{field}.client.ca_cert: {name} serves TLS, so the run's clients need the CA "
+                                "that signed its certificate")
+            if placement.group is not None and placement.client.token and placement.tls is None:
+                problems.append(f"{field}.tls: a token never crosses a network in plain text (services/client.py): "
+                                f"{name} on group {placement.group!r} needs TLS for its clients' token")
             if placement.group is None and placement.port:
                 if placement.port in local_ports:
                     problems.append(f"{field}.port: {placement.port} is also {local_ports[placement.port]}.port "

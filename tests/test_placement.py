@@ -87,6 +87,8 @@ def test_devices_are_checked_only_where_given(tmp_path):
     ("services.trainer.nodes=0", "services.trainer.nodes: Input should be greater than or equal to 1"),
     ("services.rollout.auth={tokens_file: tokens.yaml}", "services.rollout.client.token: rollout has auth on"),
     ("services.rollout.tls={cert: c.pem}", "services.rollout.tls.key: Field required"),
+    ("services.rollout.tls={cert: c.pem, key: k.pem}", "services.rollout.client.ca_cert: rollout serves TLS"),
+    ("services.rollout.client={token: t}", "services.rollout.tls: a token never crosses a network in plain text"),
     ("services.trainer.replicas=2", "services.trainer.replicas: Extra inputs are not permitted"),
 ])
 def test_a_bad_placement_names_the_field(tmp_path, override, named):
