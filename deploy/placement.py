@@ -162,6 +162,10 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
         if placement.resources.gpus > group.devices_per_node:
             problems.append(f"{field}.resources.gpus: {placement.resources.gpus}, but group {group.name!r} has "
                             f"{group.devices_per_node} devices per node")
+        if isinstance(placement, ServicePlacement) and group.hosts and (
+                placement.replicas * placement.resources.gpus > len(group.hosts) * group.devices_per_node):
+            problems.append(f"{field}.replicas: {placement.replicas} x {placement.resources.gpus} GPUs, but group "
+                            f"{group.name!r} has {len(group.hosts)} hosts x {group.devices_per_node} devices")
         if isinstance(placement, TrainerPlacement) and placement.procs_per_node > group.devices_per_node:
             problems.append(f"{field}.procs_per_node: {placement.procs_per_node}, but group {group.name!r} has "
                             f"{group.devices_per_node} devices per node")

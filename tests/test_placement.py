@@ -80,6 +80,7 @@ def test_devices_are_checked_only_where_given(tmp_path):
     ("services.rollout.resources.gpus=5", "services.rollout.resources.gpus: 5, but group 'inference' has 4 devices"),
     ("services.trainer.group=inference", "services.trainer.procs_per_node: 8, but group 'inference' has 4"),
     ("groups.0.hosts=[a]", "services.trainer.nodes: 2, but group 'training' lists 1 hosts"),
+    ("services.rollout.replicas=3", "services.rollout.replicas: 3 x 4 GPUs, but group 'inference' has 2 hosts x 4"),
     ("groups.2.name=training", "groups.2.name: 'training' names two groups"),
     ("groups.0.name=Training", "groups.0.name: String should match pattern"),
     ("services.buffer.resources.memory=8GB", "services.buffer.resources.memory: String should match pattern"),
