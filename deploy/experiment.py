@@ -195,6 +195,11 @@ class ExperimentConfig(Strict):
     @model_validator(mode="after")
     def _placement(self) -> "ExperimentConfig":
         problems = placement_problems(self.groups, self.services)
+        trainer, per_step = self.services.trainer, self.training.batch_size // self.training.mini_batches
+        if per_step % trainer.world_size:
+            problems.append(f"services.trainer: {trainer.nodes} x {trainer.procs_per_node} processes do not split the "
+                            f"{per_step} samples of an optimizer step (training.group_size x groups_per_batch / "
+                            "mini_batches)")
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -109,6 +109,7 @@ def test_each_process_is_placed_probed_and_configured_as_its_group_says():
         f"math-grpo-rollout-{i}.math-grpo-rollout.rl.svc.cluster.local:50053" for i in range(4)]
     assert trainer["publish"]["master_addr"] == "math-grpo-trainer-0.math-grpo-trainer.rl.svc.cluster.local"
     assert trainer["publish"]["master_port"] == 29500 and trainer["publish"]["backend"] == "nccl"
+    TrainerConfig.model_validate(trainer).batch.check_divisible(16)  # 2 nodes x 8 processes share each step
     assert files["driver.yaml"]["buffer"] == "math-grpo-buffer.rl.svc.cluster.local:50051"
     assert files["rollout.yaml"]["engine"]["dtype"] == "bfloat16"
     assert files["buffer.yaml"]["data_dir"] == "/project/runs/cluster/buffer"
@@ -175,7 +176,7 @@ def test_tls_files_and_tokens_travel_in_secrets(tmp_path):
     ("kubernetes.project_claim=null", "kubernetes.project_claim: not set"),
     ("sft.steps=10", "sft.steps: 10, but the manifests run no SFT warm-up"),
     ("run_dir=/tmp/run", "run_dir: /tmp/run is absolute"),
-    ("services.rollout.tls={cert: nowhere.pem, key: nowhere.key}", "services.rollout.tls.cert: no file"),
+    ("services.rollout.client={ca_cert: nowhere.pem}", "services.rollout.client.ca_cert: no file"),
 ])
 def test_what_cannot_be_rendered_is_named(change, named):
     with pytest.raises(RenderError, match=named.replace("(", r"\(")):

@@ -91,6 +91,7 @@ def test_devices_are_checked_only_where_given(tmp_path):
     ("services.rollout.tls={cert: c.pem, key: k.pem}", "services.rollout.client.ca_cert: rollout serves TLS"),
     ("services.rollout.client={token: t}", "services.rollout.tls: a token never crosses a network in plain text"),
     ("services.trainer.replicas=2", "services.trainer.replicas: Extra inputs are not permitted"),
+    ("training={groups_per_batch: 3}", "services.trainer: 2 x 8 processes do not split the 24 samples"),
 ])
 def test_a_bad_placement_names_the_field(tmp_path, override, named):
     with pytest.raises(ConfigError) as error:
