@@ -187,3 +187,55 @@ def test_the_command_exits_2_naming_the_problem(tmp_path):
     done = _render_cli(tmp_path / "out", str(EXAMPLE), "--set", "services.buffer.replicas=2")
     assert done.returncode == 2 and "services.buffer.replicas: 2" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_rendered_files_start_the_real_processes(tmp_path):
+    """A user's project rendered with the project volume at its own folder: the driver's init container writes the
+    prompts, the reward pod's config and environment start the real reward service with the user's function, and
+    the buffer's config starts the real buffer with the run's shared settings."""
+    import grpc
+    from user_project import experiment, write_project
+
+    from deploy.launcher import start_service
+    from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
+
+    folder = tmp_path / "project"
+    write_project(folder, folder / "unused")
+    data = {**experiment(folder, folder), "run_dir": "run", "groups": [{"name": "cpu"}],
+            "services": {name: {"group": "cpu"} for name in ("buffer", "reward", "rollout", "trainer")},
+            "kubernetes": {"image": "relayrl:test", "project_claim": "project", "project_path": str(folder)}}
+    (folder / "experiment.yaml").write_text(yaml.safe_dump(data))
+    objects = _by_kind(render(load_config(ExperimentConfig, folder / "experiment.yaml"), folder))
+    files = tmp_path / "etc"
+    files.mkdir()
+    for name, text in objects["ConfigMap", "relayrl-config"]["data"].items():
+        (files / name).write_text(text)
+
+    init = objects["Deployment", "relayrl-driver"]["spec"]["template"]["spec"]["initContainers"][0]["command"]
+    assert init[:3] == ["python", "-m", "deploy.experiment_data"]
+    done = subprocess.run([sys.executable, *init[1:3], str(files / "experiment.yaml")], check=False,
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    prompts = (folder / "run" / "prompts.jsonl").read_text().splitlines()
+    assert len(prompts) == 3 * 4 * 6 * 6 - 48  # every row but the 48 held out (data.num_eval)
+
+    pod = objects["Deployment", "relayrl-reward"]["spec"]["template"]["spec"]["containers"][0]
+    assert pod["command"][:3] == ["relayrl", "serve", "reward"]
+    env = {item["name"]: item["value"] for item in pod["env"]}
+    reward = start_service("reward", {"server.address": "127.0.0.1:0"}, config_path=files / "reward.yaml",
+                           env={"PYTHONPATH": f"{env['PYTHONPATH']}:{ROOT}"}, log_dir=tmp_path / "logs")
+    try:
+        with grpc.insecure_channel(reward.address) as channel:
+            listed = reward_pb2_grpc.RewardStub(channel).ListFunctions(reward_pb2.ListFunctionsRequest(), timeout=30)
+        assert "experiment" in listed.names  # the user's my_reward:first_word, imported from the project volume
+    finally:
+        reward.stop()
+    buffer = start_service("buffer", {"server.address": "127.0.0.1:0"}, config_path=files / "buffer.yaml",
+                           log_dir=tmp_path / "logs")
+    try:
+        with grpc.insecure_channel(buffer.address) as channel:
+            stats = buffer_pb2_grpc.BufferStub(channel).Stats(buffer_pb2.StatsRequest(), timeout=30)
+        assert stats.capacity == 32 * 8 * 4 and stats.max_staleness == 1  # buffer_capacity_batches x batch
+        assert (folder / "run" / "buffer").is_dir()  # its log in the run folder on the project volume
+    finally:
+        buffer.stop()
