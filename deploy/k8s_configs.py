@@ -80,8 +80,10 @@ def process_configs(config: ExperimentConfig) -> dict[str, dict]:
     at = {name: f"{host(k8s, name)}:{port(name, getattr(services, name))}" for name in SERVERS}
     addresses = Addresses(buffer=at["buffer"], reward=at["reward"], rollout=at["rollout"])
     out = {}
-    for name, overrides in (("buffer", buffer_overrides(plan)), ("reward", plan.reward),
-                            ("rollout", rollout_overrides(plan))):
+    rollout = rollout_overrides(plan)
+    if services.rollout.resources.gpus:  # the native engine runs on the pod's GPU unless told otherwise
+        rollout.setdefault("engine.device", "cuda")
+    for name, overrides in (("buffer", buffer_overrides(plan)), ("reward", plan.reward), ("rollout", rollout)):
         placement = getattr(services, name)
         out[name] = merged(nested(overrides), {"server": server_section(name, placement)})
     clients = {name: client_section(name, getattr(services, name)) for name in SERVERS}

@@ -22,7 +22,7 @@ def test_check_prints_each_service_on_its_group():
     lines = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 2}
     assert list(lines) == ["buffer", "reward", "rollout", "trainer"]
     assert [c.strip() for c in lines["rollout"].split("│")[2:9]] == [
-        "inference", "4", "relayrl.dev/pool=inference", "8", "cpu 16, memory 128Gi, gpus 8", "50053", "plain"]
+        "inference", "8", "relayrl.dev/pool=inference", "8", "cpu 8, memory 64Gi, gpus 1", "50053", "plain"]
     assert "2 nodes x 8" in lines["trainer"] and "rendezvous 29400, weights 29500" in lines["trainer"]
     assert "relayrl.dev/pool=cpu" in lines["buffer"] and "cpu 4, memory 16Gi" in lines["buffer"]
 

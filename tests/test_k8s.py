@@ -77,10 +77,10 @@ def test_each_process_is_placed_probed_and_configured_as_its_group_says():
     rollout = objects["StatefulSet", "math-grpo-rollout"]["spec"]
     pod = rollout["template"]["spec"]
     container = pod["containers"][0]
-    assert rollout["replicas"] == 4 and pod["nodeSelector"] == {"relayrl.dev/pool": "inference"}
+    assert rollout["replicas"] == 8 and pod["nodeSelector"] == {"relayrl.dev/pool": "inference"}
     assert container["command"] == ["relayrl", "serve", "rollout", "--config", "/etc/relayrl/rollout.yaml"]
     assert container["readinessProbe"]["grpc"] == {"port": 50053} and "grpc" in container["livenessProbe"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert objects["Service", "math-grpo-rollout"]["spec"]["clusterIP"] == "None"
     assert objects["StatefulSet", "math-grpo-buffer"]["spec"]["replicas"] == 1
     assert objects["Deployment", "math-grpo-reward"]["spec"]["replicas"] == 2
@@ -106,12 +106,12 @@ def test_each_process_is_placed_probed_and_configured_as_its_group_says():
         cls.model_validate(files[f"{name}.yaml"])
     trainer = files["trainer.yaml"]
     assert trainer["publish"]["receivers"] == [
-        f"math-grpo-rollout-{i}.math-grpo-rollout.rl.svc.cluster.local:50053" for i in range(4)]
+        f"math-grpo-rollout-{i}.math-grpo-rollout.rl.svc.cluster.local:50053" for i in range(8)]
     assert trainer["publish"]["master_addr"] == "math-grpo-trainer-0.math-grpo-trainer.rl.svc.cluster.local"
     assert trainer["publish"]["master_port"] == 29500 and trainer["publish"]["backend"] == "nccl"
     TrainerConfig.model_validate(trainer).batch.check_divisible(16)  # 2 nodes x 8 processes share each step
     assert files["driver.yaml"]["buffer"] == "math-grpo-buffer.rl.svc.cluster.local:50051"
-    assert files["rollout.yaml"]["engine"]["dtype"] == "bfloat16"
+    assert files["rollout.yaml"]["engine"] == {"seed": 0, "dtype": "bfloat16", "device": "cuda"}
     assert files["buffer.yaml"]["data_dir"] == "/project/runs/cluster/buffer"
 
 
