@@ -154,7 +154,7 @@ def _headless(config: ExperimentConfig, component: str, ports: list[tuple[str, i
 
 def _trainer(config: ExperimentConfig, groups: dict[str, NodeGroup]) -> dict:
     trainer, k8s = config.services.trainer, config.kubernetes
-    clients = ["clients"] if _client_files(config) else []
+    clients = ["clients"] if _has_clients(config) else []
     volumes, mounts = _volumes(config, clients)
     command = ["torchrun", f"--nnodes={trainer.nodes}", f"--nproc-per-node={trainer.procs_per_node}",
                "--node-rank=$(JOB_COMPLETION_INDEX)", f"--master-addr={host(k8s, 'trainer', 0)}",
@@ -177,7 +177,7 @@ def _trainer(config: ExperimentConfig, groups: dict[str, NodeGroup]) -> dict:
 
 def _driver(config: ExperimentConfig, groups: dict[str, NodeGroup]) -> dict:
     """The driver, on the buffer's group; its init container writes the prompt file the driver reads."""
-    volumes, mounts = _volumes(config, ["clients"] if _client_files(config) else [])
+    volumes, mounts = _volumes(config, ["clients"] if _has_clients(config) else [])
     prompts = _container(config, "prompts", ["python", "-m", "deploy.experiment_data",
                                              f"{CONFIG_DIR}/experiment.yaml"], mounts)
     names = list(SERVERS)
@@ -192,16 +192,21 @@ def _driver(config: ExperimentConfig, groups: dict[str, NodeGroup]) -> dict:
         "selector": {"matchLabels": _labels(config, "driver")}, "template": pod}}
 
 
-def _read(folder: pathlib.Path, path: str, field: str) -> str:
+def _read(folder: pathlib.Path, path: str, field: str) -> bytes:
     file = folder / pathlib.Path(path).expanduser()
     if not file.is_file():
         raise RenderError(f"{field}: no file {file}")
-    return base64.b64encode(file.read_bytes()).decode()
+    return file.read_bytes()
 
 
-def _client_files(config: ExperimentConfig) -> bool:
-    return any(getattr(config.services, name).client.model_dump(exclude={"max_message_bytes"}, exclude_none=True)
-               for name in SERVERS)
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _has_clients(config: ExperimentConfig) -> bool:
+    """Whether the run's clients present anything (a token, TLS files) to some service: the clients Secret."""
+    clients = [getattr(config.services, name).client for name in SERVERS]
+    return any(client.token or client.ca_cert or client.cert or client.key for client in clients)
 
 
 def _secrets(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
@@ -213,23 +218,24 @@ def _secrets(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
         if placement.tls is not None:
             files = {"tls.crt": ("cert", placement.tls.cert), "tls.key": ("key", placement.tls.key),
                      "ca.crt": ("client_ca", placement.tls.client_ca)}
-            data = {key: _read(folder, path, f"{field}.tls.{attr}") for key, (attr, path) in files.items() if path}
+            data = {key: _b64(_read(folder, path, f"{field}.tls.{attr}")) for key, (attr, path) in files.items()
+                    if path}
             out.append({"apiVersion": "v1", "kind": "Secret", "metadata": _meta(config, name, object_name(
                 config.kubernetes, f"{name}-tls")), "type": "kubernetes.io/tls", "data": data})
         if placement.auth is not None:
             tokens = dict(placement.auth.tokens)
             if placement.auth.tokens_file:
-                tokens.update(yaml.safe_load(base64.b64decode(_read(folder, placement.auth.tokens_file,
-                                                                    f"{field}.auth.tokens_file"))) or {})
-            data = {"tokens.yaml": base64.b64encode(yaml.safe_dump(tokens).encode()).decode()}
+                tokens.update(yaml.safe_load(_read(folder, placement.auth.tokens_file, f"{field}.auth.tokens_file"))
+                              or {})
+            data = {"tokens.yaml": _b64(yaml.safe_dump(tokens).encode())}
             out.append({"apiVersion": "v1", "kind": "Secret", "metadata": _meta(config, name, object_name(
                 config.kubernetes, f"{name}-auth")), "type": "Opaque", "data": data})
         client = placement.client
         for attr in ("ca_cert", "cert", "key"):
             if getattr(client, attr):
-                clients[f"{name}-{attr}"] = _read(folder, getattr(client, attr), f"{field}.client.{attr}")
+                clients[f"{name}-{attr}"] = _b64(_read(folder, getattr(client, attr), f"{field}.client.{attr}"))
         if client.token:
-            clients[f"{name}-token"] = base64.b64encode(client.token.encode()).decode()
+            clients[f"{name}-token"] = _b64(client.token.encode())
     if clients:
         out.append({"apiVersion": "v1", "kind": "Secret", "metadata": _meta(config, "clients"), "type": "Opaque",
                     "data": clients})
