@@ -34,8 +34,9 @@ def _resources(resources: Resources) -> str:
 
 def _ports(name: str, placement: ServicePlacement | TrainerPlacement) -> str:
     if isinstance(placement, TrainerPlacement):
-        sync = placement.weight_sync
-        return f"rendezvous {placement.rendezvous_port}, weights {sync.port or 'any free'}"
+        weights = f"weights {placement.weight_sync.port or 'any free'}"
+        # torchrun's rendezvous is the cluster's; a local trainer is one process
+        return weights if placement.group is None else f"rendezvous {placement.rendezvous_port}, {weights}"
     if placement.port:
         return str(placement.port)
     return "any free" if placement.group is None else str(CLUSTER_PORTS[name])

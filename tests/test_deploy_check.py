@@ -33,7 +33,7 @@ def test_a_file_without_groups_is_all_on_this_machine():
         ("buffer", "-", "1", "this machine", "-", "-", "any free", "plain"),
         ("reward", "-", "1", "this machine", "-", "-", "any free", "plain"),
         ("rollout", "-", "1", "this machine", "-", "-", "any free", "plain"),
-        ("trainer", "-", "1 node x 1", "this machine", "-", "-", "rendezvous 29400, weights any free", "-"),
+        ("trainer", "-", "1 node x 1", "this machine", "-", "-", "weights any free", "-"),
     ]
 
 
