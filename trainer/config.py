@@ -340,6 +340,10 @@ class PublishConfig(Strict):
         "gloo", description="Collective that carries the tensors: gloo (CPU), or on GPUs nccl (torch's ProcessGroupNCCL) "
         "or cupy_nccl (cupy's NCCL, the `gpu` extra). The NCCL ones send from the trainer's GPU and need every rollout "
         "engine on a GPU of its own (not the trainer's).")
+    master_addr: str = Field("127.0.0.1", description="Address of this trainer at which the receivers reach the "
+                             "rendezvous store and group of each publish; bound on that interface only.")
+    master_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store; 0 = any free port.")
+    client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers (TLS, token).")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
