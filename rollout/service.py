@@ -120,13 +120,13 @@ class Config(Strict):
                                     "unavailable or full before it answers submitted=false.")
     openai: OpenAISettings | None = Field(None, description="The OpenAI-compatible HTTP endpoint over the same "
                                           "engine (rollout/openai_api.py, docs/openai.md); None: off.")
-    router: RouterSettings | None = Field(None, description="Route Generate to decode workers (prefill/decode "
-                                          "disaggregation, rollout/router.py) instead of serving an engine here; "
-                                          "None: this process generates (the default).")
+    router: RouterSettings | None = Field(None, description="Route to rollout replicas or decode workers "
+                                          "(rollout/router.py) instead of serving an engine here; None: this "
+                                          "process generates (the default).")
 
 
 class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
-    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs over an AsyncEngine,
+    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs / GetLoad over an AsyncEngine,
     and the session RPCs (rollout/session_service.py)."""
 
     def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, buffer_channel=None,
@@ -228,6 +228,13 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
             eos_token_id=self.eos_token_id,
             engine="native",
         )
+
+    async def GetLoad(self, request, context) -> rollout_pb2.GetLoadResponse:
+        stats = self.engine.stats
+        return rollout_pb2.GetLoadResponse(
+            free_blocks=stats["free_blocks"], num_blocks=self.engine.engine.config.num_blocks,
+            running=stats["running"], waiting=stats["waiting"], weight_version=self.engine.weight_version,
+            sessions=stats["sessions"])
 
     async def ComputeLogprobs(self, request: rollout_pb2.ComputeLogprobsRequest, context) -> rollout_pb2.ComputeLogprobsResponse:
         from rollout.async_engine import EngineDead
@@ -331,7 +338,7 @@ async def serve(config: Config) -> None:
     from services.runtime import setup_logging
 
     if config.router is not None:
-        from rollout.router import serve_router
+        from rollout.router_service import serve_router
 
         await serve_router(config)
         return
