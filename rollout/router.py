@@ -49,6 +49,8 @@ class RouterSettings(Strict):
                               "decode`) of a prefill/decode split; routed like replicas.")
     client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the workers.")
     poll_s: float = Field(1.0, gt=0, description="How often each worker's load (and life) is read.")
+    poll_timeout_s: float = Field(5.0, gt=0, description="A worker that does not answer a load poll within this is "
+                                  "dropped from routing (a dead one is refused at once; a busy one answers slowly).")
     max_attempts: int = Field(3, gt=0, description="Workers a request is tried on before it fails UNAVAILABLE.")
     drain_timeout_s: float = Field(60.0, gt=0, description="RemoveReplica's wait for a replica's in-flight requests "
                                    "and open sessions when the call names none.")
@@ -156,9 +158,7 @@ class Router:
         """Add a replica as JOINING (an address already known is left as it is); with `wait_s`, wait for it to be
         routed to."""
         worker = self.workers.get(address) or self._add(address, State.JOINING)
-        await self._poll(worker)
-        self._promote()
-        self._count()
+        await self.poll()  # every worker: the version it is measured against is the one served now
         deadline = time.monotonic() + wait_s
         while worker.state == State.JOINING and time.monotonic() < deadline and address in self.workers:
             await self._changed(deadline - time.monotonic())
@@ -213,7 +213,8 @@ class Router:
 
     async def _poll(self, worker: Worker) -> None:
         try:
-            worker.load = await worker.rollout.GetLoad(rollout_pb2.GetLoadRequest(), timeout=self.settings.poll_s)
+            worker.load = await worker.rollout.GetLoad(rollout_pb2.GetLoadRequest(),
+                                                       timeout=self.settings.poll_timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.drop(worker, f"GetLoad: {exc.code().name}")
             return
