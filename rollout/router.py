@@ -5,8 +5,8 @@ who the workers are, how busy, and which of them take traffic.
 
 Each worker is polled (Rollout.GetLoad) every `poll_s`: running + waiting sequences, free KV blocks, the weight
 version it serves. A request goes to the worker its routing key went to before while that worker is routed to
-(affinity keeps a key's KV on one worker), else to the least loaded one (its load counting the calls this router
-has in flight to it). A worker that fails a poll or a forwarded call (UNAVAILABLE) is dropped from routing at once.
+(affinity keeps a key's KV on one worker), else to the least loaded one: the sequences this router has in flight
+to it (known now) plus the others it ran at the last poll (polled running + waiting, less this router's part). A worker that fails a poll or a forwarded call (UNAVAILABLE) is dropped from routing at once.
 
 Replicas join and leave while a run goes on (Replicas RPCs, `relayrl deploy scale`):
 
@@ -78,10 +78,22 @@ class Worker:
     state: State = State.ACTIVE
     alive: bool = False
     load: rollout_pb2.GetLoadResponse = field(default_factory=rollout_pb2.GetLoadResponse)
-    in_flight: int = 0
+    in_flight: int = 0  # requests this router has sent it and not yet had answered
+    sequences: int = 0  # their sequences (n per request)
+    sequences_at_poll: int = 0  # `sequences` when the last poll answered: the polled load's own part
 
     def busy(self) -> tuple[int, int]:
-        return self.load.running + self.load.waiting + self.in_flight, -self.load.free_blocks
+        """Sequences it has now: this router's (exact), and others' as of the last poll; then fewer free blocks."""
+        others = max(0, self.load.running + self.load.waiting - self.sequences_at_poll)
+        return self.sequences + others, -self.load.free_blocks
+
+    def take(self, sequences: int) -> None:
+        self.in_flight += 1
+        self.sequences += sequences
+
+    def give_back(self, sequences: int) -> None:
+        self.in_flight -= 1
+        self.sequences -= sequences
 
     @property
     def routed(self) -> bool:
@@ -213,8 +225,10 @@ class Router:
 
     async def _poll(self, worker: Worker) -> None:
         try:
+            sequences = worker.sequences
             worker.load = await worker.rollout.GetLoad(rollout_pb2.GetLoadRequest(),
                                                        timeout=self.settings.poll_timeout_s)
+            worker.sequences_at_poll = min(sequences, worker.sequences)  # in flight all along the poll
         except grpc.aio.AioRpcError as exc:
             self.drop(worker, f"GetLoad: {exc.code().name}")
             return

@@ -35,13 +35,13 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
         tried: set[str] = set()
         while True:
             worker = await self._choose(request, tried, context)
-            worker.in_flight += 1
+            worker.take(request.params.n or 1)
             try:
                 return await worker.rollout.Generate(request)
             except grpc.aio.AioRpcError as exc:
                 await self._failed(worker, exc, context)
             finally:
-                self._done(worker)
+                self._done(worker, request.params.n or 1)
 
     async def GenerateMany(self, request: rollout_pb2.GenerateManyRequest, context) -> rollout_pb2.GenerateManyResponse:
         responses = await asyncio.gather(*(self.Generate(one, context) for one in request.requests))
@@ -53,7 +53,7 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
         tried: set[str] = set()
         while True:
             worker = await self._choose(request, tried, context)
-            worker.in_flight += 1
+            worker.take(request.params.n or 1)
             seen: dict[int, int] = {}
             try:
                 async for chunk in worker.rollout.GenerateStream(request):
@@ -69,7 +69,7 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
             except grpc.aio.AioRpcError as exc:
                 await self._failed(worker, exc, context)
             finally:
-                self._done(worker)
+                self._done(worker, request.params.n or 1)
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:
         live = [worker for worker in self.router.workers.values() if worker.alive]
@@ -177,13 +177,13 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _done(self, worker: Worker) -> None:
-        worker.in_flight -= 1
+    def _done(self, worker: Worker, sequences: int = 1) -> None:
+        worker.give_back(sequences)
         self.router.notify()
 
     async def _once(self, worker: Worker, call, context):
         """A call that cannot be re-run elsewhere: its worker's answer, or UNAVAILABLE when the worker is gone."""
-        worker.in_flight += 1
+        worker.take(1)
         try:
             return await call
         except grpc.aio.AioRpcError as exc:

@@ -78,6 +78,8 @@ def test_requests_spread_over_replicas_and_a_killed_replicas_requests_complete_e
         async with connect(a.address) as channel:  # the reference: one replica alone, the same seeds
             stub = rollout_pb2_grpc.RolloutStub(channel)
             alone = await asyncio.gather(*(stub.Generate(r, timeout=300) for r in requests))
+        while any(r.running for r in replicas(router.address).values()):  # the router's polls see a idle again
+            await asyncio.sleep(0.1)
         async with connect(router.address) as channel:
             stub = rollout_pb2_grpc.RolloutStub(channel)
             calls = [asyncio.ensure_future(stub.Generate(r, timeout=300)) for r in requests]
