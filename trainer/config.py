@@ -341,6 +341,10 @@ class PublishConfig(Strict):
         "memcpy of it) instead of gathering a state dict and packing it into buckets.",
     )
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective that carries the tensors.")
+    master_addr: str = Field("127.0.0.1", description="Address of this trainer at which the receivers reach the "
+                             "rendezvous store and group of each publish; bound on that interface only.")
+    master_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store; 0 = any free port.")
+    client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers (TLS, token).")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

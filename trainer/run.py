@@ -86,7 +86,9 @@ class RolloutPublisher:
         self._log_level = Sparse()
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
-            BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s, dtype=config.dtype),
+            BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
+                            dtype=config.dtype, master_addr=config.master_addr, master_port=config.master_port,
+                            client=config.client),
         )
         self._router = RouterReceivers(config.receivers_from) if config.receivers_from else None
 
