@@ -185,7 +185,8 @@ def local_problems(services: ServicesSection) -> list[str]:
         if placement.group is not None:
             problems.append(f"{field}.group: {placement.group!r}")
         if isinstance(placement, ServicePlacement):
-            problems += [f"{field}.replicas: {placement.replicas}"] if placement.replicas > 1 else []
+            if placement.replicas > 1 and name != "rollout":  # rollout replicas run behind a router (deploy/replicas.py)
+                problems.append(f"{field}.replicas: {placement.replicas}")
             problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     trainer = services.trainer
     if trainer.world_size > 1:

@@ -51,7 +51,11 @@ class RolloutReplicas:
 
     def __init__(self, supervisor, overrides: dict, logs: pathlib.Path, run_dir: pathlib.Path,
                  join_wait_s: float = 120.0, drain_timeout_s: float = 120.0):
-        self.supervisor, self.overrides, self.logs, self.run_dir = supervisor, overrides, logs, run_dir
+        """`overrides`: the rollout service's --set overrides; a fixed `server.address` is the router's (the
+        replicas take free ports)."""
+        self.supervisor, self.logs, self.run_dir = supervisor, logs, run_dir
+        self.overrides = {k: v for k, v in overrides.items() if k != "server.address"}
+        self.router_address = overrides.get("server.address")
         self.registry = run_dir / service_registry.REGISTRY_FILE
         self.join_wait_s, self.drain_timeout_s = join_wait_s, drain_timeout_s
         self.replicas: dict[str, ServiceProcess] = {}  # name -> process, oldest first
@@ -67,6 +71,8 @@ class RolloutReplicas:
             self._start_replica()
         router = {"model": self.overrides["model"], "router.replicas": [p.address for p in self.replicas.values()],
                   "router.poll_s": 0.5}
+        if self.router_address:
+            router["server.address"] = self.router_address
         self.router = self.supervisor.add_service(start_service("rollout", router, log_dir=self.logs,
                                                                 registry=self.registry))
         request = request_path(self.run_dir, "rollout")

@@ -1,4 +1,5 @@
-"""The rollout router's RPCs: Rollout routed over the workers of rollout/router.py, and the Replicas control.
+"""The rollout router's RPCs: Rollout routed over the workers of rollout/router.py, and the Replicas control
+(its OpenAI-compatible endpoint, when `openai:` is set, is rollout/router_openai.py).
 
 Generate / GenerateStream / GenerateMany go by load and routing key; a call whose worker dies (UNAVAILABLE) is
 re-run on another: the router gives every request without a seed one of its own, so the re-run samples the same
@@ -287,7 +288,19 @@ async def serve_router(config) -> None:
     router = Router(settings, lambda address: connect(address, settings.client))
     await router.poll()
     router.start()
+    openai = None
+    if config.openai is not None:  # forwarded to the replicas' own endpoints (rollout/router_openai.py)
+        from rollout.router_openai import serve_router_openai
+
+        openai = await serve_router_openai(config.openai, router)
+
+    async def on_stop() -> None:
+        if openai is not None:
+            await openai[0].stop()
+            await openai[1].close()
+        await router.stop()
+
     await serve_forever("rollout-router", [
         (rollout_pb2_grpc.add_RolloutServicer_to_server, RouterServicer(router), SERVICE_NAME),
         (router_pb2_grpc.add_ReplicasServicer_to_server, ReplicasServicer(router), "relayrl.router.v1.Replicas"),
-    ], config.server, router.stop)
+    ], config.server, on_stop)

@@ -141,6 +141,7 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
         self.max_model_len = engine.engine.config.max_model_len
+        self.openai_port = 0  # the OpenAI-compatible endpoint's, once it serves (GetLoad tells a router)
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         request_id, prompt, params = self._parse(request)
@@ -234,7 +235,7 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.GetLoadResponse(
             free_blocks=stats["free_blocks"], num_blocks=self.engine.engine.config.num_blocks,
             running=stats["running"], waiting=stats["waiting"], weight_version=self.engine.weight_version,
-            sessions=stats["sessions"])
+            sessions=stats["sessions"], openai_port=self.openai_port)
 
     async def ComputeLogprobs(self, request: rollout_pb2.ComputeLogprobsRequest, context) -> rollout_pb2.ComputeLogprobsResponse:
         from rollout.async_engine import EngineDead
@@ -368,6 +369,7 @@ async def serve(config: Config) -> None:
 
         openai_server = await serve_openai(config.openai, engine, engine.engine.tokenizer, config.model,
                                            servicer.submit_episode if buffer_channel is not None else None)
+        servicer.openai_port = openai_server.port
 
     async def on_stop() -> None:
         if openai_server is not None:

@@ -212,3 +212,60 @@ async def generate(address: str, requests) -> list[rollout_pb2.GenerateResponse]
     async with connect(address) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         return await asyncio.gather(*(stub.Generate(r, timeout=300) for r in requests))
+
+
+def test_the_openai_endpoint_spreads_over_replicas_and_keeps_a_session_on_its_replica(service_factory,
+                                                                                       tiny_model_dir):
+    import socket
+
+    import httpx
+
+    model = {"model": str(tiny_model_dir), **ENGINE, "openai.port": 0, "openai.served_model_name": "tiny"}
+    a, b = service_factory("rollout", model), service_factory("rollout", model)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    router = service_factory("rollout", {"model": str(tiny_model_dir), "router.replicas": [a.address, b.address],
+                                         "router.poll_s": 0.2, "openai.port": port})
+    ask = [{"role": "user", "content": "what is 12*34?"}]
+
+    async def chat(http, session: str, messages) -> dict:
+        reply = await http.post("/chat/completions", headers={"X-Session-Id": session}, json={
+            "model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    async def run():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=60) as http:
+            models = (await http.get("/models")).json()
+            first = {}
+            for i in range(4):
+                first[f"s{i}"] = await chat(http, f"s{i}", ask)
+                await asyncio.sleep(0.5)  # a poll sees the session's blocks: the next goes to the other replica
+            open_on = [await sessions_on(a.address), await sessions_on(b.address)]
+            for session, reply in first.items():  # each second turn must reach the replica holding the first
+                await chat(http, session, ask + [{"role": "assistant", "content": reply["choices"][0]["message"]
+                                                  ["content"]}, {"role": "user", "content": "and 5*6?"}])
+            closed = [(await http.post(f"/sessions/s{i}/close", json={})).json() for i in range(3)]
+            plain = await http.post("/completions", json={"model": "tiny", "prompt": "12+3=", "max_tokens": 3})
+            return models, open_on, closed, plain
+
+    models, open_on, closed, plain = asyncio.run(run())
+    assert models["data"][0]["id"] == "tiny" and plain.status_code == 200
+    assert open_on == [2, 2]  # spread by load
+    assert all(sample["stats"]["turns"] == 2 for sample in closed)  # both turns on the replica that held it
+    holder = a if asyncio.run(sessions_on(a.address)) else b
+    holder.kill()
+
+    async def lost():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=60) as http:
+            return await http.post("/chat/completions", headers={"X-Session-Id": "s3"}, json={
+                "model": "tiny", "messages": ask, "max_tokens": 2})
+
+    gone = asyncio.run(lost())
+    assert gone.status_code == 503 and holder.address in gone.json()["error"]["message"]
+
+
+async def sessions_on(address: str) -> int:
+    async with connect(address) as channel:
+        return (await rollout_pb2_grpc.RolloutStub(channel).GetLoad(rollout_pb2.GetLoadRequest(), timeout=10)).sessions
