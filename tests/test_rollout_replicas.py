@@ -225,8 +225,8 @@ def test_the_openai_endpoint_spreads_over_replicas_and_keeps_a_session_on_its_re
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    router = service_factory("rollout", {"model": str(tiny_model_dir), "router.replicas": [a.address, b.address],
-                                         "router.poll_s": 0.2, "openai.port": port})
+    service_factory("rollout", {"model": str(tiny_model_dir), "router.replicas": [a.address, b.address],
+                                "router.poll_s": 0.2, "openai.port": port})  # the router, its endpoint on `port`
     ask = [{"role": "user", "content": "what is 12*34?"}]
 
     async def chat(http, session: str, messages) -> dict:

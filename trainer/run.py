@@ -15,8 +15,8 @@ from trainer.buffer_client import BufferClient
 from trainer.checkpoint import TrainState
 from trainer.config import PublishConfig, TrainerConfig
 from trainer.loop import train
-from trainer.receivers import RouterReceivers
 from trainer.parallel import init_distributed, shutdown_distributed
+from trainer.receivers import RouterReceivers
 
 log = logging.getLogger(__name__)
 
