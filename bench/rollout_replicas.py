@@ -54,6 +54,9 @@ async def tokens_per_s(router: str, requests: list[rollout_pb2.GenerateRequest])
 async def set_replicas(router: str, second: str, two: bool) -> None:
     async with connect(router) as channel:
         control = router_pb2_grpc.ReplicasStub(channel)
+        listed = await control.ListReplicas(router_pb2.ListReplicasRequest(), timeout=10)
+        if two == any(info.address == second for info in listed.replicas):
+            return
         if two:
             info = await control.AddReplica(router_pb2.AddReplicaRequest(address=second, wait_s=30), timeout=60)
             assert info.state == router_pb2.REPLICA_STATE_ACTIVE, info

@@ -67,6 +67,7 @@ def start_router(start, model_dir, addresses: list[str]):
     return start("rollout", {"model": str(model_dir), "router.replicas": addresses, "router.poll_s": 0.2})
 
 
+@pytest.mark.slow  # 35-80 s on this shared 2-core machine (5 processes)
 def test_requests_spread_over_replicas_and_a_killed_replicas_requests_complete_elsewhere(service_factory,
                                                                                           sharp_model_dir):
     model = {"model": str(sharp_model_dir), **ENGINE}
@@ -96,6 +97,7 @@ def test_requests_spread_over_replicas_and_a_killed_replicas_requests_complete_e
     assert replicas(router.address)[a.address].state == router_pb2.REPLICA_STATE_ACTIVE
 
 
+@pytest.mark.slow  # 35-80 s on this shared 2-core machine (5 processes)
 def test_sessions_stick_to_their_replica_across_a_router_restart(service_factory, sharp_model_dir):
     model = {"model": str(sharp_model_dir), **ENGINE}
     a, b = service_factory("rollout", model), service_factory("rollout", model)
@@ -214,6 +216,7 @@ async def generate(address: str, requests) -> list[rollout_pb2.GenerateResponse]
         return await asyncio.gather(*(stub.Generate(r, timeout=300) for r in requests))
 
 
+@pytest.mark.slow  # 35-80 s on this shared 2-core machine (5 processes)
 def test_the_openai_endpoint_spreads_over_replicas_and_keeps_a_session_on_its_replica(service_factory,
                                                                                        tiny_model_dir):
     import socket
