@@ -77,13 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
 
     deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
-                            "Kubernetes")
+                            "Kubernetes; scale a live local run's rollout replicas")
     targets = deploy.add_subparsers(dest="target", required=True, metavar="TARGET")
     check = targets.add_parser("check", help="validate the file and print each service's group, replicas, nodes, "
                                "resources and ports as a table; exit 2 naming the problem")
     k8s = targets.add_parser("k8s", help="render Kubernetes manifests (deploy/k8s.py): a workload and a headless "
                              "Service per service, the trainer as an indexed Job under torchrun, a ConfigMap, Secrets")
     k8s.add_argument("--out", help="write one YAML file per object into this folder (else all to stdout)")
+    scale = targets.add_parser("scale", help="change how many replicas of a service a live local run has "
+                               "(deploy/scale.py): new rollout replicas get the current weights before traffic, "
+                               "removed ones drain first")
+    scale.add_argument("service", choices=["rollout"])
+    scale.add_argument("replicas", type=int, help="replicas wanted")
+    scale.add_argument("--run", required=True, metavar="RUN_DIR", help="the run's folder (runs/quickstart, ...)")
+    scale.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run's answer")
     for target in (check, k8s):
         target.add_argument("experiment", help="EXPERIMENT.yaml")
         target.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -191,6 +198,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
+    if args.target == "scale":
+        from deploy.scale import main as scale
+
+        return scale(args.service, args.replicas, args.run, args.timeout)
     if args.target == "check":
         from deploy.placement_table import main as check
 

@@ -65,6 +65,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
             algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
             driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
             buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
+            rollout_replicas=config.services.rollout.replicas,
         ),
         supervise=config.supervise,
         buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,

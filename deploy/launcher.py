@@ -31,7 +31,7 @@ class LaunchError(RuntimeError):
 class ServiceProcess:
     """A running service process, stopped by its own pid (never by name)."""
 
-    name: str
+    name: str  # its name in the run (a rollout replica's is "rollout-2"); `kind` is what `relayrl serve` runs
     proc: subprocess.Popen
     address: str
     log_path: pathlib.Path
@@ -42,6 +42,7 @@ class ServiceProcess:
     config_path: str | os.PathLike | None = None
     env: Mapping[str, str] | None = None
     registry: pathlib.Path | None = None  # services.json of the run, rewritten on restart
+    kind: str = ""  # "": the name
 
     @property
     def pid(self) -> int:
@@ -76,9 +77,9 @@ class ServiceProcess:
         Raises LaunchError if it does not serve again within `timeout` (the port taken, a crash at start).
         """
         self.kill()
-        fresh = start_service(self.name, {**self.overrides, "server.address": self.address},
+        fresh = start_service(self.kind or self.name, {**self.overrides, "server.address": self.address},
                               config_path=self.config_path, log_dir=self.log_path.parent, env=self.env,
-                              timeout=timeout, registry=self.registry)
+                              timeout=timeout, registry=self.registry, label=self.name)
         self.proc, self.port_file, self.metrics_port = fresh.proc, fresh.port_file, fresh.metrics_port
 
     def log_tail(self, lines: int = 40) -> str:
@@ -120,8 +121,11 @@ def start_service(
     timeout: float = 120.0,
     check_health: bool = True,
     registry: str | os.PathLike | None = None,
+    label: str | None = None,
 ) -> ServiceProcess:
     """Start `relayrl serve NAME` as a process and wait until it serves.
+
+    `label` (default NAME) names it in the run: its log file, its registry entry, its supervised member.
 
     `overrides` become `--set key=value` (values YAML-encoded). Unless given, the service binds a free
     loopback port; the bound port comes back through a port file. With `registry` (a run's services.json,
@@ -144,21 +148,22 @@ def start_service(
         cmd += ["--set", f"{key}={_format_value(value)}"]
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     child_env.update(env or {})
-    log_path = log_dir / f"{name}.log"
+    label = label or name
+    log_path = log_dir / f"{label}.log"
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
                                 cwd=pathlib.Path(__file__).resolve().parent.parent)
-    service = ServiceProcess(name, proc, address="", log_path=log_path, port_file=port_file,
+    service = ServiceProcess(label, proc, address="", log_path=log_path, port_file=port_file, kind=name,
                              overrides={k: v for k, v in overrides.items() if k != "server.port_file"},
                              config_path=config_path, env=env,
                              registry=pathlib.Path(registry) if registry is not None else None)
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if not service.alive():
-            raise LaunchError(f"{name} exited with code {proc.returncode} before serving:\n{service.log_tail()}")
+            raise LaunchError(f"{label} exited with code {proc.returncode} before serving:\n{service.log_tail()}")
         if time.monotonic() > deadline:
             service.kill()
-            raise LaunchError(f"{name} did not start within {timeout:.0f}s:\n{service.log_tail()}")
+            raise LaunchError(f"{label} did not start within {timeout:.0f}s:\n{service.log_tail()}")
         time.sleep(0.05)
     info = json.loads(port_file.read_text())
     host = str(overrides["server.address"]).rsplit(":", 1)[0]
@@ -170,8 +175,8 @@ def start_service(
             wait_healthy(service.address, max(1.0, deadline - time.monotonic()))
         except TimeoutError as exc:
             service.kill()
-            raise LaunchError(f"{name}: {exc}\n{service.log_tail()}") from None
+            raise LaunchError(f"{label}: {exc}\n{service.log_tail()}") from None
     if service.registry is not None:
-        service_registry.record(service.registry, name, service.address, service.metrics_port, service.pid,
-                                log_path)
+        service_registry.record(service.registry, label, service.address, service.metrics_port, service.pid,
+                                log_path, kind=name)
     return service

@@ -52,6 +52,8 @@ class RLConfig(Strict):
                                          "including those held until the next checkpoint).")
     metrics_sample_ids: bool = Field(False, description="List each step's sample ids in trainer_metrics.jsonl "
                                      "(audits what was trained, e.g. across restarts).")
+    rollout_replicas: int = Field(1, ge=1, description="Rollout processes; more than 1 runs them behind a router "
+                                  "(deploy/replicas.py) that `relayrl deploy scale rollout N --run RUN_DIR` scales.")
 
 
 @dataclass
@@ -171,7 +173,8 @@ def trainer_config(plan: Pipeline, addresses: Addresses) -> dict:
         "buffer": {"address": addresses.buffer},
         "max_steps": rl.max_steps,
         "max_staleness": rl.max_staleness,
-        "publish": {"receivers": [addresses.rollout], "overlap": rl.publish_overlap},
+        "publish": {**({"receivers_from": addresses.rollout} if rl.rollout_replicas > 1 else
+                       {"receivers": [addresses.rollout]}), "overlap": rl.publish_overlap},
         "seed": plan.seed,
         "log_interval": 10,
         "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
@@ -206,6 +209,7 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
     """Run the RL phase under `supervisor` (deploy.supervisor.Supervisor), reporting to `progress`
     (deploy.progress.Progress); the caller stops the supervisor."""
     from deploy.launcher import start_service
+    from deploy.replicas import RolloutReplicas
     from deploy.run_state import rl_seconds, save_rl_seconds
     from deploy.service_registry import REGISTRY_FILE
     from deploy.status import run_targets
@@ -217,14 +221,19 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
     logs = run_dir / "logs"
     board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
     earlier = read_jsonl(run_dir / "metrics.jsonl")  # the curve of a resumed run so far
+    replicas = None  # RolloutReplicas when the rollout runs as replicas behind a router
     try:
         with progress.phase("starting buffer, reward and rollout services"):
             buffer = supervisor.add_service(start_service("buffer", buffer_overrides(plan), log_dir=logs,
                                                           registry=registry))
             reward = supervisor.add_service(start_service("reward", plan.reward, log_dir=logs, registry=registry,
                                                           env=plan.reward_env))
-            rollout = supervisor.add_service(start_service("rollout", rollout_overrides(plan), log_dir=logs,
-                                                           registry=registry))
+            if rl.rollout_replicas > 1:
+                replicas = RolloutReplicas(supervisor, rollout_overrides(plan), logs, run_dir)
+                rollout = replicas.start(rl.rollout_replicas)
+            else:
+                rollout = supervisor.add_service(start_service("rollout", rollout_overrides(plan), log_dir=logs,
+                                                               registry=registry))
         addresses = Addresses(buffer=buffer.address, reward=reward.address, rollout=rollout.address)
         if earlier:
             start_metric, spent = earlier[0]["accuracy"], rl_seconds(run_dir)
@@ -282,6 +291,8 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
         supervisor.check()
     finally:
         board.close()
+        if replicas is not None:
+            replicas.close()
     trainer_metrics = read_jsonl(metrics_path)
     driver_stats = read_jsonl(run_dir / "driver_stats.jsonl")
     # Each driver process (a new producer id after a restart) counts from zero: sum their last records.

@@ -48,7 +48,7 @@ def parse_address(text: str) -> Target:
 
 def run_targets(run_dir: pathlib.Path) -> list[Target]:
     """The services a run folder records (services.json; FileNotFoundError if none yet)."""
-    return [Target(e.name, e.address, e.name, e.metrics_port) for e in service_registry.read(run_dir)]
+    return [Target(e.name, e.address, e.kind or e.name, e.metrics_port) for e in service_registry.read(run_dir)]
 
 
 @dataclass

@@ -301,3 +301,25 @@ class ComputeLogprobsResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Array]
     weight_version: int
     def __init__(self, logprobs: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLoadResponse(_message.Message):
+    __slots__ = ("free_blocks", "num_blocks", "running", "waiting", "weight_version", "sessions", "openai_port")
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_PORT_FIELD_NUMBER: _ClassVar[int]
+    free_blocks: int
+    num_blocks: int
+    running: int
+    waiting: int
+    weight_version: int
+    sessions: int
+    openai_port: int
+    def __init__(self, free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., sessions: _Optional[int] = ..., openai_port: _Optional[int] = ...) -> None: ...

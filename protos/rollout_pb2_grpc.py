@@ -89,6 +89,11 @@ class RolloutStub:
                 request_serializer=protos_dot_rollout__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/relayrl.rollout.v1.Rollout/GetLoad',
+                request_serializer=protos_dot_rollout__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -176,6 +181,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """How busy this worker is (sequences running and waiting, free KV blocks) and the weight version it
+        serves: what a router in front of several replicas routes by (rollout/router.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +246,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=protos_dot_rollout__pb2.CloseSessionRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=protos_dot_rollout__pb2.GetLoadRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.GetLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,6 +550,33 @@ class Rollout:
             '/relayrl.rollout.v1.Rollout/CloseSession',
             protos_dot_rollout__pb2.CloseSessionRequest.SerializeToString,
             protos_dot_rollout__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.rollout.v1.Rollout/GetLoad',
+            protos_dot_rollout__pb2.GetLoadRequest.SerializeToString,
+            protos_dot_rollout__pb2.GetLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

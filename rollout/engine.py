@@ -318,6 +318,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.block_manager.num_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "prefill_tokens": self.num_prefill_tokens,
             "prefix_cache_queried_tokens": self.block_manager.num_queried_tokens,

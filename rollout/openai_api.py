@@ -10,16 +10,12 @@ Refusals keep OpenAI's error body: a bad request 4xx, a full queue 429 and a sto
 last two with Retry-After (the openai client retries them by itself).
 """
 
-import asyncio
 import contextlib
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -37,6 +33,7 @@ from rollout.errors import (
     SessionBusy,
     SessionNotFound,
 )
+from rollout.http_server import OpenAIServer, start_http
 from rollout.openai_output import FINISH_REASONS, Choice, Reply, error_body, sse
 from rollout.openai_schema import (
     ChatCompletionRequest,
@@ -355,38 +352,10 @@ class _Endpoint:
                             status_code=status, headers=headers)
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):  # the rollout service's runtime owns SIGTERM / SIGINT
-        yield
-
-
-@dataclass
-class OpenAIServer:
-    """The endpoint being served; stop() lets open requests finish (up to grace_s), then closes it."""
-
-    server: uvicorn.Server
-    task: asyncio.Task
-    port: int
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await self.task
-
-
 async def serve_openai(settings: OpenAISettings, engine: RolloutEngine, tokenizer, model_name: str,
                        submit: Submit | None = None) -> OpenAIServer:
     """Start serving the endpoint in this asyncio loop; returns once it listens (raises if it cannot bind)."""
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    sock = socket.create_server((settings.host, settings.port), family=family)
-    config = uvicorn.Config(create_app(engine, tokenizer, model_name, settings, submit), log_level="warning",
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=settings.grace_s)
-    server = _Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    port = sock.getsockname()[1]
-    log.info("OpenAI-compatible endpoint on http://%s:%d/v1", settings.host, port)
-    return OpenAIServer(server, task, port)
+    server = await start_http(create_app(engine, tokenizer, model_name, settings, submit), settings.host,
+                              settings.port, settings.grace_s)
+    log.info("OpenAI-compatible endpoint on http://%s:%d/v1", settings.host, server.port)
+    return server

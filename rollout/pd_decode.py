@@ -87,7 +87,7 @@ def params_proto(params: SamplingParams) -> rollout_pb2.SamplingParams:
     return msg
 
 
-class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(RolloutServicer):
     def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, prefill_channels: list[grpc.aio.Channel],
                  codec: str | None = None, import_wait_s: float = 30.0, prefill_timeout_s: float = 60.0,
                  group: KVGroup | None = None):
@@ -151,12 +151,6 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
                     finish_reason=_FINISH_REASONS[delta.finish_reason], text=self.decode_text(delta.token_ids))
         except (*_REFUSALS, EngineDead) as exc:  # EngineDead: UNAVAILABLE
             await self._refuse(context, exc)
-
-    async def GetLoad(self, request, context) -> kv_pb2.GetLoadResponse:
-        stats = self.engine.stats
-        return kv_pb2.GetLoadResponse(free_blocks=stats["free_blocks"], num_blocks=self.engine.engine.config.num_blocks,
-                                      running=stats["running"], waiting=stats["waiting"],
-                                      weight_version=self.engine.weight_version)
 
     def _unpack(self, chunks: list[kv_pb2.KVTransferChunk]) -> "ReceivedTransfer":
         from rollout.kv_handoff import served_layout
@@ -238,6 +232,22 @@ class DecodeServicer(RolloutServicer, kv_pb2_grpc.DecodeWorkerServicer):
         await context.abort(code, str(exc))
 
 
+class DecodeWorkerRPCs(kv_pb2_grpc.DecodeWorkerServicer):
+    """relayrl.kv.v1.DecodeWorker over a DecodeServicer: Continue, and Rollout.GetLoad in kv's message."""
+
+    def __init__(self, servicer: DecodeServicer):
+        self.servicer = servicer
+
+    async def Continue(self, request_iterator, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
+        async for chunk in self.servicer.Continue(request_iterator, context):
+            yield chunk
+
+    async def GetLoad(self, request, context) -> kv_pb2.GetLoadResponse:
+        load = await self.servicer.GetLoad(rollout_pb2.GetLoadRequest(), context)
+        return kv_pb2.GetLoadResponse(free_blocks=load.free_blocks, num_blocks=load.num_blocks, running=load.running,
+                                      waiting=load.waiting, weight_version=load.weight_version)
+
+
 async def serve(config: Config) -> None:
     """Load the model and serve Rollout + DecodeWorker (+ WeightSync) until SIGTERM."""
     from protos import rollout_pb2_grpc, weights_pb2_grpc
@@ -261,6 +271,6 @@ async def serve(config: Config) -> None:
 
     await serve_forever("decode", [
         (rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, ROLLOUT_SERVICE),
-        (kv_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, SERVICE_NAME),
+        (kv_pb2_grpc.add_DecodeWorkerServicer_to_server, DecodeWorkerRPCs(servicer), SERVICE_NAME),
         (weights_pb2_grpc.add_WeightSyncServicer_to_server, WeightReceiver(engine), "relayrl.weights.v1.WeightSync"),
     ], config.server, on_stop)

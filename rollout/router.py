@@ -1,65 +1,117 @@
-"""The rollout router: `relayrl serve rollout` with `router.decode` set serves Rollout in front of decode workers.
+"""The rollout router's replica set: `relayrl serve rollout` with `router.replicas` (or `router.decode`) set serves
+Rollout in front of several workers, each a whole `relayrl serve rollout` replica or a decode worker of a
+prefill/decode split (rollout/pd_prefill.py). The RPCs are routed in rollout/router_service.py; this file holds
+who the workers are, how busy, and which of them take traffic.
 
-Each Generate goes to one decode worker (rollout/pd_decode.py; the design is in rollout/pd_prefill.py):
-the worker its routing key went to before while that worker lives (affinity keeps a key's KV on one
-worker), else the least loaded live worker (running + waiting sequences, counting the calls this router
-has in flight to it, then free KV blocks). Loads come from DecodeWorker.GetLoad every `poll_s`; a worker that
-fails a poll or a forwarded call (UNAVAILABLE) is dropped from routing at once and taken back when a poll
-succeeds again. A forwarded call that fails UNAVAILABLE (its worker died) is re-run on another worker: the
-router gives every request without a seed one of its own, so the re-run samples the same tokens (under the
-same weights), and a stream skips the tokens its client already has. Sessions and ComputeLogprobs are not
-routed here (UNIMPLEMENTED): point session clients at a decode worker.
+Each worker is polled (Rollout.GetLoad) every `poll_s`: running + waiting sequences, free KV blocks, the weight
+version it serves. A request goes to the worker its routing key went to before while that worker is routed to
+(affinity keeps a key's KV on one worker), else to the least loaded one: the sequences this router has in flight
+to it (known now) plus the others it ran at the last poll (polled running + waiting, less this router's part). A worker that fails a poll or a forwarded call (UNAVAILABLE) is dropped from routing at once.
+
+Replicas join and leave while a run goes on (Replicas RPCs, `relayrl deploy scale`):
+
+    JOINING  -> polled, receives weights (the trainer publishes to every replica the router lists), no traffic;
+                ACTIVE once it serves the weight version the routed replicas serve (at once when none is routed,
+                or all serve their base weights)
+    ACTIVE   -> routed to; one that dies, or stops answering polls, is JOINING again when it answers: a restarted
+                replica serves its base weights until the trainer's next publish reaches it
+    DRAINING -> (RemoveReplica) no new requests or sessions; it leaves the list once nothing this router sent it
+                is in flight and the sessions pinned to it are closed, or at the drain timeout
 """
 
 import asyncio
 import contextlib
+import enum
 import logging
-import random
-import uuid
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import Gauge
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from protos import kv_pb2, kv_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from protos import rollout_pb2, rollout_pb2_grpc
 from services.config import ClientConfig, Strict
 
 log = logging.getLogger(__name__)
-LIVE_WORKERS = Gauge("relayrl_router_live_decode_workers", "Decode workers the router sends to")
+LIVE_WORKERS = Gauge("relayrl_router_live_decode_workers", "Workers (replicas or decode workers) the router sends to")
 _AFFINITY_KEYS = 100_000  # routing keys remembered (least recently used forgotten first)
 
 
 class RouterSettings(Strict):
-    """Prefill/decode disaggregation behind the rollout service (None in the rollout config: one worker does both)."""
+    """Rollout served by a router in front of workers (None in the rollout config: this process generates)."""
 
-    decode: list[str] = Field(min_length=1, description="host:port of each decode worker (`relayrl serve decode`).")
-    client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the decode workers.")
-    poll_s: float = Field(1.0, gt=0, description="How often each decode worker's load (and life) is read.")
+    replicas: list[str] = Field(default_factory=list, description="host:port of each rollout replica "
+                                "(`relayrl serve rollout`) routed to from the start; more join by AddReplica.")
+    decode: list[str] = Field(default_factory=list, description="host:port of each decode worker (`relayrl serve "
+                              "decode`) of a prefill/decode split; routed like replicas.")
+    client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the workers.")
+    poll_s: float = Field(1.0, gt=0, description="How often each worker's load (and life) is read.")
+    poll_timeout_s: float = Field(5.0, gt=0, description="A worker that does not answer a load poll within this is "
+                                  "dropped from routing (a dead one is refused at once; a busy one answers slowly).")
     max_attempts: int = Field(3, gt=0, description="Workers a request is tried on before it fails UNAVAILABLE.")
+    drain_timeout_s: float = Field(60.0, gt=0, description="RemoveReplica's wait for a replica's in-flight requests "
+                                   "and open sessions when the call names none.")
+
+    @model_validator(mode="after")
+    def _some_worker(self):
+        if not self.replicas and not self.decode:
+            raise ValueError("router: give replicas or decode workers to route to")
+        return self
+
+
+class State(enum.IntEnum):
+    """A worker's place in routing (the values of router.proto's ReplicaState)."""
+
+    JOINING = 1
+    ACTIVE = 2
+    DRAINING = 3
 
 
 @dataclass
 class Worker:
     address: str
+    channel: grpc.aio.Channel
     rollout: rollout_pb2_grpc.RolloutStub
-    decode: kv_pb2_grpc.DecodeWorkerStub
+    state: State = State.ACTIVE
     alive: bool = False
-    load: kv_pb2.GetLoadResponse = field(default_factory=kv_pb2.GetLoadResponse)
-    in_flight: int = 0
+    load: rollout_pb2.GetLoadResponse = field(default_factory=rollout_pb2.GetLoadResponse)
+    in_flight: int = 0  # requests this router has sent it and not yet had answered
+    sequences: int = 0  # their sequences (n per request)
+    sequences_at_poll: int = 0  # `sequences` when the last poll answered: the polled load's own part
 
     def busy(self) -> tuple[int, int]:
-        return self.load.running + self.load.waiting + self.in_flight, -self.load.free_blocks
+        """Sequences it has now: this router's (exact), and others' as of the last poll; then fewer free blocks."""
+        others = max(0, self.load.running + self.load.waiting - self.sequences_at_poll)
+        return self.sequences + others, -self.load.free_blocks
+
+    def take(self, sequences: int) -> None:
+        self.in_flight += 1
+        self.sequences += sequences
+
+    def give_back(self, sequences: int) -> None:
+        self.in_flight -= 1
+        self.sequences -= sequences
+
+    @property
+    def routed(self) -> bool:
+        return self.alive and self.state == State.ACTIVE
 
 
 class Router:
-    def __init__(self, settings: RouterSettings, channels: list[grpc.aio.Channel]):
+    """The workers, their loads and states; `choose` picks one for a request."""
+
+    def __init__(self, settings: RouterSettings, connect: Callable[[str], grpc.aio.Channel]):
         self.settings = settings
-        self.workers = [Worker(address, rollout_pb2_grpc.RolloutStub(channel), kv_pb2_grpc.DecodeWorkerStub(channel))
-                        for address, channel in zip(settings.decode, channels)]
+        self._connect = connect
+        self.workers: dict[str, Worker] = {}
+        for address in [*settings.replicas, *settings.decode]:
+            self._add(address, State.ACTIVE)
         self.affinity: OrderedDict[str, Worker] = OrderedDict()
         self.sessions: OrderedDict[str, Worker] = OrderedDict()  # open session id -> the worker that holds it
+        self.changed = asyncio.Event()  # set after every poll and whenever a call to a worker ends
         self._poller: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -70,18 +122,26 @@ class Router:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        for worker in self.workers.values():
+            await worker.channel.close()
 
     async def poll(self) -> None:
-        await asyncio.gather(*(self._poll(worker) for worker in self.workers))
-        LIVE_WORKERS.set(sum(worker.alive for worker in self.workers))
+        await asyncio.gather(*(self._poll(worker) for worker in list(self.workers.values())))
+        self._promote()
+        self._count()
+
+    def routed_version(self) -> int | None:
+        """The weight version a joining replica must serve to be routed to (the highest a routed one serves)."""
+        versions = [worker.load.weight_version for worker in self.workers.values() if worker.routed]
+        return max(versions) if versions else None
 
     def choose(self, routing_key: str, exclude: set[str]) -> Worker | None:
-        """The worker for a request (None when no live worker is left outside `exclude`)."""
+        """The worker for a request (None when no routed worker is left outside `exclude`)."""
         sticky = self.affinity.get(routing_key) if routing_key else None
-        if sticky is not None and sticky.alive and sticky.address not in exclude:
+        if sticky is not None and sticky.routed and sticky.address not in exclude:
             self.affinity.move_to_end(routing_key)
             return sticky
-        live = [worker for worker in self.workers if worker.alive and worker.address not in exclude]
+        live = [worker for worker in self.workers.values() if worker.routed and worker.address not in exclude]
         if not live:
             return None
         worker = min(live, key=Worker.busy)
@@ -92,202 +152,91 @@ class Router:
         return worker
 
     def drop(self, worker: Worker, why: str) -> None:
+        """Out of routing until a poll finds it again (then JOINING: it may have restarted on its base weights)."""
         if worker.alive:
-            log.warning("decode worker %s dropped from routing: %s", worker.address, why)
+            log.warning("worker %s dropped from routing: %s", worker.address, why)
         worker.alive = False
-        LIVE_WORKERS.set(sum(w.alive for w in self.workers))
+        if worker.state == State.ACTIVE:
+            worker.state = State.JOINING
+        self._count()
+
+    def pinned(self, worker: Worker) -> int:
+        """Sessions opened through this router that live on `worker`."""
+        return sum(holder is worker for holder in self.sessions.values())
+
+    # -- replicas joining and leaving --------------------------------------------------------------
+
+    async def add(self, address: str, wait_s: float = 0.0) -> Worker:
+        """Add a replica as JOINING (an address already known is left as it is); with `wait_s`, wait for it to be
+        routed to."""
+        worker = self.workers.get(address) or self._add(address, State.JOINING)
+        await self.poll()  # every worker: the version it is measured against is the one served now
+        deadline = time.monotonic() + wait_s
+        while worker.state == State.JOINING and time.monotonic() < deadline and address in self.workers:
+            await self._changed(deadline - time.monotonic())
+        return worker
+
+    async def remove(self, address: str, timeout_s: float) -> tuple[int, int]:
+        """Drain a replica and forget it: (requests, sessions) it still had when it left (0, 0: drained).
+        KeyError for an address the router does not know."""
+        worker = self.workers[address]
+        worker.state = State.DRAINING
+        self._count()
+        log.info("replica %s draining (%d in flight, %d sessions)", address, worker.in_flight, self.pinned(worker))
+        deadline = time.monotonic() + timeout_s
+        while (worker.in_flight or self.pinned(worker)) and time.monotonic() < deadline and worker.alive:
+            await self._changed(deadline - time.monotonic())
+        left = (worker.in_flight, self.pinned(worker))
+        del self.workers[address]
+        for table in (self.affinity, self.sessions):
+            for key in [key for key, holder in table.items() if holder is worker]:
+                del table[key]
+        log.info("replica %s removed (%d in flight, %d sessions left)", address, *left)
+        await worker.channel.close()
+        return left
+
+    def notify(self) -> None:
+        """Wake whoever waits for a change (a call to a worker ended, a session closed)."""
+        self.changed.set()
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _add(self, address: str, state: State) -> Worker:
+        channel = self._connect(address)
+        worker = self.workers[address] = Worker(address, channel, rollout_pb2_grpc.RolloutStub(channel), state)
+        return worker
+
+    async def _changed(self, timeout: float) -> None:
+        self.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), max(timeout, 0.0))
+
+    def _promote(self) -> None:
+        target = self.routed_version()
+        for worker in self.workers.values():
+            if worker.state == State.JOINING and worker.alive and (target is None or
+                                                                   worker.load.weight_version >= target):
+                worker.state = State.ACTIVE
+                log.info("replica %s routed to (weight version %d)", worker.address, worker.load.weight_version)
+
+    def _count(self) -> None:
+        LIVE_WORKERS.set(sum(worker.routed for worker in self.workers.values()))
+        self.notify()
 
     async def _poll(self, worker: Worker) -> None:
         try:
-            worker.load = await worker.decode.GetLoad(kv_pb2.GetLoadRequest(), timeout=self.settings.poll_s)
+            sequences = worker.sequences
+            worker.load = await worker.rollout.GetLoad(rollout_pb2.GetLoadRequest(),
+                                                       timeout=self.settings.poll_timeout_s)
+            worker.sequences_at_poll = min(sequences, worker.sequences)  # in flight all along the poll
         except grpc.aio.AioRpcError as exc:
             self.drop(worker, f"GetLoad: {exc.code().name}")
             return
         if not worker.alive:
-            log.info("decode worker %s routed to", worker.address)
+            log.info("worker %s answers (weight version %d)", worker.address, worker.load.weight_version)
         worker.alive = True
 
     async def _poll_forever(self) -> None:
         while True:
             await self.poll()
             await asyncio.sleep(self.settings.poll_s)
-
-
-class RouterServicer(rollout_pb2_grpc.RolloutServicer):
-    """Rollout's RPCs, routed: Generate / GenerateStream / GenerateMany by load and routing key (re-run elsewhere when
-    a worker dies), a session's RPCs to the worker that opened it (its KV lives there: a session cannot move, so
-    its worker's death is UNAVAILABLE for it), Abort to every worker, the others to any live one."""
-
-    def __init__(self, router: Router):
-        self.router = router
-
-    async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
-        request = _seeded(request)
-        tried: set[str] = set()
-        while True:
-            worker = await self._choose(request, tried, context)
-            worker.in_flight += 1
-            try:
-                return await worker.rollout.Generate(request)
-            except grpc.aio.AioRpcError as exc:
-                await self._failed(worker, exc, context)
-            finally:
-                worker.in_flight -= 1
-
-    async def GenerateMany(self, request: rollout_pb2.GenerateManyRequest, context) -> rollout_pb2.GenerateManyResponse:
-        responses = await asyncio.gather(*(self.Generate(one, context) for one in request.requests))
-        return rollout_pb2.GenerateManyResponse(responses=responses)
-
-    async def GenerateStream(self, request: rollout_pb2.GenerateRequest, context):
-        request = _seeded(request)
-        sent: dict[int, int] = {}  # completion index -> tokens the client has
-        tried: set[str] = set()
-        while True:
-            worker = await self._choose(request, tried, context)
-            worker.in_flight += 1
-            seen: dict[int, int] = {}
-            try:
-                async for chunk in worker.rollout.GenerateStream(request):
-                    skip = max(0, sent.get(chunk.index, 0) - seen.get(chunk.index, 0))
-                    seen[chunk.index] = seen.get(chunk.index, 0) + chunk.token_ids.length
-                    if skip:  # a re-run: these tokens reached the client from the worker that died
-                        if skip >= chunk.token_ids.length and chunk.finish_reason == rollout_pb2.FINISH_REASON_NONE:
-                            continue
-                        chunk = _tail(chunk, skip)
-                    sent[chunk.index] = seen[chunk.index]
-                    yield chunk
-                return
-            except grpc.aio.AioRpcError as exc:
-                await self._failed(worker, exc, context)
-            finally:
-                worker.in_flight -= 1
-
-    async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:
-        live = [worker for worker in self.router.workers if worker.alive]
-        replies = await asyncio.gather(*(worker.rollout.Abort(request, timeout=10) for worker in live),
-                                       return_exceptions=True)
-        return rollout_pb2.AbortResponse(found=any(getattr(reply, "found", False) for reply in replies))
-
-    async def GetWeightVersion(self, request, context) -> rollout_pb2.GetWeightVersionResponse:
-        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
-        return await worker.rollout.GetWeightVersion(request)
-
-    async def GetModelInfo(self, request, context) -> rollout_pb2.GetModelInfoResponse:
-        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
-        return await worker.rollout.GetModelInfo(request)
-
-    async def ComputeLogprobs(self, request, context) -> rollout_pb2.ComputeLogprobsResponse:
-        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
-        return await self._once(worker, worker.rollout.ComputeLogprobs(request), context)
-
-    async def OpenSession(self, request: rollout_pb2.OpenSessionRequest, context) -> rollout_pb2.OpenSessionResponse:
-        opening = rollout_pb2.OpenSessionRequest()
-        opening.CopyFrom(request)
-        opening.session_id = request.session_id or uuid.uuid4().hex
-        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
-        reply = await self._once(worker, worker.rollout.OpenSession(opening), context)
-        self.router.sessions[opening.session_id] = worker
-        if len(self.router.sessions) > _AFFINITY_KEYS:  # sessions that expired on their worker, oldest first
-            self.router.sessions.popitem(last=False)
-        return reply
-
-    async def AppendToSession(self, request, context) -> rollout_pb2.AppendToSessionResponse:
-        worker = await self._session_worker(request.session_id, context)
-        return await self._once(worker, worker.rollout.AppendToSession(request), context)
-
-    async def GenerateInSession(self, request, context):
-        worker = await self._session_worker(request.session_id, context)
-        try:
-            async for chunk in worker.rollout.GenerateInSession(request):
-                yield chunk
-        except grpc.aio.AioRpcError as exc:
-            await self._lost(worker, exc, context)
-
-    async def CloseSession(self, request, context) -> rollout_pb2.CloseSessionResponse:
-        worker = await self._session_worker(request.session_id, context)
-        reply = await self._once(worker, worker.rollout.CloseSession(request), context)
-        self.router.sessions.pop(request.session_id, None)
-        return reply
-
-    async def _session_worker(self, session_id: str, context) -> Worker:
-        worker = self.router.sessions.get(session_id)
-        if worker is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"session {session_id!r} is not open (never opened through "
-                                "this router, or closed)")
-        self.router.sessions.move_to_end(session_id)
-        return worker
-
-    async def _once(self, worker: Worker, call, context):
-        """A call that cannot be re-run elsewhere: its worker's answer, or UNAVAILABLE when the worker is gone."""
-        try:
-            return await call
-        except grpc.aio.AioRpcError as exc:
-            await self._lost(worker, exc, context)
-
-    async def _lost(self, worker: Worker, exc: grpc.aio.AioRpcError, context) -> None:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self.router.drop(worker, f"{exc.code().name}: {exc.details()}")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker.address} is gone: "
-                                f"{exc.details()}")
-        await context.abort(exc.code(), exc.details())
-
-    async def _choose(self, request: rollout_pb2.GenerateRequest, tried: set[str], context):
-        if len(tried) >= self.router.settings.max_attempts:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode workers {sorted(tried)} failed this request")
-        worker = self.router.choose(request.routing_key, tried)
-        if worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no live decode worker" +
-                                (f" besides {sorted(tried)}, which failed this request" if tried else ""))
-        tried.add(worker.address)
-        return worker
-
-    async def _failed(self, worker: Worker, exc: grpc.aio.AioRpcError, context) -> None:
-        """A worker that is gone is dropped (the caller tries another); any other status is the request's own."""
-        if exc.code() != grpc.StatusCode.UNAVAILABLE:
-            await context.abort(exc.code(), exc.details())
-        self.router.drop(worker, f"{exc.code().name}: {exc.details()}")
-
-
-def _seeded(request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateRequest:
-    """The request with a sampling seed (its own, or one drawn here), so a re-run samples the same tokens."""
-    if request.params.HasField("seed"):
-        return request
-    seeded = rollout_pb2.GenerateRequest()
-    seeded.CopyFrom(request)
-    seeded.params.seed = random.getrandbits(64)
-    return seeded
-
-
-def _tail(chunk: rollout_pb2.GenerateChunk, skip: int) -> rollout_pb2.GenerateChunk:
-    """The chunk without its first `skip` tokens (text dropped: it cannot be cut by token here)."""
-    from protos.codec import decode_array, encode_array
-
-    out = rollout_pb2.GenerateChunk(request_id=chunk.request_id, index=chunk.index, finish_reason=chunk.finish_reason)
-    out.token_ids.CopyFrom(encode_array(decode_array(chunk.token_ids, expect="int32")[skip:], "int32"))
-    if chunk.logprobs.length:
-        out.logprobs.CopyFrom(encode_array(decode_array(chunk.logprobs, expect="float32")[skip:], "float32"))
-    else:
-        out.logprobs.CopyFrom(encode_array([], "float32"))
-    out.weight_versions.CopyFrom(encode_array(decode_array(chunk.weight_versions, expect="int64")[skip:], "int64"))
-    return out
-
-
-async def serve_router(config) -> None:
-    """Serve Rollout in front of `config.router.decode` until SIGTERM (no engine, no model loaded here)."""
-    from rollout.service import SERVICE_NAME
-    from services.client import connect
-    from services.runtime import serve as serve_forever
-
-    settings = config.router
-    channels = [connect(address, settings.client) for address in settings.decode]
-    router = Router(settings, channels)
-    await router.poll()
-    router.start()
-
-    async def on_stop() -> None:
-        await router.stop()
-        for channel in channels:
-            await channel.close()
-
-    await serve_forever("rollout-router", [(rollout_pb2_grpc.add_RolloutServicer_to_server, RouterServicer(router),
-                                            SERVICE_NAME)], config.server, on_stop)

@@ -88,13 +88,13 @@ class Config(Strict):
                                     "unavailable or full before it answers submitted=false.")
     openai: OpenAISettings | None = Field(None, description="The OpenAI-compatible HTTP endpoint over the same "
                                           "engine (rollout/openai_api.py, docs/openai.md); None: off.")
-    router: RouterSettings | None = Field(None, description="Route Generate to decode workers (prefill/decode "
-                                          "disaggregation, rollout/router.py) instead of serving an engine here; "
-                                          "None: this process generates (the default).")
+    router: RouterSettings | None = Field(None, description="Route to rollout replicas or decode workers "
+                                          "(rollout/router.py) instead of serving an engine here; None: this "
+                                          "process generates (the default).")
 
 
 class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
-    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs over an engine
+    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs / GetLoad over an engine
     (rollout/engines/base.py), and the session RPCs (rollout/session_service.py)."""
 
     def __init__(self, engine: "RolloutEngine", model_name: str, tokenizer, buffer_channel=None,
@@ -109,6 +109,7 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         self.vocab_size = info.vocab_size
         self.eos_token_id = info.eos_token_ids[0] if info.eos_token_ids else -1
         self.max_model_len = info.max_model_len
+        self.openai_port = 0  # the OpenAI-compatible endpoint's, once it serves (GetLoad tells a router)
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         request_id, prompt, params = self._parse(request)
@@ -194,6 +195,13 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
             eos_token_id=self.eos_token_id,
             engine=self.engine.info.engine,
         )
+
+    async def GetLoad(self, request, context) -> rollout_pb2.GetLoadResponse:
+        stats = self.engine.stats
+        return rollout_pb2.GetLoadResponse(
+            free_blocks=stats.get("free_blocks", 0), num_blocks=stats.get("num_blocks", 0),
+            running=stats.get("running", 0), waiting=stats.get("waiting", 0), weight_version=self.engine.weight_version,
+            sessions=stats.get("sessions", 0), openai_port=self.openai_port)
 
     async def ComputeLogprobs(self, request: rollout_pb2.ComputeLogprobsRequest, context) -> rollout_pb2.ComputeLogprobsResponse:
         prompt = decode_array(request.prompt_ids, field="prompt_ids", expect="int32").tolist()
@@ -287,7 +295,7 @@ async def serve(config: Config) -> None:
     from services.runtime import setup_logging
 
     if config.router is not None:
-        from rollout.router import serve_router
+        from rollout.router_service import serve_router
 
         await serve_router(config)
         return
@@ -309,6 +317,7 @@ async def serve(config: Config) -> None:
 
         openai_server = await serve_openai(config.openai, engine, engine.tokenizer, config.model,
                                            servicer.submit_episode if buffer_channel is not None else None)
+        servicer.openai_port = openai_server.port
 
     async def on_stop() -> None:
         if openai_server is not None:

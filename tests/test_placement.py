@@ -117,3 +117,23 @@ def test_relayrl_run_refuses_what_it_cannot_place_on_this_machine(tmp_path, caps
     err = capsys.readouterr().err
     for named in ("services.buffer.group: 'cpu'", "services.reward.replicas: 2", "services.trainer: 2 x 8 processes"):
         assert named in err, err
+
+
+def test_a_local_run_takes_rollout_replicas_behind_a_router(tmp_path):
+    """services.rollout.replicas on this machine: not refused; the plan starts that many behind a router and the
+    trainer publishes to the router's replicas (deploy/replicas.py)."""
+    from deploy.experiment_run import pipeline_plan
+    from deploy.pipeline import Addresses, trainer_config
+    from deploy.placement import local_problems
+
+    local = {"model": {"path": "model"}, "data": {"train": {"path": "train.jsonl"}},
+             "services": {"rollout": {"replicas": 3, "port": 50053}}}
+    config = _load(tmp_path, local)
+    assert local_problems(config.services) == []
+    plan = pipeline_plan(config, tmp_path / "run", tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert plan.rl.rollout_replicas == 3
+    publish = trainer_config(plan, Addresses("b:1", "r:2", "router:3"))["publish"]
+    assert publish["receivers_from"] == "router:3" and "receivers" not in publish
+    single = pipeline_plan(_load(tmp_path, local, ["services.rollout.replicas=1"]), tmp_path / "run",
+                           tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert trainer_config(single, Addresses("b:1", "r:2", "x:3"))["publish"]["receivers"] == ["x:3"]

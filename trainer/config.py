@@ -323,6 +323,10 @@ class PublishConfig(Strict):
     """Where new weights go after training steps (trainer/weight_broadcast.py)."""
 
     receivers: list[str] = Field(default_factory=list, description="host:port of each rollout worker; empty = no publish.")
+    receivers_from: str | None = Field(
+        None, description="host:port of a rollout router (rollout/router.py): publish to the replicas it lists, asked "
+        "before every publish, so replicas added or removed mid-run are followed (trainer/receivers.py); with "
+        "receivers empty.")
     interval: int = Field(1, gt=0, description="Publish every this many optimizer steps.")
     overlap: bool = Field(
         False,
@@ -357,6 +361,12 @@ class PublishConfig(Strict):
         0, ge=0, description="Weight versions up to this one were used earlier in the job by trainers whose record "
         "the buffer and the receivers may have lost (a whole job killed and resumed: deploy/pipeline.py passes its "
         "step records' highest): the trainer continues above it, so a version never names two sets of weights.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.receivers and self.receivers_from:
+            raise ValueError("publish: give receivers or receivers_from (a router's replicas), not both")
+        return self
 
 
 class TrainerConfig(Strict):

@@ -16,6 +16,7 @@ from trainer.checkpoint import TrainState
 from trainer.config import PublishConfig, TrainerConfig
 from trainer.loop import train
 from trainer.parallel import init_distributed, shutdown_distributed
+from trainer.receivers import RouterReceivers
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def run(config: TrainerConfig) -> TrainState:
             consumer = f"{config.buffer.consumer}/{uuid.uuid4().hex[:12]}"
             source = BufferClient(config.buffer.model_copy(update={"consumer": consumer}))
             cleanup.callback(source.close)
-            if config.publish.receivers:
+            if config.publish.receivers or config.publish.receivers_from:
                 publisher = RolloutPublisher(config.publish, env.device)
                 cleanup.callback(publisher.close)
         return train(config, env, source, publisher)
@@ -91,8 +92,15 @@ class RolloutPublisher:
                             client=config.client),
             device if config.backend != "gloo" else None,
         )
+        self._router = RouterReceivers(config.receivers_from) if config.receivers_from else None
+
+    def _follow_router(self) -> None:
+        """With a router, publish to the replicas it lists now (trainer/receivers.py)."""
+        if self._router is not None:
+            self._broadcaster.set_receivers(self._router.current())
 
     def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
+        self._follow_router()
         report = self._broadcaster.publish(named_tensors, version)
         if report.not_newer:
             served = self._broadcaster.served_versions()
@@ -115,6 +123,7 @@ class RolloutPublisher:
 
     def served_versions(self) -> dict[str, int | None]:
         """The version each worker serves now (None: it did not answer)."""
+        self._follow_router()
         return self._broadcaster.served_versions()
 
     def bind(self, parameters: dict[str, torch.Tensor]) -> None:
@@ -127,3 +136,5 @@ class RolloutPublisher:
 
     def close(self) -> None:
         self._broadcaster.close()
+        if self._router is not None:
+            self._router.close()

@@ -1,0 +1,138 @@
+"""Rollout replicas of a local run: a router (named "rollout" in the run) in front of N `relayrl serve rollout`
+processes ("rollout-1", "rollout-2", ...), each supervised, and scaled while the run goes on.
+
+Everything else in the run (driver, evaluation, trainer, `relayrl status`) talks to the router's address as it
+would to one rollout service; the trainer publishes to every replica the router lists (publish.receivers_from).
+Scaling goes through the run folder, so that `relayrl deploy scale rollout N --run RUN_DIR` (deploy/scale.py)
+reaches the process that supervises the run:
+
+    RUN_DIR/scale/rollout.json          asked: {"id": ..., "replicas": N}
+    RUN_DIR/scale/rollout.result.json   done:  {"id": ..., "replicas": [names], "added": [...], "removed": {...}}
+
+Up: a new replica process starts, is supervised and recorded, and is added to the router as JOINING; it takes
+traffic once it serves the weight version the others serve (the trainer's next publish reaches it). Down: the
+newest replicas leave the router first (no new traffic; in-flight requests finish), then their processes stop.
+"""
+
+import json
+import logging
+import os
+import pathlib
+import threading
+
+import grpc
+
+from deploy import service_registry
+from deploy.launcher import ServiceProcess, start_service
+from protos import router_pb2, router_pb2_grpc
+
+log = logging.getLogger("relayrl.replicas")
+SCALE_DIR = "scale"
+
+
+def request_path(run_dir: pathlib.Path, service: str) -> pathlib.Path:
+    return run_dir / SCALE_DIR / f"{service}.json"
+
+
+def result_path(run_dir: pathlib.Path, service: str) -> pathlib.Path:
+    return run_dir / SCALE_DIR / f"{service}.result.json"
+
+
+def write_json(path: pathlib.Path, data: dict) -> None:
+    """Written whole or not at all (a reader polling it never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class RolloutReplicas:
+    """The router and its replica processes, started and scaled under the run's supervisor."""
+
+    def __init__(self, supervisor, overrides: dict, logs: pathlib.Path, run_dir: pathlib.Path,
+                 join_wait_s: float = 120.0, drain_timeout_s: float = 120.0):
+        """`overrides`: the rollout service's --set overrides; a fixed `server.address` is the router's (the
+        replicas take free ports)."""
+        self.supervisor, self.logs, self.run_dir = supervisor, logs, run_dir
+        self.overrides = {k: v for k, v in overrides.items() if k != "server.address"}
+        self.router_address = overrides.get("server.address")
+        self.registry = run_dir / service_registry.REGISTRY_FILE
+        self.join_wait_s, self.drain_timeout_s = join_wait_s, drain_timeout_s
+        self.replicas: dict[str, ServiceProcess] = {}  # name -> process, oldest first
+        self.router: ServiceProcess | None = None
+        self._started = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handled: str | None = None
+
+    def start(self, replicas: int) -> ServiceProcess:
+        """Start `replicas` replicas and the router in front of them; then answer scale requests on a thread."""
+        for _ in range(replicas):
+            self._start_replica()
+        router = {"model": self.overrides["model"], "router.replicas": [p.address for p in self.replicas.values()],
+                  "router.poll_s": 0.5}
+        if self.router_address:
+            router["server.address"] = self.router_address
+        self.router = self.supervisor.add_service(start_service("rollout", router, log_dir=self.logs,
+                                                                registry=self.registry))
+        request = request_path(self.run_dir, "rollout")
+        if request.exists():  # a request of an earlier process of this run (resumed) is not this run's to answer
+            self._handled = json.loads(request.read_text())["id"]
+        self._thread = threading.Thread(target=self._serve_requests, name="rollout-scale", daemon=True)
+        self._thread.start()
+        return self.router
+
+    def scale_to(self, replicas: int) -> dict:
+        """Add or drain-and-stop replicas until `replicas` run; what was done."""
+        if replicas < 1:
+            raise ValueError(f"replicas: at least 1, got {replicas}")
+        added, removed = [], {}
+        with grpc.insecure_channel(self.router.address) as channel:
+            control = router_pb2_grpc.ReplicasStub(channel)
+            while len(self.replicas) < replicas:
+                name, process = self._start_replica()
+                info = control.AddReplica(router_pb2.AddReplicaRequest(address=process.address,
+                                                                       wait_s=self.join_wait_s),
+                                          timeout=self.join_wait_s + 10)
+                added.append(name)
+                log.warning("rollout replica %s at %s added (%s, weight version %d)", name, process.address,
+                            router_pb2.ReplicaState.Name(info.state), info.weight_version)
+            while len(self.replicas) > replicas:
+                name, process = list(self.replicas.items())[-1]
+                reply = control.RemoveReplica(router_pb2.RemoveReplicaRequest(
+                    address=process.address, drain_timeout_s=self.drain_timeout_s), timeout=self.drain_timeout_s + 10)
+                self.supervisor.stop_member(name)
+                service_registry.forget(self.registry, name)
+                del self.replicas[name]
+                removed[name] = {"drained": reply.drained, "in_flight": reply.in_flight, "sessions": reply.sessions}
+                log.warning("rollout replica %s removed: %s", name, removed[name])
+        return {"replicas": list(self.replicas), "added": added, "removed": removed}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.drain_timeout_s + self.join_wait_s + 30)
+
+    def _start_replica(self) -> tuple[str, ServiceProcess]:
+        self._started += 1
+        name = f"rollout-{self._started}"
+        process = self.supervisor.add_service(start_service("rollout", self.overrides, log_dir=self.logs,
+                                                            registry=self.registry, label=name))
+        self.replicas[name] = process
+        return name, process
+
+    def _serve_requests(self) -> None:
+        request = request_path(self.run_dir, "rollout")
+        while not self._stop.wait(0.5):
+            if not request.exists():
+                continue
+            asked = json.loads(request.read_text())
+            if asked["id"] == self._handled:
+                continue
+            self._handled = asked["id"]
+            try:
+                result = {"id": asked["id"], **self.scale_to(int(asked["replicas"]))}
+            except (ValueError, grpc.RpcError, RuntimeError) as exc:  # LaunchError is a RuntimeError
+                result = {"id": asked["id"], "replicas": list(self.replicas), "error": str(exc)}
+                log.error("scaling rollout to %s failed: %s", asked["replicas"], exc)
+            write_json(result_path(self.run_dir, "rollout"), result)

@@ -1,0 +1,77 @@
+"""Acceptance: `relayrl deploy scale rollout N --run RUN_DIR` on a live quickstart run with rollout replicas behind a
+router: a replica added mid-run serves the trainer's current weights when it takes traffic, removing replicas
+drains them (the driver loses no request), and the run goes on to its end (deploy/replicas.py, deploy/scale.py)."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from rich.console import Console
+
+from deploy.quickstart import DEFAULT_CONFIG, QuickstartConfig, run_quickstart
+from protos import router_pb2, router_pb2_grpc
+from services.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def relayrl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], check=False, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def steps(run_dir) -> list[dict]:
+    path = run_dir / "trainer_metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
+    run_dir = tmp_path / "run"
+    config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
+        f"run_dir={run_dir}", "sft.steps=0", "task.num_eval=16", "rl.time_budget_s=150", "rl.eval_interval_s=30",
+        "rl.rollout_replicas=2"])
+    out, ended = io.StringIO(), {}
+    thread = threading.Thread(target=lambda: ended.update(summary=run_quickstart(config, Console(file=out, width=200))))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while len(steps(run_dir)) < 3:
+            assert thread.is_alive() and time.monotonic() < deadline, out.getvalue()[-3000:]
+            time.sleep(0.5)
+        up = relayrl("deploy", "scale", "rollout", "3", "--run", str(run_dir))
+        version_after_up = steps(run_dir)[-1]["weight_version"]
+        router = json.loads((run_dir / "services.json").read_text())["rollout"]["address"]
+        with grpc.insecure_channel(router) as channel:
+            listed = router_pb2_grpc.ReplicasStub(channel).ListReplicas(router_pb2.ListReplicasRequest(), timeout=10)
+        status = relayrl("status", str(run_dir), "--json", "--interval", "1")
+        down = relayrl("deploy", "scale", "rollout", "1", "--run", str(run_dir))
+        refused = relayrl("deploy", "scale", "reward", "2", "--run", str(run_dir))
+    finally:
+        thread.join(600)
+    assert "summary" in ended, out.getvalue()[-3000:]
+
+    assert up.returncode == 0 and "added rollout-3" in up.stdout, up.stdout + up.stderr
+    infos = {info.address: info for info in listed.replicas}
+    assert len(infos) == 3 and all(i.state == router_pb2.REPLICA_STATE_ACTIVE for i in infos.values())
+    # the new replica took traffic only once it served the weights the trainer had published
+    assert min(i.weight_version for i in infos.values()) >= 1
+    assert version_after_up >= 1
+    rows = {row["name"]: row for row in json.loads(status.stdout)["services"]}
+    assert {"rollout", "rollout-1", "rollout-2", "rollout-3"} <= set(rows) and all(r["up"] for r in rows.values())
+
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "removed rollout-3: drained" in down.stdout and "removed rollout-2: drained" in down.stdout
+    assert refused.returncode == 2 and "invalid choice: 'reward'" in refused.stderr
+    assert set(json.loads((run_dir / "services.json").read_text())) == {"buffer", "reward", "rollout", "rollout-1"}
+    driver = [json.loads(line) for line in (run_dir / "driver_stats.jsonl").read_text().splitlines()]
+    assert driver[-1]["failed"] == 0  # no sample failed while replicas left
+    assert ended["summary"].restarts == {}  # nothing died on the way
+    assert len(steps(run_dir)) > 3  # training went on
