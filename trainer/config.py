@@ -339,6 +339,12 @@ class PublishConfig(Strict):
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective that carries the tensors.")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")
+    control_timeout_s: float = Field(10.0, gt=0, description="Deadline of each control call to a receiver "
+                                     "(BeginUpdate, AbortUpdate, GetWeightVersion): an unreachable one is reported "
+                                     "after this long.")
+    master_addr: str = Field("127.0.0.1", description="This trainer's address as the receivers reach it: the weight "
+                             "rendezvous store and the gloo group bind it (loopback by default: rollout workers on "
+                             "other hosts need the address of an interface they can reach).")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to the rollout engine's dtype before sending; None = as trained."
     )

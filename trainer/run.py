@@ -85,7 +85,9 @@ class RolloutPublisher:
         self._log_level = Sparse()
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
-            BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s, dtype=config.dtype),
+            BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
+                            control_timeout_s=config.control_timeout_s, master_addr=config.master_addr,
+                            dtype=config.dtype),
         )
 
     def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
