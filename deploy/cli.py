@@ -75,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "data fields, reward, ports, disk, versions; exit 1 on any error")
     doctor.add_argument("experiment", help="EXPERIMENT.yaml")
     doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+
+    deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
+                            "Kubernetes")
+    targets = deploy.add_subparsers(dest="target", required=True, metavar="TARGET")
+    check = targets.add_parser("check", help="validate the file and print each service's group, replicas, nodes, "
+                               "resources and ports as a table; exit 2 naming the problem")
+    k8s = targets.add_parser("k8s", help="render Kubernetes manifests (deploy/k8s.py): a workload and a headless "
+                             "Service per service, the trainer as an indexed Job under torchrun, a ConfigMap, Secrets")
+    k8s.add_argument("--out", help="write one YAML file per object into this folder (else all to stdout)")
+    for target in (check, k8s):
+        target.add_argument("experiment", help="EXPERIMENT.yaml")
+        target.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                            help="override a config field")
     return parser
 
 
@@ -177,12 +190,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return doctor(args.experiment, args.set)
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    if args.target == "check":
+        from deploy.placement_table import main as check
+
+        return check(args.experiment, args.set)
+    from deploy.k8s import main as k8s
+
+    return k8s(args.experiment, args.set, args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "version":
         print(f"relayrl {_version()}")
         return 0
-    commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor}
+    commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor,
+                "deploy": cmd_deploy}
     return commands[args.command](args)
 
 

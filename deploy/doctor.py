@@ -211,9 +211,10 @@ def check_judge(judge, findings: list[Finding]) -> None:
 
 def check_ports(config: ExperimentConfig, findings: list[Finding]) -> None:
     for name in ("buffer", "reward", "rollout"):
-        port = getattr(config.services, name).port
-        if not port:
+        placement = getattr(config.services, name)
+        if not placement.port or placement.group is not None:  # a group's port is on its own nodes
             continue
+        port = placement.port
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))

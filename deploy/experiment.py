@@ -12,7 +12,9 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
-    services:   where each service runs (this machine) and extra settings of each
+    groups:     node groups (hosts or a Kubernetes selector, devices per node); none = everything on this machine
+    services:   where each service runs (its group, replicas, resources, TLS/tokens), extra settings of each, and the
+                trainer's torchrun shape and weight-sync rendezvous (deploy/placement.py)
 """
 
 import pathlib
@@ -22,6 +24,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
 from deploy.supervisor import SuperviseConfig
 from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
@@ -166,24 +169,6 @@ class CheckpointSection(Strict):
                                    "(relative: inside run_dir); None = no export.")
 
 
-class ServicePlacement(Strict):
-    """Where one service runs and its extra settings."""
-
-    where: Literal["local"] = Field("local", description="local = a process on this machine (node groups: later).")
-    port: int = Field(0, ge=0, le=65535, description="Loopback port; 0 = any free port (relayrl doctor checks a "
-                      "fixed one is free).")
-    settings: dict = Field(default_factory=dict, description="Extra --set overrides of the service's own config "
-                           "(e.g. engine.max_num_seqs for rollout).")
-
-
-class ServicesSection(Strict):
-    """The three services of a run."""
-
-    buffer: ServicePlacement = Field(default_factory=ServicePlacement)
-    reward: ServicePlacement = Field(default_factory=ServicePlacement)
-    rollout: ServicePlacement = Field(default_factory=ServicePlacement)
-
-
 class ExperimentConfig(Strict):
     """Everything `relayrl run EXPERIMENT.yaml` needs."""
 
@@ -200,8 +185,24 @@ class ExperimentConfig(Strict):
     training: TrainingSection = Field(default_factory=TrainingSection)
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    groups: list[NodeGroup] = Field(default_factory=list, description="Node groups services are placed on "
+                                    "(deploy/placement.py); none = every service on this machine.")
     services: ServicesSection = Field(default_factory=ServicesSection)
+    kubernetes: KubernetesSection = Field(default_factory=KubernetesSection, description="Image, namespace and "
+                                          "project volume for `relayrl deploy k8s` (deploy/k8s.py).")
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
+
+    @model_validator(mode="after")
+    def _placement(self) -> "ExperimentConfig":
+        problems = placement_problems(self.groups, self.services)
+        trainer, per_step = self.services.trainer, self.training.batch_size // self.training.mini_batches
+        if per_step % trainer.world_size:
+            problems.append(f"services.trainer: {trainer.nodes} x {trainer.procs_per_node} processes do not split the "
+                            f"{per_step} samples of an optimizer step (training.group_size x groups_per_batch / "
+                            "mini_batches)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def resolved(self, base: pathlib.Path) -> "ExperimentConfig":
         """A copy with every relative path taken from `base` (the experiment file's folder)."""

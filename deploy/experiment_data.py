@@ -127,3 +127,25 @@ def prompt_ids(row: PromptRow, tokenizer, add_bos: bool) -> list[int]:
     if add_bos and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id, *ids]
     return ids
+
+
+def main(path: str) -> int:
+    """`python -m deploy.experiment_data EXPERIMENT.yaml`: the driver's prompt file, RUN_DIR/prompts.jsonl, from the
+    experiment's data (its train split: the rows not held out). The Kubernetes driver's init container runs it."""
+    from transformers import AutoTokenizer
+
+    from deploy.experiment import load_experiment
+
+    config = load_experiment(path)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    train, _ = split(config.data, tokenizer, config.seed)
+    run_dir = pathlib.Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{len(train)} prompts -> {write_prompts(train, run_dir / 'prompts.jsonl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1]))

@@ -44,6 +44,42 @@ def _placement(config: ExperimentConfig, name: str) -> dict:
     return {**fixed, **placement.settings}
 
 
+def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path,
+                  prompts_path: pathlib.Path):
+    """The RL phase of `config` as deploy.pipeline.Pipeline: what each service, the driver and the trainer are told.
+    Its `evaluate` is left for the caller to set (a run measures the served policy; deploy/k8s.py renders the rest)."""
+    from deploy.pipeline import Pipeline, RLConfig, merged, nested
+
+    training, evaluation = config.training, config.evaluation
+    reward_overrides, reward_env, function = reward_service(config)
+    rollout_overrides = _placement(config, "rollout")
+    if config.model.rollout_path and not config.sft.steps:
+        rollout_overrides.setdefault("model", config.model.rollout_path)
+    return Pipeline(
+        run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
+        rl=RLConfig(
+            time_budget_s=training.time_budget_s, max_steps=training.max_steps, group_size=training.group_size,
+            groups_per_batch=training.groups_per_batch, max_staleness=training.max_staleness,
+            temperature=training.temperature, max_tokens=training.max_tokens, lr=training.lr,
+            warmup_steps=training.warmup_steps, eval_interval_s=evaluation.every_s,
+            algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
+            driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
+            buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
+        ),
+        supervise=config.supervise,
+        buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
+        driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s,
+                "add_bos": config.data.add_bos and not config.data.chat_template},
+        trainer=merged({"batch": {"mini_batches": training.mini_batches,  # a micro-batch = a rank's share of a step
+                                   "micro_batch_size": training.batch_size // training.mini_batches
+                                   // config.services.trainer.world_size},
+                         "checkpoint": {"keep_last": config.checkpoint.keep_last}},
+                        nested(config.services.trainer.settings)),
+        eval_interval_steps=evaluation.every_steps,
+        evaluate=None,  # type: ignore[arg-type]
+    )
+
+
 def _sft_samples(rows, tokenizer, add_bos: bool):
     import numpy as np
 
@@ -70,7 +106,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
 
     from deploy import experiment_data
     from deploy.evaluation import mean_reward
-    from deploy.pipeline import Pipeline, RLConfig, run_pipeline
+    from deploy.pipeline import run_pipeline
     from deploy.progress import Progress
     from deploy.quickstart import Summary, supervised_warmup
     from deploy.run_state import start_run_dir, whole_model
@@ -97,35 +133,13 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
             supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos), config.sft.steps,
                               config.sft.batch_size, config.sft.lr, config.seed)
 
-    training, evaluation = config.training, config.evaluation
-    reward_overrides, reward_env, function = reward_service(config)
     eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos), row.prompt, row.metadata)
                     for row in eval_rows]
-    eval_tokens = evaluation.max_tokens or training.max_tokens
-    rollout_overrides = _placement(config, "rollout")
-    if config.model.rollout_path and not config.sft.steps:
-        rollout_overrides.setdefault("model", config.model.rollout_path)
-    plan = Pipeline(
-        run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
-        rl=RLConfig(
-            time_budget_s=training.time_budget_s, max_steps=training.max_steps, group_size=training.group_size,
-            groups_per_batch=training.groups_per_batch, max_staleness=training.max_staleness,
-            temperature=training.temperature, max_tokens=training.max_tokens, lr=training.lr,
-            warmup_steps=training.warmup_steps, eval_interval_s=evaluation.every_s,
-            algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
-            driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
-            buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
-        ),
-        supervise=config.supervise,
-        buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
-        driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s, "add_bos": add_bos},
-        trainer={"batch": {"mini_batches": training.mini_batches,
-                           "micro_batch_size": training.batch_size // training.mini_batches},
-                 "checkpoint": {"keep_last": config.checkpoint.keep_last}},
-        eval_interval_steps=evaluation.every_steps,
-        evaluate=lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
-                                                    config.reward.timeout_s)),
-    )
+    eval_tokens = config.evaluation.max_tokens or config.training.max_tokens
+    plan = pipeline_plan(config, run_dir, policy_dir, prompts_path)
+    function = plan.driver["reward_function"]
+    plan.evaluate = lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
+                                                       config.reward.timeout_s))
     supervisor = supervisor or Supervisor(config.supervise)
     try:
         result = run_pipeline(plan, progress, supervisor)
@@ -150,6 +164,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
 
 def main(path: str, overrides: list[str] | None = None, resume: bool = False) -> int:
     from deploy.experiment_data import DataError
+    from deploy.placement import local_problems
     from deploy.supervisor import RunFailed
     from services.config import ConfigError
 
@@ -157,6 +172,11 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False) ->
         config = load_experiment(path, overrides or [])
     except (ConfigError, FileNotFoundError) as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
+        return 2
+    beyond = local_problems(config.services)
+    if beyond:
+        print(f"relayrl run: starts one process per service on this machine; {path} asks for more "
+              f"({'; '.join(beyond)}): `relayrl deploy k8s {path}` renders it for Kubernetes", file=sys.stderr)
         return 2
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

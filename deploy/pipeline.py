@@ -105,10 +105,21 @@ def read_jsonl(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _merged(base: dict, extra: dict) -> dict:
+def merged(base: dict, extra: dict) -> dict:
+    """`base` with `extra` laid over it, section by section (nested dicts merged, anything else replaced)."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def nested(overrides: dict) -> dict:
+    """{'engine.dtype': 'bfloat16'} -> {'engine': {'dtype': 'bfloat16'}}, as `--set` applies them."""
+    from services.config import apply_override
+
+    out: dict = {}
+    for key, value in overrides.items():
+        apply_override(out, key.split("."), value)
     return out
 
 
@@ -137,10 +148,22 @@ def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
     }
 
 
+def buffer_overrides(plan: Pipeline) -> dict:
+    """`relayrl serve buffer` --set overrides: its log in the run folder, the shared staleness bound, its capacity."""
+    rl = plan.rl
+    return {"data_dir": str(plan.run_dir / "buffer"), "max_staleness": rl.max_staleness,
+            "capacity": rl.buffer_capacity_batches * rl.group_size * rl.groups_per_batch, **plan.buffer}
+
+
+def rollout_overrides(plan: Pipeline) -> dict:
+    """`relayrl serve rollout` --set overrides: the policy folder and the run's seed."""
+    return {"model": str(plan.policy_dir), "engine.seed": plan.seed, **plan.rollout}
+
+
 def trainer_config(plan: Pipeline, addresses: Addresses) -> dict:
     rl, run_dir = plan.rl, plan.run_dir
     batch_size = rl.group_size * rl.groups_per_batch
-    return _merged({
+    return merged({
         "model_path": str(plan.policy_dir),
         "algorithm": rl.algorithm,
         "optim": {"lr": rl.lr, "warmup_steps": rl.warmup_steps, "max_grad_norm": 1.0},
@@ -190,21 +213,18 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
     from trainer.checkpoint import latest_checkpoint
 
     rl, run_dir = plan.rl, plan.run_dir
-    batch_size = rl.group_size * rl.groups_per_batch
     registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
     logs = run_dir / "logs"
     board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
     earlier = read_jsonl(run_dir / "metrics.jsonl")  # the curve of a resumed run so far
     try:
         with progress.phase("starting buffer, reward and rollout services"):
-            buffer = supervisor.add_service(start_service("buffer", {
-                "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
-                "capacity": rl.buffer_capacity_batches * batch_size, **plan.buffer}, log_dir=logs, registry=registry))
+            buffer = supervisor.add_service(start_service("buffer", buffer_overrides(plan), log_dir=logs,
+                                                          registry=registry))
             reward = supervisor.add_service(start_service("reward", plan.reward, log_dir=logs, registry=registry,
                                                           env=plan.reward_env))
-            rollout = supervisor.add_service(start_service("rollout", {
-                "model": str(plan.policy_dir), "engine.seed": plan.seed, **plan.rollout}, log_dir=logs,
-                registry=registry))
+            rollout = supervisor.add_service(start_service("rollout", rollout_overrides(plan), log_dir=logs,
+                                                           registry=registry))
         addresses = Addresses(buffer=buffer.address, reward=reward.address, rollout=rollout.address)
         if earlier:
             start_metric, spent = earlier[0]["accuracy"], rl_seconds(run_dir)
@@ -219,7 +239,7 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
         # The versions the killed job's trainers published are lost with its rollout (and the buffer may not have
         # heard of the last ones): a resumed trainer continues above every version its step records name.
         used = max((r["weight_version"] for r in read_jsonl(run_dir / "trainer_metrics.jsonl")), default=0)
-        trainer_cfg = write_yaml(run_dir / "trainer.yaml", _merged(trainer_config(plan, addresses),
+        trainer_cfg = write_yaml(run_dir / "trainer.yaml", merged(trainer_config(plan, addresses),
                                                                    {"publish": {"versions_above": used}}))
         started = time.monotonic() - spent
         supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",

@@ -20,6 +20,7 @@ import pathlib
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
@@ -30,7 +31,7 @@ from protos.sample import Sample, SampleStatus
 from rollout.call_merger import CallMerger
 from rollout.producer import GroupProducer
 from services.client import connect
-from services.config import Strict, load_config
+from services.config import ClientConfig, Strict, load_config
 
 log = logging.getLogger("relayrl.driver")
 
@@ -47,6 +48,8 @@ class DriverConfig(Strict):
     rollout: str = Field(description="Rollout service address host:port.")
     reward: str = Field(description="Reward service address.")
     buffer: str = Field(description="Replay buffer address.")
+    clients: dict[Literal["rollout", "reward", "buffer"], ClientConfig] = Field(
+        default_factory=dict, description="How to reach each service when it has TLS or tokens on (ca_cert, token).")
     teacher: str | None = Field(
         None, description="Rollout service of a teacher (or reference) model: its logprobs of every sampled token "
         "become the samples' ref_logprobs (on-policy distillation, a KL term to a served reference). With "
@@ -124,7 +127,7 @@ def load_prompts(config: DriverConfig) -> list[Prompt]:
 
 class Driver(GroupProducer):
     def __init__(self, config: DriverConfig):
-        channels = [connect(addr) for addr in (config.rollout, config.reward, config.buffer)]
+        channels = [connect(getattr(config, name), config.clients.get(name)) for name in ("rollout", "reward", "buffer")]
         self.rollout = rollout_pb2_grpc.RolloutStub(channels[0])
         self.reward = reward_pb2_grpc.RewardStub(channels[1])
         self.buffer = buffer_pb2_grpc.BufferStub(channels[2])

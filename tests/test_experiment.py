@@ -121,3 +121,15 @@ def test_doctor_finds_a_taken_port(project, capsys):
         port = sock.getsockname()[1]
         assert doctor(str(project), [f"services.rollout.port={port}"]) == 1
     assert f"127.0.0.1:{port} is taken" in capsys.readouterr().out
+
+
+def test_doctor_leaves_the_port_of_a_service_on_a_group_to_its_nodes(project, capsys):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert doctor(str(project), [f"services.rollout.port={port}", "groups=[{name: inference}]",
+                                     "services.rollout.group=inference"]) == 0
+    assert f"127.0.0.1:{port}" not in capsys.readouterr().out

@@ -169,3 +169,22 @@ def test_rendezvous_store_listens_on_the_configured_interface_only():
     must not be reachable from other machines."""
     store = host_store("127.0.0.1", timeout_s=10)
     assert _listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1, not 00000000 (any) or :: (any)
+
+
+def test_rendezvous_store_listens_on_a_fixed_port_when_given():
+    """A cluster opens one known port for the weight broadcast's rendezvous (services.trainer.weight_sync.port)."""
+    import socket
+
+    from trainer.config import PublishConfig
+    from trainer.run import RolloutPublisher
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = host_store("127.0.0.1", timeout_s=10, port=port)
+    assert store.port == port and _listening_addresses(port) == {"0100007F"}
+    publisher = RolloutPublisher(PublishConfig(receivers=["127.0.0.1:1"], master_addr="127.0.0.1", master_port=port))
+    try:  # the trainer's publish config reaches its broadcaster
+        assert publisher._broadcaster.broadcaster.config.master_port == port
+    finally:
+        publisher.close()

@@ -337,14 +337,15 @@ class PublishConfig(Strict):
         "memcpy of it) instead of gathering a state dict and packing it into buckets.",
     )
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective that carries the tensors.")
+    master_addr: str = Field("127.0.0.1", description="Address of this trainer at which the receivers reach the "
+                             "rendezvous store and group of each publish; bound on that interface only.")
+    master_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store; 0 = any free port.")
+    client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers (TLS, token).")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of each control call to a receiver "
                                      "(BeginUpdate, AbortUpdate, GetWeightVersion): an unreachable one is reported "
                                      "after this long.")
-    master_addr: str = Field("127.0.0.1", description="This trainer's address as the receivers reach it: the weight "
-                             "rendezvous store and the gloo group bind it (loopback by default: rollout workers on "
-                             "other hosts need the address of an interface they can reach).")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to the rollout engine's dtype before sending; None = as trained."
     )

@@ -86,8 +86,8 @@ class RolloutPublisher:
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
             BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
-                            control_timeout_s=config.control_timeout_s, master_addr=config.master_addr,
-                            dtype=config.dtype),
+                            control_timeout_s=config.control_timeout_s, dtype=config.dtype,
+                            master_addr=config.master_addr, master_port=config.master_port, client=config.client),
         )
 
     def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:

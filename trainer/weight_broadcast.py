@@ -77,6 +77,7 @@ class BroadcastConfig(Strict):
                                      "what CommitUpdate may add for the switch itself.")
     master_addr: str = Field("127.0.0.1", description="Address at which receivers reach this trainer's rendezvous store "
                              "and gloo group; both bind this interface only (loopback: unreachable from other hosts).")
+    master_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store; 0 = any free port.")
     keep_group: bool = Field(True, description="Reuse the group across publishes while its members are unchanged.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to this dtype before sending (the rollout engine's); None = as is."
@@ -420,7 +421,8 @@ class WeightBroadcaster:
 
     async def _ensure_store(self) -> None:
         if self._store is None:
-            self._store = await asyncio.to_thread(host_store, self.config.master_addr, self.config.timeout_s)
+            self._store = await asyncio.to_thread(host_store, self.config.master_addr, self.config.timeout_s,
+                                              self.config.master_port)
 
     def _stub(self, address: str) -> weights_pb2_grpc.WeightSyncStub:
         if address not in self._stubs:

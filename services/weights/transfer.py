@@ -79,13 +79,13 @@ def remaining(deadline: float, what: str) -> float:
     return left
 
 
-def host_store(bind_host: str, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store, hosted by rank 0 on a free port of `bind_host` only (read it from `.port`).
+def host_store(bind_host: str, timeout_s: float, port: int = 0) -> dist.TCPStore:
+    """The rendezvous store, hosted by rank 0 on `port` (0 = a free one) of `bind_host` only (read it from `.port`).
 
     TCPStore on its own listens on every interface whatever host it is given; the store gets a socket
     already bound to `bind_host` instead, so a loopback trainer is unreachable from other machines.
     """
-    family, _, _, _, address = socket.getaddrinfo(bind_host, 0, type=socket.SOCK_STREAM)[0]
+    family, _, _, _, address = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(address)

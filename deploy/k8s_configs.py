@@ -1,0 +1,106 @@
+"""What each process of an experiment is told on Kubernetes: the config files `relayrl deploy k8s` puts in its ConfigMap.
+
+They come from the same functions a local run uses (deploy/experiment_run.py `pipeline_plan`, deploy/pipeline.py),
+with the services' stable DNS names for addresses, every path under the project volume, and TLS files and tokens
+at the paths where their Secrets are mounted. A token never goes into a config file: the container gets it from a
+Secret as an environment variable, and `--set ...token=$(VAR)` in its arguments (Kubernetes expands it).
+"""
+
+import pathlib
+
+from deploy.experiment import ExperimentConfig
+from deploy.placement import CLUSTER_PORTS, SERVERS, KubernetesSection, ServicePlacement
+
+CONFIG_DIR = "/etc/relayrl"  # the ConfigMap: experiment.yaml and SERVICE.yaml of each process
+SECRET_DIR = "/etc/relayrl/secrets"  # SERVICE-tls/, SERVICE-auth/ (servers), clients/ (driver, trainer)
+METRICS_PORT = 9090  # Prometheus /metrics of every gRPC service
+
+
+def object_name(k8s: KubernetesSection, component: str) -> str:
+    return f"{k8s.name}-{component}"
+
+
+def host(k8s: KubernetesSection, component: str, index: int | None = None) -> str:
+    """The stable DNS name of a headless Service, or of its pod `index` (StatefulSet ordinal, Job index)."""
+    service = object_name(k8s, component)
+    pod = f"{service}-{index}." if index is not None else ""
+    return f"{pod}{service}.{k8s.namespace}.svc.cluster.local"
+
+
+def port(name: str, placement: ServicePlacement) -> int:
+    return placement.port or CLUSTER_PORTS[name]
+
+
+def token_env(name: str) -> str:
+    """The environment variable holding the run's token for service `name`."""
+    return f"RELAYRL_{name.upper()}_TOKEN"
+
+
+def server_section(name: str, placement: ServicePlacement) -> dict:
+    """How a service listens in a pod: every interface, its port, /metrics, TLS and token files from its Secrets."""
+    server: dict = {"address": f"0.0.0.0:{port(name, placement)}", "metrics_port": METRICS_PORT}
+    if placement.tls is not None:
+        folder = f"{SECRET_DIR}/{name}-tls"
+        server["tls"] = {"cert": f"{folder}/tls.crt", "key": f"{folder}/tls.key",
+                         "client_ca": f"{folder}/ca.crt" if placement.tls.client_ca else None}
+    if placement.auth is None:
+        server["insecure"] = True  # no tokens: any pod that can reach it may call it (README says so)
+    else:
+        server["auth"] = {"tokens_file": f"{SECRET_DIR}/{name}-auth/tokens.yaml", "allow": placement.auth.allow,
+                          "open_methods": placement.auth.open_methods}
+    return server
+
+
+def client_section(name: str, placement: ServicePlacement) -> dict:
+    """How the driver and the trainer reach service `name` (TLS files from the clients Secret; the token: env)."""
+    client = placement.client
+    files = {"ca_cert": client.ca_cert, "cert": client.cert, "key": client.key}
+    out = {field: f"{SECRET_DIR}/clients/{name}-{field}" for field, path in files.items() if path}
+    if client.server_name:
+        out["server_name"] = client.server_name
+    return out
+
+
+def process_configs(config: ExperimentConfig) -> dict[str, dict]:
+    """File name -> content of every process's config (`config` resolved under the project volume)."""
+    from deploy.experiment_run import pipeline_plan
+    from deploy.pipeline import (
+        Addresses,
+        buffer_overrides,
+        driver_config,
+        merged,
+        nested,
+        rollout_overrides,
+        trainer_config,
+    )
+
+    k8s, services = config.kubernetes, config.services
+    run_dir = pathlib.Path(config.run_dir)
+    plan = pipeline_plan(config, run_dir, pathlib.Path(config.model.path), run_dir / "prompts.jsonl")
+    at = {name: f"{host(k8s, name)}:{port(name, getattr(services, name))}" for name in SERVERS}
+    addresses = Addresses(buffer=at["buffer"], reward=at["reward"], rollout=at["rollout"])
+    out = {}
+    rollout = rollout_overrides(plan)
+    if services.rollout.resources.gpus:  # the native engine runs on the pod's GPU unless told otherwise
+        rollout.setdefault("engine.device", "cuda")
+    for name, overrides in (("buffer", buffer_overrides(plan)), ("reward", plan.reward), ("rollout", rollout)):
+        placement = getattr(services, name)
+        out[name] = merged(nested(overrides), {"server": server_section(name, placement)})
+    clients = {name: client_section(name, getattr(services, name)) for name in SERVERS}
+    out["driver"] = {**driver_config(plan, addresses), "clients": {k: v for k, v in clients.items() if v}}
+    trainer = services.trainer
+    rollout_port = port("rollout", services.rollout)
+    receivers = [f"{host(k8s, 'rollout', i)}:{rollout_port}" for i in range(services.rollout.replicas)]
+    out["trainer"] = merged(trainer_config(plan, addresses), {
+        "buffer": {"client": clients["buffer"]},
+        "publish": {"receivers": receivers, "client": clients["rollout"],
+                    "master_addr": trainer.weight_sync.address or host(k8s, "trainer", 0),
+                    "master_port": trainer.weight_sync.port},
+    })
+    return out
+
+
+def token_args(names: list[str], prefix: str, services) -> list[str]:
+    """`--set` arguments that hand a container the run's tokens for `names` (services with a client token)."""
+    return [f"--set={prefix.format(name=name)}=$({token_env(name)})" for name in names
+            if getattr(services, name).client.token]
