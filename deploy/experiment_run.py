@@ -165,7 +165,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
 
 def main(path: str, overrides: list[str] | None = None, resume: bool = False, ray_address: str | None = None) -> int:
     from deploy.experiment_data import DataError
-    from deploy.placement import local_problems
+    from deploy.placement import local_problems, ray_problems
     from deploy.supervisor import RunFailed
     from services.config import ConfigError
 
@@ -175,8 +175,6 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
         print(f"relayrl run: {exc}", file=sys.stderr)
         return 2
     if ray_address is not None:
-        from deploy.ray_launcher import ray_problems
-
         beyond = ray_problems(config.services)
         if beyond:
             print(f"relayrl run --ray: not yet supported on Ray: {'; '.join(beyond)}", file=sys.stderr)
@@ -190,8 +188,11 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
     launcher = None
     try:
         if ray_address is not None:
-            from deploy.ray_launcher import RayLauncher
-
+            try:
+                from deploy.ray_launcher import RayLauncher
+            except ImportError as exc:
+                print(f"relayrl run --ray needs Ray ({exc}): pip install -e '.[ray]'", file=sys.stderr)
+                return 2
             launcher = RayLauncher(ray_address, config.services)
         run_experiment(config, resume=resume, launcher=launcher)
     except DataError as exc:

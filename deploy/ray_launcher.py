@@ -36,19 +36,6 @@ PLACE_TIMEOUT_S = 120.0
 PLACEMENT_FILE = "placement.json"
 
 
-def ray_problems(services: ServicesSection) -> list[str]:
-    """What the Ray launcher cannot honour yet, each naming its field; [] = nothing."""
-    problems = []
-    for name, placement in services.placed().items():
-        field = f"services.{name}"
-        if name != "trainer":
-            problems += [f"{field}.replicas: {placement.replicas}"] if placement.replicas > 1 else []
-            problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
-    if services.trainer.nodes > 1:
-        problems.append(f"services.trainer.nodes: {services.trainer.nodes}")
-    return problems
-
-
 @ray.remote(num_cpus=0, max_concurrency=4)
 class NodeAgent:
     """Holds one process on the node Ray placed it on: a service (deploy.launcher.ServiceProcess) or a client."""

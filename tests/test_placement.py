@@ -117,3 +117,14 @@ def test_relayrl_run_refuses_what_it_cannot_place_on_this_machine(tmp_path, caps
     err = capsys.readouterr().err
     for named in ("services.buffer.group: 'cpu'", "services.reward.replicas: 2", "services.trainer: 2 x 8 processes"):
         assert named in err, err
+
+
+def test_relayrl_run_on_ray_refuses_what_its_launcher_cannot_do_yet(tmp_path, capsys):
+    from deploy.experiment_run import main as run
+
+    _load(tmp_path, CLUSTER)
+    assert run(str(tmp_path / "experiment.yaml"), ray_address="127.0.0.1:1") == 2  # before connecting to anything
+    err = capsys.readouterr().err
+    for named in ("services.reward.replicas: 2", "services.trainer.nodes: 2"):
+        assert named in err, err
+    assert "services.buffer.group" not in err  # groups are what Ray places
