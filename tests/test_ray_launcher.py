@@ -1,12 +1,15 @@
 """`relayrl run FILE --ray ADDRESS` on a Ray cluster of three nodes on this machine (ray.cluster_utils.Cluster), each
-carrying one group's custom resource: every service lands on its group's node (asserted from Ray's state API) and a
-short run of the quickstart experiment learns. Needs the `ray` extra; marked slow (Ray on 2 cores is heavy)."""
+carrying one group's custom resource: every service lands on its group's node (Ray's node ids against the cluster's
+node table), the rollout killed mid-run is restarted on its node, and a short run of the quickstart experiment
+learns. Needs the `ray` extra; marked slow (Ray on 2 cores is heavy)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -49,10 +52,30 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
             *(f"services.{name}.group={group}" for name, group in GROUPS.items() if name != "driver"),
             # The services bind their node's address (this machine's, not loopback) with auth off, on purpose.
             *(f"services.{name}.settings={{server.insecure: true}}" for name in ("buffer", "reward", "rollout"))]
-    job = subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(experiment), "--ray", cluster.address,
-                          *(arg for s in sets for arg in ("--set", s))], capture_output=True, text=True, timeout=900, check=False,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    out = tmp_path / "run.out"
+    with open(out, "wb") as log:
+        job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(experiment), "--ray", cluster.address,
+                                *(arg for s in sets for arg in ("--set", s))], stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    try:
+        # The local launcher's restart policy through the agents: the rollout, SIGKILLed on its node mid-run, is
+        # started again by its agent on the same node and address.
+        steps = run_dir / "trainer_metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while job.poll() is None and time.monotonic() < deadline and (
+                not steps.exists() or len(steps.read_text().splitlines()) < 20):
+            time.sleep(1)
+        before = json.loads((run_dir / "services.json").read_text())["rollout"]
+        os.kill(before["pid"], signal.SIGKILL)  # a process of this test's own cluster, on this machine
+        job.wait(900)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(30)
+    assert job.returncode == 0, out.read_text()[-5000:]
+    after = json.loads((run_dir / "services.json").read_text())["rollout"]
+    assert after["address"] == before["address"] and after["pid"] != before["pid"]
+    assert "rollout 1" in out.read_text()  # the summary's restarts
 
     # Where Ray placed each process's agent (the node id Ray's runtime context gave it): on the node carrying its
     # group's resource, as the cluster's own node table says.
