@@ -5,6 +5,7 @@ learns. Needs the `ray` extra; marked slow (Ray on 2 cores is heavy)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def cluster(monkeypatch):
         if ray.is_initialized():
             ray.shutdown()
         made.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.timeout(1200)
