@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test test-slow test-families test-gpu test-vllm bench protos lint clean
+.PHONY: run test test-slow test-ray test-families test-gpu test-vllm bench protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,12 @@ test: $(STAMP) $(NODE_STAMP)
 
 test-slow: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m "slow and not families and not vllm" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# `relayrl run --ray` on a three-node ray.cluster_utils.Cluster on this machine (tests/test_ray_launcher.py, a few
+# minutes): it needs the `ray` extra, installed here (make test-slow skips it without Ray).
+test-ray: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	$(BIN)/python -m pytest -q -rA tests/test_ray_launcher.py $(PYTEST_ARGS)
 
 # Each algorithm family shown learning (tests/test_families.py, tests/test_distill_e2e.py); -rA prints each
 # test's figures (metric before -> after). Collecting nothing here is a failure.

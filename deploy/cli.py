@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "examples/algorithms/*.yaml) or an agentic one (examples/agentic/*.yaml); with neither this nor "
                      "an experiment file: the quickstart (deploy/quickstart_experiment.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    run.add_argument("--ray", metavar="ADDRESS", help="with an experiment file: place each service on its node "
+                     "group of the Ray cluster at ADDRESS (a group's name is the Ray resource marking its nodes; "
+                     "deploy/ray_launcher.py)")
     run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
@@ -166,6 +169,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.experiment and args.config:
         print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)
         return 2
+    if args.ray and (not args.experiment or args.resume):
+        print("relayrl run: --ray runs an experiment file (not --config, the quickstart or --resume)", file=sys.stderr)
+        return 2
     if args.resume:
         if args.experiment or args.config or args.set:
             print("relayrl run: --resume goes on with the run's recorded config: give no experiment file, --config "
@@ -179,7 +185,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.experiment:
         from deploy.experiment_run import main as run_experiment
 
-        return run_experiment(args.experiment, args.set)
+        return run_experiment(args.experiment, args.set, ray_address=args.ray)
     if args.config is None:  # the quickstart: the shipped experiment file on the project it writes first
         from deploy.quickstart_project import main as quickstart_experiment
 

@@ -99,9 +99,10 @@ def _sft_samples(rows, tokenizer, add_bos: bool):
     return samples
 
 
-def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False):
+def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False, launcher=None):
     """The whole run; returns deploy.quickstart.Summary (its accuracy fields hold the held-out mean reward). With
-    `resume`, the run in config.run_dir goes on from where it stopped (deploy/run_state.py)."""
+    `resume`, the run in config.run_dir goes on from where it stopped (deploy/run_state.py). `launcher` starts the
+    RL phase's processes (deploy.pipeline.LocalLauncher by default; deploy.ray_launcher.RayLauncher)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -143,7 +144,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
                                                        config.reward.timeout_s))
     supervisor = supervisor or Supervisor(config.supervise)
     try:
-        result = run_pipeline(plan, progress, supervisor)
+        result = run_pipeline(plan, progress, supervisor, launcher)
     finally:
         supervisor.stop()
         progress.close()
@@ -163,9 +164,9 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     return summary
 
 
-def main(path: str, overrides: list[str] | None = None, resume: bool = False) -> int:
+def main(path: str, overrides: list[str] | None = None, resume: bool = False, ray_address: str | None = None) -> int:
     from deploy.experiment_data import DataError
-    from deploy.placement import local_problems
+    from deploy.placement import local_problems, ray_problems
     from deploy.supervisor import RunFailed
     from services.config import ConfigError
 
@@ -174,18 +175,34 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False) ->
     except (ConfigError, FileNotFoundError) as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
         return 2
-    beyond = local_problems(config.services)
-    if beyond:
+    if ray_address is not None:
+        beyond = ray_problems(config.services)
+        if beyond:
+            print(f"relayrl run --ray: not yet supported on Ray: {'; '.join(beyond)}", file=sys.stderr)
+            return 2
+    elif beyond := local_problems(config.services):
         print(f"relayrl run: starts one process per service on this machine; {path} asks for more "
-              f"({'; '.join(beyond)}): `relayrl deploy k8s {path}` renders it for Kubernetes", file=sys.stderr)
+              f"({'; '.join(beyond)}): `relayrl run {path} --ray ADDRESS` places it on a Ray cluster, "
+              f"`relayrl deploy k8s {path}` renders it for Kubernetes", file=sys.stderr)
         return 2
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    launcher = None
     try:
-        run_experiment(config, resume=resume)
+        if ray_address is not None:
+            try:
+                from deploy.ray_launcher import RayLauncher
+            except ImportError as exc:
+                print(f"relayrl run --ray needs Ray ({exc}): pip install -e '.[ray]'", file=sys.stderr)
+                return 2
+            launcher = RayLauncher(ray_address, config.services)
+        run_experiment(config, resume=resume, launcher=launcher)
     except DataError as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
         return 2
     except RunFailed as exc:
         print(f"relayrl run failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if launcher is not None:
+            launcher.close()
     return 0

@@ -55,6 +55,10 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        """None while it runs."""
+        return self.proc.poll()
+
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM (graceful), then SIGKILL after `timeout` seconds; returns the exit code."""
         if self.alive():

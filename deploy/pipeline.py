@@ -205,10 +205,32 @@ def wait_for_published_weights(rollout: str, supervisor, timeout_s: float) -> No
             time.sleep(0.5)
 
 
-def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
+class LocalLauncher:
+    """Where a run's processes start: each on this machine (deploy/ray_launcher.py places them on Ray nodes)."""
+
+    def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
+                env: dict[str, str] | None = None):
+        """A started, serving service process (deploy.launcher.ServiceProcess)."""
+        from deploy.launcher import start_service
+
+        return start_service(name, overrides, log_dir=log_dir, registry=registry, env=env)
+
+    def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
+                heartbeat: pathlib.Path | None = None):
+        """A client process (`python ARGS`) not yet started (deploy.supervisor.Process)."""
+        from deploy.supervisor import Process
+
+        return Process(name, args, log_path, exit_zero_is_done, heartbeat)
+
+    def trainer_settings(self) -> dict:
+        """TrainerConfig fields that depend on where the trainer runs (none here: loopback)."""
+        return {}
+
+
+def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> PipelineResult:
     """Run the RL phase under `supervisor` (deploy.supervisor.Supervisor), reporting to `progress`
-    (deploy.progress.Progress); the caller stops the supervisor."""
-    from deploy.launcher import start_service
+    (deploy.progress.Progress); the caller stops the supervisor. `launcher` starts the processes (LocalLauncher
+    by default)."""
     from deploy.replicas import RolloutReplicas
     from deploy.run_state import rl_seconds, save_rl_seconds
     from deploy.service_registry import REGISTRY_FILE
@@ -216,6 +238,7 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
     from deploy.tensorboard import RunBoard
     from trainer.checkpoint import latest_checkpoint
 
+    launcher = launcher or LocalLauncher()
     rl, run_dir = plan.rl, plan.run_dir
     registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
     logs = run_dir / "logs"
@@ -224,16 +247,13 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
     replicas = None  # RolloutReplicas when the rollout runs as replicas behind a router
     try:
         with progress.phase("starting buffer, reward and rollout services"):
-            buffer = supervisor.add_service(start_service("buffer", buffer_overrides(plan), log_dir=logs,
-                                                          registry=registry))
-            reward = supervisor.add_service(start_service("reward", plan.reward, log_dir=logs, registry=registry,
-                                                          env=plan.reward_env))
+            buffer = supervisor.add_service(launcher.service("buffer", buffer_overrides(plan), logs, registry))
+            reward = supervisor.add_service(launcher.service("reward", plan.reward, logs, registry, plan.reward_env))
             if rl.rollout_replicas > 1:
                 replicas = RolloutReplicas(supervisor, rollout_overrides(plan), logs, run_dir)
                 rollout = replicas.start(rl.rollout_replicas)
             else:
-                rollout = supervisor.add_service(start_service("rollout", rollout_overrides(plan), log_dir=logs,
-                                                               registry=registry))
+                rollout = supervisor.add_service(launcher.service("rollout", rollout_overrides(plan), logs, registry))
         addresses = Addresses(buffer=buffer.address, reward=reward.address, rollout=rollout.address)
         if earlier:
             start_metric, spent = earlier[0]["accuracy"], rl_seconds(run_dir)
@@ -248,13 +268,15 @@ def run_pipeline(plan: Pipeline, progress, supervisor) -> PipelineResult:
         # The versions the killed job's trainers published are lost with its rollout (and the buffer may not have
         # heard of the last ones): a resumed trainer continues above every version its step records name.
         used = max((r["weight_version"] for r in read_jsonl(run_dir / "trainer_metrics.jsonl")), default=0)
-        trainer_cfg = write_yaml(run_dir / "trainer.yaml", merged(trainer_config(plan, addresses),
+        trainer_cfg = write_yaml(run_dir / "trainer.yaml", merged(merged(trainer_config(plan, addresses),
+                                                                          launcher.trainer_settings()),
                                                                    {"publish": {"versions_above": used}}))
         started = time.monotonic() - spent
-        supervisor.add_process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)], logs / "trainer.log",
-                               exit_zero_is_done=True, heartbeat=run_dir / "trainer.heartbeat")
-        supervisor.add_process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)], logs / "driver.log",
-                               heartbeat=run_dir / "driver_stats.jsonl")
+        supervisor.add(launcher.process("trainer", ["-m", "trainer", "--config", str(trainer_cfg)],
+                                        logs / "trainer.log", exit_zero_is_done=True,
+                                        heartbeat=run_dir / "trainer.heartbeat"))
+        supervisor.add(launcher.process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)],
+                                        logs / "driver.log", heartbeat=run_dir / "driver_stats.jsonl"))
         if earlier and latest_checkpoint(run_dir / "checkpoints") is not None:
             wait_for_published_weights(addresses.rollout, supervisor, plan.supervise.start_timeout_s)
         progress.start_rl(rl.time_budget_s, start_metric)

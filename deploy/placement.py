@@ -193,3 +193,16 @@ def local_problems(services: ServicesSection) -> list[str]:
     if trainer.world_size > 1:
         problems.append(f"services.trainer: {trainer.nodes} x {trainer.procs_per_node} processes")
     return problems
+
+
+def ray_problems(services: ServicesSection) -> list[str]:
+    """What `relayrl run --ray` (deploy/ray_launcher.py) cannot honour yet, each naming its field; [] = none."""
+    problems = []
+    for name, placement in services.placed().items():
+        field = f"services.{name}"
+        if isinstance(placement, ServicePlacement):
+            problems += [f"{field}.replicas: {placement.replicas}"] if placement.replicas > 1 else []
+            problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
+    if services.trainer.nodes > 1:
+        problems.append(f"services.trainer.nodes: {services.trainer.nodes}")
+    return problems

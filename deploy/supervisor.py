@@ -109,7 +109,7 @@ class Process:
 class Service:
     """A service process (deploy.launcher) as a supervised member, restarted on its own address."""
 
-    def __init__(self, service: ServiceProcess):
+    def __init__(self, service: ServiceProcess):  # or one started elsewhere (deploy/ray_launcher.py)
         self.service, self.name, self.exit_zero_is_done = service, service.name, False
 
     @property
@@ -128,7 +128,7 @@ class Service:
         self.service.restart(timeout)
 
     def exit_code(self) -> int | None:
-        return self.service.proc.poll()
+        return self.service.exit_code()
 
     def kill(self) -> None:
         self.service.kill()
@@ -180,7 +180,10 @@ class Supervisor:
                     exit_zero_is_done: bool = False, heartbeat: pathlib.Path | None = None) -> Process:
         """Start `python ARGS` and watch it; with `exit_zero_is_done` an exit 0 ends it for good; with a
         `heartbeat` file, one untouched for health_timeout_s means frozen."""
-        member = Process(name, args, log_path, exit_zero_is_done, heartbeat)
+        return self.add(Process(name, args, log_path, exit_zero_is_done, heartbeat))
+
+    def add(self, member: Process) -> Process:
+        """Start a client process (a Process, or one started elsewhere: deploy/ray_launcher.py) and watch it."""
         member.start(self.config.start_timeout_s)
         self._watch(member)
         return member

@@ -19,6 +19,7 @@ import grpc
 from protos import buffer_pb2, rollout_pb2
 from rollout.admission import Gauge, Pipeline, admit
 from rollout.position import Position
+from services.runtime import Sparse
 
 log = logging.getLogger("relayrl.producer")
 WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
@@ -61,6 +62,7 @@ class GroupProducer:
         self.in_flight_samples = 0  # of groups started and not yet stored
         self.stored_samples = 0  # of groups stored (Put returned, or every episode closed)
         self.started_at = time.monotonic()
+        self._retry_log = Sparse(10.0)
 
     async def run_group(self, item, group_index: int) -> None:
         raise NotImplementedError
@@ -115,7 +117,12 @@ class GroupProducer:
                 if exc.code() not in RETRYABLE or attempt >= 600:
                     raise
                 self.stats["retries"] += 1
-                log.debug("%s: %s, retrying", what, exc.code().name)
+                # A service down or unreachable shows in the log at once (then at most every 10 s), not only in
+                # the stats' retry count; back-pressure (RESOURCE_EXHAUSTED) is the buffer working as meant.
+                unreachable = exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+                level = logging.WARNING if unreachable and self._retry_log.level() == logging.INFO else logging.DEBUG
+                log.log(level, "%s: %s (%s), retrying; %d retries so far", what, exc.code().name, exc.details(),
+                        self.stats["retries"])
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
 
     async def _run_counted(self, item, group_index: int) -> None:

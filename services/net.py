@@ -25,3 +25,12 @@ def is_loopback(host: str) -> bool:
     except socket.gaierror:
         return False
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def source_address_towards(host: str) -> str:
+    """The address of this machine's interface that reaches `host` (the routing table's choice: a UDP socket
+    connected to it reports its source address; connect sends no packet)."""
+    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]

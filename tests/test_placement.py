@@ -137,3 +137,14 @@ def test_a_local_run_takes_rollout_replicas_behind_a_router(tmp_path):
     single = pipeline_plan(_load(tmp_path, local, ["services.rollout.replicas=1"]), tmp_path / "run",
                            tmp_path / "model", tmp_path / "prompts.jsonl")
     assert trainer_config(single, Addresses("b:1", "r:2", "x:3"))["publish"]["receivers"] == ["x:3"]
+
+
+def test_relayrl_run_on_ray_refuses_what_its_launcher_cannot_do_yet(tmp_path, capsys):
+    from deploy.experiment_run import main as run
+
+    _load(tmp_path, CLUSTER)
+    assert run(str(tmp_path / "experiment.yaml"), ray_address="127.0.0.1:1") == 2  # before connecting to anything
+    err = capsys.readouterr().err
+    for named in ("services.reward.replicas: 2", "services.trainer.nodes: 2"):
+        assert named in err, err
+    assert "services.buffer.group" not in err  # groups are what Ray places

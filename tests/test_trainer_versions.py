@@ -3,6 +3,7 @@ warm rollout worker, each land their first publish above what the worker serves;
 a version refused as not newer is published again above the worker's, not logged and forgotten."""
 
 import numpy as np
+import pytest
 import torch
 from test_trainer_loop import BATCH, make_samples, put, records, stats
 
@@ -93,10 +94,12 @@ def test_a_version_refused_as_not_newer_is_published_again_above_the_workers(tin
         publisher.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch(tiny_model_dir, tmp_path,
-                                                                                service_factory):
+                                                                                service_factory, overlap):
     """A rollout worker that restarts serves version 0; with the buffer empty no step (and so no publish)
-    comes, and the driver admits nothing for a worker that far behind: the trainer must publish again."""
+    comes, and the driver admits nothing for a worker that far behind: the trainer must publish again. With
+    `publish.overlap` too: the last step's publish ran on its thread and ended, its outcome not yet collected."""
     import threading
     import time
 
@@ -111,7 +114,7 @@ def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch
     config = TrainerConfig.model_validate({
         "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 120},
         "batch": {"global_batch_size": BATCH, "micro_batch_size": 4}, "optim": {"lr": 1e-2}, "max_steps": 2,
-        "publish": {"receivers": [rollout.address], "timeout_s": 30, "resync_s": 0.5},
+        "publish": {"receivers": [rollout.address], "timeout_s": 30, "resync_s": 0.5, "overlap": overlap},
     })
     client, publisher = BufferClient(config.buffer), RolloutPublisher(config.publish)
     result = {}

@@ -350,6 +350,9 @@ class PublishConfig(Strict):
     client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers (TLS, token).")
     bucket_mb: float = Field(32.0, gt=0, description="Bucket size of the broadcast in MiB.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer of one publish.")
+    control_timeout_s: float = Field(10.0, gt=0, description="Deadline of each control call to a receiver "
+                                     "(BeginUpdate, AbortUpdate, GetWeightVersion): an unreachable one is reported "
+                                     "after this long.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to the rollout engine's dtype before sending; None = as trained."
     )

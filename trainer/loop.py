@@ -241,8 +241,12 @@ class Publishing:
         self.seconds = time.monotonic() - started
 
     def receivers_behind(self) -> bool:
-        """Rank 0, no publish in flight: whether a receiver serves an older version than the last publish."""
-        if self.published is None or (self.sending is not None and self.sending.busy):
+        """Rank 0, no publish in flight: whether a receiver serves an older version than the last publish.
+
+        An overlapped publish that has ended is not in flight, though its outcome is collected only at the next
+        publish: the one after the last step (failed, say, while a receiver's host was unreachable) ends before a
+        wait for a batch that may never come unless that receiver gets the weights again."""
+        if self.published is None or (self.sending is not None and not self.sending.done(0)):
             return False
         served = getattr(self.publish, "served_versions", dict)()
         behind = {address: v for address, v in served.items() if v is not None and v < self.published}

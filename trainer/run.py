@@ -88,8 +88,8 @@ class RolloutPublisher:
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
             BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
-                            dtype=config.dtype, master_addr=config.master_addr, master_port=config.master_port,
-                            client=config.client),
+                            control_timeout_s=config.control_timeout_s, dtype=config.dtype,
+                            master_addr=config.master_addr, master_port=config.master_port, client=config.client),
             device if config.backend != "gloo" else None,
         )
         self._router = RouterReceivers(config.receivers_from) if config.receivers_from else None

@@ -1,21 +1,28 @@
 """Weight transfer over gloo (CPU tensors, TCP): the default, and what tests use."""
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
-from services.net import is_loopback
+from services.net import is_loopback, source_address_towards
 from services.weights.transfer import GroupSpec, Pending, Transfer, TransferError, TransferTimeout, remaining
 
 
 def device_for(master_addr: str, rank: int) -> dist.ProcessGroupGloo.Device:
-    # Rank 0 (the trainer) binds the configured interface, master_addr itself. With a loopback master
-    # every member is on this host: bind loopback rather than whatever the hostname resolves to.
-    # Other receivers use gloo's default (GLOO_SOCKET_IFNAME, else the hostname's address).
+    """The interface this member's gloo endpoint binds, and so the address the others connect to.
+
+    Rank 0 (the trainer) binds the configured interface, master_addr itself. With a loopback master every member
+    is on this host: loopback. A receiver on another host binds the interface that routes to the trainer (or
+    GLOO_SOCKET_IFNAME when set): gloo's own default, the hostname's address, is often 127.0.0.1, which two
+    receivers on two hosts would each take for their own and never connect (the group is a full mesh).
+    """
     if rank == 0 or is_loopback(master_addr):
         return dist.ProcessGroupGloo.create_device(hostname=master_addr)
-    return dist.ProcessGroupGloo.create_default_device()
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=source_address_towards(master_addr))
 
 
 class _GlooPending(Pending):

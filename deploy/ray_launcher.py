@@ -1,0 +1,204 @@
+"""`relayrl run FILE --ray ADDRESS`: a run's processes on the nodes of a Ray cluster, each on its node group.
+
+    a node group's name is a Ray custom resource its nodes carry (`ray start --resources '{"inference": 1}'`)
+    -> one agent (a Ray actor) per process, placed with resources={group: ...}: buffer, reward and rollout on their
+       groups, the trainer on its group, the driver beside the buffer; no group = any node
+    -> each agent starts its process on its node: a service by deploy.launcher.start_service (`relayrl serve NAME`
+       bound to the node's IP and a free port, health-checked there), the trainer and the driver as `python -m ...`
+    -> the addresses handed to the driver, the trainer and the evaluation are node IP + bound port, as placed; the
+       trainer's weight rendezvous binds its node's IP (publish.master_addr)
+    -> this machine's supervisor (deploy/supervisor.py) watches each through its agent: health checks, heartbeats,
+       restarts on the same node and address, the same bounds as a local run
+
+Every node needs relayrl installed in the same Python environment, and the run folder and the model on a filesystem
+every node sees at the same path (logs, heartbeats, checkpoints and metrics are read there), as Kubernetes' project
+claim. Not yet: replicas > 1 (the driver calls one rollout and one reward address), a trainer across nodes, TLS and
+tokens, and an agent's node lost (its process is restarted only while its agent lives).
+"""
+
+import json
+import os
+import pathlib
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import ray
+
+from deploy.launcher import start_service
+from deploy.placement import ServicesSection
+from deploy.supervisor import Process
+
+GROUP_SHARE = 0.001  # what one agent takes of its group's resource: the resource marks nodes, it does not count
+PLACE_TIMEOUT_S = 120.0
+PLACEMENT_FILE = "placement.json"
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class NodeAgent:
+    """Holds one process on the node Ray placed it on: a service (deploy.launcher.ServiceProcess) or a client."""
+
+    def __init__(self) -> None:
+        self.service = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path: pathlib.Path | None = None
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, node IP) of where this agent runs."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def serve(self, name: str, overrides: dict, log_dir: str, registry: str, env: dict | None,
+              timeout: float) -> tuple[str, int, int | None]:
+        """Start `relayrl serve NAME` on this node's IP (its fixed port, or a free one); (address, pid, metrics)."""
+        port = str(overrides.get("server.address", ":0")).rsplit(":", 1)[1]
+        overrides = {**overrides, "server.address": f"{ray.util.get_node_ip_address()}:{port}"}
+        self.service = start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, timeout=timeout)
+        self.log_path = self.service.log_path
+        return self.service.address, self.service.pid, self.service.metrics_port
+
+    def restart(self, timeout: float) -> tuple[int, int | None]:
+        self.service.restart(timeout)
+        return self.service.pid, self.service.metrics_port
+
+    def spawn(self, args: list[str], log_path: str) -> int:
+        """Start `python ARGS` on this node (as deploy.supervisor.Process does on one machine); its pid."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self.log_path = pathlib.Path(log_path)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=pathlib.Path(__file__).resolve().parent.parent)
+        return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.service.exit_code() if self.service is not None else self.proc.poll()
+
+    def kill(self) -> None:
+        if self.service is not None:
+            self.service.kill()
+        elif self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds."""
+        if self.service is not None:
+            self.service.stop(timeout)
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, lines: int) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class RayService:
+    """A service started by its agent, as the supervisor sees a deploy.launcher.ServiceProcess."""
+
+    def __init__(self, name: str, agent, address: str, pid: int, metrics_port: int | None, log_path: pathlib.Path):
+        self.name, self.agent, self.address, self.pid = name, agent, address, pid
+        self.metrics_port, self.log_path = metrics_port, log_path
+
+    def restart(self, timeout: float = 120.0) -> None:
+        self.pid, self.metrics_port = ray.get(self.agent.restart.remote(timeout))
+
+    def exit_code(self) -> int | None:
+        return ray.get(self.agent.exit_code.remote())
+
+    def alive(self) -> bool:
+        return self.exit_code() is None
+
+    def kill(self) -> None:
+        ray.get(self.agent.kill.remote())
+
+    def stop(self, timeout: float = 15.0) -> None:
+        ray.get(self.agent.stop.remote(timeout))
+
+    def log_tail(self, lines: int = 40) -> str:
+        return ray.get(self.agent.log_tail.remote(lines))
+
+
+class RayProcess(Process):
+    """A client process (trainer, driver) started by its agent; heartbeat files are read on the shared run folder."""
+
+    def __init__(self, agent, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.agent, self._pid = agent, 0
+
+    def start(self, timeout: float) -> None:
+        self.started_at = time.time()
+        self._pid = ray.get(self.agent.spawn.remote(self.args, str(self.log_path)), timeout=timeout)
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def exit_code(self) -> int | None:
+        return ray.get(self.agent.exit_code.remote())
+
+    def kill(self) -> None:
+        ray.get(self.agent.kill.remote())
+
+    def stop(self, timeout: float = 20.0) -> None:
+        ray.get(self.agent.stop.remote(timeout))
+
+
+class RayLauncher:
+    """Places one agent per process of a run on the Ray cluster at `address` (deploy.pipeline's launcher)."""
+
+    def __init__(self, address: str, services: ServicesSection, place_timeout_s: float = PLACE_TIMEOUT_S):
+        ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        self.services = services
+        self.tag = secrets.token_hex(3)
+        groups = {name: placement.group for name, placement in services.placed().items()}
+        groups["driver"] = services.buffer.group
+        self.groups = groups
+        self.agents = {name: NodeAgent.options(name=f"relayrl-{self.tag}-{name}", **(
+            {"resources": {group: GROUP_SHARE}} if group else {})).remote() for name, group in groups.items()}
+        self.nodes: dict[str, tuple[str, str]] = {}
+        for name, agent in self.agents.items():
+            try:
+                self.nodes[name] = ray.get(agent.node.remote(), timeout=place_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"services.{name}: no Ray node with resource {groups[name]!r} took it within "
+                                   f"{place_timeout_s:.0f}s (start its nodes with --resources "
+                                   f"'{{\"{groups[name]}\": 1}}')") from None
+
+    def placement(self) -> dict[str, dict]:
+        """Where Ray placed each process: {name: {group, node_id, ip}}."""
+        return {name: {"group": self.groups[name], "node_id": node_id, "ip": ip}
+                for name, (node_id, ip) in self.nodes.items()}
+
+    def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
+                env: dict[str, str] | None = None) -> RayService:
+        """Start `name` on its agent's node; the placement is recorded beside the run's services.json."""
+        registry.with_name(PLACEMENT_FILE).write_text(json.dumps(self.placement(), indent=2))
+        agent = self.agents[name]
+        address, pid, metrics_port = ray.get(agent.serve.remote(name, overrides, str(log_dir), str(registry), env,
+                                                                PLACE_TIMEOUT_S))
+        return RayService(name, agent, address, pid, metrics_port, log_dir / f"{name}.log")
+
+    def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
+                heartbeat: pathlib.Path | None = None) -> RayProcess:
+        trainer = self.services.trainer
+        if name == "trainer" and trainer.procs_per_node > 1:
+            args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainer.procs_per_node),
+                    *args]
+        return RayProcess(self.agents[name], name, args, log_path, exit_zero_is_done, heartbeat)
+
+    def trainer_settings(self) -> dict:
+        """The weight rendezvous on the trainer's node, where the rollout reaches it."""
+        sync = self.services.trainer.weight_sync
+        return {"publish": {"master_addr": sync.address or self.nodes["trainer"][1], "master_port": sync.port}}
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            ray.kill(agent)
+        ray.shutdown()

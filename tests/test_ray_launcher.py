@@ -1,0 +1,100 @@
+"""`relayrl run FILE --ray ADDRESS` on a Ray cluster of three nodes on this machine (ray.cluster_utils.Cluster), each
+carrying one group's custom resource: every service lands on its group's node (Ray's node ids against the cluster's
+node table), the rollout killed mid-run is restarted on its node, and a short run of the quickstart experiment
+learns. Needs the `ray` extra; marked slow (Ray on 2 cores is heavy)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+GROUPS = {"buffer": "cpu", "reward": "cpu", "driver": "cpu", "rollout": "inference", "trainer": "training"}
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    from ray.cluster_utils import Cluster
+
+    # Ray 2.60 turns token auth on and writes under the home directory and /tmp/ray: keep it all in a temp dir.
+    temp = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_TMPDIR", temp)
+    monkeypatch.setenv("RAY_agent_register_timeout_ms", "180000")  # a loaded 2-core machine
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"cpu": 1},
+                                                          "include_dashboard": False})
+    try:
+        made.add_node(num_cpus=1, resources={"training": 1})
+        made.add_node(num_cpus=1, resources={"inference": 1})
+        yield made
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        made.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.timeout(1200)
+def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp_path):
+    from deploy.quickstart_project import write_project
+
+    experiment = write_project(tmp_path / "project")
+    run_dir = tmp_path / "run"
+    groups = "[{name: training}, {name: inference}, {name: cpu}]"
+    sets = [f"run_dir={run_dir}", "training.time_budget_s=150", "evaluation.every_s=30",
+            f"groups={groups}", "checkpoint.export_dir=null",
+            *(f"services.{name}.group={group}" for name, group in GROUPS.items() if name != "driver"),
+            # The services bind their node's address (this machine's, not loopback) with auth off, on purpose.
+            *(f"services.{name}.settings={{server.insecure: true}}" for name in ("buffer", "reward", "rollout"))]
+    out = tmp_path / "run.out"
+    with open(out, "wb") as log:
+        job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(experiment), "--ray", cluster.address,
+                                *(arg for s in sets for arg in ("--set", s))], stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    try:
+        # The local launcher's restart policy through the agents: the rollout, SIGKILLed on its node mid-run, is
+        # started again by its agent on the same node and address.
+        steps = run_dir / "trainer_metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while job.poll() is None and time.monotonic() < deadline and (
+                not steps.exists() or len(steps.read_text().splitlines()) < 20):
+            time.sleep(1)
+        before = json.loads((run_dir / "services.json").read_text())["rollout"]
+        os.kill(before["pid"], signal.SIGKILL)  # a process of this test's own cluster, on this machine
+        job.wait(900)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(30)
+    assert job.returncode == 0, out.read_text()[-5000:]
+    after = json.loads((run_dir / "services.json").read_text())["rollout"]
+    assert after["address"] == before["address"] and after["pid"] != before["pid"]
+    assert "rollout 1" in out.read_text()  # the summary's restarts
+
+    # Where Ray placed each process's agent (the node id Ray's runtime context gave it): on the node carrying its
+    # group's resource, as the cluster's own node table says.
+    ray.init(address=cluster.address)
+    resources = {node["NodeID"]: node["Resources"] for node in ray.nodes()}
+    agents = {name: where["node_id"] for name, where in json.loads((run_dir / "placement.json").read_text()).items()}
+    assert set(agents) == set(GROUPS)
+    for name, group in GROUPS.items():
+        assert group in resources[agents[name]], f"{name} ran on a node without {group}: {resources[agents[name]]}"
+    assert len({agents["buffer"], agents["rollout"], agents["trainer"]}) == 3
+
+    # Addresses came from the placement: the clients were handed the services' node addresses.
+    registry = json.loads((run_dir / "services.json").read_text())
+    trainer = (run_dir / "trainer.yaml").read_text()
+    assert registry["rollout"]["address"] in trainer and registry["buffer"]["address"] in trainer
+    # The shipped warm-up (450 SFT steps, held-out ~0.3), then 150 s of RL on a machine shared with other jobs:
+    # the mean of the last two evaluations (200 prompts each) must beat the start.
+    curve = [json.loads(line)["accuracy"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"ray: held-out {' -> '.join(f'{a:.3f}' for a in curve)}")
+    assert len(curve) >= 3 and sum(curve[-2:]) / 2 > curve[0]
