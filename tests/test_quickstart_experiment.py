@@ -66,7 +66,10 @@ def _descendants(pid: int) -> set[int]:
     while todo:
         parent = todo.pop()
         for task in pathlib.Path(f"/proc/{parent}/task").glob("*"):
-            children = {int(c) for c in (task / "children").read_text().split()} if (task / "children").exists() else set()
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except FileNotFoundError:  # the thread (or process) ended meanwhile
+                continue
             todo.extend(children - found)
             found |= children
     return found
