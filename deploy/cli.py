@@ -6,6 +6,8 @@ import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from services.teardown import skip_final_collection
+
 # name -> module exposing `Config` (pydantic, with a `server` field) and `async serve(config)`.
 SERVICES = {
     "rollout": "rollout.service",
@@ -161,10 +163,17 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from deploy import agentic
-
     # Python's default SIGTERM ends the process at once, leaving the services and trainer it started running.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # raised after the job's finally blocks stopped every process it started
+        print("relayrl run: interrupted; every process it started is stopped", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _run(args: argparse.Namespace) -> int:
+    from deploy import agentic
 
     if args.experiment and args.config:
         print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)
@@ -224,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor,
                 "deploy": cmd_deploy}
-    return commands[args.command](args)
+    try:
+        return commands[args.command](args)
+    finally:
+        skip_final_collection()
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ class RewardSection(Strict):
                           "operator function 'package.module:function' (fn(sample, **args) -> float | RewardOutput), "
                           "importable from python_path. Ignored when `model` or `judge` is set.")
     args: dict[str, object] = Field(default_factory=dict, description="Arguments fixed for every call of the "
-                                    "function (e.g. {extract: boxed}).")
+                                    "function (e.g. {extract: boxed}); an error with `model` or `judge`, which take none.")
     python_path: list[str] = Field(default_factory=lambda: ["."], description="Folders added to the reward "
                                    "service's PYTHONPATH to import an operator function (relative: to this file).")
     model: str | None = Field(None, description="A sequence-classification reward model folder scored as the "
@@ -102,6 +102,13 @@ class RewardSection(Strict):
     def _one_scorer(self) -> "RewardSection":
         if self.model is not None and self.judge is not None:
             raise ValueError("model and judge: give one (a reward model folder, or a served LLM judge)")
+        scorer = "model" if self.model is not None else "judge" if self.judge is not None else None
+        if scorer and self.args:
+            raise ValueError(f"args: {scorer} is set, and a {'reward model' if scorer == 'model' else 'judge'} takes "
+                             f"no function args (args go to `function`, which {scorer} replaces): remove args")
+        if self.judge is not None and self.judge.timeout_s >= self.timeout_s:
+            raise ValueError(f"judge.timeout_s ({self.judge.timeout_s:g}s per request) must be below timeout_s "
+                             f"({self.timeout_s:g}s per sample, retries included)")
         return self
 
     @property

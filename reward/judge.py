@@ -56,8 +56,9 @@ class JudgeConfig(Strict):
     score_range: tuple[float, float] = Field((0.0, 10.0), description="generate: the number's [low, high], "
                                              "mapped to [0, 1] (outside it: clipped).")
     answer_key: str = Field("answer", description="Sample metadata key of the reference answer ({answer}).")
-    timeout_s: float = Field(30.0, gt=0, description="Per HTTP request (the request's per-sample timeout also "
-                             "bounds the whole, retries included).")
+    timeout_s: float = Field(5.0, gt=0, description="Per HTTP request; below the per-sample timeout (an experiment's "
+                             "reward.timeout_s, the reward service's default_timeout_s; both check), which bounds "
+                             "the whole grading, retries included: a longer request would leave a retry no time.")
     retries: int = Field(2, ge=0, description="Retries of a request that failed to connect, timed out, or got "
                          "429 / 5xx.")
     backoff_s: float = Field(0.5, ge=0, description="Wait before the first retry; doubled before each next.")

@@ -1,7 +1,7 @@
 """The reward gRPC service (`relayrl serve reward`): a thin servicer over reward.scorer."""
 
 import grpc
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from protos import reward_pb2, reward_pb2_grpc
 from protos.codec import CodecError, unpack_metadata
@@ -56,6 +56,14 @@ class Config(Strict):
     judges: dict[str, JudgeConfig] = Field(
         default_factory=dict, description="name -> an LLM served elsewhere (OpenAI-compatible) that grades each "
         "completion; requests call it as function `name` (reward/judge.py).")
+
+    @model_validator(mode="after")
+    def _judge_requests_fit_a_sample(self) -> "Config":
+        for name, judge in self.judges.items():
+            if judge.timeout_s >= self.default_timeout_s:
+                raise ValueError(f"judges.{name}.timeout_s ({judge.timeout_s:g}s per request) must be below "
+                                 f"default_timeout_s ({self.default_timeout_s:g}s per sample, retries included)")
+        return self
 
 
 def build_registry(config: Config) -> Registry:

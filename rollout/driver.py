@@ -32,6 +32,7 @@ from rollout.call_merger import CallMerger
 from rollout.producer import GroupProducer
 from services.client import connect
 from services.config import ClientConfig, Strict, load_config
+from services.teardown import skip_final_collection
 
 log = logging.getLogger("relayrl.driver")
 
@@ -249,14 +250,8 @@ class Driver(GroupProducer):
 async def drive(config: DriverConfig) -> dict:
     prompts = load_prompts(config)
     driver = Driver(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await driver.run(prompts, stop)
+        await driver.run_until_signalled(prompts)
     finally:
         await driver.close()
     return driver.snapshot()
@@ -269,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = load_config(DriverConfig, args.config, args.set)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [driver] %(message)s")
-    summary = asyncio.run(drive(config))
+    try:
+        summary = asyncio.run(drive(config))
+    finally:
+        skip_final_collection()
     log.info("driver done: %s", json.dumps(summary))
     return 0
 

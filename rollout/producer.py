@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import random
+import signal
 import time
 from collections.abc import Iterator
 
@@ -23,6 +24,7 @@ from services.runtime import Sparse
 
 log = logging.getLogger("relayrl.producer")
 WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
+STOP_GRACE_S = 3.0  # on SIGTERM/SIGINT, groups in flight get this long to be stored; the rest are abandoned
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -162,6 +164,29 @@ class GroupProducer:
             if reporter is not None:
                 reporter.cancel()
                 self._write_stats()
+
+    async def run_until_signalled(self, items: list) -> None:
+        """run() until it ends or SIGTERM/SIGINT; then the groups in flight get STOP_GRACE_S to be stored and the
+        rest are abandoned (not stored: a producer started again generates them again). Ctrl-C reaches every
+        process of a job at once, so the services these groups wait on may be gone: unbounded, the stop waited
+        on calls retried for minutes, until the job's supervisor killed the producer 20 s later."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        running, stopped = asyncio.create_task(self.run(items, stop)), asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([running, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if not running.done():
+                await asyncio.wait([running], timeout=STOP_GRACE_S)
+            if not running.done():
+                log.warning("stopping: groups still in flight after %gs are abandoned (not stored)", STOP_GRACE_S)
+                running.cancel()
+                await asyncio.wait([running])  # run()'s finally: in-flight groups cancelled, stats written
+        finally:
+            stopped.cancel()
+        if not running.cancelled():
+            running.result()  # a failed group's error
 
     def _write_stats(self) -> None:
         with open(self.config.stats_path, "a") as out:

@@ -7,9 +7,16 @@ processes, with a stand-in trainer that pulls, acks and publishes weights the wa
 
 import asyncio
 import itertools
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from deploy.tasks import arithmetic_tasks, write_jsonl
@@ -18,7 +25,7 @@ from protos.sample import Sample
 from rollout.admission import Pipeline, admit, expected_lag
 from rollout.driver import Driver, DriverConfig, load_prompts
 from rollout.position import Position
-from rollout.producer import item_stream
+from rollout.producer import STOP_GRACE_S, item_stream
 from services.client import connect
 
 G, B = 8, 64  # group size, batch size (8 groups)
@@ -96,6 +103,32 @@ async def run_driver(config: DriverConfig, seconds: float | None = None) -> Driv
 async def buffer_stats(address: str) -> buffer_pb2.StatsResponse:
     async with connect(address) as channel:
         return await buffer_pb2_grpc.BufferStub(channel).Stats(buffer_pb2.StatsRequest(), timeout=10)
+
+
+def test_a_signalled_driver_stops_within_seconds_when_the_buffer_is_gone(pipeline, tmp_path):
+    """Ctrl-C reaches every process of a job at once: a driver process whose calls went to a buffer already gone
+    retried them for minutes after the signal (until the job killed it). Now its groups get STOP_GRACE_S."""
+    config, buffer, _, _ = pipeline
+    path = tmp_path / "driver.yaml"
+    path.write_text(yaml.safe_dump(config(max_staleness=100).model_dump(mode="json")))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    driver = subprocess.Popen([sys.executable, "-m", "rollout.driver", "--config", str(path)], env=env, cwd=root,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while asyncio.run(buffer_stats(buffer.address)).accepted == 0:
+            assert driver.poll() is None and time.monotonic() < deadline, "the driver stored nothing"
+            time.sleep(0.2)
+        buffer.kill()
+        time.sleep(1.0)  # its Stats and Put calls now fail and are retried
+        signalled = time.monotonic()
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(30) == 0
+        assert time.monotonic() - signalled < STOP_GRACE_S + 4
+    finally:
+        driver.kill()
+        driver.wait()
 
 
 def test_a_restarted_driver_with_the_same_seed_gets_its_samples_stored(pipeline):

@@ -79,22 +79,22 @@ def test_doctor_passes_the_example(example):
 
 
 # Each learning run is shorter than the example's own (README has those figures) to fit CI's 2 cores: (--set
-# overrides, the least rise of the held-out metric from the start of RL to its end).
-# code_task is not here yet: its warm-up is not calibrated (30 SFT steps start held-out at 0.29 and RL drifted down;
-# 42 steps start at 0.938, 60 at 1.000; README).
+# overrides, the least rise of the held-out metric from the start of RL to its end). code_task's full run went
+# 0.479 -> 0.805 in its first 240 s of RL.
 LEARNING = {
     "math_word": (["training.time_budget_s=150"], 0.15),
+    "code_task": (["training.time_budget_s=240"], 0.15),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.families
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", sorted(LEARNING))
 def test_the_example_raises_its_held_out_metric(name, tmp_path):
     settings, rise = LEARNING[name]
     experiment = prepare(name, tmp_path)
-    done = relayrl("run", str(experiment), *[arg for s in settings for arg in ("--set", s)], timeout=400)
+    done = relayrl("run", str(experiment), *[arg for s in settings for arg in ("--set", s)], timeout=560)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     curve = [json.loads(line) for line in (tmp_path / "work" / "run" / "metrics.jsonl").read_text().splitlines()]
     start, final = curve[0]["accuracy"], curve[-1]["accuracy"]

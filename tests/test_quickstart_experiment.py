@@ -66,7 +66,10 @@ def _descendants(pid: int) -> set[int]:
     while todo:
         parent = todo.pop()
         for task in pathlib.Path(f"/proc/{parent}/task").glob("*"):
-            children = {int(c) for c in (task / "children").read_text().split()} if (task / "children").exists() else set()
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except FileNotFoundError:  # the thread (or process) ended meanwhile
+                continue
             todo.extend(children - found)
             found |= children
     return found
@@ -79,30 +82,68 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
-    """Python's default SIGTERM ended `relayrl run` at once and left its services, trainer and driver running."""
-    import signal
+def _training_job(tmp_path) -> tuple[subprocess.Popen, set[int]]:
+    """`relayrl run` (in its own process group, as a terminal starts it) once its trainer has taken a step, and
+    every process it started by then."""
     import time
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", "--set", "sft.steps=5", "--set",
                             "training.time_budget_s=200"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = tmp_path / "runs" / "quickstart" / "trainer_metrics.jsonl"
+    deadline = time.monotonic() + 200
+    while not (metrics.exists() and metrics.read_text().strip()):
+        if job.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            raise AssertionError("the run never reached a training step")
+        time.sleep(0.5)
+    started = _descendants(job.pid)
+    assert len(started) >= 5  # buffer, reward, rollout, driver, trainer (and the reward's workers)
+    return job, started
+
+
+def _left_alive(started: set[int], within_s: float) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in started if _alive(pid)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
+    """Python's default SIGTERM ended `relayrl run` at once and left its services, trainer and driver running."""
+    import signal
+
+    job, started = _training_job(tmp_path)
     try:
-        metrics = tmp_path / "runs" / "quickstart" / "trainer_metrics.jsonl"
-        deadline = time.monotonic() + 200
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert job.poll() is None and time.monotonic() < deadline, "the run never reached a training step"
-            time.sleep(0.5)
-        started = _descendants(job.pid)
-        assert len(started) >= 5  # buffer, reward, rollout, driver, trainer (and the reward's workers)
         job.send_signal(signal.SIGTERM)
         assert job.wait(120) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not [pid for pid in started if _alive(pid)]
+        assert not _left_alive(started, 30)
+    finally:
+        job.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_the_run_and_every_process_it_started_within_seconds(tmp_path):
+    """Ctrl-C reaches every process of the job at once. The driver's groups then waited on calls to services
+    already gone, retried, until the job killed it 20 s later, and each process's exit spent seconds in the
+    interpreter's last garbage collection: 24 s in all. Now the driver abandons them after 3 s."""
+    import signal
+    import time
+
+    job, started = _training_job(tmp_path)
+    try:
+        pressed = time.monotonic()
+        os.killpg(job.pid, signal.SIGINT)
+        code = job.wait(60)
+        left = _left_alive(started, max(0.0, 15 - (time.monotonic() - pressed)))
+        stopped_in = time.monotonic() - pressed
+        assert stopped_in < 15 and not left, f"{stopped_in:.1f}s after Ctrl-C, still running: {left}"
+        assert code == 128 + signal.SIGINT  # and a line, not a traceback
     finally:
         job.kill()

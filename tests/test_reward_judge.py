@@ -266,6 +266,33 @@ def test_unreachable_judge_fails_its_samples_and_the_service_keeps_serving(rewar
 # ---- the experiment file and the doctor
 
 
+def test_a_judge_request_fits_in_the_sample_timeout_and_args_beside_a_judge_or_model_are_errors(tmp_path):
+    """The judge's 30 s request timeout sat inside a 10 s sample timeout (a retry never happened), and reward.args
+    beside `judge` or `model` were dropped without a word."""
+    from pydantic import ValidationError
+
+    judge = {"url": "http://127.0.0.1:9/v1", "model": MODEL, "template": TEMPLATE}
+    spec, path = experiment(tmp_path, tmp_path / "run"), tmp_path / "experiment.yaml"
+
+    def load(reward: dict):
+        spec["reward"] = reward
+        path.write_text(yaml.safe_dump(spec))
+        return load_experiment(path)
+
+    config = load({"judge": judge})
+    assert config.reward.judge.timeout_s < config.reward.timeout_s  # the defaults fit
+    assert JudgeConfig(**judge).timeout_s < Config().default_timeout_s
+    with pytest.raises(ConfigError, match=r"judge.timeout_s \(10s per request\) must be below timeout_s \(10s"):
+        load({"judge": {**judge, "timeout_s": 10}})
+    with pytest.raises(ValidationError, match=r"judges.j.timeout_s \(30s per request\) must be below default_timeout_s"):
+        Config(judges={"j": {**judge, "timeout_s": 30}})
+    with pytest.raises(ConfigError, match="args: judge is set"):
+        load({"judge": judge, "args": {"bonus": 1.0}})
+    with pytest.raises(ConfigError, match="args: model is set"):
+        load({"model": str(tmp_path / "rm"), "args": {"bonus": 1.0}})
+    assert load({"model": str(tmp_path / "rm")}).reward.args == {}
+
+
 def test_experiment_takes_a_judge_section_and_the_doctor_checks_it(tmp_path, judge_url):
     spec = experiment(tmp_path, tmp_path / "run")
     spec["reward"] = {"judge": {"url": judge_url, "model": MODEL, "template": TEMPLATE, "mode": "logprob"}}

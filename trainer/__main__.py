@@ -25,9 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
+    from services.teardown import skip_final_collection
     from trainer.run import run
 
-    run(config)
+    try:
+        run(config)
+    finally:
+        skip_final_collection()
     return 0
 
 

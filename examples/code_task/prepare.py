@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "work")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval", type=int, default=48, help="held-out specs (never trained on)")
+    parser.add_argument("--eval", type=int, default=96, help="held-out specs (never trained on)")
     args = parser.parse_args()
 
     args.out.mkdir(parents=True, exist_ok=True)

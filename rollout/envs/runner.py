@@ -21,7 +21,6 @@ import json
 import logging
 import random
 import secrets
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from rollout.envs.base import Environment, Message, Task, environment_class
 from rollout.producer import RETRYABLE, GroupProducer
 from services.client import connect
 from services.config import Strict, load_config
+from services.teardown import skip_final_collection
 
 log = logging.getLogger("relayrl.runner")
 
@@ -252,12 +252,8 @@ async def run_runner(config: RunnerConfig) -> dict:
     cls, env_config = env_spec(config.env, config.env_config)
     train_tasks, _ = cls.tasks(env_config, config.seed)
     runner = Runner(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await runner.run(train_tasks, stop)
+        await runner.run_until_signalled(train_tasks)
     finally:
         await runner.close()
     return runner.snapshot()
@@ -270,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = load_config(RunnerConfig, args.config, args.set)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [runner] %(message)s")
-    summary = asyncio.run(run_runner(config))
+    try:
+        summary = asyncio.run(run_runner(config))
+    finally:
+        skip_final_collection()
     log.info("runner done: %s", json.dumps(summary))
     return 0
 
