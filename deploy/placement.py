@@ -201,7 +201,8 @@ def ray_problems(services: ServicesSection) -> list[str]:
     for name, placement in services.placed().items():
         field = f"services.{name}"
         if isinstance(placement, ServicePlacement):
-            problems += [f"{field}.replicas: {placement.replicas}"] if placement.replicas > 1 else []
+            if placement.replicas > 1 and name != "rollout":  # rollout replicas run behind a router (deploy/replicas.py)
+                problems.append(f"{field}.replicas: {placement.replicas}")
             problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     if services.trainer.nodes > 1:
         problems.append(f"services.trainer.nodes: {services.trainer.nodes}")
