@@ -17,8 +17,9 @@ import urllib.request
 import grpc
 import pytest
 
+from protos import router_pb2, router_pb2_grpc
+
 ray = pytest.importorskip("ray")
-from protos import router_pb2, router_pb2_grpc  # noqa: E402
 pytestmark = pytest.mark.slow
 
 # "rollout" is the router; "rollout-1" and "rollout-2" the replicas (deploy/replicas.py), each with its own agent
