@@ -5,6 +5,9 @@
                  the driver and trainer present): read from the files the experiment names
     buffer       StatefulSet of one; reward: Deployment; rollout: StatefulSet (stable pod names: the trainer
                  publishes weights to each replica); each with a headless Service, gRPC health probes, resources
+    router       with rollout replicas > 1: a Deployment of one `relayrl serve rollout` routing over the replicas'
+                 stable names (rollout/router.py) on the rollout's group, and its Service; the driver generates
+                 through it and the trainer publishes to the replicas it lists
     trainer      indexed Job of `nodes` pods, each `torchrun --nproc-per-node P --node-rank INDEX`; pod 0 holds
                  global rank 0, so it hosts torchrun's rendezvous and the weight broadcast's (headless Service)
     driver       Deployment of one: writes the prompts (init container), then generates, scores and fills the buffer
@@ -23,11 +26,13 @@ from deploy.experiment import ExperimentConfig
 from deploy.k8s_configs import (
     CONFIG_DIR,
     METRICS_PORT,
+    ROUTER,
     SECRET_DIR,
     host,
     object_name,
     port,
     process_configs,
+    routed,
     token_args,
     token_env,
 )
@@ -142,6 +147,27 @@ def _service_workload(config: ExperimentConfig, name: str, groups: dict[str, Nod
     if WORKLOADS[name] == "StatefulSet":
         spec = {"serviceName": object_name(config.kubernetes, name), "podManagementPolicy": "Parallel", **spec}
     return {"apiVersion": "apps/v1", "kind": WORKLOADS[name], "metadata": _meta(config, name), "spec": spec}
+
+
+def _router(config: ExperimentConfig, groups: dict[str, NodeGroup]) -> dict:
+    """The rollout router: one pod on the rollout's group, serving as the rollout does (its port, TLS and tokens),
+    reaching the replicas as the run's clients do (the clients Secret, the rollout token). It holds no model and
+    asks for no GPU; a restarted router finds the replicas again from its config."""
+    placement = config.services.rollout
+    grpc_port = port("rollout", placement)
+    secrets = [f"rollout-{kind}" for kind in ("tls", "auth") if getattr(placement, kind) is not None]
+    volumes, mounts = _volumes(config, secrets + (["clients"] if _has_clients(config) else []))
+    container = _container(
+        config, "router", ["relayrl", "serve", "rollout", "--config", f"{CONFIG_DIR}/{ROUTER}.yaml",
+                           *token_args(["rollout"], "router.client.token", config.services)], mounts,
+        env=_token_env(config, ["rollout"]),
+        ports=[{"name": "grpc", "containerPort": grpc_port}, {"name": "metrics", "containerPort": METRICS_PORT}],
+        **_probes(placement, grpc_port))
+    group = groups.get(placement.group) if placement.group else None
+    pod = {"metadata": {"labels": _labels(config, ROUTER)},
+           "spec": {**_placement(group), "containers": [container], "volumes": volumes}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(config, ROUTER), "spec": {
+        "replicas": 1, "selector": {"matchLabels": _labels(config, ROUTER)}, "template": pod}}
 
 
 def _headless(config: ExperimentConfig, component: str, ports: list[tuple[str, int]], ready_only: bool) -> dict:
@@ -280,6 +306,8 @@ def render(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
         ports = [("grpc", port(name, getattr(config.services, name))), ("metrics", METRICS_PORT)]
         objects += [_headless(config, name, ports, ready_only=True),
                     _service_workload(config, name, groups, env.get(name, {}))]
+        if name == "rollout" and routed(config.services):
+            objects += [_headless(config, ROUTER, ports, ready_only=True), _router(config, groups)]
     trainer = config.services.trainer
     trainer_ports = [("rendezvous", trainer.rendezvous_port)]
     if trainer.weight_sync.port:

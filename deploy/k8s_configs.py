@@ -2,7 +2,9 @@
 
 They come from the same functions a local run uses (deploy/experiment_run.py `pipeline_plan`, deploy/pipeline.py),
 with the services' stable DNS names for addresses, every path under the project volume, and TLS files and tokens
-at the paths where their Secrets are mounted. A token never goes into a config file: the container gets it from a
+at the paths where their Secrets are mounted. With rollout replicas (services.rollout.replicas > 1) the driver and
+the trainer reach them through the rollout router (ROUTER, rollout/router.py), which is told each replica's stable
+StatefulSet name; the trainer publishes to the replicas the router lists (publish.receivers_from). A token never goes into a config file: the container gets it from a
 Secret as an environment variable, and `--set ...token=$(VAR)` in its arguments (Kubernetes expands it).
 """
 
@@ -14,6 +16,7 @@ from deploy.placement import CLUSTER_PORTS, SERVERS, KubernetesSection, ServiceP
 CONFIG_DIR = "/etc/relayrl"  # the ConfigMap: experiment.yaml and SERVICE.yaml of each process
 SECRET_DIR = "/etc/relayrl/secrets"  # SERVICE-tls/, SERVICE-auth/ (servers), clients/ (driver, trainer)
 METRICS_PORT = 9090  # Prometheus /metrics of every gRPC service
+ROUTER = "rollout-router"  # the component (objects, config file) of the router in front of rollout replicas
 
 
 def object_name(k8s: KubernetesSection, component: str) -> str:
@@ -29,6 +32,16 @@ def host(k8s: KubernetesSection, component: str, index: int | None = None) -> st
 
 def port(name: str, placement: ServicePlacement) -> int:
     return placement.port or CLUSTER_PORTS[name]
+
+
+def routed(services) -> bool:
+    """Whether the rollout runs as replicas behind a router (deploy/k8s.py renders it then)."""
+    return services.rollout.replicas > 1
+
+
+def rollout_replicas(k8s: KubernetesSection, placement: ServicePlacement) -> list[str]:
+    """host:port of each rollout replica: its StatefulSet pod's stable DNS name."""
+    return [f"{host(k8s, 'rollout', i)}:{port('rollout', placement)}" for i in range(placement.replicas)]
 
 
 def token_env(name: str) -> str:
@@ -78,6 +91,8 @@ def process_configs(config: ExperimentConfig) -> dict[str, dict]:
     run_dir = pathlib.Path(config.run_dir)
     plan = pipeline_plan(config, run_dir, pathlib.Path(config.model.path), run_dir / "prompts.jsonl")
     at = {name: f"{host(k8s, name)}:{port(name, getattr(services, name))}" for name in SERVERS}
+    if routed(services):  # the router listens on the rollout's port under its own Service name
+        at["rollout"] = f"{host(k8s, ROUTER)}:{port('rollout', services.rollout)}"
     addresses = Addresses(buffer=at["buffer"], reward=at["reward"], rollout=at["rollout"])
     out = {}
     rollout = rollout_overrides(plan)
@@ -87,13 +102,17 @@ def process_configs(config: ExperimentConfig) -> dict[str, dict]:
         placement = getattr(services, name)
         out[name] = merged(nested(overrides), {"server": server_section(name, placement)})
     clients = {name: client_section(name, getattr(services, name)) for name in SERVERS}
+    replicas = rollout_replicas(k8s, services.rollout)
+    if routed(services):  # the router is a rollout server without an engine: it reaches the replicas as a client
+        out[ROUTER] = {"model": rollout["model"], "router": {"replicas": replicas, "client": clients["rollout"]},
+                       "server": server_section("rollout", services.rollout)}
     out["driver"] = {**driver_config(plan, addresses), "clients": {k: v for k, v in clients.items() if v}}
     trainer = services.trainer
-    rollout_port = port("rollout", services.rollout)
-    receivers = [f"{host(k8s, 'rollout', i)}:{rollout_port}" for i in range(services.rollout.replicas)]
+    # trainer_config publishes to the router's replicas (receivers_from) when there are several, else to the one
+    publish = {} if routed(services) else {"receivers": replicas}
     out["trainer"] = merged(trainer_config(plan, addresses), {
         "buffer": {"client": clients["buffer"]},
-        "publish": {"receivers": receivers, "client": clients["rollout"],
+        "publish": {**publish, "client": clients["rollout"],
                     "master_addr": trainer.weight_sync.address or host(k8s, "trainer", 0),
                     "master_port": trainer.weight_sync.port},
     })

@@ -209,11 +209,12 @@ class LocalLauncher:
     """Where a run's processes start: each on this machine (deploy/ray_launcher.py places them on Ray nodes)."""
 
     def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
-                env: dict[str, str] | None = None):
-        """A started, serving service process (deploy.launcher.ServiceProcess)."""
+                env: dict[str, str] | None = None, label: str | None = None):
+        """A started, serving service process (deploy.launcher.ServiceProcess); `label` names it in the run (a
+        rollout replica: "rollout-2"), `name` is what `relayrl serve` runs."""
         from deploy.launcher import start_service
 
-        return start_service(name, overrides, log_dir=log_dir, registry=registry, env=env)
+        return start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, label=label)
 
     def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
                 heartbeat: pathlib.Path | None = None):
@@ -250,7 +251,7 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
             buffer = supervisor.add_service(launcher.service("buffer", buffer_overrides(plan), logs, registry))
             reward = supervisor.add_service(launcher.service("reward", plan.reward, logs, registry, plan.reward_env))
             if rl.rollout_replicas > 1:
-                replicas = RolloutReplicas(supervisor, rollout_overrides(plan), logs, run_dir)
+                replicas = RolloutReplicas(supervisor, rollout_overrides(plan), logs, run_dir, launcher)
                 rollout = replicas.start(rl.rollout_replicas)
             else:
                 rollout = supervisor.add_service(launcher.service("rollout", rollout_overrides(plan), logs, registry))

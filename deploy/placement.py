@@ -53,8 +53,9 @@ class ServicePlacement(Strict):
     group: str | None = Field(None, description="The node group it runs on (a name under `groups`); None = this "
                               "machine.")
     replicas: int = Field(1, ge=1, description="Copies of the service (rollout and reward only: the buffer is one "
-                          "process, the single owner of its log). A local run starts rollout replicas behind a "
-                          "router (deploy/replicas.py; `relayrl deploy scale` changes their number while it runs).")
+                          "process, the single owner of its log). A run (local or --ray) starts rollout replicas "
+                          "behind a router (deploy/replicas.py; `relayrl deploy scale` changes their number while it "
+                          "runs); `relayrl deploy k8s` renders the router in front of them.")
     port: int = Field(0, ge=0, le=65535, description="The port it listens on; 0 = any free port on this machine "
                       "(relayrl doctor checks a fixed one is free). On a cluster 0 means the service's CLUSTER_PORTS one.")
     resources: Resources = Field(default_factory=Resources, description="Per replica; for Ray and Kubernetes.")
@@ -201,7 +202,8 @@ def ray_problems(services: ServicesSection) -> list[str]:
     for name, placement in services.placed().items():
         field = f"services.{name}"
         if isinstance(placement, ServicePlacement):
-            problems += [f"{field}.replicas: {placement.replicas}"] if placement.replicas > 1 else []
+            if placement.replicas > 1 and name != "rollout":  # rollout replicas run behind a router (deploy/replicas.py)
+                problems.append(f"{field}.replicas: {placement.replicas}")
             problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     if services.trainer.nodes > 1:
         problems.append(f"services.trainer.nodes: {services.trainer.nodes}")

@@ -2,7 +2,9 @@
 
     a node group's name is a Ray custom resource its nodes carry (`ray start --resources '{"inference": 1}'`)
     -> one agent (a Ray actor) per process, placed with resources={group: ...}: buffer, reward and rollout on their
-       groups, the trainer on its group, the driver beside the buffer; no group = any node
+       groups, the trainer on its group, the driver beside the buffer; no group = any node. Rollout replicas
+       (deploy/replicas.py: "rollout-1", ... behind the router "rollout") get an agent each on the rollout's group,
+       made as each starts (a replica added by `relayrl deploy scale` too)
     -> each agent starts its process on its node: a service by deploy.launcher.start_service (`relayrl serve NAME`
        bound to the node's IP and a free port, health-checked there), the trainer and the driver as `python -m ...`
     -> the addresses handed to the driver, the trainer and the evaluation are node IP + bound port, as placed; the
@@ -12,8 +14,8 @@
 
 Every node needs relayrl installed in the same Python environment, and the run folder and the model on a filesystem
 every node sees at the same path (logs, heartbeats, checkpoints and metrics are read there), as Kubernetes' project
-claim. Not yet: replicas > 1 (the driver calls one rollout and one reward address), a trainer across nodes, TLS and
-tokens, and an agent's node lost (its process is restarted only while its agent lives).
+claim. Not yet: reward replicas > 1 (the driver calls one reward address), a trainer across nodes, TLS and tokens,
+and an agent's node lost (its process is restarted only while its agent lives).
 """
 
 import json
@@ -50,11 +52,12 @@ class NodeAgent:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def serve(self, name: str, overrides: dict, log_dir: str, registry: str, env: dict | None,
-              timeout: float) -> tuple[str, int, int | None]:
+              timeout: float, label: str | None = None) -> tuple[str, int, int | None]:
         """Start `relayrl serve NAME` on this node's IP (its fixed port, or a free one); (address, pid, metrics)."""
         port = str(overrides.get("server.address", ":0")).rsplit(":", 1)[1]
         overrides = {**overrides, "server.address": f"{ray.util.get_node_ip_address()}:{port}"}
-        self.service = start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, timeout=timeout)
+        self.service = start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, timeout=timeout,
+                                     label=label)
         self.log_path = self.service.log_path
         return self.service.address, self.service.pid, self.service.metrics_port
 
@@ -157,19 +160,27 @@ class RayLauncher:
         ray.init(address=address, log_to_driver=False, include_dashboard=False)
         self.services = services
         self.tag = secrets.token_hex(3)
-        groups = {name: placement.group for name, placement in services.placed().items()}
-        groups["driver"] = services.buffer.group
-        self.groups = groups
-        self.agents = {name: NodeAgent.options(name=f"relayrl-{self.tag}-{name}", **(
-            {"resources": {group: GROUP_SHARE}} if group else {})).remote() for name, group in groups.items()}
+        self.place_timeout_s = place_timeout_s
+        self.groups = {name: placement.group for name, placement in services.placed().items()}
+        self.groups["driver"] = services.buffer.group
+        self.agents = {name: self._new_agent(name, group) for name, group in self.groups.items()}
         self.nodes: dict[str, tuple[str, str]] = {}
-        for name, agent in self.agents.items():
-            try:
-                self.nodes[name] = ray.get(agent.node.remote(), timeout=place_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"services.{name}: no Ray node with resource {groups[name]!r} took it within "
-                                   f"{place_timeout_s:.0f}s (start its nodes with --resources "
-                                   f"'{{\"{groups[name]}\": 1}}')") from None
+        for name in self.agents:
+            self._place(name)
+
+    def _new_agent(self, name: str, group: str | None):
+        return NodeAgent.options(name=f"relayrl-{self.tag}-{name}", **(
+            {"resources": {group: GROUP_SHARE}} if group else {})).remote()
+
+    def _place(self, name: str) -> None:
+        """Wait until Ray has placed `name`'s agent on a node; record the node."""
+        group = self.groups[name]
+        try:
+            self.nodes[name] = ray.get(self.agents[name].node.remote(), timeout=self.place_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"services.{name}: no Ray node with resource {group!r} took it within "
+                               f"{self.place_timeout_s:.0f}s (start its nodes with --resources "
+                               f"'{{\"{group}\": 1}}')") from None
 
     def placement(self) -> dict[str, dict]:
         """Where Ray placed each process: {name: {group, node_id, ip}}."""
@@ -177,13 +188,19 @@ class RayLauncher:
                 for name, (node_id, ip) in self.nodes.items()}
 
     def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
-                env: dict[str, str] | None = None) -> RayService:
-        """Start `name` on its agent's node; the placement is recorded beside the run's services.json."""
+                env: dict[str, str] | None = None, label: str | None = None) -> RayService:
+        """Start `name` on its agent's node; the placement is recorded beside the run's services.json. A `label`
+        not placed yet (a rollout replica, "rollout-2") gets a new agent on `name`'s group."""
+        label = label or name
+        if label not in self.agents:
+            self.groups[label] = self.groups[name]
+            self.agents[label] = self._new_agent(label, self.groups[name])
+            self._place(label)
         registry.with_name(PLACEMENT_FILE).write_text(json.dumps(self.placement(), indent=2))
-        agent = self.agents[name]
+        agent = self.agents[label]
         address, pid, metrics_port = ray.get(agent.serve.remote(name, overrides, str(log_dir), str(registry), env,
-                                                                PLACE_TIMEOUT_S))
-        return RayService(name, agent, address, pid, metrics_port, log_dir / f"{name}.log")
+                                                                PLACE_TIMEOUT_S, label))
+        return RayService(label, agent, address, pid, metrics_port, log_dir / f"{label}.log")
 
     def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
                 heartbeat: pathlib.Path | None = None) -> RayProcess:

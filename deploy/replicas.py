@@ -9,6 +9,9 @@ reaches the process that supervises the run:
     RUN_DIR/scale/rollout.json          asked: {"id": ..., "replicas": N}
     RUN_DIR/scale/rollout.result.json   done:  {"id": ..., "replicas": [names], "added": [...], "removed": {...}}
 
+The processes start through the run's launcher: on this machine (deploy.pipeline.LocalLauncher), or each replica
+and the router on a node of the rollout's group of a Ray cluster (deploy/ray_launcher.py, one agent each).
+
 Up: a new replica process starts, is supervised and recorded, and is added to the router as JOINING; it takes
 traffic once it serves the weight version the others serve (the trainer's next publish reaches it). Down: the
 newest replicas leave the router first (no new traffic; in-flight requests finish), then their processes stop.
@@ -23,7 +26,7 @@ import threading
 import grpc
 
 from deploy import service_registry
-from deploy.launcher import ServiceProcess, start_service
+from deploy.launcher import ServiceProcess
 from protos import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("relayrl.replicas")
@@ -49,11 +52,15 @@ def write_json(path: pathlib.Path, data: dict) -> None:
 class RolloutReplicas:
     """The router and its replica processes, started and scaled under the run's supervisor."""
 
-    def __init__(self, supervisor, overrides: dict, logs: pathlib.Path, run_dir: pathlib.Path,
+    def __init__(self, supervisor, overrides: dict, logs: pathlib.Path, run_dir: pathlib.Path, launcher=None,
                  join_wait_s: float = 120.0, drain_timeout_s: float = 120.0):
         """`overrides`: the rollout service's --set overrides; a fixed `server.address` is the router's (the
-        replicas take free ports)."""
+        replicas take free ports), its other `server` settings are the router's too. `launcher` starts the
+        processes (deploy.pipeline.LocalLauncher by default)."""
+        from deploy.pipeline import LocalLauncher
+
         self.supervisor, self.logs, self.run_dir = supervisor, logs, run_dir
+        self.launcher = launcher or LocalLauncher()
         self.overrides = {k: v for k, v in overrides.items() if k != "server.address"}
         self.router_address = overrides.get("server.address")
         self.registry = run_dir / service_registry.REGISTRY_FILE
@@ -69,12 +76,12 @@ class RolloutReplicas:
         """Start `replicas` replicas and the router in front of them; then answer scale requests on a thread."""
         for _ in range(replicas):
             self._start_replica()
-        router = {"model": self.overrides["model"], "router.replicas": [p.address for p in self.replicas.values()],
-                  "router.poll_s": 0.5}
+        server = {k: v for k, v in self.overrides.items() if k == "server" or k.startswith("server.")}
+        router = {**server, "model": self.overrides["model"], "router.poll_s": 0.5,
+                  "router.replicas": [p.address for p in self.replicas.values()]}
         if self.router_address:
             router["server.address"] = self.router_address
-        self.router = self.supervisor.add_service(start_service("rollout", router, log_dir=self.logs,
-                                                                registry=self.registry))
+        self.router = self.supervisor.add_service(self.launcher.service("rollout", router, self.logs, self.registry))
         request = request_path(self.run_dir, "rollout")
         if request.exists():  # a request of an earlier process of this run (resumed) is not this run's to answer
             self._handled = json.loads(request.read_text())["id"]
@@ -116,8 +123,8 @@ class RolloutReplicas:
     def _start_replica(self) -> tuple[str, ServiceProcess]:
         self._started += 1
         name = f"rollout-{self._started}"
-        process = self.supervisor.add_service(start_service("rollout", self.overrides, log_dir=self.logs,
-                                                            registry=self.registry, label=name))
+        process = self.supervisor.add_service(self.launcher.service("rollout", self.overrides, self.logs,
+                                                                    self.registry, label=name))
         self.replicas[name] = process
         return name, process
 

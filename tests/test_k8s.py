@@ -102,17 +102,61 @@ def test_each_process_is_placed_probed_and_configured_as_its_group_says():
     from trainer.config import TrainerConfig
 
     for name, cls in [("buffer", BufferConfig), ("reward", RewardConfig), ("rollout", RolloutConfig),
-                      ("driver", DriverConfig), ("trainer", TrainerConfig), ("experiment", ExperimentConfig)]:
+                      ("rollout-router", RolloutConfig), ("driver", DriverConfig), ("trainer", TrainerConfig),
+                      ("experiment", ExperimentConfig)]:
         cls.model_validate(files[f"{name}.yaml"])
+    # 8 replicas: the driver generates through the router, which routes over the replicas' stable pod names; the
+    # trainer publishes to the replicas the router lists.
+    replicas = [f"math-grpo-rollout-{i}.math-grpo-rollout.rl.svc.cluster.local:50053" for i in range(8)]
+    router = "math-grpo-rollout-router.rl.svc.cluster.local:50053"
+    assert files["rollout-router.yaml"]["router"]["replicas"] == replicas
+    assert files["driver.yaml"]["rollout"] == router
     trainer = files["trainer.yaml"]
-    assert trainer["publish"]["receivers"] == [
-        f"math-grpo-rollout-{i}.math-grpo-rollout.rl.svc.cluster.local:50053" for i in range(8)]
+    assert trainer["publish"]["receivers_from"] == router and "receivers" not in trainer["publish"]
+    router_pod = objects["Deployment", "math-grpo-rollout-router"]["spec"]["template"]["spec"]
+    assert router_pod["nodeSelector"] == {"relayrl.dev/pool": "inference"} and "resources" not in router_pod[
+        "containers"][0]
+    assert router_pod["containers"][0]["command"][-1] == "/etc/relayrl/rollout-router.yaml"
+    assert objects["Service", "math-grpo-rollout-router"]["spec"]["ports"][0]["port"] == 50053
     assert trainer["publish"]["master_addr"] == "math-grpo-trainer-0.math-grpo-trainer.rl.svc.cluster.local"
     assert trainer["publish"]["master_port"] == 29500 and trainer["publish"]["backend"] == "nccl"
     TrainerConfig.model_validate(trainer).batch.check_divisible(16)  # 2 nodes x 8 processes share each step
     assert files["driver.yaml"]["buffer"] == "math-grpo-buffer.rl.svc.cluster.local:50051"
     assert files["rollout.yaml"]["engine"] == {"seed": 0, "dtype": "bfloat16", "device": "cuda"}
     assert files["buffer.yaml"]["data_dir"] == "/project/runs/cluster/buffer"
+
+
+def test_one_rollout_replica_has_no_router():
+    objects = _by_kind(render(_example("services.rollout.replicas=1"), EXAMPLE.parent))
+    assert not [key for key in objects if "router" in key[1]]
+    files = {name: yaml.safe_load(text) for name, text in objects["ConfigMap", "math-grpo-config"]["data"].items()}
+    assert "rollout-router.yaml" not in files
+    one = "math-grpo-rollout-0.math-grpo-rollout.rl.svc.cluster.local:50053"
+    assert files["trainer.yaml"]["publish"]["receivers"] == [one]
+    assert files["driver.yaml"]["rollout"] == "math-grpo-rollout.rl.svc.cluster.local:50053"
+
+
+def test_the_rendered_router_starts_and_lists_the_replicas_stable_names(tmp_path):
+    """The router's config file as rendered starts a real `relayrl serve rollout` router (on loopback here), which
+    lists the StatefulSet's stable names as its replicas (not reachable from this machine: not alive, not routed)."""
+    import grpc
+
+    from deploy.launcher import start_service
+    from protos import router_pb2, router_pb2_grpc
+
+    objects = _by_kind(render(_example("services.rollout.replicas=2"), EXAMPLE.parent))
+    config = tmp_path / "rollout-router.yaml"
+    config.write_text(objects["ConfigMap", "math-grpo-config"]["data"]["rollout-router.yaml"])
+    router = start_service("rollout", {"server.address": "127.0.0.1:0", "server.metrics_port": 0},
+                           config_path=config, log_dir=tmp_path / "logs")
+    try:
+        with grpc.insecure_channel(router.address) as channel:
+            listed = router_pb2_grpc.ReplicasStub(channel).ListReplicas(router_pb2.ListReplicasRequest(), timeout=30)
+    finally:
+        router.stop()
+    assert [info.address for info in listed.replicas] == [
+        f"math-grpo-rollout-{i}.math-grpo-rollout.rl.svc.cluster.local:50053" for i in range(2)]
+    assert not any(info.alive for info in listed.replicas)
 
 
 def test_hosts_become_node_affinity():

@@ -148,3 +148,4 @@ def test_relayrl_run_on_ray_refuses_what_its_launcher_cannot_do_yet(tmp_path, ca
     for named in ("services.reward.replicas: 2", "services.trainer.nodes: 2"):
         assert named in err, err
     assert "services.buffer.group" not in err  # groups are what Ray places
+    assert "services.rollout.replicas" not in err  # its replicas run behind a router, each on the rollout's group

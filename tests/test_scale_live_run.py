@@ -1,6 +1,11 @@
 """Acceptance: `relayrl deploy scale rollout N --run RUN_DIR` on a live quickstart run with rollout replicas behind a
 router: a replica added mid-run serves the trainer's current weights when it takes traffic, removing replicas
-drains them (the driver loses no request), and the run goes on to its end (deploy/replicas.py, deploy/scale.py)."""
+drains them (the driver loses no request), and the run goes on to its end (deploy/replicas.py, deploy/scale.py).
+
+It prints the driver's completions/s in the WINDOW_S seconds before the scale-up was asked and in the WINDOW_S
+seconds after the third replica took traffic (the figure the issue note quotes). Not asserted: on 2 shared cores a
+third replica competes with the trainer and the other two for the same CPU, and the driver is bounded by
+max_staleness (it waits for the trainer), so it need not gain here."""
 
 import io
 import json
@@ -19,6 +24,20 @@ from protos import router_pb2, router_pb2_grpc
 from services.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WINDOW_S = 30.0
+
+
+def driver_stats(run_dir) -> list[dict]:
+    path = run_dir / "driver_stats.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def completions_per_s(rows: list[dict], start: float, end: float) -> float:
+    """Completions the driver stored per second between its first and last stats line (every 2 s, cumulative)
+    within [start, end] (wall-clock times)."""
+    inside = [row for row in rows if start <= row["time"] <= end]
+    assert len(inside) >= 2, f"fewer than two driver stats lines in a {end - start:.0f}s window"
+    return (inside[-1]["samples"] - inside[0]["samples"]) / (inside[-1]["time"] - inside[0]["time"])
 
 
 def relayrl(*args: str) -> subprocess.CompletedProcess:
@@ -36,18 +55,24 @@ def steps(run_dir) -> list[dict]:
 def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
     run_dir = tmp_path / "run"
     config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
-        f"run_dir={run_dir}", "sft.steps=0", "task.num_eval=16", "rl.time_budget_s=150", "rl.eval_interval_s=30",
+        f"run_dir={run_dir}", "sft.steps=0", "task.num_eval=16", "rl.time_budget_s=200", "rl.eval_interval_s=30",
         "rl.rollout_replicas=2"])
     out, ended = io.StringIO(), {}
     thread = threading.Thread(target=lambda: ended.update(summary=run_quickstart(config, Console(file=out, width=200))))
     thread.start()
     try:
         deadline = time.monotonic() + 300
-        while len(steps(run_dir)) < 3:
+        # Training has begun and the driver has run a whole window with two replicas.
+        while len(steps(run_dir)) < 3 or not driver_stats(run_dir) or (
+                time.time() - driver_stats(run_dir)[0]["time"] < WINDOW_S):
             assert thread.is_alive() and time.monotonic() < deadline, out.getvalue()[-3000:]
             time.sleep(0.5)
+        asked = time.time()
         up = relayrl("deploy", "scale", "rollout", "3", "--run", str(run_dir))
+        routed = time.time()  # AddReplica returns once the router routes to the new replica
         version_after_up = steps(run_dir)[-1]["weight_version"]
+        time.sleep(WINDOW_S + 2.5)  # a window of three replicas (and the stats line that closes it)
+        rows = driver_stats(run_dir)
         router = json.loads((run_dir / "services.json").read_text())["rollout"]["address"]
         with grpc.insecure_channel(router) as channel:
             listed = router_pb2_grpc.ReplicasStub(channel).ListReplicas(router_pb2.ListReplicasRequest(), timeout=10)
@@ -57,6 +82,11 @@ def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
     finally:
         thread.join(600)
     assert "summary" in ended, out.getvalue()[-3000:]
+    two = completions_per_s(rows, asked - WINDOW_S, asked)
+    three = completions_per_s(rows, routed, routed + WINDOW_S + 2.5)
+    print(f"scale 2 -> 3 mid-run: driver completions/s {two:.1f} in the {WINDOW_S:.0f}s before, {three:.1f} in the "
+          f"{WINDOW_S:.0f}s after the third replica took traffic: ratio {three / two:.2f} (the scale-up took "
+          f"{routed - asked:.1f}s; {os.cpu_count()} cores shared with the trainer)")
 
     assert up.returncode == 0 and "added rollout-3" in up.stdout, up.stdout + up.stderr
     infos = {info.address: info for info in listed.replicas}

@@ -13,6 +13,7 @@ import grpc
 
 from protos import router_pb2, router_pb2_grpc
 from services.client import connect_sync
+from services.config import ClientConfig
 
 log = logging.getLogger(__name__)
 _TAKES_WEIGHTS = (router_pb2.REPLICA_STATE_JOINING, router_pb2.REPLICA_STATE_ACTIVE)
@@ -21,9 +22,10 @@ _TAKES_WEIGHTS = (router_pb2.REPLICA_STATE_JOINING, router_pb2.REPLICA_STATE_ACT
 class RouterReceivers:
     """The replicas of the router at `address` that take weights, read by `current()`."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0):
+    def __init__(self, address: str, client: ClientConfig | None = None, timeout_s: float = 5.0):
+        """`client`: how to reach the router (the rollout's TLS and token, as for the replicas themselves)."""
         self.address, self.timeout_s = address, timeout_s
-        self._channel = connect_sync(address)
+        self._channel = connect_sync(address, client)
         self._stub = router_pb2_grpc.ReplicasStub(self._channel)
         self.last: list[str] = []
 

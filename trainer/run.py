@@ -92,7 +92,7 @@ class RolloutPublisher:
                             master_addr=config.master_addr, master_port=config.master_port, client=config.client),
             device if config.backend != "gloo" else None,
         )
-        self._router = RouterReceivers(config.receivers_from) if config.receivers_from else None
+        self._router = RouterReceivers(config.receivers_from, config.client) if config.receivers_from else None
 
     def _follow_router(self) -> None:
         """With a router, publish to the replicas it lists now (trainer/receivers.py)."""
