@@ -12,8 +12,10 @@ one set holds the served version, the other receives the next; a switch swaps th
 
 An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
 no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
-sends one broadcast per tensor), the engine joins the group once per group and receives into its own memory,
-and CommitUpdate, once that receive is done, tags the following tokens with the new version.
+sends one broadcast per tensor) and has the engine join the group (once per group); CommitUpdate, which the
+trainer sends only as its broadcasts start, has it receive into its own memory and then tags the following tokens
+with the new version. SGLang's scheduler blocks while it receives, so it is never asked to before the trainer
+sends: a publish given up before that leaves it serving.
 """
 
 import asyncio
@@ -94,6 +96,8 @@ class _Update:
     staging: _Staging | None  # None: the engine receives the tensors itself
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: Future = field(default_factory=Future)  # result: seconds the receive took
+    joining: asyncio.Future | None = None  # the engine joining the group, when it receives itself: its error or None
+    receiving: bool = False  # the engine was asked to receive (at the first CommitUpdate)
 
 
 def check_layout(manifest: Manifest, layout: Layout) -> None:
@@ -160,7 +164,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             log.info("receiving weight version %d on group %s (rank %d of %d, %d bytes)", update.version,
                      spec.group_name, spec.rank, spec.world_size, manifest.total_bytes)
             if self._engine_receives:
-                asyncio.ensure_future(self._receive_in_engine(update))
+                update.joining = asyncio.ensure_future(self._join_in_engine(update))
             else:
                 threading.Thread(target=self._receive, args=(update,), name=f"weights-v{update.version}",
                                  daemon=True).start()
@@ -173,6 +177,9 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no update to version {request.version} in progress; serving version {current}")
         wait_s = request.timeout_s if request.timeout_s > 0 else max(update.deadline - time.monotonic(), 0.0)
+        if update.joining is not None and not update.receiving:  # the trainer's broadcasts are starting
+            update.receiving = True
+            asyncio.ensure_future(self._receive_in_engine(update))
         try:
             receive_s = await asyncio.wait_for(asyncio.wrap_future(update.done), wait_s)
         except TimeoutError:
@@ -223,23 +230,35 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             return
         update.done.set_result(time.monotonic() - started)
 
-    async def _receive_in_engine(self, update: _Update) -> None:
-        """The engine joins the update's group (unless it holds it) and receives every tensor, by the deadline.
-        A receive cut short by the deadline may still be running inside the engine: its group is left."""
-        started = time.monotonic()
+    async def _join_in_engine(self, update: _Update) -> Exception | None:
+        """The engine joins the update's group unless it holds it, by the deadline; the error, if it failed."""
         spec = update.spec
         try:
             if not self._holds(spec):
                 await self._leave_engine_group()
                 await asyncio.wait_for(self.engine.join_weight_group(spec), update.deadline - time.monotonic())
                 self._engine_group = spec
-            await asyncio.wait_for(self.engine.receive_weights(update.manifest, spec.group_name),
-                                   update.deadline - time.monotonic())
         except (TimeoutError, RuntimeError) as exc:
             await self._leave_engine_group()
-            error = TransferError(f"the engine's receive failed: {exc or 'deadline passed'}")
-            update.done.set_exception(error)
-            log.warning("receiving weight version %d failed: %s", update.version, error)
+            return exc
+        return None
+
+    async def _receive_in_engine(self, update: _Update) -> None:
+        """Once joined, the engine receives every tensor, by the deadline. A receive cut short by the deadline may
+        still be running inside the engine: its group is left."""
+        started = time.monotonic()
+        error = await update.joining
+        if error is None:
+            try:
+                await asyncio.wait_for(self.engine.receive_weights(update.manifest, update.spec.group_name),
+                                       update.deadline - time.monotonic())
+            except (TimeoutError, RuntimeError) as exc:
+                await self._leave_engine_group()
+                error = exc
+        if error is not None:
+            failure = TransferError(f"the engine's receive failed: {error or 'deadline passed'}")
+            update.done.set_exception(failure)
+            log.warning("receiving weight version %d failed: %s", update.version, failure)
             return
         update.done.set_result(time.monotonic() - started)
 
