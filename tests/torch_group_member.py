@@ -3,9 +3,10 @@ else: it joins the trainer's group with the torch.distributed calls of SGLang's 
 (tcp:// rendezvous on the trainer's store, PrefixStore(group_name), torch's named-group helper) and receives
 with those of `update_weights_from_distributed` (one async broadcast per tensor into torch.empty(shape, dtype),
 in the order of the names it was given). No model: what arrived is saved to OUT/v<version>.pt at commit, for
-tests/test_weight_sync_tensors.py to compare with what the trainer sent. gloo, CPU.
+tests/test_weight_sync_tensors.py to compare with what the trainer sent. gloo, CPU. It takes the tensors of
+LAYOUT, or with MODEL those of that Hugging Face folder in float32.
 
-    python tests/torch_group_member.py PORT_FILE OUT
+    python tests/torch_group_member.py PORT_FILE OUT [MODEL]
 """
 
 import asyncio
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from protos import weights_pb2_grpc
+from rollout.engines.base import checkpoint_layout
 from rollout.weight_receiver import WeightReceiver
 from services.config import ServerConfig
 from services.runtime import serve
@@ -36,15 +38,16 @@ class TorchGroupMember:
     receives_from_group = True
     device = torch.device("cpu")
 
-    def __init__(self, out: pathlib.Path):
+    def __init__(self, out: pathlib.Path, layout):
         self.out = out
+        self.layout = layout
         self.weight_version = 0
         self.joined: list[str] = []  # every group name joined, in order
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._received: dict[str, torch.Tensor] = {}
 
     def parameter_layout(self):
-        return LAYOUT
+        return self.layout
 
     async def join_weight_group(self, spec: GroupSpec) -> None:
         await asyncio.to_thread(self._join, spec)
@@ -81,11 +84,12 @@ class TorchGroupMember:
         dist.destroy_process_group(self._groups.pop(group_name))
 
 
-def main(port_file: str, out: str) -> None:
-    receiver = WeightReceiver(TorchGroupMember(pathlib.Path(out)))
+def main(port_file: str, out: str, model: str | None = None) -> None:
+    layout = LAYOUT if model is None else checkpoint_layout(model, torch.float32)
+    receiver = WeightReceiver(TorchGroupMember(pathlib.Path(out), layout))
     asyncio.run(serve("member", [(weights_pb2_grpc.add_WeightSyncServicer_to_server, receiver,
                                   "relayrl.weights.v1.WeightSync")], ServerConfig(port_file=port_file)))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
