@@ -54,10 +54,12 @@ class BeginUpdateRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_sizes: _Optional[_Iterable[int]] = ..., group: _Optional[_Union[TransferGroup, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class BeginUpdateResponse(_message.Message):
-    __slots__ = ("current_version",)
+    __slots__ = ("current_version", "tensor_broadcasts")
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_BROADCASTS_FIELD_NUMBER: _ClassVar[int]
     current_version: int
-    def __init__(self, current_version: _Optional[int] = ...) -> None: ...
+    tensor_broadcasts: bool
+    def __init__(self, current_version: _Optional[int] = ..., tensor_broadcasts: _Optional[bool] = ...) -> None: ...
 
 class CommitUpdateRequest(_message.Message):
     __slots__ = ("version", "timeout_s", "reset_prefix_cache")

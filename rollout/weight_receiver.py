@@ -9,6 +9,13 @@ a deadline.
 
 The engine adopts the staged tensors (serves them without copying), so staging is double-buffered:
 one set holds the served version, the other receives the next; a switch swaps their roles.
+
+An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
+no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
+sends one broadcast per tensor) and has the engine join the group (once per group); CommitUpdate, which the
+trainer sends only as its broadcasts start, has it receive into its own memory and then tags the following tokens
+with the new version. SGLang's scheduler blocks while it receives, so it is never asked to before the trainer
+sends: a publish given up before that leaves it serving.
 """
 
 import asyncio
@@ -86,9 +93,11 @@ class _Update:
     manifest: Manifest
     spec: GroupSpec
     deadline: float
-    staging: _Staging
+    staging: _Staging | None  # None: the engine receives the tensors itself
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: Future = field(default_factory=Future)  # result: seconds the receive took
+    joining: asyncio.Future | None = None  # the engine joining the group, when it receives itself: its error or None
+    receiving: bool = False  # the engine was asked to receive (at the first CommitUpdate)
 
 
 def check_layout(manifest: Manifest, layout: Layout) -> None:
@@ -122,6 +131,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self._served: _Staging | None = None  # adopted by the engine: never written
         self._checked: tuple[weights_pb2.BeginUpdateRequest, Manifest] | None = None  # the last valid manifest
         self._group: Transfer | None = None
+        self._engine_receives = bool(getattr(engine, "receives_from_group", False))
+        self._engine_group: GroupSpec | None = None  # the group the engine joined, when it receives itself
         self._group_lock = threading.Lock()
         self._switch_lock = asyncio.Lock()
         self._log_level = Sparse()
@@ -131,10 +142,12 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         spec = GroupSpec.from_proto(request.group)
         if not request.timeout_s > 0:
             raise CodecError(f"timeout_s: must be > 0, got {request.timeout_s}")
-        try:
-            device = transfer_device(spec.backend, self.device)
-        except TransferError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker cannot take the update: {exc}")
+        device = None
+        if not self._engine_receives:
+            try:
+                device = transfer_device(spec.backend, self.device)
+            except TransferError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker cannot take the update: {exc}")
         async with self._switch_lock:
             current = self.engine.weight_version
             if request.version <= current:
@@ -144,15 +157,18 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             if spec.existing and not self._holds(spec):
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"group {spec.group_name!r} is not held here (restarted?): form a new group")
-            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s),
-                             self._take_staging(manifest, device))
+            staging = None if self._engine_receives else self._take_staging(manifest, device)
+            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging)
             update.done.set_running_or_notify_cancel()  # a waiter that gives up must not cancel it
             self._pending = update
             log.info("receiving weight version %d on group %s (rank %d of %d, %d bytes)", update.version,
                      spec.group_name, spec.rank, spec.world_size, manifest.total_bytes)
-            threading.Thread(target=self._receive, args=(update,), name=f"weights-v{update.version}",
-                             daemon=True).start()
-        return weights_pb2.BeginUpdateResponse(current_version=current)
+            if self._engine_receives:
+                update.joining = asyncio.ensure_future(self._join_in_engine(update))
+            else:
+                threading.Thread(target=self._receive, args=(update,), name=f"weights-v{update.version}",
+                                 daemon=True).start()
+        return weights_pb2.BeginUpdateResponse(current_version=current, tensor_broadcasts=self._engine_receives)
 
     async def CommitUpdate(self, request, context):
         update = self._pending
@@ -161,6 +177,9 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no update to version {request.version} in progress; serving version {current}")
         wait_s = request.timeout_s if request.timeout_s > 0 else max(update.deadline - time.monotonic(), 0.0)
+        if update.joining is not None and not update.receiving:  # the trainer's broadcasts are starting
+            update.receiving = True
+            asyncio.ensure_future(self._receive_in_engine(update))
         try:
             receive_s = await asyncio.wait_for(asyncio.wrap_future(update.done), wait_s)
         except TimeoutError:
@@ -177,10 +196,14 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"version {update.version} was aborted or superseded; serving version "
                                     f"{self.engine.weight_version}")
-            switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
-            self._pending = None
-            # The engine serves this update's buffers now and none of the replaced version's.
-            self._staging, self._served = self._served, update.staging
+            if update.staging is None:
+                switch_s = await self.engine.serve_received(update.version)
+                self._pending = None
+            else:
+                switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
+                self._pending = None
+                # The engine serves this update's buffers now and none of the replaced version's.
+                self._staging, self._served = self._served, update.staging
         log.log(self._log_level.level(), "switched to weight version %d (receive %.3fs, switch %.3fs)", update.version,
                 receive_s, switch_s)
         return weights_pb2.CommitUpdateResponse(current_version=self.engine.weight_version, receive_s=receive_s,
@@ -207,6 +230,43 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             return
         update.done.set_result(time.monotonic() - started)
 
+    async def _join_in_engine(self, update: _Update) -> Exception | None:
+        """The engine joins the update's group unless it holds it, by the deadline; the error, if it failed."""
+        spec = update.spec
+        try:
+            if not self._holds(spec):
+                await self._leave_engine_group()
+                await asyncio.wait_for(self.engine.join_weight_group(spec), update.deadline - time.monotonic())
+                self._engine_group = spec
+        except (TimeoutError, RuntimeError) as exc:
+            await self._leave_engine_group()
+            return exc
+        return None
+
+    async def _receive_in_engine(self, update: _Update) -> None:
+        """Once joined, the engine receives every tensor, by the deadline. A receive cut short by the deadline may
+        still be running inside the engine: its group is left."""
+        started = time.monotonic()
+        error = await update.joining
+        if error is None:
+            try:
+                await asyncio.wait_for(self.engine.receive_weights(update.manifest, update.spec.group_name),
+                                       update.deadline - time.monotonic())
+            except (TimeoutError, RuntimeError) as exc:
+                await self._leave_engine_group()
+                error = exc
+        if error is not None:
+            failure = TransferError(f"the engine's receive failed: {error or 'deadline passed'}")
+            update.done.set_exception(failure)
+            log.warning("receiving weight version %d failed: %s", update.version, failure)
+            return
+        update.done.set_result(time.monotonic() - started)
+
+    async def _leave_engine_group(self) -> None:
+        spec, self._engine_group = self._engine_group, None
+        if spec is not None:
+            await self.engine.leave_weight_group(spec.group_name)
+
     def _join(self, update: _Update) -> Transfer:
         spec = update.spec
         with self._group_lock:
@@ -230,9 +290,9 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         raise TransferError(f"version {update.version}: aborted while joining the group")
 
     def _holds(self, spec: GroupSpec) -> bool:
-        group = self._group
-        return (group is not None and group.spec.group_name == spec.group_name and group.spec.rank == spec.rank
-                and group.spec.world_size == spec.world_size)
+        held = self._engine_group if self._engine_receives else (self._group.spec if self._group is not None else None)
+        return (held is not None and held.group_name == spec.group_name and held.rank == spec.rank
+                and held.world_size == spec.world_size)
 
     def _drop_group(self, name: str) -> None:
         with self._group_lock:
@@ -245,7 +305,10 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         """Forget `update`; if it was still receiving, its group is mid-collective and unusable."""
         update.cancelled.set()
         if not update.done.done():
-            self._drop_group(update.spec.group_name)
+            if self._engine_receives:
+                asyncio.ensure_future(self._leave_engine_group())
+            else:
+                self._drop_group(update.spec.group_name)
         if self._pending is update:
             self._pending = None
 

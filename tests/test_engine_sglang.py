@@ -1,7 +1,8 @@
 """The SGLang engine behind the engine interface (rollout/engines/sglang_engine.py), against the native engine.
 
 GPU only (SGLang's kernels are CUDA's): marked gpu, skipped without CUDA or without sglang (`pip install -e
-'.[sglang]'` on the GPU machine). Both engines run the same float32 checkpoint on the GPU.
+'.[sglang]'` on the GPU machine). Both engines run the same float32 checkpoint on the GPU. Not run yet: the
+machines this was written on have no GPU.
 """
 
 import asyncio
@@ -18,6 +19,8 @@ from rollout.engine import LLMEngine
 from rollout.engines.settings import SglangSettings
 from rollout.engines.sglang_engine import SglangEngine
 from rollout.sampling_params import SamplingParams
+from rollout.weight_receiver import WeightReceiver
+from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
 
 PROMPTS = [[5, 17, 33, 2, 60], [70, 71, 72], [9] * 12]
 
@@ -65,6 +68,51 @@ def test_sglang_after_a_weight_update_matches_the_native_engine(sharp_model_dir)
             [aborted] = await task
             assert aborted.finish_reason.value == "abort" and len(aborted.token_ids) < 100
         finally:
+            engine.shutdown()
+            native.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_sglang_receives_a_publish_through_its_distributed_update_api(sharp_model_dir, backend):
+    """A real trainer-side WeightBroadcaster publishes to the rollout service's WeightReceiver over SGLang:
+    SGLang's scheduler joins the trainer's group (init_weights_update_group) and receives every tensor
+    (update_weights_from_distributed); its greedy tokens and logprobs then equal the native engine's with the
+    same weights (within 1e-3), every token at the published version. gloo: the trainer's tensors on the CPU,
+    one GPU; nccl: the trainer on a second GPU. A second publish reuses the group."""
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs the trainer and SGLang on GPUs of their own")
+    from protos import weights_pb2_grpc
+    from services.server import create_server
+
+    async def main():
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", max_model_len=128)))
+        engine = SglangEngine(str(sharp_model_dir), SglangSettings(type="sglang", dtype="float32", max_model_len=128,
+                                                                   mem_fraction_static=0.3))
+        server, port = await create_server("127.0.0.1:0", [(weights_pb2_grpc.add_WeightSyncServicer_to_server,
+                                                            WeightReceiver(engine), "relayrl.weights.v1.WeightSync")])
+        await server.start()
+        trainer_device = "cuda:1" if backend == "nccl" else "cpu"
+        broadcaster = WeightBroadcaster([f"127.0.0.1:{port}"], BroadcastConfig(backend=backend, timeout_s=120),
+                                        device=trainer_device if backend == "nccl" else None)
+        try:
+            greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            for version in (1, 2):
+                state = _new_weights(sharp_model_dir, seed=version)
+                report = await broadcaster.publish({n: t.to(trainer_device) for n, t in state.items()}, version)
+                assert report.ok, report.failed
+                assert report.group_reused == (version == 2)
+                await native.update_weights({n: t.cuda() for n, t in state.items()}, version)
+                for i, prompt in enumerate(PROMPTS):
+                    [mine] = await native.generate_all(f"n{version}-{i}", prompt, greedy)
+                    [other] = await engine.generate_all(f"s{version}-{i}", prompt, greedy)
+                    assert other.token_ids == mine.token_ids
+                    assert max(abs(a - b) for a, b in zip(mine.logprobs, other.logprobs)) < 1e-3
+                    assert set(other.weight_versions) == {version}
+        finally:
+            await broadcaster.close()
+            await server.stop(5)
             engine.shutdown()
             native.shutdown()
 

@@ -20,6 +20,11 @@ The group is kept across publishes while its membership is unchanged and every s
 a rendezvous costs ~0.2-0.5 s on loopback, more than the transfer of a small model. Any failure drops
 the group and the next publish forms a new one under a new name.
 
+Receivers whose engine joins the group itself (SGLang: init_weights_update_group / update_weights_from_distributed)
+say so in their BeginUpdate reply (tensor_broadcasts): their group is formed as torch.distributed forms a named
+group (services/weights/torch_group.py) and carries one broadcast per tensor instead of buckets. One group holds
+receivers of one kind; a publish to both kinds fails for all of them, saying so.
+
 Two ways in: `WeightBroadcaster` (asyncio: `await publish(...)`) and `BlockingWeightBroadcaster` (a
 synchronous training loop: `publish(...)` blocks, the asyncio side runs on a private thread).
 """
@@ -54,10 +59,12 @@ from services.weights import (
     make_group,
     merge_order,
     plan_buckets,
+    send_tensors,
     transfer_device,
     unpack_buckets,
 )
 from services.weights.manifest import ALIGN_BYTES
+from services.weights.torch_group import make_torch_group
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +148,21 @@ class _Group:
     members: tuple[str, ...]
     name: str
     transfer: Transfer | None = None  # None until this process has joined
+    # The members take one broadcast per tensor on a torch.distributed named group (their BeginUpdate said so:
+    # SGLang receiving itself); False: buckets on this project's own group.
+    tensor_broadcasts: bool = False
 
     def spec(self, rank: int, master_addr: str, port: int, backend: str) -> GroupSpec:
         return GroupSpec(backend, master_addr, port, len(self.members) + 1, rank, self.name,  # type: ignore[arg-type]
                          existing=self.transfer is not None)
+
+
+class _MixedGroup(Exception):
+    """BeginUpdate replies disagree on tensor_broadcasts: some members receive per tensor, others buckets."""
+
+    def __init__(self, per_tensor: list[str]):
+        super().__init__(per_tensor)
+        self.per_tensor = per_tensor
 
 
 def _describe(error: grpc.RpcError) -> str:
@@ -279,7 +297,16 @@ class WeightBroadcaster:
                 return [], None
             group = self._group_for(members)
             reused = group.transfer is not None
-            errors = await self._begin(group, manifest, version)
+            try:
+                errors = await self._begin(group, manifest, version)
+            except _MixedGroup as mixed:
+                await self._abort(members, version)
+                self._drop_group()
+                why = (f"BeginUpdate: {', '.join(mixed.per_tensor)} receive one broadcast per tensor (an engine that "
+                       "joins the group itself: SGLang), the others buckets; one group cannot carry both")
+                for address in members:
+                    results[address] = ReceiverResult(address, False, why)
+                return [], None
             if not errors:
                 return members, group
             await self._abort([m for m in members if m not in errors], version)
@@ -303,23 +330,29 @@ class WeightBroadcaster:
             self._wire = (manifest, *manifest.to_proto())
         _, specs, bucket_sizes = self._wire
 
-        async def one(rank: int, address: str) -> None:
+        async def one(rank: int, address: str) -> weights_pb2.BeginUpdateResponse:
             spec = group.spec(rank, self.config.master_addr, self._store.port, self.config.backend)
             request = weights_pb2.BeginUpdateRequest(
                 version=version, tensors=specs, bucket_sizes=bucket_sizes, group=spec.to_proto(),
                 timeout_s=self.config.timeout_s,
             )
-            await self._stub(address).BeginUpdate(request, timeout=self.config.control_timeout_s)
+            return await self._stub(address).BeginUpdate(request, timeout=self.config.control_timeout_s)
 
         replies = await asyncio.gather(
             *(one(rank, address) for rank, address in enumerate(group.members, start=1)), return_exceptions=True
         )
-        errors = {}
+        errors, per_tensor = {}, {}
         for address, reply in zip(group.members, replies, strict=True):
             if isinstance(reply, grpc.RpcError):
                 errors[address] = reply
             elif isinstance(reply, BaseException):
                 raise reply
+            else:
+                per_tensor[address] = reply.tensor_broadcasts
+        if not errors and len(set(per_tensor.values())) > 1:
+            raise _MixedGroup(sorted(a for a, flag in per_tensor.items() if flag))
+        if per_tensor and not errors:
+            group.tensor_broadcasts = next(iter(per_tensor.values()))
         return errors
 
     async def _transfer_and_commit(
@@ -334,14 +367,16 @@ class WeightBroadcaster:
             if group.transfer is None:
                 spec = group.spec(0, self.config.master_addr, self._store.port, self.config.backend)
                 device = self.device if self.device is not None else next(iter(tensors.values())).device
-                group.transfer = await asyncio.to_thread(make_group, spec, self.config.timeout_s, self._store, device)
+                form = make_torch_group if group.tensor_broadcasts else make_group
+                group.transfer = await asyncio.to_thread(form, spec, self.config.timeout_s, self._store, device)
             report.rendezvous_s = time.perf_counter() - started
             step = "transfer"
             started = time.perf_counter()
             # CommitUpdate travels with the buckets: a receiver answers once it holds them all and has switched,
             # so no round trip is left to make after the last byte.
             pending = [asyncio.create_task(self._commit(address, version, deadline)) for address in group.members]
-            await asyncio.to_thread(self._sender.send, group.transfer, manifest, tensors, deadline)
+            send = send_tensors if group.tensor_broadcasts else self._sender.send
+            await asyncio.to_thread(send, group.transfer, manifest, tensors, deadline)
             report.transfer_s = time.perf_counter() - started
         except TransferError as exc:
             for address in group.members:

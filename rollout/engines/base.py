@@ -21,6 +21,7 @@ import torch
 from rollout.outputs import Completion
 from rollout.sampling_params import SamplingParams
 from rollout.sessions import SessionRecord, SessionState
+from services.weights import GroupSpec, Manifest
 
 Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -112,6 +113,29 @@ class RolloutEngine(Protocol):
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop serving; open streams end with EngineDead."""
+        ...
+
+
+class ReceivesFromGroup(Protocol):
+    """What an engine that joins the trainer's weight-update group itself adds (SGLang, whose scheduler receives
+    into GPU memory): the weight receiver uses it instead of update_weights when `receives_from_group` is true."""
+
+    receives_from_group: bool
+
+    async def join_weight_group(self, spec: GroupSpec) -> None:
+        """Join the group `spec` names as its rank `spec.rank` (formed as torch.distributed forms a named group)."""
+        ...
+
+    async def receive_weights(self, manifest: Manifest, group_name: str) -> None:
+        """Receive every tensor of `manifest`, one broadcast each in slot order, and load them."""
+        ...
+
+    async def serve_received(self, version: int) -> float:
+        """Tag tokens with `version` from now on (the received weights are loaded); seconds it took."""
+        ...
+
+    async def leave_weight_group(self, group_name: str) -> None:
+        """Forget the group (after a failure, or when the trainer forms a new one)."""
         ...
 
 

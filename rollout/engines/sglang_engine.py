@@ -4,8 +4,19 @@ SGLang runs its scheduler in its own processes and is asyncio-native, so this ad
 manager in the server's event loop (the Engine is made inside that loop; its blocking methods would nest
 loops). Written against SGLang's Engine API (sglang 0.5): `async_generate(input_ids=..., return_logprob=True,
 stream=True)` whose chunks carry cumulative `meta_info.output_token_logprobs` as (logprob, token id, text);
-`tokenizer_manager.abort_request(rid)`; `update_weights_from_tensor`. Tests: tests/test_engine_sglang.py,
-marked gpu.
+`tokenizer_manager.abort_request(rid)`; the weight-update calls below. Tests: tests/test_engine_sglang.py,
+marked gpu (not run yet: no GPU where this was written).
+
+- Weights (tensor_parallel_size 1): SGLang's scheduler joins the trainer's group itself
+  (`init_weights_update_group`, rank_offset = the rank the trainer gave this worker) and receives every tensor
+  into GPU memory in one `update_weights_from_distributed` call (one broadcast per tensor, as the trainer sends
+  to such a group; the received copy costs GPU memory the size of the weights while it loads), radix cache
+  flushed. SGLang loads them when they have all arrived and waits for in-flight requests to end first (its model
+  update lock), so tokens are tagged with the new version from CommitUpdate on, shortly after they use it. A
+  receive that fails may leave the weights partly updated (SGLang says so): the next publish sends them whole.
+  With tensor_parallel_size > 1 each TP worker would take a rank of its own, which the trainer's groups (one rank
+  per receiver) do not give: there the rollout service stages the tensors and hands them over with
+  `update_weights_from_tensor`.
 
 - Logprobs are taken to be of softmax(logits / T), SGLang's default for sampled tokens (unless
   SGLANG_RETURN_ORIGINAL_LOGPROB is set); not yet checked on a GPU at T != 0.
@@ -38,6 +49,7 @@ from rollout.outputs import Completion
 from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.sequence import FinishReason
 from rollout.sessions import SessionRecord, SessionState, SessionTable
+from services.weights import GroupSpec, Manifest
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -84,6 +96,7 @@ class SglangEngine:
         self._ids = itertools.count()
         self._stopped = False
         self._tokenizer = None
+        self.receives_from_group = settings.tensor_parallel_size == 1
 
     @property
     def tokenizer(self):
@@ -100,7 +113,8 @@ class SglangEngine:
 
     @property
     def device(self) -> torch.device:
-        """Where received weights are staged before update_weights_from_tensor hands them to SGLang's workers."""
+        """Where received weights are staged before update_weights_from_tensor hands them to SGLang's workers
+        (tensor_parallel_size > 1; otherwise SGLang receives them itself)."""
         return torch.device("cpu")
 
     def parameter_layout(self) -> Layout:
@@ -230,10 +244,41 @@ class SglangEngine:
         success, message = (await self.sgl.tokenizer_manager.update_weights_from_tensor(obj, None))[:2]
         if not success:
             raise RuntimeError(f"SGLang refused the weight update: {message}")
+        await self.serve_received(version)
+        return time.perf_counter() - start
+
+    async def join_weight_group(self, spec: GroupSpec) -> None:
+        """SGLang's scheduler joins the trainer's group (torch.distributed's named-group recipe) as rank spec.rank."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        obj = InitWeightsUpdateGroupReqInput(master_address=spec.master_addr, master_port=spec.master_port,
+                                             rank_offset=spec.rank, world_size=spec.world_size,
+                                             group_name=spec.group_name, backend=spec.backend)
+        _check(await self.sgl.tokenizer_manager.init_weights_update_group(obj, None), "init_weights_update_group")
+
+    async def receive_weights(self, manifest: Manifest, group_name: str) -> None:
+        """SGLang receives every tensor (one broadcast each, in slot order) and loads them, in one call."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        slots = manifest.slots
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=[s.name for s in slots], dtypes=[str(s.dtype).removeprefix("torch.") for s in slots],
+            shapes=[list(s.shape) for s in slots], group_name=group_name, flush_cache=True)
+        _check(await self.sgl.tokenizer_manager.update_weights_from_distributed(obj, None),
+               "update_weights_from_distributed")
+
+    async def serve_received(self, version: int) -> float:
+        """The weights SGLang loaded in receive_weights are `version` from now on."""
         self.weight_version = version
         self._version_changed.set()
         self._version_changed = asyncio.Event()
-        return time.perf_counter() - start
+        return 0.0
+
+    async def leave_weight_group(self, group_name: str) -> None:
+        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
+
+        obj = DestroyWeightsUpdateGroupReqInput(group_name=group_name)
+        _check(await self.sgl.tokenizer_manager.destroy_weights_update_group(obj, None), "destroy_weights_update_group")
 
     async def watch_version(self, newer_than: int, wait_s: float) -> int:
         deadline = time.monotonic() + wait_s
@@ -307,6 +352,12 @@ def server_args(model: str, settings: SglangSettings) -> dict:
                 "random_seed": settings.seed, "disaggregation_mode": settings.disaggregation_mode,
                 "disaggregation_transfer_backend": settings.disaggregation_transfer_backend}
     return {**args, **settings.engine_args}
+
+
+def _check(reply: tuple, call: str) -> None:
+    """SGLang's (success, message, ...) reply; RuntimeError with its message when it failed."""
+    if not reply[0]:
+        raise RuntimeError(f"SGLang {call}: {reply[1]}")
 
 
 def _sampling(params: SamplingParams, seed: int) -> dict:

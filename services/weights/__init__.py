@@ -1,5 +1,6 @@
 """Weight sync shared by trainer and rollout: the manifest and bucket layout (manifest.py, buckets.py),
-the process group that carries the bytes (transfer.py with gloo.py / nccl.py / cupy_nccl.py), and the bucket stream."""
+the process group that carries the bytes (transfer.py with gloo.py / nccl.py / cupy_nccl.py; torch_group.py for
+members that form it as torch.distributed does, SGLang's scheduler), and the bucket stream."""
 
 from services.weights.bucket_stream import (
     BucketSender,
@@ -7,6 +8,7 @@ from services.weights.bucket_stream import (
     bind_to_buckets,
     receive_buckets,
     send_buckets,
+    send_tensors,
 )
 from services.weights.buckets import pack_bucket, unpack_bucket, unpack_buckets
 from services.weights.manifest import Manifest, TensorSlot, merge_order, plan_buckets
@@ -24,5 +26,5 @@ from services.weights.transfer import (
 __all__ = [
     "BucketSender", "GroupSpec", "Manifest", "TensorSlot", "Transfer", "TransferError", "TransferTimeout", "allocate_staging",
     "bind_to_buckets", "deadline_after", "host_store", "make_group", "merge_order", "pack_bucket", "plan_buckets",
-    "receive_buckets", "send_buckets", "transfer_device", "unpack_bucket", "unpack_buckets",
+    "receive_buckets", "send_buckets", "send_tensors", "transfer_device", "unpack_bucket", "unpack_buckets",
 ]

@@ -99,6 +99,24 @@ class BucketSender:
         return self._buffers[index]
 
 
+@torch.no_grad()
+def send_tensors(transfer: Transfer, manifest: Manifest, tensors: Mapping[str, torch.Tensor], deadline: float,
+                 depth: int = SEND_DEPTH) -> None:
+    """Broadcast every tensor of the manifest on its own, in slot order, in its shape and dtype (no bucket
+    layout): what a member that receives tensor by tensor posts (SGLang's update_weights_from_distributed)."""
+    in_flight: deque[Pending] = deque()
+    for slot in manifest.slots:
+        tensor = tensors[slot.name]
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise ValueError(f"tensor {slot.name!r}: got {tuple(tensor.shape)} {tensor.dtype}, the manifest says "
+                             f"{slot.shape} {slot.dtype}")
+        while len(in_flight) >= depth:
+            in_flight.popleft().wait(deadline)
+        in_flight.append(transfer.broadcast(tensor.to(transfer.device).contiguous()))
+    while in_flight:
+        in_flight.popleft().wait(deadline)
+
+
 def send_buckets(transfer: Transfer, manifest: Manifest, tensors: Mapping[str, torch.Tensor], deadline: float) -> None:
     """Broadcast every bucket once, with fresh packing buffers (see BucketSender to keep them)."""
     BucketSender().send(transfer, manifest, tensors, deadline)
