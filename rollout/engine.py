@@ -6,7 +6,6 @@ Not thread-safe: one thread calls add_request / abort / step / load_weights (Asy
 import dataclasses
 import itertools
 import random
-import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
@@ -22,12 +21,10 @@ from rollout.outputs import Completion, RequestOutput, TokenOutput
 from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.scheduler import Batch, Scheduler
 from rollout.sequence import FinishReason, Sequence
-from rollout.sessions import SessionRecord, SessionState, SessionTable
-
-_EXPIRY_CHECK_S = 1.0  # how often idle sessions are looked for
+from rollout.sessions import SessionSteps, SessionTable
 
 
-class LLMEngine:
+class LLMEngine(SessionSteps):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
@@ -139,29 +136,6 @@ class LLMEngine:
         self.sessions.start_turn(session, seq, logprobs_temperature(self.config.logprobs_mode, params.temperature))
         self.scheduler.add(seq)
         self.requests[request_id] = [seq]
-
-    def session_turn(self, session_id: str) -> str | None:
-        """The request id of the session's running turn, if any."""
-        session = self.sessions.sessions.get(session_id)
-        return session.turn.request_id if session is not None and session.turn is not None else None
-
-    def session_state(self, session_id: str) -> SessionState:
-        return self.sessions.state(session_id, self.weight_version)
-
-    def close_session(self, session_id: str) -> SessionRecord:
-        """Close the session (aborting a running turn first) and return its episode; frees its blocks."""
-        request_id = self.session_turn(session_id)
-        if request_id is not None:
-            self.abort(request_id)
-        return self.sessions.close(session_id)
-
-    def expire_sessions(self) -> list[str]:
-        """Close sessions idle past session_idle_timeout_s (looked for at most once a second)."""
-        now = time.monotonic()
-        if now < self._next_expiry_check:
-            return []
-        self._next_expiry_check = now + _EXPIRY_CHECK_S
-        return self.sessions.expire()
 
     def step(self) -> list[TokenOutput]:
         """Schedule, run, post-process: one step of decodes and prefill chunks. Returns one output per sequence

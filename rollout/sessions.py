@@ -212,3 +212,38 @@ class SessionTable:
             self.block_manager.release(session.block_table)
         session.block_table = []
         session.num_cached_tokens = 0
+
+
+_EXPIRY_CHECK_S = 1.0  # how often a step engine looks for idle sessions
+
+
+class SessionSteps:
+    """The session methods a step engine (rollout/engine.py's LLMEngine, rollout/engines/vllm_engine.py's VllmCore)
+    shares: it has `sessions` (a SessionTable), `weight_version`, `abort(request_id)` and `_next_expiry_check`."""
+
+    sessions: SessionTable
+    weight_version: int
+    _next_expiry_check: float
+
+    def session_turn(self, session_id: str) -> str | None:
+        """The request id of the session's running turn, if any."""
+        session = self.sessions.sessions.get(session_id)
+        return session.turn.request_id if session is not None and session.turn is not None else None
+
+    def session_state(self, session_id: str) -> SessionState:
+        return self.sessions.state(session_id, self.weight_version)
+
+    def close_session(self, session_id: str) -> SessionRecord:
+        """Close the session (aborting a running turn first) and return its episode; frees its blocks."""
+        request_id = self.session_turn(session_id)
+        if request_id is not None:
+            self.abort(request_id)
+        return self.sessions.close(session_id)
+
+    def expire_sessions(self) -> list[str]:
+        """Close sessions idle past their idle timeout (looked for at most once a second)."""
+        now = time.monotonic()
+        if now < self._next_expiry_check:
+            return []
+        self._next_expiry_check = now + _EXPIRY_CHECK_S
+        return self.sessions.expire()

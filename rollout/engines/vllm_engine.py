@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import random
-import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -35,9 +34,8 @@ from rollout.errors import ContextFull, DuplicateRequest, InvalidRequest
 from rollout.outputs import TokenOutput
 from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.sequence import FinishReason, Sequence, SequenceStatus
-from rollout.sessions import SessionRecord, SessionState, SessionTable
+from rollout.sessions import SessionSteps, SessionTable
 
-_EXPIRY_CHECK_S = 1.0
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _WORKER_EXTENSION = "rollout.engines.vllm_worker.WeightLoader"
 
@@ -49,7 +47,7 @@ def start_vllm(model: str, settings: VllmSettings):
     return AsyncEngine(VllmCore(model, settings))
 
 
-class VllmCore:
+class VllmCore(SessionSteps):
     """vLLM's LLMEngine with the native engine's step-engine methods. One thread calls them (AsyncEngine's)."""
 
     def __init__(self, model: str, settings: VllmSettings):
@@ -302,27 +300,6 @@ class VllmCore:
         self.sessions.start_turn(session, seq, temperature)
         seq.num_cached_tokens = context  # vLLM's prefix cache holds it (kv_recomputes stays 0)
         self.requests[request_id] = [seq]
-
-    def session_turn(self, session_id: str) -> str | None:
-        session = self.sessions.sessions.get(session_id)
-        return session.turn.request_id if session is not None and session.turn is not None else None
-
-    def session_state(self, session_id: str) -> SessionState:
-        return self.sessions.state(session_id, self.weight_version)
-
-    def close_session(self, session_id: str) -> SessionRecord:
-        request_id = self.session_turn(session_id)
-        if request_id is not None:
-            self.abort(request_id)
-        return self.sessions.close(session_id)
-
-    def expire_sessions(self) -> list[str]:
-        now = time.monotonic()
-        if now < self._next_expiry_check:
-            return []
-        self._next_expiry_check = now + _EXPIRY_CHECK_S
-        return self.sessions.expire()
-
 
 def engine_args(model: str, settings: VllmSettings) -> dict:
     """vLLM EngineArgs of the settings (engine_args last: they override)."""
