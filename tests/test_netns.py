@@ -146,7 +146,7 @@ def test_weights_sync_across_hosts_and_a_cut_link_is_reported_then_the_run_resum
     assert trainer.returncode == 0, trainer_log()[-3000:]
     assert len(steps()) == MAX_STEPS and steps()[-1]["step"] == MAX_STEPS
     wait_for(lambda: stats()[-1]["version"] > version_at_restore, 30, "the rollout serving weights published after "
-             "the link came back", members)
+             "the link came back", [m for m in members if m[0] != "trainer"])  # the trainer is done
     print(f"netns: reported by the trainer after {trainer_reported_s:.1f}s, the driver {driver_reported_s:.1f}s; "
           f"steps {cut_step} at the cut, {stalled_step} 30s later, {MAX_STEPS} at the end; rollout version "
           f"{version_at_restore} -> {stats()[-1]['version']}")
