@@ -19,12 +19,8 @@ and an agent's node lost (its process is restarted only while its agent lives).
 """
 
 import json
-import os
 import pathlib
 import secrets
-import signal
-import subprocess
-import sys
 import time
 
 import ray
@@ -43,9 +39,7 @@ class NodeAgent:
     """Holds one process on the node Ray placed it on: a service (deploy.launcher.ServiceProcess) or a client."""
 
     def __init__(self) -> None:
-        self.service = None
-        self.proc: subprocess.Popen | None = None
-        self.log_path: pathlib.Path | None = None
+        self.member = None  # a deploy.launcher.ServiceProcess or a deploy.supervisor.Process, once started
 
     def node(self) -> tuple[str, str]:
         """(Ray node id, node IP) of where this agent runs."""
@@ -56,50 +50,32 @@ class NodeAgent:
         """Start `relayrl serve NAME` on this node's IP (its fixed port, or a free one); (address, pid, metrics)."""
         port = str(overrides.get("server.address", ":0")).rsplit(":", 1)[1]
         overrides = {**overrides, "server.address": f"{ray.util.get_node_ip_address()}:{port}"}
-        self.service = start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, timeout=timeout,
-                                     label=label)
-        self.log_path = self.service.log_path
-        return self.service.address, self.service.pid, self.service.metrics_port
+        self.member = start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, timeout=timeout,
+                                    label=label)
+        return self.member.address, self.member.pid, self.member.metrics_port
 
     def restart(self, timeout: float) -> tuple[int, int | None]:
-        self.service.restart(timeout)
-        return self.service.pid, self.service.metrics_port
+        self.member.restart(timeout)
+        return self.member.pid, self.member.metrics_port
 
     def spawn(self, args: list[str], log_path: str) -> int:
-        """Start `python ARGS` on this node (as deploy.supervisor.Process does on one machine); its pid."""
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        self.log_path = pathlib.Path(log_path)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         cwd=pathlib.Path(__file__).resolve().parent.parent)
-        return self.proc.pid
+        """Start `python ARGS` on this node, as deploy.supervisor.Process does on one machine; its pid."""
+        self.member = Process(pathlib.Path(log_path).stem, args, pathlib.Path(log_path))
+        self.member.start(0)
+        return self.member.pid
 
     def exit_code(self) -> int | None:
-        return self.service.exit_code() if self.service is not None else self.proc.poll()
+        return self.member.exit_code()
 
     def kill(self) -> None:
-        if self.service is not None:
-            self.service.kill()
-        elif self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+        self.member.kill()
 
     def stop(self, timeout: float) -> None:
         """SIGTERM, then SIGKILL after `timeout` seconds."""
-        if self.service is not None:
-            self.service.stop(timeout)
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.member.stop(timeout)
 
     def log_tail(self, lines: int) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return self.member.log_tail(lines) if self.member is not None else ""
 
 
 class RayService:

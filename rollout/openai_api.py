@@ -43,7 +43,7 @@ from rollout.openai_schema import (
     OpenAISettings,
     RewardRequest,
 )
-from rollout.openai_sessions import ChatSession, HistoryDiverged, SessionBook
+from rollout.openai_sessions import ChatSession, HistoryDiverged, SessionBook, session_key
 from rollout.outputs import Completion
 from rollout.sampling_params import SamplingParams, logprobs_temperature
 from rollout.sessions import SessionRecord
@@ -138,7 +138,7 @@ class _Endpoint:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
-        key = self._session_key(request)
+        key = session_key(request.headers, self.settings.session_by_key)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if key is None:
             prompt = self._render(render_prompt, [m.for_template() for m in body.messages], body.tools)
@@ -244,16 +244,6 @@ class _Endpoint:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} is not served here; GET /v1/models lists {self.model_name!r}",
                            "model", "model_not_found")
-
-    def _session_key(self, request: Request) -> str | None:
-        key = request.headers.get("x-session-id")
-        if key:
-            return key
-        if self.settings.session_by_key:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-        return None
 
     def _render(self, render: Callable, messages: list[dict], *args) -> list[int]:
         """Messages -> token ids with the chat template; what the template refuses is a 400."""

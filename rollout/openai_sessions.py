@@ -11,6 +11,19 @@ import time
 from dataclasses import dataclass, field
 
 
+def session_key(headers, by_api_key: bool) -> str | None:
+    """The session a call belongs to: its `X-Session-Id` header, else (with `by_api_key`, OpenAISettings'
+    session_by_key) its bearer API key; None = a call of no session."""
+    key = headers.get("x-session-id")
+    if key:
+        return key
+    if by_api_key:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return None
+
+
 class HistoryDiverged(ValueError):
     """A call's messages do not continue the session's conversation (400)."""
 

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout.http_server import OpenAIServer, start_http
 from rollout.openai_schema import OpenAISettings
+from rollout.openai_sessions import session_key
 from rollout.router import _AFFINITY_KEYS, Router, Worker
 
 log = logging.getLogger(__name__)
@@ -90,14 +91,7 @@ class OpenAIRouter:
         parts = path.split("/")
         if len(parts) >= 3 and parts[:2] == ["v1", "sessions"]:
             return parts[2]
-        key = request.headers.get("x-session-id")
-        if key:
-            return key
-        if self.settings.session_by_key:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-        return None
+        return session_key(request.headers, self.settings.session_by_key)
 
     def _pin(self, session: str, worker: Worker) -> None:
         self.sessions[session] = worker
