@@ -3,7 +3,6 @@
 Not thread-safe: one thread calls add_request / abort / step / load_weights (AsyncEngine's loop).
 """
 
-import dataclasses
 import itertools
 import random
 from collections.abc import Iterable
@@ -99,36 +98,10 @@ class LLMEngine(SessionSteps):
 
     # ---- sessions (rollout/sessions.py)
 
-    def open_session(self, session_id: str, prompt_ids: Seq[int]) -> int:
-        """Open a session on its initial context; returns its length. Raises InvalidRequest, DuplicateRequest,
-        QueueFull (too many sessions), ContextFull."""
-        prompt = [int(t) for t in prompt_ids]
-        validate_prompt(prompt, self.model_config.vocab_size)
-        return len(self.sessions.open(session_id, prompt).token_ids)
-
-    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None) -> int:
-        """Append observation tokens (loss mask 0); returns the context length. Raises SessionNotFound,
-        SessionBusy, InvalidRequest, ContextFull."""
-        tokens = [int(t) for t in token_ids]
-        if tokens:
-            validate_prompt(tokens, self.model_config.vocab_size, "token_ids")
-        elif turn_reward is None:
-            raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
-        return len(self.sessions.append(session_id, tokens, self.weight_version, turn_reward).token_ids)
-
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
         """Queue the session's next policy turn (one completion, max_tokens cut to the context left)."""
-        session = self.sessions.idle(session_id)
-        if params.n != 1:
-            raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
+        session, params = self._turn(session_id, params)
         context = len(session.token_ids)
-        room = self.config.max_model_len - context
-        if room <= 0:
-            raise ContextFull(f"the session's context ({context} tokens) is at the context length "
-                              f"{self.config.max_model_len}; nothing more can be generated")
-        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-        params.validate(prompt_len=context, vocab_size=self.model_config.vocab_size,
-                        max_model_len=self.config.max_model_len, max_n=1)
         if self.block_manager.blocks_for(context + params.max_tokens) > self.block_manager.num_blocks:
             raise ContextFull(f"the session's context + max_tokens ({context + params.max_tokens} tokens) exceeds "
                               f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")

@@ -9,9 +9,11 @@ session used least recently are dropped (`evict_idle`); its next turn recomputes
 The table is engine state: only the engine thread touches it (see LLMEngine).
 """
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from rollout.block_manager import BlockManager
@@ -23,6 +25,7 @@ from rollout.errors import (
     SessionBusy,
     SessionNotFound,
 )
+from rollout.sampling_params import SamplingParams, validate_prompt
 from rollout.sequence import FinishReason, Sequence
 
 _EXPIRED_IDS_KEPT = 10_000  # ids remembered after expiry, so a late call hears "expired", not "unknown"
@@ -219,11 +222,44 @@ _EXPIRY_CHECK_S = 1.0  # how often a step engine looks for idle sessions
 
 class SessionSteps:
     """The session methods a step engine (rollout/engine.py's LLMEngine, rollout/engines/vllm_engine.py's VllmCore)
-    shares: it has `sessions` (a SessionTable), `weight_version`, `abort(request_id)` and `_next_expiry_check`."""
+    shares: it has `sessions` (a SessionTable), `info` (rollout.engines.base.ModelInfo), `weight_version`,
+    `abort(request_id)` and `_next_expiry_check`."""
 
     sessions: SessionTable
     weight_version: int
     _next_expiry_check: float
+
+    def open_session(self, session_id: str, prompt_ids: Seq[int]) -> int:
+        """Open a session on its initial context; returns its length. Raises InvalidRequest, DuplicateRequest,
+        QueueFull (too many sessions), ContextFull."""
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.info.vocab_size)
+        return len(self.sessions.open(session_id, prompt).token_ids)
+
+    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None) -> int:
+        """Append observation tokens (loss mask 0); returns the context length. Raises SessionNotFound,
+        SessionBusy, InvalidRequest, ContextFull."""
+        tokens = [int(t) for t in token_ids]
+        if tokens:
+            validate_prompt(tokens, self.info.vocab_size, "token_ids")
+        elif turn_reward is None:
+            raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
+        return len(self.sessions.append(session_id, tokens, self.weight_version, turn_reward).token_ids)
+
+    def _turn(self, session_id: str, params: SamplingParams) -> tuple[Session, SamplingParams]:
+        """The idle session whose next policy turn `params` asks for, and the params of that turn: one
+        completion, max_tokens cut to the context left. Raises SessionNotFound, SessionBusy, InvalidRequest,
+        ContextFull."""
+        session = self.sessions.idle(session_id)
+        if params.n != 1:
+            raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
+        context, limit = len(session.token_ids), self.info.max_model_len
+        if limit - context <= 0:
+            raise ContextFull(f"the session's context ({context} tokens) is at the context length {limit}; "
+                              "nothing more can be generated")
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, limit - context))
+        params.validate(prompt_len=context, vocab_size=self.info.vocab_size, max_model_len=limit, max_n=1)
+        return session, params
 
     def session_turn(self, session_id: str) -> str | None:
         """The request id of the session's running turn, if any."""

@@ -16,7 +16,6 @@ produced it, exactly as in the native engine.
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
 
-import dataclasses
 import itertools
 import json
 import os
@@ -30,7 +29,7 @@ import torch
 from rollout.config import read_eos_token_ids
 from rollout.engines.base import Layout, ModelInfo, checkpoint_layout
 from rollout.engines.settings import VllmSettings
-from rollout.errors import ContextFull, DuplicateRequest, InvalidRequest
+from rollout.errors import DuplicateRequest, InvalidRequest
 from rollout.outputs import TokenOutput
 from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.sequence import FinishReason, Sequence, SequenceStatus
@@ -266,32 +265,10 @@ class VllmCore(SessionSteps):
 
     # ---- sessions (rollout/sessions.py)
 
-    def open_session(self, session_id: str, prompt_ids: Seq[int]) -> int:
-        prompt = [int(t) for t in prompt_ids]
-        validate_prompt(prompt, self.info.vocab_size)
-        return len(self.sessions.open(session_id, prompt).token_ids)
-
-    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None) -> int:
-        tokens = [int(t) for t in token_ids]
-        if tokens:
-            validate_prompt(tokens, self.info.vocab_size, "token_ids")
-        elif turn_reward is None:
-            raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
-        return len(self.sessions.append(session_id, tokens, self.weight_version, turn_reward).token_ids)
-
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
         """Queue the session's next policy turn: its whole context as the prompt (the prefix cache has the KV)."""
-        session = self.sessions.idle(session_id)
-        if params.n != 1:
-            raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
+        session, params = self._turn(session_id, params)
         context = len(session.token_ids)
-        room = self.info.max_model_len - context
-        if room <= 0:
-            raise ContextFull(f"the session's context ({context} tokens) is at the context length "
-                              f"{self.info.max_model_len}; nothing more can be generated")
-        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-        params.validate(prompt_len=context, vocab_size=self.info.vocab_size, max_model_len=self.info.max_model_len,
-                        max_n=1)
         temperature = logprobs_temperature(self.info.logprobs_mode, params.temperature)
         if session.temperature is not None and temperature != session.temperature:
             raise InvalidRequest("params.temperature", f"the session's logprobs are at temperature "
