@@ -49,6 +49,16 @@ def write_json(path: pathlib.Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def scaled_replicas(run_dir: pathlib.Path, service: str) -> int | None:
+    """How many replicas the last scale request this run answered left running; None if it answered none. A
+    resumed run (a fresh one starts in an empty folder) starts that many rather than its configured count."""
+    result = result_path(run_dir, service)
+    if not result.exists():
+        return None
+    answer = json.loads(result.read_text())
+    return len(answer["replicas"]) if "replicas" in answer else None
+
+
 class RolloutReplicas:
     """The router and its replica processes, started and scaled under the run's supervisor."""
 
@@ -73,7 +83,12 @@ class RolloutReplicas:
         self._handled: str | None = None
 
     def start(self, replicas: int) -> ServiceProcess:
-        """Start `replicas` replicas and the router in front of them; then answer scale requests on a thread."""
+        """Start `replicas` replicas (or as many as a resumed run was scaled to) and the router in front of them;
+        then answer scale requests on a thread."""
+        scaled = scaled_replicas(self.run_dir, "rollout")
+        if scaled is not None and scaled != replicas:
+            log.warning("rollout: %d replicas, as this run was scaled to (configured: %d)", scaled, replicas)
+            replicas = scaled
         for _ in range(replicas):
             self._start_replica()
         server = {k: v for k, v in self.overrides.items() if k == "server" or k.startswith("server.")}

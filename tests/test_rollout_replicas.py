@@ -272,3 +272,18 @@ def test_the_openai_endpoint_spreads_over_replicas_and_keeps_a_session_on_its_re
 async def sessions_on(address: str) -> int:
     async with connect(address) as channel:
         return (await rollout_pb2_grpc.RolloutStub(channel).GetLoad(rollout_pb2.GetLoadRequest(), timeout=10)).sessions
+
+
+def test_a_resumed_run_starts_as_many_replicas_as_it_was_scaled_to(tmp_path):
+    from deploy.replicas import request_path, result_path, scaled_replicas, write_json
+
+    assert scaled_replicas(tmp_path, "rollout") is None  # never scaled: the configured count
+    write_json(request_path(tmp_path, "rollout"), {"id": "a", "replicas": 3})
+    assert scaled_replicas(tmp_path, "rollout") is None  # asked, never answered: nothing changed
+    write_json(result_path(tmp_path, "rollout"), {"id": "a", "replicas": ["rollout-1", "rollout-2", "rollout-4"],
+                                                  "added": ["rollout-4"], "removed": {}})
+    assert scaled_replicas(tmp_path, "rollout") == 3
+    # a request that failed half-way answers with the replicas it left running
+    write_json(result_path(tmp_path, "rollout"), {"id": "b", "replicas": ["rollout-1", "rollout-2", "rollout-4",
+                                                                          "rollout-5"], "error": "rollout-6 failed"})
+    assert scaled_replicas(tmp_path, "rollout") == 4

@@ -1,11 +1,12 @@
 """Acceptance: `relayrl deploy scale rollout N --run RUN_DIR` on a live quickstart run with rollout replicas behind a
-router: a replica added mid-run serves the trainer's current weights when it takes traffic, removing replicas
-drains them (the driver loses no request), and the run goes on to its end (deploy/replicas.py, deploy/scale.py).
+router: removing a replica drains it (the driver loses no request), a replica added mid-run serves the trainer's
+current weights when it takes traffic, and the run goes on to its end (deploy/replicas.py, deploy/scale.py).
 
-It prints the driver's completions/s in the WINDOW_S seconds before the scale-up was asked and in the WINDOW_S
-seconds after the third replica took traffic (the figure the issue note quotes). Not asserted: on 2 shared cores a
-third replica competes with the trainer and the other two for the same CPU, and the driver is bounded by
-max_staleness (it waits for the trainer), so it need not gain here."""
+The run is rollout-bound on purpose (an untrained model writes all of its 48 tokens, while a training step over
+them stays cheap), as runs that add inference capacity are: the trainer waits for data, so a second replica has a
+core to use. The test goes 2 -> 1 -> 2 replicas and prints the driver's completions/s over the WINDOW_S seconds
+with one replica and over the WINDOW_S seconds after the second took traffic (the figure the issue note quotes).
+Not asserted: on 2 shared cores the gain is real but bounded and noisy."""
 
 import io
 import json
@@ -56,7 +57,7 @@ def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
     run_dir = tmp_path / "run"
     config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
         f"run_dir={run_dir}", "sft.steps=0", "task.num_eval=16", "rl.time_budget_s=200", "rl.eval_interval_s=30",
-        "rl.rollout_replicas=2"])
+        "rl.rollout_replicas=2", "rl.max_tokens=48"])
     out, ended = io.StringIO(), {}
     thread = threading.Thread(target=lambda: ended.update(summary=run_quickstart(config, Console(file=out, width=200))))
     thread.start()
@@ -67,40 +68,43 @@ def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
                 time.time() - driver_stats(run_dir)[0]["time"] < WINDOW_S):
             assert thread.is_alive() and time.monotonic() < deadline, out.getvalue()[-3000:]
             time.sleep(0.5)
+        down = relayrl("deploy", "scale", "rollout", "1", "--run", str(run_dir))
+        alone = time.time()  # RemoveReplica returns once rollout-2 has drained and stopped
+        time.sleep(WINDOW_S + 2.5)  # a window of one replica (and the stats line that closes it)
         asked = time.time()
-        up = relayrl("deploy", "scale", "rollout", "3", "--run", str(run_dir))
+        up = relayrl("deploy", "scale", "rollout", "2", "--run", str(run_dir))
         routed = time.time()  # AddReplica returns once the router routes to the new replica
         version_after_up = steps(run_dir)[-1]["weight_version"]
-        time.sleep(WINDOW_S + 2.5)  # a window of three replicas (and the stats line that closes it)
+        time.sleep(WINDOW_S + 2.5)  # a window of two replicas
         rows = driver_stats(run_dir)
         router = json.loads((run_dir / "services.json").read_text())["rollout"]["address"]
         with grpc.insecure_channel(router) as channel:
             listed = router_pb2_grpc.ReplicasStub(channel).ListReplicas(router_pb2.ListReplicasRequest(), timeout=10)
         status = relayrl("status", str(run_dir), "--json", "--interval", "1")
-        down = relayrl("deploy", "scale", "rollout", "1", "--run", str(run_dir))
         refused = relayrl("deploy", "scale", "reward", "2", "--run", str(run_dir))
     finally:
         thread.join(600)
     assert "summary" in ended, out.getvalue()[-3000:]
-    two = completions_per_s(rows, asked - WINDOW_S, asked)
-    three = completions_per_s(rows, routed, routed + WINDOW_S + 2.5)
-    print(f"scale 2 -> 3 mid-run: driver completions/s {two:.1f} in the {WINDOW_S:.0f}s before, {three:.1f} in the "
-          f"{WINDOW_S:.0f}s after the third replica took traffic: ratio {three / two:.2f} (the scale-up took "
+    one = completions_per_s(rows, alone, alone + WINDOW_S + 2.5)
+    two = completions_per_s(rows, routed, routed + WINDOW_S + 2.5)
+    print(f"scale 1 -> 2 mid-run: driver completions/s {one:.1f} over {WINDOW_S:.0f}s with one replica, {two:.1f} "
+          f"over {WINDOW_S:.0f}s after the second took traffic: ratio {two / one:.2f} (the scale-up took "
           f"{routed - asked:.1f}s; {os.cpu_count()} cores shared with the trainer)")
 
+    assert down.returncode == 0 and "removed rollout-2: drained" in down.stdout, down.stdout + down.stderr
     assert up.returncode == 0 and "added rollout-3" in up.stdout, up.stdout + up.stderr
     infos = {info.address: info for info in listed.replicas}
-    assert len(infos) == 3 and all(i.state == router_pb2.REPLICA_STATE_ACTIVE for i in infos.values())
+    assert len(infos) == 2 and all(i.state == router_pb2.REPLICA_STATE_ACTIVE for i in infos.values())
     # the new replica took traffic only once it served the weights the trainer had published
     assert min(i.weight_version for i in infos.values()) >= 1
     assert version_after_up >= 1
     rows = {row["name"]: row for row in json.loads(status.stdout)["services"]}
-    assert {"rollout", "rollout-1", "rollout-2", "rollout-3"} <= set(rows) and all(r["up"] for r in rows.values())
+    assert {"rollout", "rollout-1", "rollout-3"} <= set(rows) and "rollout-2" not in rows
+    assert all(r["up"] for r in rows.values())
 
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert "removed rollout-3: drained" in down.stdout and "removed rollout-2: drained" in down.stdout
     assert refused.returncode == 2 and "invalid choice: 'reward'" in refused.stderr
-    assert set(json.loads((run_dir / "services.json").read_text())) == {"buffer", "reward", "rollout", "rollout-1"}
+    assert set(json.loads((run_dir / "services.json").read_text())) == {"buffer", "reward", "rollout", "rollout-1",
+                                                                        "rollout-3"}
     driver = [json.loads(line) for line in (run_dir / "driver_stats.jsonl").read_text().splitlines()]
     assert driver[-1]["failed"] == 0  # no sample failed while replicas left
     assert ended["summary"].restarts == {}  # nothing died on the way
