@@ -72,6 +72,9 @@ class AgenticRLConfig(Strict):
         2048, gt=0, description="The trainer's micro-batches by token budget (trainer batch.max_tokens_per_micro_batch): "
         "episodes of 1 to 3 turns padded to the longest cost ~1.8x; None = one micro-batch of the whole batch.")
     checkpoint_interval: int = Field(10, gt=0, description="Trainer checkpoint every this many steps.")
+    rollout_replicas: int = Field(1, ge=1, description="Rollout processes; more than 1 runs them behind a router "
+                                  "(deploy/replicas.py: sessions stay on their replica, new ones go to the least "
+                                  "loaded) that `relayrl deploy scale rollout N --run RUN_DIR` scales.")
     buffer_capacity_batches: int = Field(32, gt=0, description="Buffer capacity in batches.")
 
 
@@ -155,6 +158,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
 
     from deploy.launcher import start_service
     from deploy.progress import Progress
+    from deploy.replicas import RolloutReplicas
     from deploy.provenance import write_provenance
     from deploy.service_registry import REGISTRY_FILE
     from deploy.status import run_targets
@@ -206,14 +210,19 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     supervisor = supervisor or Supervisor(config.supervise)
     registry = run_dir / REGISTRY_FILE  # where `relayrl status RUN_DIR` finds the services
     board = RunBoard(run_dir, "runner", lambda: run_targets(run_dir))
+    replicas = None  # RolloutReplicas when the rollout runs as replicas behind a router
     try:
         with progress.phase("starting buffer and rollout services"):
             buffer = supervisor.add_service(start_service("buffer", {
                 "data_dir": str(run_dir / "buffer"), "max_staleness": rl.max_staleness,
                 "capacity": rl.buffer_capacity_batches * batch_size, **config.buffer}, log_dir=logs, registry=registry))
-            rollout = supervisor.add_service(start_service("rollout", {
-                "model": str(policy_dir), "engine.seed": config.seed, "buffer": buffer.address, **config.rollout},
-                log_dir=logs, registry=registry))
+            overrides = {"model": str(policy_dir), "engine.seed": config.seed, "buffer": buffer.address,
+                         **config.rollout}
+            if rl.rollout_replicas > 1:
+                replicas = RolloutReplicas(supervisor, overrides, logs, run_dir)
+                rollout = replicas.start(rl.rollout_replicas)
+            else:
+                rollout = supervisor.add_service(start_service("rollout", overrides, log_dir=logs, registry=registry))
         start = success(rollout.address)
         progress.note(f"held-out success at the start of RL: {start['success_rate']:.3f} "
                       f"(mean reward {start['mean_reward']:.3f}, {start['mean_turns']:.2f} turns, "
@@ -233,7 +242,9 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
             "buffer": {"address": buffer.address},
             "max_steps": rl.max_steps,
             "max_staleness": rl.max_staleness,
-            "publish": {"receivers": [rollout.address], "overlap": True},
+            # behind a router, the trainer publishes to whichever replicas it lists at each publish
+            "publish": {**({"receivers_from": rollout.address} if replicas else {"receivers": [rollout.address]}),
+                        "overlap": True},
             "seed": config.seed,
             "log_interval": 10,
             "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
@@ -269,6 +280,8 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
         progress.note(_line(curve[-1], rl.time_budget_s))
         supervisor.check()
     finally:
+        if replicas is not None:
+            replicas.close()
         supervisor.stop()
         board.close()
     trainer_metrics = _last_records(run_dir / "trainer_metrics.jsonl")

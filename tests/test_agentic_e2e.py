@@ -84,3 +84,49 @@ def test_agentic_guess_number_held_out_success_rises(tmp_path):
     assert later[-1] >= start + 0.13, f"held-out success did not rise by 2 of 15 games: {rates}"
     assert statistics.mean(later) >= start + 0.1, f"held-out success did not stay up: {rates}"
     assert summary.episodes > 0 and summary.restarts == {}
+
+
+@pytest.mark.slow  # ~90 s: five processes on 2 cores
+@pytest.mark.timeout(400)
+def test_the_environment_runner_spreads_sessions_over_rollout_replicas(tmp_path):
+    """rl.rollout_replicas=2: the runner's sessions go through the router to both replicas (each generates for
+    it), every episode still reaches the buffer, and the trainer publishes to the replicas the router lists."""
+    import threading
+    import time
+    import urllib.request
+
+    import grpc
+
+    from protos import router_pb2, router_pb2_grpc
+
+    def generated(metrics_port: int) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("relayrl_rollout_generated_tokens_total"))
+
+    run_dir = tmp_path / "run"
+    config = load_config(AgenticConfig, EXAMPLES / "guess_number.yaml", [
+        f"run_dir={run_dir}", "sft.steps=10", "sft.transcripts=200", "rl.time_budget_s=40", "rl.eval_interval_s=30",
+        "rl.group_size=4", "rl.groups_per_batch=2", "rl.rollout_replicas=2"])
+    ended = {}
+    thread = threading.Thread(target=lambda: ended.update(summary=run_agentic(config, Console(file=io.StringIO()))))
+    thread.start()
+    try:
+        steps = run_dir / "trainer_metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while thread.is_alive() and time.monotonic() < deadline and (
+                not steps.exists() or len(steps.read_text().splitlines()) < 3):
+            time.sleep(0.5)
+        registry = json.loads((run_dir / "services.json").read_text())
+        tokens = {name: generated(registry[name]["metrics_port"]) for name in ("rollout-1", "rollout-2")}
+        with grpc.insecure_channel(registry["rollout"]["address"]) as channel:
+            listed = router_pb2_grpc.ReplicasStub(channel).ListReplicas(router_pb2.ListReplicasRequest(), timeout=30)
+    finally:
+        thread.join(300)
+    assert "summary" in ended and ended["summary"].steps >= 3 and ended["summary"].restarts == {}
+    assert all(count > 0 for count in tokens.values()), tokens  # both replicas played episodes
+    trainer = yaml.safe_load((run_dir / "trainer.yaml").read_text())
+    assert trainer["publish"]["receivers_from"] == registry["rollout"]["address"]  # the router
+    runner = json.loads((run_dir / "runner_stats.jsonl").read_text().splitlines()[-1])
+    assert runner["episodes"] > 0 and runner["submitted"] == runner["episodes"]
+    assert len(listed.replicas) == 2 and all(info.weight_version >= 1 for info in listed.replicas)  # both updated
