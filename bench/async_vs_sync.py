@@ -11,14 +11,23 @@ admission control alone bounds them (deploy/agentic.py).
 
 The SFT checkpoint is built once (by the first run) and every later run starts from it.
 
+It also samples the machine's CPU (/proc/stat, every second) and reports the cores busy on average over each RL
+phase (the runner's first to last stats line). On a machine whose generation and training share the same cores,
+overlapping them cannot make a step cheaper than (CPU seconds of one step) / (cores): a synchronous run keeping B
+of N cores busy bounds every asynchronous one at N / B its steps per hour (`ceiling` below), whatever the
+staleness. Run it on a quiet machine: other jobs count as busy.
+
     python bench/async_vs_sync.py [--budget-s 300] [--staleness 0 1 2 4] [--seed 0] [--quick]
 """
 
 import argparse
 import json
+import os
 import pathlib
 import shutil
 import sys
+import threading
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -32,6 +41,41 @@ def trainer_wait_fraction(run_dir: pathlib.Path) -> float:
     waited = sum(r.get("pull_s", 0.0) for r in records)
     total = sum(r.get("step_s", 0.0) for r in records)
     return waited / total if total else float("nan")
+
+
+class CpuSampler:
+    """(wall time, busy jiffies, all jiffies) of the whole machine every second, from /proc/stat."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            fields = [int(x) for x in pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            idle = fields[3] + fields[4]  # idle + iowait
+            self.samples.append((time.time(), sum(fields) - idle, sum(fields)))
+            self._stop.wait(1.0)
+
+    def busy_cores(self, start: float, end: float) -> float:
+        """Cores busy on average between two wall times (the machine's, all processes)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return float("nan")
+        (_, busy0, all0), (_, busy1, all1) = inside[0], inside[-1]
+        return (busy1 - busy0) / (all1 - all0) * (os.cpu_count() or 1)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def rl_window(run_dir: pathlib.Path) -> tuple[float, float]:
+    """Wall times of the runner's first and last stats lines: the RL phase."""
+    times = [json.loads(line)["time"] for line in (run_dir / "runner_stats.jsonl").read_text().splitlines() if line]
+    return times[0], times[-1]
 
 
 def time_to(curve: list[dict], target: float) -> float | None:
@@ -85,6 +129,7 @@ def main() -> int:
 
     order = [0] + [s for s in args.staleness if s != 0]
     results, checkpoint = {}, None
+    cpu = CpuSampler()
     for staleness in order:
         summary = run(staleness, args, checkpoint, out)
         run_dir = pathlib.Path(summary.run_dir)
@@ -92,7 +137,9 @@ def main() -> int:
             checkpoint = str(out / "model-sft")
             shutil.copytree(run_dir / "model-sft", checkpoint)
         results[staleness] = {"summary": summary, "wait": trainer_wait_fraction(run_dir),
-                              "steps_per_hour": summary.steps / summary.rl_seconds * 3600}
+                              "steps_per_hour": summary.steps / summary.rl_seconds * 3600,
+                              "busy": cpu.busy_cores(*rl_window(run_dir))}
+    cpu.close()
     base = results[0]
     target = args.target
     if target is None:
@@ -102,14 +149,17 @@ def main() -> int:
           f"trainer threads: sync {args.sync_trainer_threads}, async {args.async_trainer_threads}; rollout threads "
           f"{args.rollout_threads}")
     print(f"{'staleness':>9} {'steps':>6} {'steps/h':>8} {'x sync':>7} {'data wait':>10} {'t->target':>10} "
-          f"{'start':>6} {'final':>6} {'best':>6}")
+          f"{'start':>6} {'final':>6} {'best':>6} {'cores busy':>11}")
     for staleness in order:
         r = results[staleness]
         s = r["summary"]
         reach = time_to(s.curve, target)
         print(f"{staleness:>9} {s.steps:>6} {r['steps_per_hour']:>8.0f} {r['steps_per_hour'] / base['steps_per_hour']:>7.2f} "
               f"{r['wait']:>10.1%} {('-' if reach is None else f'{reach:.0f} s'):>10} {s.start_success:>6.3f} "
-              f"{s.final_success:>6.3f} {s.best_success:>6.3f}")
+              f"{s.final_success:>6.3f} {s.best_success:>6.3f} {r['busy']:>6.2f} of {os.cpu_count()}")
+    ceiling = (os.cpu_count() or 1) / base["busy"]
+    print(f"result: async_ceiling_vs_sync = {ceiling:.2f} (baseline max_staleness 0 kept {base['busy']:.2f} of "
+          f"{os.cpu_count()} cores busy: no overlap of work on these cores can exceed this ratio)")
     for staleness in order[1:]:
         r = results[staleness]
         print(f"result: steps_per_hour_staleness_{staleness}_vs_sync = "
