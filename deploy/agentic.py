@@ -158,8 +158,8 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
 
     from deploy.launcher import start_service
     from deploy.progress import Progress
-    from deploy.replicas import RolloutReplicas
     from deploy.provenance import write_provenance
+    from deploy.replicas import RolloutReplicas
     from deploy.service_registry import REGISTRY_FILE
     from deploy.status import run_targets
     from deploy.supervisor import Supervisor
