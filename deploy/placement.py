@@ -205,6 +205,8 @@ def ray_problems(services: ServicesSection) -> list[str]:
             if placement.replicas > 1 and name != "rollout":  # rollout replicas run behind a router (deploy/replicas.py)
                 problems.append(f"{field}.replicas: {placement.replicas}")
             problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
-    if services.trainer.nodes > 1:
-        problems.append(f"services.trainer.nodes: {services.trainer.nodes}")
+    trainer = services.trainer
+    if trainer.nodes > 1 and trainer.group is None:  # its nodes are spread over the nodes carrying its group
+        problems.append(f"services.trainer.group: none, but a trainer on {trainer.nodes} nodes needs the group "
+                        "whose Ray resource marks its nodes")
     return problems

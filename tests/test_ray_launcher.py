@@ -1,8 +1,10 @@
-"""`relayrl run FILE --ray ADDRESS` on a Ray cluster of three nodes on this machine (ray.cluster_utils.Cluster), each
-carrying one group's custom resource, with two rollout replicas behind the router: every process (each replica and
-the router too) lands on its group's node (Ray's node ids against the cluster's node table), both replicas generate
-for the driver, a replica killed mid-run is restarted on its node, and a short run of the quickstart experiment
-learns. Needs the `ray` extra; marked slow (Ray on 2 cores is heavy)."""
+"""`relayrl run FILE --ray ADDRESS` on a Ray cluster of four nodes on this machine (ray.cluster_utils.Cluster), each
+carrying one group's custom resource (two the training group's), with two rollout replicas behind the router and the
+trainer across the two training nodes (services.trainer.nodes=2, one torchrun per node): every process (each replica,
+the router, each trainer node) lands on its group's node (Ray's node ids against the cluster's node table), the two
+trainer nodes on distinct nodes, both ranks train in one job, both replicas generate for the driver, a replica killed
+mid-run is restarted on its node, and a short run of the quickstart experiment learns. Needs the `ray` extra; marked
+slow (Ray on 2 cores is heavy)."""
 
 import json
 import os
@@ -22,9 +24,10 @@ from protos import router_pb2, router_pb2_grpc
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
-# "rollout" is the router; "rollout-1" and "rollout-2" the replicas (deploy/replicas.py), each with its own agent
+# "rollout" is the router; "rollout-1" and "rollout-2" the replicas (deploy/replicas.py), each with its own agent;
+# "trainer" is the trainer's node rank 0, "trainer-node1" its node rank 1
 GROUPS = {"buffer": "cpu", "reward": "cpu", "driver": "cpu", "rollout": "inference", "rollout-1": "inference",
-          "rollout-2": "inference", "trainer": "training"}
+          "rollout-2": "inference", "trainer": "training", "trainer-node1": "training"}
 
 
 def generated_tokens(metrics_port: int) -> float:
@@ -47,6 +50,7 @@ def cluster(monkeypatch):
                                                           "include_dashboard": False})
     try:
         made.add_node(num_cpus=1, resources={"training": 1})
+        made.add_node(num_cpus=0, resources={"training": 1})  # the trainer's second node (its agent takes no CPU)
         made.add_node(num_cpus=1, resources={"inference": 1})
         yield made
     finally:
@@ -57,7 +61,7 @@ def cluster(monkeypatch):
 
 
 @pytest.mark.timeout(1200)
-def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp_path):
+def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp_path, free_port):
     from deploy.quickstart_project import write_project
 
     experiment = write_project(tmp_path / "project")
@@ -65,6 +69,7 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     groups = "[{name: training}, {name: inference}, {name: cpu}]"
     sets = [f"run_dir={run_dir}", "training.time_budget_s=150", "evaluation.every_s=30",
             f"groups={groups}", "checkpoint.export_dir=null", "services.rollout.replicas=2",
+            "services.trainer.nodes=2", f"services.trainer.rendezvous_port={free_port}",
             *(f"services.{name}.group={group}" for name, group in GROUPS.items()
               if name in ("buffer", "reward", "rollout", "trainer")),
             # The services bind their node's address (this machine's, not loopback) with auth off, on purpose.
@@ -111,7 +116,11 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     assert set(agents) == set(GROUPS)
     for name, group in GROUPS.items():
         assert group in resources[agents[name]], f"{name} ran on a node without {group}: {resources[agents[name]]}"
-    assert len({agents["buffer"], agents["rollout"], agents["trainer"]}) == 3
+    assert len({agents["buffer"], agents["rollout"], agents["trainer"], agents["trainer-node1"]}) == 4
+    # One torchrun job across the two training nodes: each node's rank said where it landed (trainer/run.py).
+    logs = run_dir / "logs"
+    assert "rank 0 of 2" in (logs / "trainer.log").read_text()
+    assert "rank 1 of 2" in (logs / "trainer-node1.log").read_text()
     assert agents["rollout-1"] == agents["rollout-2"] == agents["rollout"]  # the cluster's one inference node
 
     # Addresses came from the placement: the clients were handed the services' node addresses.
