@@ -1,10 +1,14 @@
-"""A job of one process per node (a torchrun job across nodes) as ONE supervised member (deploy/supervisor.py).
+"""A torchrun job, one torchrun per node, as ONE supervised member (deploy/supervisor.py).
 
 The ranks on every node rendezvous together, so they stand and fall together: the job runs while any node runs;
-it is done (exit 0) when every node exited 0; a non-zero exit of any node kills the other nodes at once (their ranks
+it is done (exit 0) when every node exited 0; a non-zero exit of any node ends the other nodes at once (their ranks
 would otherwise wait in a collective until the process-group timeout) and is the job's exit code. The supervisor's
 restart policy then starts every node again, from the latest checkpoint, as it does a one-process trainer. The
 job's heartbeat is rank 0's file; its log is node 0's, or the failing node's once one failed.
+
+torchrun starts each rank in a session of its own and ends them only when it is signalled itself (SIGTERM: it
+SIGTERMs its ranks, SIGKILLs them after 30 s): a SIGKILLed torchrun would leave its ranks running, so even a kill
+is a SIGTERM first, with SIGKILL only after TORCHRUN_GRACE_S.
 """
 
 import pathlib
@@ -14,9 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from deploy.supervisor import Process
 
+TORCHRUN_GRACE_S = 35.0  # torchrun's own 30 s for its ranks to end after its SIGTERM, and some
+
 
 class NodeJob(Process):
-    """`nodes` (node rank order: node 0 hosts the rendezvous and rank 0), each a Process on its own node (a
+    """`nodes` (node rank order: node 0 hosts the rendezvous and rank 0), each a torchrun Process on its own node (a
     deploy.ray_launcher.RayProcess), supervised as one member named `name`."""
 
     def __init__(self, name: str, nodes: Sequence[Process], exit_zero_is_done: bool = False,
@@ -37,7 +43,7 @@ class NodeJob(Process):
         return self.nodes[0].pid
 
     def exit_code(self) -> int | None:
-        """None while any node runs; 0 once all exited 0; the first non-zero code seen (the other nodes killed)."""
+        """None while any node runs; 0 once all exited 0; the first non-zero code seen (the other nodes ended)."""
         if self.failed is not None:
             return self.failed_code
         codes = [node.exit_code() for node in self.nodes]
@@ -49,10 +55,10 @@ class NodeJob(Process):
         return 0 if all(code == 0 for code in codes) else None
 
     def kill(self) -> None:
-        for node in self.nodes:
-            node.kill()
+        """End every node and its ranks (a SIGTERM first: see the module's docstring)."""
+        self.stop(TORCHRUN_GRACE_S)
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = TORCHRUN_GRACE_S) -> None:
         """SIGTERM every node at once, SIGKILL each after `timeout` seconds."""
         with ThreadPoolExecutor(len(self.nodes)) as pool:
             list(pool.map(lambda node: node.stop(timeout), self.nodes))

@@ -211,20 +211,24 @@ class RayLauncher:
 
     def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
                 heartbeat: pathlib.Path | None = None) -> RayProcess | NodeJob:
-        """A client process on its agent's node; the trainer under torchrun when it has several processes, across
-        nodes one torchrun per node (node 0's hosts the rendezvous), supervised as one NodeJob."""
-        if name != "trainer" or self.services.trainer.world_size == 1:
+        """A client process on its agent's node; a trainer of several processes is a torchrun job (NodeJob) of
+        one torchrun per trainer node, each logging to logs/<its agent's name>.log."""
+        trainer = self.services.trainer
+        if name != "trainer" or trainer.world_size == 1:
             return RayProcess(self.agents[name], name, args, log_path, exit_zero_is_done, heartbeat)
+        nodes = [RayProcess(self.agents[label], label, [*self._torchrun(rank), *args], log_path.with_name(f"{label}.log"))
+                 for rank, label in enumerate(self.trainer_nodes)]
+        return NodeJob(name, nodes, exit_zero_is_done, heartbeat)
+
+    def _torchrun(self, node_rank: int) -> list[str]:
+        """`python` arguments of torchrun on the trainer's node `node_rank`: standalone on one node; across nodes a
+        static rendezvous at node 0's IP and services.trainer.rendezvous_port, hosted by node 0's torchrun."""
         trainer = self.services.trainer
         torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(trainer.procs_per_node)]
         if trainer.nodes == 1:
-            return RayProcess(self.agents[name], name, [*torchrun, "--standalone", *args], log_path,
-                              exit_zero_is_done, heartbeat)
-        torchrun += ["--nnodes", str(trainer.nodes), "--master-addr", self.nodes["trainer"][1],
-                     "--master-port", str(trainer.rendezvous_port)]
-        nodes = [RayProcess(self.agents[label], label, [*torchrun, "--node-rank", str(rank), *args],
-                            log_path.with_name(f"{label}.log")) for rank, label in enumerate(self.trainer_nodes)]
-        return NodeJob(name, nodes, exit_zero_is_done, heartbeat)
+            return [*torchrun, "--standalone"]
+        return [*torchrun, "--nnodes", str(trainer.nodes), "--node-rank", str(node_rank),
+                "--master-addr", self.nodes["trainer"][1], "--master-port", str(trainer.rendezvous_port)]
 
     def trainer_settings(self) -> dict:
         """The weight rendezvous on the trainer's node, where the rollout reaches it."""

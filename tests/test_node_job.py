@@ -1,7 +1,10 @@
-"""A job of one process per node (deploy/node_job.py, a torchrun trainer across Ray nodes) as one supervised member:
-real `python -c` processes (deploy.supervisor.Process, what each Ray agent holds) stand as its nodes, and the local
-launcher's real Supervisor watches it. No Ray: tests/test_ray_launcher.py runs it on a Ray cluster."""
+"""A torchrun job of one torchrun per node (deploy/node_job.py, a trainer across Ray nodes) as one supervised member:
+real processes (deploy.supervisor.Process, what each Ray agent holds: `python -c`, and a real torchrun) stand as its
+nodes, and the local launcher's real Supervisor watches it. No Ray: tests/test_ray_launcher.py runs it on a cluster."""
 
+import os
+import pathlib
+import signal
 import time
 
 import pytest
@@ -45,8 +48,8 @@ def test_one_node_failing_kills_the_others_and_is_the_jobs_exit_code(tmp_path, s
                                            SLEEP)))
     assert wait_for(lambda: job.exit_code(), 30, "the job's exit code") == 3
     first, failing, third = job.nodes
-    assert first.exit_code() is not None and third.exit_code() is not None  # killed with it, not left waiting
-    assert job.exit_code() == 3  # the failing node's code stays the job's, not the killed nodes' -9
+    assert first.exit_code() == third.exit_code() == -15  # ended with it (SIGTERM), not left waiting
+    assert job.exit_code() == 3  # the failing node's code stays the job's, not the ended nodes' -15
     assert "rank 1 lost its peer" in job.log_tail() and job.log_path == failing.log_path
 
 
@@ -68,7 +71,38 @@ def test_stop_and_kill_reach_every_node(tmp_path, started):
     job.start(10)
     assert job.exit_code() is None and job.failed is None  # a new start forgets the last one's end
     job.kill()
-    assert [node.exit_code() for node in job.nodes] == [-9, -9]
+    assert [node.exit_code() for node in job.nodes] == [-15, -15]
+
+
+def test_a_kill_ends_torchruns_ranks_too(tmp_path, started):
+    """torchrun starts its ranks in sessions of their own: SIGKILLing torchrun alone would leave them running."""
+    pids = tmp_path / "ranks"
+    script = tmp_path / "rank.py"
+    script.write_text(f"import os, pathlib, time\n"  # the file's name carries the pid: made at once, never half written
+                      f"pathlib.Path({str(pids)!r}, f\"{{os.environ['RANK']}}-{{os.getpid()}}\").touch()\n"
+                      "time.sleep(120)\n")
+    pids.mkdir()
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    job = started(NodeJob("trainer", [Process("trainer", torchrun, tmp_path / "trainer.log")]))
+    wait_for(lambda: len(list(pids.iterdir())) == 2, 90, "both ranks started")
+    ranks = [int(path.name.split("-")[1]) for path in pids.iterdir()]
+    try:
+        assert all(running(pid) for pid in ranks) and job.exit_code() is None
+        job.kill()
+        wait_for(lambda: not any(running(pid) for pid in ranks), 10, "the ranks ended")
+        assert job.nodes[0].exit_code() is not None
+    finally:
+        for pid in filter(running, ranks):  # what a failed kill left: this test's own rank processes, by pid
+            os.kill(pid, signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    stat = pathlib.Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_the_supervisor_restarts_the_whole_job_when_one_node_fails(tmp_path):

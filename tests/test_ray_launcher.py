@@ -3,11 +3,13 @@ carrying one group's custom resource (two the training group's), with two rollou
 trainer across the two training nodes (services.trainer.nodes=2, one torchrun per node): every process (each replica,
 the router, each trainer node) lands on its group's node (Ray's node ids against the cluster's node table), the two
 trainer nodes on distinct nodes, both ranks train in one job, both replicas generate for the driver, a replica killed
-mid-run is restarted on its node, and a short run of the quickstart experiment learns. Needs the `ray` extra; marked
-slow (Ray on 2 cores is heavy)."""
+mid-run is restarted on its node, a trainer rank killed mid-run restarts the whole job on both nodes from its
+checkpoint, and a short run of the quickstart experiment learns. Needs the `ray` extra; marked slow (Ray on 2 cores
+is heavy)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -94,6 +96,11 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
         # started again by its agent on the same node and address.
         before = registry["rollout-1"]
         os.kill(before["pid"], signal.SIGKILL)  # a process of this test's own cluster, on this machine
+        # The trainer across two nodes is one member: its rank 1, SIGKILLed on its node, ends the whole torchrun
+        # job, which is started again on both nodes and resumes from its checkpoint.
+        logs = run_dir / "logs"
+        rank1 = re.search(r"rank 1 of 2 on cpu \(pid (\d+)\)", (logs / "trainer-node1.log").read_text())
+        os.kill(int(rank1[1]), signal.SIGKILL)
         job.wait(900)
     finally:
         if job.poll() is None:
@@ -106,7 +113,7 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     assert all(count > 0 for count in tokens.values()), tokens
     after = json.loads((run_dir / "services.json").read_text())["rollout-1"]
     assert after["address"] == before["address"] and after["pid"] != before["pid"]
-    assert "rollout-1 1" in out.read_text()  # the summary's restarts
+    assert "rollout-1 1" in out.read_text() and "trainer 1" in out.read_text()  # the summary's restarts
 
     # Where Ray placed each process's agent (the node id Ray's runtime context gave it): on the node carrying its
     # group's resource, as the cluster's own node table says.
@@ -117,11 +124,12 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     for name, group in GROUPS.items():
         assert group in resources[agents[name]], f"{name} ran on a node without {group}: {resources[agents[name]]}"
     assert len({agents["buffer"], agents["rollout"], agents["trainer"], agents["trainer-node1"]}) == 4
-    # One torchrun job across the two training nodes: each node's rank said where it landed (trainer/run.py).
-    logs = run_dir / "logs"
-    assert "rank 0 of 2" in (logs / "trainer.log").read_text()
-    assert "rank 1 of 2" in (logs / "trainer-node1.log").read_text()
     assert agents["rollout-1"] == agents["rollout-2"] == agents["rollout"]  # the cluster's one inference node
+    # One torchrun job across the two training nodes: each node's rank said where it landed (trainer/run.py), once
+    # per start of the job; after rank 1's death both started again, and rank 0 resumed from its checkpoint.
+    node0, node1 = (logs / "trainer.log").read_text(), (logs / "trainer-node1.log").read_text()
+    assert node0.count("rank 0 of 2") == node1.count("rank 1 of 2") == 2, (node0[-3000:], node1[-3000:])
+    assert "resumed from" in node0.split("rank 0 of 2")[2]
 
     # Addresses came from the placement: the clients were handed the services' node addresses.
     registry = json.loads((run_dir / "services.json").read_text())
