@@ -140,3 +140,13 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     curve = [json.loads(line)["accuracy"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"ray: held-out {' -> '.join(f'{a:.3f}' for a in curve)}")
     assert len(curve) >= 3 and sum(curve[-2:]) / 2 > curve[0]
+
+    # A trainer on more nodes than its group has (two here) is refused by name once the place timeout passes.
+    from deploy.placement import ServicesSection
+    from deploy.ray_launcher import PlacementError, RayLauncher
+
+    ray.shutdown()  # RayLauncher connects on its own
+    three = ServicesSection.model_validate({"trainer": {"group": "training", "nodes": 3}})
+    with pytest.raises(PlacementError, match="services.trainer.nodes: 3, but the Ray cluster had no 3 distinct nodes "
+                                             "with resource 'training' within 5s"):
+        RayLauncher(cluster.address, three, place_timeout_s=5)
