@@ -190,11 +190,15 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
     try:
         if ray_address is not None:
             try:
-                from deploy.ray_launcher import RayLauncher
+                from deploy.ray_launcher import PlacementError, RayLauncher
             except ImportError as exc:
                 print(f"relayrl run --ray needs Ray ({exc}): pip install -e '.[ray]'", file=sys.stderr)
                 return 2
-            launcher = RayLauncher(ray_address, config.services)
+            try:
+                launcher = RayLauncher(ray_address, config.services)
+            except PlacementError as exc:
+                print(f"relayrl run --ray: {exc}", file=sys.stderr)
+                return 2
         run_experiment(config, resume=resume, launcher=launcher)
     except DataError as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)

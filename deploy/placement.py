@@ -85,8 +85,8 @@ class TrainerPlacement(Strict):
     nodes: int = Field(1, ge=1, description="Nodes of the torchrun job (torchrun --nnodes).")
     procs_per_node: int = Field(1, ge=1, description="Processes per node (torchrun --nproc-per-node); at most the "
                                 "group's devices_per_node when that is given.")
-    rendezvous_port: int = Field(29400, ge=1, le=65535, description="Port of torchrun's c10d rendezvous on the first "
-                                 "node.")
+    rendezvous_port: int = Field(29400, ge=1, le=65535, description="Port of torchrun's static rendezvous "
+                                 "(--master-port) on the first node, hosted by its torchrun.")
     resources: Resources = Field(default_factory=Resources, description="Per node.")
     weight_sync: WeightSync = Field(default_factory=WeightSync)
     settings: dict = Field(default_factory=dict, description="Extra trainer.config.TrainerConfig fields (e.g. "
@@ -205,6 +205,8 @@ def ray_problems(services: ServicesSection) -> list[str]:
             if placement.replicas > 1 and name != "rollout":  # rollout replicas run behind a router (deploy/replicas.py)
                 problems.append(f"{field}.replicas: {placement.replicas}")
             problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
-    if services.trainer.nodes > 1:
-        problems.append(f"services.trainer.nodes: {services.trainer.nodes}")
+    trainer = services.trainer
+    if trainer.nodes > 1 and trainer.group is None:  # its nodes are spread over the nodes carrying its group
+        problems.append(f"services.trainer.group: none, but a trainer on {trainer.nodes} nodes needs the group "
+                        "whose Ray resource marks its nodes")
     return problems

@@ -5,17 +5,22 @@
        groups, the trainer on its group, the driver beside the buffer; no group = any node. Rollout replicas
        (deploy/replicas.py: "rollout-1", ... behind the router "rollout") get an agent each on the rollout's group,
        made as each starts (a replica added by `relayrl deploy scale` too)
+    -> a trainer on `services.trainer.nodes` > 1 nodes: a Ray placement group of that many bundles of its group's
+       resource, STRICT_SPREAD (each on a distinct node), and an agent in each: "trainer" (node rank 0),
+       "trainer-node1", ...; each runs torchrun with --node-rank, static rendezvous on node 0's IP at
+       `services.trainer.rendezvous_port`, logging to logs/<its name>.log
     -> each agent starts its process on its node: a service by deploy.launcher.start_service (`relayrl serve NAME`
        bound to the node's IP and a free port, health-checked there), the trainer and the driver as `python -m ...`
     -> the addresses handed to the driver, the trainer and the evaluation are node IP + bound port, as placed; the
-       trainer's weight rendezvous binds its node's IP (publish.master_addr)
+       trainer's weight rendezvous binds its node rank 0's IP (publish.master_addr)
     -> this machine's supervisor (deploy/supervisor.py) watches each through its agent: health checks, heartbeats,
-       restarts on the same node and address, the same bounds as a local run
+       restarts on the same node and address, the same bounds as a local run; a trainer across nodes is one member
+       (deploy/node_job.py): one node's failure restarts the whole torchrun job from its checkpoint
 
 Every node needs relayrl installed in the same Python environment, and the run folder and the model on a filesystem
 every node sees at the same path (logs, heartbeats, checkpoints and metrics are read there), as Kubernetes' project
-claim. Not yet: reward replicas > 1 (the driver calls one reward address), a trainer across nodes, TLS and tokens,
-and an agent's node lost (its process is restarted only while its agent lives).
+claim. Not yet: reward replicas > 1 (the driver calls one reward address), a trainer across nodes without a group,
+TLS and tokens, and an agent's node lost (its process is restarted only while its agent lives).
 """
 
 import json
@@ -24,8 +29,11 @@ import secrets
 import time
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.launcher import start_service
+from deploy.node_job import NodeJob
 from deploy.placement import ServicesSection
 from deploy.supervisor import Process
 
@@ -129,6 +137,10 @@ class RayProcess(Process):
         ray.get(self.agent.stop.remote(timeout))
 
 
+class PlacementError(RuntimeError):
+    """The cluster has no node (or not enough distinct nodes) for a process's group within the place timeout."""
+
+
 class RayLauncher:
     """Places one agent per process of a run on the Ray cluster at `address` (deploy.pipeline's launcher)."""
 
@@ -139,14 +151,33 @@ class RayLauncher:
         self.place_timeout_s = place_timeout_s
         self.groups = {name: placement.group for name, placement in services.placed().items()}
         self.groups["driver"] = services.buffer.group
+        # The trainer's agents in node rank order; across nodes, each in its bundle of a STRICT_SPREAD placement group.
+        self.trainer_nodes = ["trainer", *(f"trainer-node{rank}" for rank in range(1, services.trainer.nodes))]
+        self.groups.update({label: services.trainer.group for label in self.trainer_nodes})
+        self.spread = self._spread_trainer() if services.trainer.nodes > 1 else None
         self.agents = {name: self._new_agent(name, group) for name, group in self.groups.items()}
         self.nodes: dict[str, tuple[str, str]] = {}
         for name in self.agents:
             self._place(name)
 
+    def _spread_trainer(self):
+        """A placement group of one bundle of the trainer's group resource per trainer node, each on a distinct node."""
+        trainer = self.services.trainer
+        spread = placement_group([{trainer.group: GROUP_SHARE}] * trainer.nodes, strategy="STRICT_SPREAD",
+                                 name=f"relayrl-{self.tag}-trainer")
+        if not spread.wait(self.place_timeout_s):
+            remove_placement_group(spread)
+            raise PlacementError(f"services.trainer.nodes: {trainer.nodes}, but the Ray cluster had no {trainer.nodes} "
+                               f"distinct nodes with resource {trainer.group!r} within {self.place_timeout_s:.0f}s "
+                               f"(start each with --resources '{{\"{trainer.group}\": 1}}')")
+        return spread
+
     def _new_agent(self, name: str, group: str | None):
-        return NodeAgent.options(name=f"relayrl-{self.tag}-{name}", **(
-            {"resources": {group: GROUP_SHARE}} if group else {})).remote()
+        options = {"resources": {group: GROUP_SHARE}} if group else {}
+        if self.spread is not None and name in self.trainer_nodes:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.spread,
+                                                                              self.trainer_nodes.index(name))
+        return NodeAgent.options(name=f"relayrl-{self.tag}-{name}", **options).remote()
 
     def _place(self, name: str) -> None:
         """Wait until Ray has placed `name`'s agent on a node; record the node."""
@@ -154,7 +185,7 @@ class RayLauncher:
         try:
             self.nodes[name] = ray.get(self.agents[name].node.remote(), timeout=self.place_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"services.{name}: no Ray node with resource {group!r} took it within "
+            raise PlacementError(f"services.{name}: no Ray node with resource {group!r} took it within "
                                f"{self.place_timeout_s:.0f}s (start its nodes with --resources "
                                f"'{{\"{group}\": 1}}')") from None
 
@@ -179,12 +210,25 @@ class RayLauncher:
         return RayService(label, agent, address, pid, metrics_port, log_dir / f"{label}.log")
 
     def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
-                heartbeat: pathlib.Path | None = None) -> RayProcess:
+                heartbeat: pathlib.Path | None = None) -> RayProcess | NodeJob:
+        """A client process on its agent's node; a trainer of several processes is a torchrun job (NodeJob) of
+        one torchrun per trainer node, each logging to logs/<its agent's name>.log."""
         trainer = self.services.trainer
-        if name == "trainer" and trainer.procs_per_node > 1:
-            args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainer.procs_per_node),
-                    *args]
-        return RayProcess(self.agents[name], name, args, log_path, exit_zero_is_done, heartbeat)
+        if name != "trainer" or trainer.world_size == 1:
+            return RayProcess(self.agents[name], name, args, log_path, exit_zero_is_done, heartbeat)
+        nodes = [RayProcess(self.agents[label], label, [*self._torchrun(rank), *args], log_path.with_name(f"{label}.log"))
+                 for rank, label in enumerate(self.trainer_nodes)]
+        return NodeJob(name, nodes, exit_zero_is_done, heartbeat)
+
+    def _torchrun(self, node_rank: int) -> list[str]:
+        """`python` arguments of torchrun on the trainer's node `node_rank`: standalone on one node; across nodes a
+        static rendezvous at node 0's IP and services.trainer.rendezvous_port, hosted by node 0's torchrun."""
+        trainer = self.services.trainer
+        torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(trainer.procs_per_node)]
+        if trainer.nodes == 1:
+            return [*torchrun, "--standalone"]
+        return [*torchrun, "--nnodes", str(trainer.nodes), "--node-rank", str(node_rank),
+                "--master-addr", self.nodes["trainer"][1], "--master-port", str(trainer.rendezvous_port)]
 
     def trainer_settings(self) -> dict:
         """The weight rendezvous on the trainer's node, where the rollout reaches it."""
@@ -194,4 +238,6 @@ class RayLauncher:
     def close(self) -> None:
         for agent in self.agents.values():
             ray.kill(agent)
+        if self.spread is not None:
+            remove_placement_group(self.spread)
         ray.shutdown()

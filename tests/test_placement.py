@@ -145,7 +145,10 @@ def test_relayrl_run_on_ray_refuses_what_its_launcher_cannot_do_yet(tmp_path, ca
     _load(tmp_path, CLUSTER)
     assert run(str(tmp_path / "experiment.yaml"), ray_address="127.0.0.1:1") == 2  # before connecting to anything
     err = capsys.readouterr().err
-    for named in ("services.reward.replicas: 2", "services.trainer.nodes: 2"):
-        assert named in err, err
+    assert "services.reward.replicas: 2" in err, err
     assert "services.buffer.group" not in err  # groups are what Ray places
     assert "services.rollout.replicas" not in err  # its replicas run behind a router, each on the rollout's group
+    assert "services.trainer" not in err  # its nodes spread over its group's nodes (deploy/ray_launcher.py)
+    _load(tmp_path, CLUSTER, ["services.trainer.group=null"])
+    assert run(str(tmp_path / "experiment.yaml"), ray_address="127.0.0.1:1") == 2
+    assert "services.trainer.group: none, but a trainer on 2 nodes needs the group" in capsys.readouterr().err

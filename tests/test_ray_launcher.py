@@ -1,11 +1,15 @@
-"""`relayrl run FILE --ray ADDRESS` on a Ray cluster of three nodes on this machine (ray.cluster_utils.Cluster), each
-carrying one group's custom resource, with two rollout replicas behind the router: every process (each replica and
-the router too) lands on its group's node (Ray's node ids against the cluster's node table), both replicas generate
-for the driver, a replica killed mid-run is restarted on its node, and a short run of the quickstart experiment
-learns. Needs the `ray` extra; marked slow (Ray on 2 cores is heavy)."""
+"""`relayrl run FILE --ray ADDRESS` on a Ray cluster of four nodes on this machine (ray.cluster_utils.Cluster), each
+carrying one group's custom resource (two the training group's), with two rollout replicas behind the router and the
+trainer across the two training nodes (services.trainer.nodes=2, one torchrun per node): every process (each replica,
+the router, each trainer node) lands on its group's node (Ray's node ids against the cluster's node table), the two
+trainer nodes on distinct nodes, both ranks train in one job, both replicas generate for the driver, a replica killed
+mid-run is restarted on its node, a trainer rank killed mid-run restarts the whole job on both nodes from its
+checkpoint, and a short run of the quickstart experiment learns. Needs the `ray` extra; marked slow (Ray on 2 cores
+is heavy)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,9 +26,10 @@ from protos import router_pb2, router_pb2_grpc
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
-# "rollout" is the router; "rollout-1" and "rollout-2" the replicas (deploy/replicas.py), each with its own agent
+# "rollout" is the router; "rollout-1" and "rollout-2" the replicas (deploy/replicas.py), each with its own agent;
+# "trainer" is the trainer's node rank 0, "trainer-node1" its node rank 1
 GROUPS = {"buffer": "cpu", "reward": "cpu", "driver": "cpu", "rollout": "inference", "rollout-1": "inference",
-          "rollout-2": "inference", "trainer": "training"}
+          "rollout-2": "inference", "trainer": "training", "trainer-node1": "training"}
 
 
 def generated_tokens(metrics_port: int) -> float:
@@ -47,6 +52,7 @@ def cluster(monkeypatch):
                                                           "include_dashboard": False})
     try:
         made.add_node(num_cpus=1, resources={"training": 1})
+        made.add_node(num_cpus=0, resources={"training": 1})  # the trainer's second node (its agent takes no CPU)
         made.add_node(num_cpus=1, resources={"inference": 1})
         yield made
     finally:
@@ -57,7 +63,7 @@ def cluster(monkeypatch):
 
 
 @pytest.mark.timeout(1200)
-def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp_path):
+def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp_path, free_port):
     from deploy.quickstart_project import write_project
 
     experiment = write_project(tmp_path / "project")
@@ -65,6 +71,7 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     groups = "[{name: training}, {name: inference}, {name: cpu}]"
     sets = [f"run_dir={run_dir}", "training.time_budget_s=150", "evaluation.every_s=30",
             f"groups={groups}", "checkpoint.export_dir=null", "services.rollout.replicas=2",
+            "services.trainer.nodes=2", f"services.trainer.rendezvous_port={free_port}",
             *(f"services.{name}.group={group}" for name, group in GROUPS.items()
               if name in ("buffer", "reward", "rollout", "trainer")),
             # The services bind their node's address (this machine's, not loopback) with auth off, on purpose.
@@ -89,6 +96,11 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
         # started again by its agent on the same node and address.
         before = registry["rollout-1"]
         os.kill(before["pid"], signal.SIGKILL)  # a process of this test's own cluster, on this machine
+        # The trainer across two nodes is one member: its rank 1, SIGKILLed on its node, ends the whole torchrun
+        # job, which is started again on both nodes and resumes from its checkpoint.
+        logs = run_dir / "logs"
+        rank1 = re.search(r"rank 1 of 2 on cpu \(pid (\d+)\)", (logs / "trainer-node1.log").read_text())
+        os.kill(int(rank1[1]), signal.SIGKILL)
         job.wait(900)
     finally:
         if job.poll() is None:
@@ -101,7 +113,7 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     assert all(count > 0 for count in tokens.values()), tokens
     after = json.loads((run_dir / "services.json").read_text())["rollout-1"]
     assert after["address"] == before["address"] and after["pid"] != before["pid"]
-    assert "rollout-1 1" in out.read_text()  # the summary's restarts
+    assert "rollout-1 1" in out.read_text() and "trainer 1" in out.read_text()  # the summary's restarts
 
     # Where Ray placed each process's agent (the node id Ray's runtime context gave it): on the node carrying its
     # group's resource, as the cluster's own node table says.
@@ -111,8 +123,13 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     assert set(agents) == set(GROUPS)
     for name, group in GROUPS.items():
         assert group in resources[agents[name]], f"{name} ran on a node without {group}: {resources[agents[name]]}"
-    assert len({agents["buffer"], agents["rollout"], agents["trainer"]}) == 3
+    assert len({agents["buffer"], agents["rollout"], agents["trainer"], agents["trainer-node1"]}) == 4
     assert agents["rollout-1"] == agents["rollout-2"] == agents["rollout"]  # the cluster's one inference node
+    # One torchrun job across the two training nodes: each node's rank said where it landed (trainer/run.py), once
+    # per start of the job; after rank 1's death both started again, and rank 0 resumed from its checkpoint.
+    node0, node1 = (logs / "trainer.log").read_text(), (logs / "trainer-node1.log").read_text()
+    assert node0.count("rank 0 of 2") == node1.count("rank 1 of 2") == 2, (node0[-3000:], node1[-3000:])
+    assert "resumed from" in node0.split("rank 0 of 2")[2]
 
     # Addresses came from the placement: the clients were handed the services' node addresses.
     registry = json.loads((run_dir / "services.json").read_text())
@@ -123,3 +140,13 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     curve = [json.loads(line)["accuracy"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"ray: held-out {' -> '.join(f'{a:.3f}' for a in curve)}")
     assert len(curve) >= 3 and sum(curve[-2:]) / 2 > curve[0]
+
+    # A trainer on more nodes than its group has (two here) is refused by name once the place timeout passes.
+    from deploy.placement import ServicesSection
+    from deploy.ray_launcher import PlacementError, RayLauncher
+
+    ray.shutdown()  # RayLauncher connects on its own
+    three = ServicesSection.model_validate({"trainer": {"group": "training", "nodes": 3}})
+    with pytest.raises(PlacementError, match="services.trainer.nodes: 3, but the Ray cluster had no 3 distinct nodes "
+                                             "with resource 'training' within 5s"):
+        RayLauncher(cluster.address, three, place_timeout_s=5)
