@@ -4,7 +4,8 @@
     -> one agent (a Ray actor) per process, placed with resources={group: ...}: buffer, reward and rollout on their
        groups, the trainer on its group, the driver beside the buffer; no group = any node. Rollout replicas
        (deploy/replicas.py: "rollout-1", ... behind the router "rollout") get an agent each on the rollout's group,
-       made as each starts (a replica added by `relayrl deploy scale` too)
+       made as each starts (a replica added by `relayrl deploy scale` too); so do reward replicas ("reward-1", ...:
+       no router, the driver and the evaluation call one target naming them all, deploy.pipeline.start_reward)
     -> each agent starts its process on its node: a service by deploy.launcher.start_service (`relayrl serve NAME`
        bound to the node's IP and a free port, health-checked there), the trainer and the driver as `python -m ...`
     -> the addresses handed to the driver, the trainer and the evaluation are node IP + bound port, as placed; the
@@ -14,8 +15,8 @@
 
 Every node needs relayrl installed in the same Python environment, and the run folder and the model on a filesystem
 every node sees at the same path (logs, heartbeats, checkpoints and metrics are read there), as Kubernetes' project
-claim. Not yet: reward replicas > 1 (the driver calls one reward address), a trainer across nodes, TLS and tokens,
-and an agent's node lost (its process is restarted only while its agent lives).
+claim. Not yet: a trainer across nodes, TLS and tokens, and an agent's node lost (its process is restarted only
+while its agent lives).
 """
 
 import json
@@ -139,7 +140,10 @@ class RayLauncher:
         self.place_timeout_s = place_timeout_s
         self.groups = {name: placement.group for name, placement in services.placed().items()}
         self.groups["driver"] = services.buffer.group
-        self.agents = {name: self._new_agent(name, group) for name, group in self.groups.items()}
+        # Reward replicas get an agent each as they start (service(), label "reward-1", ...); "reward" itself none.
+        replicated = {"reward"} if services.reward.replicas > 1 else set()
+        self.agents = {name: self._new_agent(name, group) for name, group in self.groups.items()
+                       if name not in replicated}
         self.nodes: dict[str, tuple[str, str]] = {}
         for name in self.agents:
             self._place(name)
