@@ -4,12 +4,19 @@ calls over them; a replica SIGKILLed is restarted on its own address while the o
 driver scores comes back FAILED because of it."""
 
 import asyncio
+import io
+import json
+import os
 import pathlib
+import signal
+import threading
 import time
 import urllib.request
 
 import numpy as np
 import pytest
+import yaml
+from rich.console import Console
 
 from deploy import service_registry
 from deploy.pipeline import LocalLauncher, Pipeline, RLConfig, start_reward
@@ -20,6 +27,7 @@ from rollout.driver import Driver, DriverConfig
 from services.client import replicas_target, target_addresses
 
 COMPLETED = common_pb2.SAMPLE_STATUS_COMPLETED
+REGISTRY = service_registry.REGISTRY_FILE
 
 
 def test_one_target_names_every_replica():
@@ -60,7 +68,7 @@ def test_replicas_share_the_driver_s_calls_and_a_killed_one_is_restarted_while_t
     supervisor = Supervisor(SuperviseConfig(health_interval_s=0.2, backoff_s=0.2))
     plan = Pipeline(run_dir=tmp_path, policy_dir=tmp_path, prompts_path=tmp_path / "prompts.jsonl", seed=0,
                     rl=RLConfig(reward_replicas=2), supervise=supervisor.config, evaluate=None)  # type: ignore[arg-type]
-    registry = tmp_path / service_registry.REGISTRY_FILE
+    registry = tmp_path / REGISTRY
     try:
         target = start_reward(plan, supervisor, LocalLauncher(), tmp_path / "logs", registry)
         one, two = supervisor.members["reward-1"].service, supervisor.members["reward-2"].service
@@ -120,3 +128,60 @@ def test_replicas_cannot_share_a_fixed_address(tmp_path):
                     reward={"server.address": "127.0.0.1:50052"})
     with pytest.raises(ValueError, match="cannot share the fixed address 127.0.0.1:50052"):
         start_reward(plan, Supervisor(), LocalLauncher(), tmp_path / "logs", tmp_path / "services.json")
+
+
+def wait_for(condition, thread: threading.Thread, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert thread.is_alive(), f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow  # ~2 min on this shared 2-core machine
+@pytest.mark.timeout(600)
+def test_an_experiment_with_two_reward_replicas_runs_through_a_killed_one(tmp_path):
+    """`services.reward.replicas: 2` in a user's experiment file: both replicas score the driver's samples (as
+    `relayrl status` reads their counters), reward-1 SIGKILLed mid-run comes back on its address, and the run ends
+    with no sample FAILED by the reward."""
+    from user_project import write_project
+
+    from deploy.experiment import load_experiment
+    from deploy.experiment_run import run_experiment
+    from deploy.status import poll, run_targets
+
+    run_dir = tmp_path / "run"
+    config = load_experiment(write_project(tmp_path / "project", run_dir, time_budget_s=45, max_steps=1000),
+                             ["services.reward.replicas=2"])
+    out, ended = io.StringIO(), {}
+    thread = threading.Thread(target=lambda: ended.update(
+        summary=run_experiment(config, console=Console(file=out, width=200))))
+    thread.start()
+    try:
+        def replicas() -> dict:
+            return {t.name: t for t in run_targets(run_dir) if t.kind == "reward"}
+
+        def scored_by_each() -> list[float]:
+            return [poll(target).counters.get("scored", 0) for target in replicas().values()]
+
+        wait_for(lambda: (run_dir / REGISTRY).exists() and len(replicas()) == 2, thread, 180, "both reward replicas")
+        wait_for(lambda: all(scored_by_each()), thread, 180, "both replicas scoring")
+        scored_before_kill = scored_by_each()
+        before = {e.name: e for e in service_registry.read(run_dir)}["reward-1"]
+        os.kill(before.pid, signal.SIGKILL)
+        wait_for(lambda: {e.name: e.pid for e in service_registry.read(run_dir)}["reward-1"] != before.pid, thread,
+                 120, "reward-1 restarted")
+        assert replicas()["reward-1"].address == before.address
+    finally:
+        thread.join(400)
+    assert "summary" in ended, out.getvalue()[-3000:]
+    summary = ended["summary"]
+    assert summary.restarts == {"reward-1": 1}
+    driver = yaml.safe_load((run_dir / "driver.yaml").read_text())
+    assert target_addresses(driver["reward"]) == [replicas()[name].address for name in ("reward-1", "reward-2")]
+    stats = [json.loads(line) for line in (run_dir / "driver_stats.jsonl").read_text().splitlines()]
+    assert stats[-1]["samples"] > 0 and stats[-1]["failed"] == 0, stats[-1]
+    assert summary.steps >= 5 and summary.final_accuracy > 0
+    print(f"scored by reward-1 / reward-2 before the kill: {scored_before_kill}; steps {summary.steps}, samples "
+          f"{stats[-1]['samples']}, failed {stats[-1]['failed']}, driver retries {stats[-1]['retries']}, held-out "
+          f"{summary.sft_accuracy:.3f} -> {summary.final_accuracy:.3f}")
