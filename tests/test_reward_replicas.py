@@ -16,6 +16,7 @@ import urllib.request
 import numpy as np
 import pytest
 import yaml
+from live_run_kit import wait_for
 from rich.console import Console
 
 from deploy import service_registry
@@ -128,14 +129,6 @@ def test_replicas_cannot_share_a_fixed_address(tmp_path):
                     reward={"server.address": "127.0.0.1:50052"})
     with pytest.raises(ValueError, match="cannot share the fixed address 127.0.0.1:50052"):
         start_reward(plan, Supervisor(), LocalLauncher(), tmp_path / "logs", tmp_path / "services.json")
-
-
-def wait_for(condition, thread: threading.Thread, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert thread.is_alive(), f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
-        time.sleep(0.5)
 
 
 @pytest.mark.slow  # ~2 min on this shared 2-core machine
