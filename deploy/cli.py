@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "an experiment file: the quickstart (deploy/quickstart_experiment.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     run.add_argument("--ray", metavar="ADDRESS", help="with an experiment file (or --resume of its run): place "
-                     "each service on its node group of the Ray cluster at ADDRESS (a group's name is the Ray resource marking its nodes; "
-                     "deploy/ray_launcher.py)")
+                     "each service on its node group of the Ray cluster at ADDRESS (a group's name is the Ray "
+                     "resource marking its nodes; deploy/ray_launcher.py)")
     run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
