@@ -62,12 +62,15 @@ class ServicePlacement(Strict):
                       "(relayrl doctor checks a fixed one is free). On a cluster 0 means the service's CLUSTER_PORTS one.")
     resources: Resources = Field(default_factory=Resources, description="Per replica; for Ray and Kubernetes.")
     tls: TLSConfig | None = Field(None, description="Server TLS (cert, key; client_ca for mTLS): "
-                                  "services.config.TLSConfig. Off = plain text.")
+                                  "services.config.TLSConfig (relative paths: to the experiment file). Honoured by "
+                                  "every launcher (local, --ray, k8s). Off = plain text.")
     auth: AuthConfig | None = Field(None, description="Bearer tokens -> roles and which roles may call which RPC: "
-                                    "services.config.AuthConfig (prefer tokens_file to tokens written here).")
+                                    "services.config.AuthConfig (prefer tokens_file to tokens written here; a run "
+                                    "copies the merged table to an owner-only file, deploy/run_security.py).")
     client: ClientConfig = Field(default_factory=ClientConfig, description="How the run's own clients (driver, "
-                                 "trainer, evaluation) reach this service: token, ca_cert (services.config."
-                                 "ClientConfig).")
+                                 "trainer, evaluation, the rollout router, health checks, `relayrl status RUN_DIR`) "
+                                 "reach this service: token or token_file, ca_cert, cert/key (mTLS), server_name "
+                                 "(services.config.ClientConfig; relative paths: to the experiment file).")
     settings: dict = Field(default_factory=dict, description="Extra --set overrides of the service's own config "
                            "(e.g. engine.max_num_seqs for rollout).")
 
@@ -148,12 +151,13 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
         if placement.group is not None and group is None:
             problems.append(f"{field}.group: {placement.group!r} is not a group (groups: {known})")
         if isinstance(placement, ServicePlacement):
-            if placement.auth is not None and placement.client.token is None:
+            token = placement.client.token or placement.client.token_file
+            if placement.auth is not None and not token:
                 problems.append(f"{field}.client.token: {name} has auth on, so the run's clients need a token")
             if placement.tls is not None and placement.client.ca_cert is None:
                 problems.append(f"{field}.client.ca_cert: {name} serves TLS, so the run's clients need the CA "
                                 "that signed its certificate")
-            if placement.group is not None and placement.client.token and placement.tls is None:
+            if placement.group is not None and token and placement.tls is None:
                 problems.append(f"{field}.tls: a token never crosses a network in plain text (services/client.py): "
                                 f"{name} on group {placement.group!r} needs TLS for its clients' token")
             if placement.group is None and placement.port:
@@ -195,7 +199,7 @@ def _replica_problems(name: str, placement: ServicePlacement) -> list[str]:
 
 
 def local_problems(services: ServicesSection) -> list[str]:
-    """What `relayrl run` (one process per service, all on this machine, plain loopback) cannot honour; [] = none."""
+    """What `relayrl run` (one process per service, all on this machine, on loopback) cannot honour; [] = none."""
     problems = []
     for name, placement in services.placed().items():
         field = f"services.{name}"
@@ -203,7 +207,6 @@ def local_problems(services: ServicesSection) -> list[str]:
             problems.append(f"{field}.group: {placement.group!r}")
         if isinstance(placement, ServicePlacement):
             problems += _replica_problems(name, placement)
-            problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     trainer = services.trainer
     if trainer.world_size > 1:
         problems.append(f"services.trainer: {trainer.nodes} x {trainer.procs_per_node} processes")
@@ -214,10 +217,8 @@ def ray_problems(services: ServicesSection) -> list[str]:
     """What `relayrl run --ray` (deploy/ray_launcher.py) cannot honour yet, each naming its field; [] = none."""
     problems = []
     for name, placement in services.placed().items():
-        field = f"services.{name}"
         if isinstance(placement, ServicePlacement):
             problems += _replica_problems(name, placement)
-            problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     trainer = services.trainer
     if trainer.nodes > 1 and trainer.group is None:  # its nodes are spread over the nodes carrying its group
         problems.append(f"services.trainer.group: none, but a trainer on {trainer.nodes} nodes needs the group "
