@@ -188,13 +188,17 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
 def _replica_problems(name: str, placement: ServicePlacement) -> list[str]:
     """What a run (local or --ray) cannot honour of a service's replicas. Rollout replicas run behind a router
     (deploy/replicas.py), which takes the fixed port; reward replicas each take a free port of their own and their
-    clients call one target naming them all (deploy.pipeline.start_reward), so a fixed port has no one to go to."""
+    clients call one target naming them all (deploy.pipeline.start_reward), so a fixed port has no one to go to, and
+    TLS has no host name to verify unless client.server_name gives one."""
     field = f"services.{name}"
     if placement.replicas > 1 and name == "buffer":  # placement_problems refuses it too: the log has one owner
         return [f"{field}.replicas: {placement.replicas}"]
     if placement.replicas > 1 and name == "reward" and placement.port:
         port = f"{field}.port: {placement.port} with {placement.replicas} replicas"
         return [f"{port} (each replica takes a free port: set port: 0)"]
+    if placement.replicas > 1 and name == "reward" and placement.tls is not None and not placement.client.server_name:
+        return [f"{field}.client.server_name: {placement.replicas} replicas serving TLS are called through one target "
+                "naming their addresses, which names no host to verify: set the name their certificate carries"]
     return []
 
 

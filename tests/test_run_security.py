@@ -3,7 +3,7 @@ placement's `tls` and `auth`, every client of the run reaches it with its `clien
 file other users can read.
 
 The end-to-end test runs `relayrl run FILE` as a user would (real processes on loopback, a CA and certificates made
-here): buffer, reward and rollout (2 replicas behind the router, mTLS) each with TLS and tokens. While it runs, a
+here): buffer, reward (2 replicas) and rollout (2 replicas behind the router, mTLS) each with TLS and tokens. While it runs, a
 plain-text client is refused (UNAVAILABLE), a TLS client without a token too (UNAUTHENTICATED), and `relayrl status
 RUN_DIR` reaches every service as the run does; the run trains and ends.
 """
@@ -33,10 +33,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKENS = {"buffer": "buffer-token-4f1c", "reward": "reward-token-9a2e", "rollout": "rollout-token-77d0"}
 
 
-def secure_project(folder: pathlib.Path, run_dir: pathlib.Path, **training) -> pathlib.Path:
+def secure_project(folder: pathlib.Path, run_dir: pathlib.Path, reward_replicas: int = 1, **training) -> pathlib.Path:
     """The user project of tests/user_project.py with TLS and tokens on every service, each given another way:
     the buffer's token table in a file and its client token inline, the reward's table inline, the rollout's table
-    in a file, its client token in a file and mTLS (a client certificate). Paths relative to the experiment file."""
+    in a file, its client token in a file and mTLS (a client certificate); reward replicas are verified by the name
+    their certificate carries. Paths relative to the experiment file."""
     path = write_project(folder, run_dir, **training)
     make_pki(folder / "pki")
     (folder / "tokens").mkdir()
@@ -48,8 +49,9 @@ def secure_project(folder: pathlib.Path, run_dir: pathlib.Path, **training) -> p
     experiment["services"] = {
         "buffer": {"tls": tls, "auth": {"tokens_file": "tokens/buffer.yaml"},
                    "client": {"ca_cert": "pki/ca.pem", "token": TOKENS["buffer"]}},
-        "reward": {"tls": tls, "auth": {"tokens": {TOKENS["reward"]: "run"}},
-                   "client": {"ca_cert": "pki/ca.pem", "token": TOKENS["reward"]}},
+        "reward": {"replicas": reward_replicas, "tls": tls, "auth": {"tokens": {TOKENS["reward"]: "run"}},
+                   "client": {"ca_cert": "pki/ca.pem", "token": TOKENS["reward"],
+                              **({"server_name": "localhost"} if reward_replicas > 1 else {})}},
         "rollout": {"replicas": 2, "tls": {**tls, "client_ca": "pki/ca.pem"},
                     "auth": {"tokens_file": "tokens/rollout.yaml"},
                     "client": {"ca_cert": "pki/ca.pem", "cert": "pki/client.pem", "key": "pki/client.key",
@@ -62,6 +64,15 @@ def secure_project(folder: pathlib.Path, run_dir: pathlib.Path, **training) -> p
 def test_local_and_ray_runs_no_longer_refuse_tls_and_tokens(tmp_path):
     config = load_experiment(secure_project(tmp_path / "project", tmp_path / "run"))
     assert local_problems(config.services) == [] and ray_problems(config.services) == []
+
+
+def test_reward_replicas_under_tls_need_the_name_their_certificate_carries(tmp_path):
+    config = load_experiment(secure_project(tmp_path / "project", tmp_path / "run"), ["services.reward.replicas=2"])
+    assert [problem.split(":")[0] for problem in local_problems(config.services)] == [
+        "services.reward.client.server_name"]  # one target of two addresses: gRPC would verify no host
+    named = load_experiment(secure_project(tmp_path / "named", tmp_path / "run"),
+                            ["services.reward.replicas=2", "services.reward.client.server_name=localhost"])
+    assert local_problems(named.services) == [] and ray_problems(named.services) == []
 
 
 def test_servers_and_clients_are_told_their_files_and_tokens_stay_owner_only(tmp_path):
@@ -128,7 +139,7 @@ def _world_readable_files_holding_a_token(run_dir: pathlib.Path) -> list[str]:
 @pytest.mark.timeout(900)
 def test_a_run_with_tls_and_tokens_on_every_service_trains_and_refuses_other_callers(tmp_path):
     folder, run_dir = tmp_path / "project", tmp_path / "run"
-    path = secure_project(folder, run_dir, time_budget_s=300, max_steps=2)  # ends after 2 steps
+    path = secure_project(folder, run_dir, reward_replicas=2, time_budget_s=300, max_steps=2)  # ends after 2 steps
     pki = folder / "pki"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     log = tmp_path / "run.log"
@@ -139,7 +150,7 @@ def test_a_run_with_tls_and_tokens_on_every_service_trains_and_refuses_other_cal
         registry = run_dir / "services.json"
         deadline = time.monotonic() + 300
         services: dict = {}
-        while not {"buffer", "reward", "rollout", "rollout-1", "rollout-2"} <= services.keys():
+        while not {"buffer", "reward-1", "reward-2", "rollout", "rollout-1", "rollout-2"} <= services.keys():
             assert run.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the run's services did not all start"
             time.sleep(0.5)
@@ -152,7 +163,7 @@ def test_a_run_with_tls_and_tokens_on_every_service_trains_and_refuses_other_cal
                                  "--interval", "0.5"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
                                 check=False)
         assert status.returncode == 0, status.stdout + status.stderr  # every service SERVING, reached with TLS
-        assert {row["name"] for row in json.loads(status.stdout)["services"]} >= {"buffer", "reward", "rollout"}
+        assert {row["name"] for row in json.loads(status.stdout)["services"]} >= {"buffer", "reward-1", "rollout"}
         assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
     finally:
         if run.poll() is None:
