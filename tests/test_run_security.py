@@ -126,6 +126,18 @@ def _refusals(kind: str, address: str, pki: pathlib.Path) -> dict[str, grpc.Stat
     return out
 
 
+def _command_lines_holding_a_token() -> list[str]:
+    """Command lines of this machine's processes (any user may read them) that hold one of the run's tokens."""
+    found = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes()
+        except OSError:  # the process ended meanwhile
+            continue
+        found += [f"{cmdline.parent.name}: {name}" for name, token in TOKENS.items() if token.encode() in text]
+    return found
+
+
 def _world_readable_files_holding_a_token(run_dir: pathlib.Path) -> list[str]:
     found = []
     for path in run_dir.rglob("*"):
@@ -164,6 +176,9 @@ def test_a_run_with_tls_and_tokens_on_every_service_trains_and_refuses_other_cal
                                 check=False)
         assert status.returncode == 0, status.stdout + status.stderr  # every service SERVING, reached with TLS
         assert {row["name"] for row in json.loads(status.stdout)["services"]} >= {"buffer", "reward-1", "rollout"}
+        while run.poll() is None and not (run_dir / "driver_stats.jsonl").exists():  # the driver and trainer run
+            time.sleep(0.5)
+        assert _command_lines_holding_a_token() == []
         assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
     finally:
         if run.poll() is None:
