@@ -153,7 +153,8 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
         if isinstance(placement, ServicePlacement):
             token = placement.client.token or placement.client.token_file
             if placement.auth is not None and not token:
-                problems.append(f"{field}.client.token: {name} has auth on, so the run's clients need a token")
+                problems.append(f"{field}.client.token: {name} has auth on, so the run's clients need a token (token or "
+                                "token_file)")
             if placement.tls is not None and placement.client.ca_cert is None:
                 problems.append(f"{field}.client.ca_cert: {name} serves TLS, so the run's clients need the CA "
                                 "that signed its certificate")
@@ -197,8 +198,9 @@ def _replica_problems(name: str, placement: ServicePlacement) -> list[str]:
         port = f"{field}.port: {placement.port} with {placement.replicas} replicas"
         return [f"{port} (each replica takes a free port: set port: 0)"]
     if placement.replicas > 1 and name == "reward" and placement.tls is not None and not placement.client.server_name:
-        return [f"{field}.client.server_name: {placement.replicas} replicas serving TLS are called through one target "
-                "naming their addresses, which names no host to verify: set the name their certificate carries"]
+        problem = (f"{field}.client.server_name: {placement.replicas} replicas serving TLS are called through one "
+                   "target naming their addresses, which names no host to verify: set the name their certificate carries")
+        return [problem]
     return []
 
 
