@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="one JSON object (per refresh with --watch)")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between polls (rates need two)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-    status.add_argument("--token", help="bearer token")
-    status.add_argument("--ca-cert", help="CA PEM to verify the servers (TLS)")
+    status.add_argument("--token", help="bearer token (default, for a RUN_DIR: as the run reached each service)")
+    status.add_argument("--ca-cert", help="CA PEM to verify the servers (TLS; default, for a RUN_DIR: the run's)")
 
     run = sub.add_parser("run", help="an experiment file (your model, data and reward: deploy/experiment.py); "
                          "without one, the local quickstart (SFT warm-up, then async GRPO on one machine; a --config "
@@ -152,7 +152,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     try:
         return status(args.sources, watch=args.watch, as_json=args.json, interval=args.interval,
-                      timeout=args.timeout, client=ClientConfig(token=args.token, ca_cert=args.ca_cert))
+                      timeout=args.timeout, client=ClientConfig(token=args.token, ca_cert=args.ca_cert)
+                      if args.token or args.ca_cert else None)
     except FileNotFoundError as exc:
         print(f"relayrl status: {exc.filename} not found: the run records no services (yet)", file=sys.stderr)
         return 2

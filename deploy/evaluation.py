@@ -23,15 +23,15 @@ async def _retried(call, request, retry_for_s: float):
 
 
 async def greedy_completions(address: str, prompts: list[list[int]], max_tokens: int, per_call: int = 64,
-                             retry_for_s: float = 300.0) -> list:
+                             retry_for_s: float = 300.0, client=None) -> list:
     """One greedy completion (rollout_pb2.Completion) per prompt, `per_call` prompts per GenerateMany call, one
-    call at a time: a round trip per chunk, not per prompt."""
+    call at a time: a round trip per chunk, not per prompt. `client`: how to reach the rollout (TLS, token)."""
     from protos import rollout_pb2, rollout_pb2_grpc
     from protos.codec import encode_array
     from services.client import connect
 
     completions = []
-    async with connect(address) as channel:
+    async with connect(address, client) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         for start in range(0, len(prompts), per_call):
             request = rollout_pb2.GenerateManyRequest(requests=[rollout_pb2.GenerateRequest(
@@ -44,9 +44,11 @@ async def greedy_completions(address: str, prompts: list[list[int]], max_tokens:
 
 
 async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], str, dict]], max_tokens: int,
-                      function: str, timeout_s: float, retry_for_s: float = 300.0) -> float:
+                      function: str, timeout_s: float, retry_for_s: float = 300.0, rollout_client=None,
+                      reward_client=None) -> float:
     """Mean reward of greedy completions of (prompt ids, prompt text, metadata), scored by `function` on the
-    reward service; a sample the reward fails counts 0."""
+    reward service; a sample the reward fails counts 0. The clients (services.config.ClientConfig) say how to
+    reach the rollout and the reward (TLS, token)."""
     import numpy as np
 
     from protos import reward_pb2, reward_pb2_grpc
@@ -55,7 +57,7 @@ async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], 
     from services.client import connect
 
     completions = await greedy_completions(rollout, [ids for ids, _, _ in prompts], max_tokens,
-                                           retry_for_s=retry_for_s)
+                                           retry_for_s=retry_for_s, client=rollout_client)
     samples = []
     for index, ((ids, text, metadata), completion) in enumerate(zip(prompts, completions, strict=True)):
         tokens = decode_array(completion.token_ids, "token_ids", "int32")
@@ -65,7 +67,7 @@ async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], 
             rollout_logprobs=np.zeros(tokens.size, np.float32), weight_versions=np.zeros(tokens.size, np.int64),
             prompt_text=text, response_text=completion.text, metadata=metadata,
         ).to_proto())
-    async with connect(reward) as channel:
+    async with connect(reward, reward_client) as channel:
         stub = reward_pb2_grpc.RewardStub(channel)
         reply = await _retried(stub.Score, reward_pb2.ScoreRequest(samples=samples, function=function,
                                                                    timeout_s=timeout_s), retry_for_s)

@@ -227,6 +227,12 @@ class ExperimentConfig(Strict):
         data.reward.python_path = [at(p) for p in self.reward.python_path]
         data.reward.model = at(self.reward.model)
         data.checkpoint.export_dir = at(self.checkpoint.export_dir, pathlib.Path(data.run_dir))
+        for name in ("buffer", "reward", "rollout"):  # TLS files, token files
+            placement = getattr(data.services, name)
+            for section, fields in ((placement.tls, ("cert", "key", "client_ca")), (placement.auth, ("tokens_file",)),
+                                    (placement.client, ("ca_cert", "cert", "key", "token_file"))):
+                for key in fields if section is not None else ():
+                    setattr(section, key, at(getattr(section, key)))
         return data
 
 

@@ -111,6 +111,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     from deploy.pipeline import run_pipeline
     from deploy.progress import Progress
     from deploy.quickstart import Summary, supervised_warmup
+    from deploy.run_security import secure
     from deploy.run_state import start_run_dir, whole_model
     from deploy.supervisor import Supervisor
     from trainer.checkpoint import export_checkpoint_hf, latest_checkpoint
@@ -139,9 +140,11 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
                     for row in eval_rows]
     eval_tokens = config.evaluation.max_tokens or config.training.max_tokens
     plan = pipeline_plan(config, run_dir, policy_dir, prompts_path)
+    secure(plan, config.services)
     function = plan.driver["reward_function"]
     plan.evaluate = lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
-                                                       config.reward.timeout_s))
+                                                       config.reward.timeout_s, rollout_client=plan.client("rollout"),
+                                                       reward_client=plan.client("reward")))
     supervisor = supervisor or Supervisor(config.supervise)
     try:
         result = run_pipeline(plan, progress, supervisor, launcher)

@@ -30,6 +30,7 @@ from deploy.k8s_configs import (
     METRICS_PORT,
     ROUTER,
     SECRET_DIR,
+    has_token,
     host,
     object_name,
     port,
@@ -113,7 +114,7 @@ def _volumes(config: ExperimentConfig, secrets: list[str]) -> tuple[list[dict], 
 def _token_env(config: ExperimentConfig, names: list[str]) -> list[dict]:
     return [{"name": token_env(name), "valueFrom": {"secretKeyRef": {
         "name": object_name(config.kubernetes, "clients"), "key": f"{name}-token"}}}
-        for name in names if getattr(config.services, name).client.token]
+        for name in names if has_token(config.services, name)]
 
 
 def _container(config: ExperimentConfig, name: str, command: list[str], mounts: list[dict], **extra) -> dict:
@@ -234,7 +235,7 @@ def _b64(data: bytes) -> str:
 def _has_clients(config: ExperimentConfig) -> bool:
     """Whether the run's clients present anything (a token, TLS files) to some service: the clients Secret."""
     clients = [getattr(config.services, name).client for name in SERVERS]
-    return any(client.token or client.ca_cert or client.cert or client.key for client in clients)
+    return any(client.token or client.token_file or client.ca_cert or client.cert or client.key for client in clients)
 
 
 def _secrets(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
@@ -262,8 +263,9 @@ def _secrets(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
         for attr in ("ca_cert", "cert", "key"):
             if getattr(client, attr):
                 clients[f"{name}-{attr}"] = _b64(_read(folder, getattr(client, attr), f"{field}.client.{attr}"))
-        if client.token:
-            clients[f"{name}-token"] = _b64(client.token.encode())
+        if client.token or client.token_file:
+            token = client.token or _read(folder, client.token_file, f"{field}.client.token_file").decode().strip()
+            clients[f"{name}-token"] = _b64(token.encode())
     if clients:
         out.append({"apiVersion": "v1", "kind": "Secret", "metadata": _meta(config, "clients"), "type": "Opaque",
                     "data": clients})

@@ -12,6 +12,8 @@ import pathlib
 
 from deploy.experiment import ExperimentConfig
 from deploy.placement import CLUSTER_PORTS, SERVERS, KubernetesSection, ServicePlacement
+from deploy.run_security import client_files, server_security
+from services.config import TLSConfig
 
 CONFIG_DIR = "/etc/relayrl"  # the ConfigMap: experiment.yaml and SERVICE.yaml of each process
 SECRET_DIR = "/etc/relayrl/secrets"  # SERVICE-tls/, SERVICE-auth/ (servers), clients/ (driver, trainer)
@@ -52,26 +54,20 @@ def token_env(name: str) -> str:
 def server_section(name: str, placement: ServicePlacement) -> dict:
     """How a service listens in a pod: every interface, its port, /metrics, TLS and token files from its Secrets."""
     server: dict = {"address": f"0.0.0.0:{port(name, placement)}", "metrics_port": METRICS_PORT}
+    tls = None
     if placement.tls is not None:
         folder = f"{SECRET_DIR}/{name}-tls"
-        server["tls"] = {"cert": f"{folder}/tls.crt", "key": f"{folder}/tls.key",
-                         "client_ca": f"{folder}/ca.crt" if placement.tls.client_ca else None}
+        tls = TLSConfig(cert=f"{folder}/tls.crt", key=f"{folder}/tls.key",
+                        client_ca=f"{folder}/ca.crt" if placement.tls.client_ca else None)
+    server.update(server_security(placement, tls, f"{SECRET_DIR}/{name}-auth/tokens.yaml"))
     if placement.auth is None:
         server["insecure"] = True  # no tokens: any pod that can reach it may call it (README says so)
-    else:
-        server["auth"] = {"tokens_file": f"{SECRET_DIR}/{name}-auth/tokens.yaml", "allow": placement.auth.allow,
-                          "open_methods": placement.auth.open_methods}
     return server
 
 
 def client_section(name: str, placement: ServicePlacement) -> dict:
     """How the driver and the trainer reach service `name` (TLS files from the clients Secret; the token: env)."""
-    client = placement.client
-    files = {"ca_cert": client.ca_cert, "cert": client.cert, "key": client.key}
-    out = {field: f"{SECRET_DIR}/clients/{name}-{field}" for field, path in files.items() if path}
-    if client.server_name:
-        out["server_name"] = client.server_name
-    return out
+    return client_files(placement.client, lambda field, _: f"{SECRET_DIR}/clients/{name}-{field}")
 
 
 def process_configs(config: ExperimentConfig) -> dict[str, dict]:
@@ -101,19 +97,17 @@ def process_configs(config: ExperimentConfig) -> dict[str, dict]:
     for name, overrides in (("buffer", buffer_overrides(plan)), ("reward", plan.reward), ("rollout", rollout)):
         placement = getattr(services, name)
         out[name] = merged(nested(overrides), {"server": server_section(name, placement)})
-    clients = {name: client_section(name, getattr(services, name)) for name in SERVERS}
+    clients = plan.clients = {name: client_section(name, getattr(services, name)) for name in SERVERS}
     replicas = rollout_replicas(k8s, services.rollout)
     if routed(services):  # the router is a rollout server without an engine: it reaches the replicas as a client
         out[ROUTER] = {"model": rollout["model"], "router": {"replicas": replicas, "client": clients["rollout"]},
                        "server": server_section("rollout", services.rollout)}
-    out["driver"] = {**driver_config(plan, addresses), "clients": {k: v for k, v in clients.items() if v}}
+    out["driver"] = driver_config(plan, addresses)
     trainer = services.trainer
     # trainer_config publishes to the router's replicas (receivers_from) when there are several, else to the one
     publish = {} if routed(services) else {"receivers": replicas}
     out["trainer"] = merged(trainer_config(plan, addresses), {
-        "buffer": {"client": clients["buffer"]},
-        "publish": {**publish, "client": clients["rollout"],
-                    "master_addr": trainer.weight_sync.address or host(k8s, "trainer", 0),
+        "publish": {**publish, "master_addr": trainer.weight_sync.address or host(k8s, "trainer", 0),
                     "master_port": trainer.weight_sync.port},
     })
     return out
@@ -121,5 +115,10 @@ def process_configs(config: ExperimentConfig) -> dict[str, dict]:
 
 def token_args(names: list[str], prefix: str, services) -> list[str]:
     """`--set` arguments that hand a container the run's tokens for `names` (services with a client token)."""
-    return [f"--set={prefix.format(name=name)}=$({token_env(name)})" for name in names
-            if getattr(services, name).client.token]
+    return [f"--set={prefix.format(name=name)}=$({token_env(name)})" for name in names if has_token(services, name)]
+
+
+def has_token(services, name: str) -> bool:
+    """Whether the run's clients present a token to service `name` (client.token or client.token_file)."""
+    client = getattr(services, name).client
+    return bool(client.token or client.token_file)

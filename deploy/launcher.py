@@ -21,6 +21,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy import service_registry
+from services.client import connect_sync
+from services.config import ClientConfig
 
 
 class LaunchError(RuntimeError):
@@ -43,6 +45,7 @@ class ServiceProcess:
     env: Mapping[str, str] | None = None
     registry: pathlib.Path | None = None  # services.json of the run, rewritten on restart
     kind: str = ""  # "": the name
+    client: ClientConfig | None = None  # how its health is checked (TLS, token); None = plain text
 
     @property
     def pid(self) -> int:
@@ -83,7 +86,7 @@ class ServiceProcess:
         self.kill()
         fresh = start_service(self.kind or self.name, {**self.overrides, "server.address": self.address},
                               config_path=self.config_path, log_dir=self.log_path.parent, env=self.env,
-                              timeout=timeout, registry=self.registry, label=self.name)
+                              timeout=timeout, registry=self.registry, label=self.name, client=self.client)
         self.proc, self.port_file, self.metrics_port = fresh.proc, fresh.port_file, fresh.metrics_port
 
     def log_tail(self, lines: int = 40) -> str:
@@ -98,10 +101,10 @@ def _format_value(value: object) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip().removesuffix("\n...")
 
 
-def wait_healthy(address: str, timeout: float, service: str = "") -> None:
-    """Block until the standard health check of `address` says SERVING."""
+def wait_healthy(address: str, timeout: float, service: str = "", client: ClientConfig | None = None) -> None:
+    """Block until the standard health check of `address` (reached as `client` says) says SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with connect_sync(address, client) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -126,6 +129,7 @@ def start_service(
     check_health: bool = True,
     registry: str | os.PathLike | None = None,
     label: str | None = None,
+    client: ClientConfig | None = None,
 ) -> ServiceProcess:
     """Start `relayrl serve NAME` as a process and wait until it serves.
 
@@ -135,7 +139,7 @@ def start_service(
     loopback port; the bound port comes back through a port file. With `registry` (a run's services.json,
     deploy.service_registry) the service exports /metrics on a free port unless told otherwise, and its
     address, metrics port and pid are recorded there once it serves (again after each restart), for
-    `relayrl status RUN_DIR`.
+    `relayrl status RUN_DIR`. `client` says how to reach it (TLS, token) for its health checks.
     """
     overrides = dict(overrides or {})
     if registry is not None:
@@ -160,7 +164,7 @@ def start_service(
     service = ServiceProcess(label, proc, address="", log_path=log_path, port_file=port_file, kind=name,
                              overrides={k: v for k, v in overrides.items() if k != "server.port_file"},
                              config_path=config_path, env=env,
-                             registry=pathlib.Path(registry) if registry is not None else None)
+                             registry=pathlib.Path(registry) if registry is not None else None, client=client)
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if not service.alive():
@@ -176,7 +180,7 @@ def start_service(
     service.metrics_port = info.get("metrics_port")
     if check_health:
         try:
-            wait_healthy(service.address, max(1.0, deadline - time.monotonic()))
+            wait_healthy(service.address, max(1.0, deadline - time.monotonic()), client=client)
         except TimeoutError as exc:
             service.kill()
             raise LaunchError(f"{label}: {exc}\n{service.log_tail()}") from None

@@ -86,6 +86,15 @@ class Pipeline:
     driver: dict = field(default_factory=dict)  # extra DriverConfig fields (reward_function, add_bos, ...)
     trainer: dict = field(default_factory=dict)  # extra TrainerConfig fields, merged section by section
     eval_interval_steps: int | None = None  # evaluate every this many optimizer steps instead of eval_interval_s
+    # ClientConfig fields by service (buffer, reward, rollout): how every client of the run reaches it (TLS files,
+    # token file; deploy/run_security.py); none = plain text, no token
+    clients: dict[str, dict] = field(default_factory=dict)
+
+    def client(self, name: str):
+        """How the run's clients reach service `name` (services.config.ClientConfig)."""
+        from services.config import ClientConfig
+
+        return ClientConfig(**self.clients.get(name, {}))
 
 
 @dataclass
@@ -149,7 +158,8 @@ def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
         "versions_per_batch": plan.trainer.get("batch", {}).get("mini_batches", 1),
         "temperature": rl.temperature, "max_tokens": rl.max_tokens, "concurrency": rl.driver_concurrency,
         "seed": plan.seed, "stats_path": str(plan.run_dir / "driver_stats.jsonl"),
-        "position_path": str(plan.run_dir / "driver_position.json"), **plan.driver,
+        "position_path": str(plan.run_dir / "driver_position.json"),
+        "clients": {name: client for name, client in plan.clients.items() if client}, **plan.driver,
     }
 
 
@@ -173,11 +183,12 @@ def trainer_config(plan: Pipeline, addresses: Addresses) -> dict:
         "algorithm": rl.algorithm,
         "optim": {"lr": rl.lr, "warmup_steps": rl.warmup_steps, "max_grad_norm": 1.0},
         "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
-        "buffer": {"address": addresses.buffer},
+        "buffer": {"address": addresses.buffer, "client": plan.clients.get("buffer", {})},
         "max_steps": rl.max_steps,
         "max_staleness": rl.max_staleness,
         "publish": {**({"receivers_from": addresses.rollout} if rl.rollout_replicas > 1 else
-                       {"receivers": [addresses.rollout]}), "overlap": rl.publish_overlap},
+                       {"receivers": [addresses.rollout]}), "overlap": rl.publish_overlap,
+                    "client": plan.clients.get("rollout", {})},
         "seed": plan.seed,
         "log_interval": 10,
         "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
@@ -187,16 +198,18 @@ def trainer_config(plan: Pipeline, addresses: Addresses) -> dict:
     }, plan.trainer)
 
 
-def wait_for_published_weights(rollout: str, supervisor, timeout_s: float) -> None:
+def wait_for_published_weights(rollout: str, supervisor, timeout_s: float, client=None) -> None:
     """Until the rollout serves weights a trainer published (a resumed trainer publishes its checkpoint's as it
     starts; until then a restarted rollout serves the base folder's, at version 0), the trainer ends, or
-    `timeout_s` passes (then the run goes on: evaluations meanwhile see older weights)."""
+    `timeout_s` passes (then the run goes on: evaluations meanwhile see older weights). `client`: how to reach the
+    rollout (services.config.ClientConfig)."""
     import grpc
 
     from protos import rollout_pb2, rollout_pb2_grpc
+    from services.client import connect_sync
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(rollout) as channel:
+    with connect_sync(rollout, client) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         while time.monotonic() < deadline and not supervisor.done("trainer"):
             supervisor.check()
@@ -221,7 +234,8 @@ def start_reward(plan: Pipeline, supervisor, launcher, logs: pathlib.Path, regis
                          "(each replica takes a free port)")
     labels = ["reward"] if count == 1 else [f"reward-{i}" for i in range(1, count + 1)]
     processes = [supervisor.add_service(launcher.service("reward", plan.reward, logs, registry, plan.reward_env,
-                                                         label=label)) for label in labels]
+                                                         label=label, client=plan.client("reward")))
+                 for label in labels]
     return replicas_target([process.address for process in processes])
 
 
@@ -229,12 +243,12 @@ class LocalLauncher:
     """Where a run's processes start: each on this machine (deploy/ray_launcher.py places them on Ray nodes)."""
 
     def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
-                env: dict[str, str] | None = None, label: str | None = None):
+                env: dict[str, str] | None = None, label: str | None = None, client=None):
         """A started, serving service process (deploy.launcher.ServiceProcess); `label` names it in the run (a
-        rollout replica: "rollout-2"), `name` is what `relayrl serve` runs."""
+        rollout replica: "rollout-2"), `name` is what `relayrl serve` runs, `client` how its health is checked."""
         from deploy.launcher import start_service
 
-        return start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, label=label)
+        return start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, label=label, client=client)
 
     def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
                 heartbeat: pathlib.Path | None = None):
@@ -268,13 +282,16 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
     replicas = None  # RolloutReplicas when the rollout runs as replicas behind a router
     try:
         with progress.phase("starting buffer, reward and rollout services"):
-            buffer = supervisor.add_service(launcher.service("buffer", buffer_overrides(plan), logs, registry))
+            buffer = supervisor.add_service(launcher.service("buffer", buffer_overrides(plan), logs, registry,
+                                                             client=plan.client("buffer")))
             reward = start_reward(plan, supervisor, launcher, logs, registry)
             if rl.rollout_replicas > 1:
-                replicas = RolloutReplicas(supervisor, rollout_overrides(plan), logs, run_dir, launcher)
+                replicas = RolloutReplicas(supervisor, rollout_overrides(plan), logs, run_dir, launcher,
+                                           client=plan.client("rollout"))
                 rollout = replicas.start(rl.rollout_replicas)
             else:
-                rollout = supervisor.add_service(launcher.service("rollout", rollout_overrides(plan), logs, registry))
+                rollout = supervisor.add_service(launcher.service("rollout", rollout_overrides(plan), logs, registry,
+                                                                  client=plan.client("rollout")))
         addresses = Addresses(buffer=buffer.address, reward=reward, rollout=rollout.address)
         if earlier:
             start_metric, spent = earlier[0]["accuracy"], rl_seconds(run_dir)
@@ -299,7 +316,8 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
         supervisor.add(launcher.process("driver", ["-m", "rollout.driver", "--config", str(driver_cfg)],
                                         logs / "driver.log", heartbeat=run_dir / "driver_stats.jsonl"))
         if earlier and latest_checkpoint(run_dir / "checkpoints") is not None:
-            wait_for_published_weights(addresses.rollout, supervisor, plan.supervise.start_timeout_s)
+            wait_for_published_weights(addresses.rollout, supervisor, plan.supervise.start_timeout_s,
+                                       plan.client("rollout"))
         progress.start_rl(rl.time_budget_s, start_metric)
         curve = earlier or [progress.point(0.0, start_metric)]
         board.eval(curve[-1])

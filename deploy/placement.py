@@ -62,12 +62,15 @@ class ServicePlacement(Strict):
                       "(relayrl doctor checks a fixed one is free). On a cluster 0 means the service's CLUSTER_PORTS one.")
     resources: Resources = Field(default_factory=Resources, description="Per replica; for Ray and Kubernetes.")
     tls: TLSConfig | None = Field(None, description="Server TLS (cert, key; client_ca for mTLS): "
-                                  "services.config.TLSConfig. Off = plain text.")
+                                  "services.config.TLSConfig (relative paths: to the experiment file). Honoured by "
+                                  "every launcher (local, --ray, k8s). Off = plain text.")
     auth: AuthConfig | None = Field(None, description="Bearer tokens -> roles and which roles may call which RPC: "
-                                    "services.config.AuthConfig (prefer tokens_file to tokens written here).")
+                                    "services.config.AuthConfig (prefer tokens_file to tokens written here; a run "
+                                    "copies the merged table to an owner-only file, deploy/run_security.py).")
     client: ClientConfig = Field(default_factory=ClientConfig, description="How the run's own clients (driver, "
-                                 "trainer, evaluation) reach this service: token, ca_cert (services.config."
-                                 "ClientConfig).")
+                                 "trainer, evaluation, the rollout router, health checks, `relayrl status RUN_DIR`) "
+                                 "reach this service: token or token_file, ca_cert, cert/key (mTLS), server_name "
+                                 "(services.config.ClientConfig; relative paths: to the experiment file).")
     settings: dict = Field(default_factory=dict, description="Extra --set overrides of the service's own config "
                            "(e.g. engine.max_num_seqs for rollout).")
 
@@ -148,12 +151,14 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
         if placement.group is not None and group is None:
             problems.append(f"{field}.group: {placement.group!r} is not a group (groups: {known})")
         if isinstance(placement, ServicePlacement):
-            if placement.auth is not None and placement.client.token is None:
-                problems.append(f"{field}.client.token: {name} has auth on, so the run's clients need a token")
+            token = placement.client.token or placement.client.token_file
+            if placement.auth is not None and not token:
+                problems.append(f"{field}.client.token: {name} has auth on, so the run's clients need a token (token or "
+                                "token_file)")
             if placement.tls is not None and placement.client.ca_cert is None:
                 problems.append(f"{field}.client.ca_cert: {name} serves TLS, so the run's clients need the CA "
                                 "that signed its certificate")
-            if placement.group is not None and placement.client.token and placement.tls is None:
+            if placement.group is not None and token and placement.tls is None:
                 problems.append(f"{field}.tls: a token never crosses a network in plain text (services/client.py): "
                                 f"{name} on group {placement.group!r} needs TLS for its clients' token")
             if placement.group is None and placement.port:
@@ -184,18 +189,23 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
 def _replica_problems(name: str, placement: ServicePlacement) -> list[str]:
     """What a run (local or --ray) cannot honour of a service's replicas. Rollout replicas run behind a router
     (deploy/replicas.py), which takes the fixed port; reward replicas each take a free port of their own and their
-    clients call one target naming them all (deploy.pipeline.start_reward), so a fixed port has no one to go to."""
+    clients call one target naming them all (deploy.pipeline.start_reward), so a fixed port has no one to go to, and
+    TLS has no host name to verify unless client.server_name gives one."""
     field = f"services.{name}"
     if placement.replicas > 1 and name == "buffer":  # placement_problems refuses it too: the log has one owner
         return [f"{field}.replicas: {placement.replicas}"]
     if placement.replicas > 1 and name == "reward" and placement.port:
         port = f"{field}.port: {placement.port} with {placement.replicas} replicas"
         return [f"{port} (each replica takes a free port: set port: 0)"]
+    if placement.replicas > 1 and name == "reward" and placement.tls is not None and not placement.client.server_name:
+        problem = (f"{field}.client.server_name: {placement.replicas} replicas serving TLS are called through one "
+                   "target naming their addresses, which names no host to verify: set the name their certificate carries")
+        return [problem]
     return []
 
 
 def local_problems(services: ServicesSection) -> list[str]:
-    """What `relayrl run` (one process per service, all on this machine, plain loopback) cannot honour; [] = none."""
+    """What `relayrl run` (one process per service, all on this machine, on loopback) cannot honour; [] = none."""
     problems = []
     for name, placement in services.placed().items():
         field = f"services.{name}"
@@ -203,7 +213,6 @@ def local_problems(services: ServicesSection) -> list[str]:
             problems.append(f"{field}.group: {placement.group!r}")
         if isinstance(placement, ServicePlacement):
             problems += _replica_problems(name, placement)
-            problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     trainer = services.trainer
     if trainer.world_size > 1:
         problems.append(f"services.trainer: {trainer.nodes} x {trainer.procs_per_node} processes")
@@ -214,10 +223,8 @@ def ray_problems(services: ServicesSection) -> list[str]:
     """What `relayrl run --ray` (deploy/ray_launcher.py) cannot honour yet, each naming its field; [] = none."""
     problems = []
     for name, placement in services.placed().items():
-        field = f"services.{name}"
         if isinstance(placement, ServicePlacement):
             problems += _replica_problems(name, placement)
-            problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     trainer = services.trainer
     if trainer.nodes > 1 and trainer.group is None:  # its nodes are spread over the nodes carrying its group
         problems.append(f"services.trainer.group: none, but a trainer on {trainer.nodes} nodes needs the group "

@@ -20,8 +20,9 @@
 
 Every node needs relayrl installed in the same Python environment, and the run folder and the model on a filesystem
 every node sees at the same path (logs, heartbeats, checkpoints and metrics are read there), as Kubernetes' project
-claim. Not yet: a trainer across nodes without a group, TLS and tokens, and an agent's node lost (its process is
-restarted only while its agent lives).
+claim; so do the experiment's TLS files and the run's owner-only token files (deploy/run_security.py: each service's
+certificate must name the IPs of the nodes it may run on). Not yet: a trainer across nodes without a group, and an
+agent's node lost (its process is restarted only while its agent lives).
 """
 
 import json
@@ -55,12 +56,12 @@ class NodeAgent:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def serve(self, name: str, overrides: dict, log_dir: str, registry: str, env: dict | None,
-              timeout: float, label: str | None = None) -> tuple[str, int, int | None]:
+              timeout: float, label: str | None = None, client=None) -> tuple[str, int, int | None]:
         """Start `relayrl serve NAME` on this node's IP (its fixed port, or a free one); (address, pid, metrics)."""
         port = str(overrides.get("server.address", ":0")).rsplit(":", 1)[1]
         overrides = {**overrides, "server.address": f"{ray.util.get_node_ip_address()}:{port}"}
         self.member = start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, timeout=timeout,
-                                    label=label)
+                                    label=label, client=client)
         return self.member.address, self.member.pid, self.member.metrics_port
 
     def restart(self, timeout: float) -> tuple[int, int | None]:
@@ -90,9 +91,10 @@ class NodeAgent:
 class RayService:
     """A service started by its agent, as the supervisor sees a deploy.launcher.ServiceProcess."""
 
-    def __init__(self, name: str, agent, address: str, pid: int, metrics_port: int | None, log_path: pathlib.Path):
+    def __init__(self, name: str, agent, address: str, pid: int, metrics_port: int | None, log_path: pathlib.Path,
+                 client=None):
         self.name, self.agent, self.address, self.pid = name, agent, address, pid
-        self.metrics_port, self.log_path = metrics_port, log_path
+        self.metrics_port, self.log_path, self.client = metrics_port, log_path, client
 
     def restart(self, timeout: float = 120.0) -> None:
         self.pid, self.metrics_port = ray.get(self.agent.restart.remote(timeout))
@@ -199,7 +201,7 @@ class RayLauncher:
                 for name, (node_id, ip) in self.nodes.items()}
 
     def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
-                env: dict[str, str] | None = None, label: str | None = None) -> RayService:
+                env: dict[str, str] | None = None, label: str | None = None, client=None) -> RayService:
         """Start `name` on its agent's node; the placement is recorded beside the run's services.json. A `label`
         not placed yet (a rollout replica, "rollout-2") gets a new agent on `name`'s group."""
         label = label or name
@@ -210,8 +212,8 @@ class RayLauncher:
         registry.with_name(PLACEMENT_FILE).write_text(json.dumps(self.placement(), indent=2))
         agent = self.agents[label]
         address, pid, metrics_port = ray.get(agent.serve.remote(name, overrides, str(log_dir), str(registry), env,
-                                                                PLACE_TIMEOUT_S, label))
-        return RayService(label, agent, address, pid, metrics_port, log_dir / f"{label}.log")
+                                                                PLACE_TIMEOUT_S, label, client))
+        return RayService(label, agent, address, pid, metrics_port, log_dir / f"{label}.log", client)
 
     def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
                 heartbeat: pathlib.Path | None = None) -> RayProcess | NodeJob:

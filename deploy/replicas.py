@@ -28,6 +28,7 @@ import grpc
 from deploy import service_registry
 from deploy.launcher import ServiceProcess
 from protos import router_pb2, router_pb2_grpc
+from services.client import connect_sync
 
 log = logging.getLogger("relayrl.replicas")
 SCALE_DIR = "scale"
@@ -63,14 +64,16 @@ class RolloutReplicas:
     """The router and its replica processes, started and scaled under the run's supervisor."""
 
     def __init__(self, supervisor, overrides: dict, logs: pathlib.Path, run_dir: pathlib.Path, launcher=None,
-                 join_wait_s: float = 120.0, drain_timeout_s: float = 120.0):
+                 join_wait_s: float = 120.0, drain_timeout_s: float = 120.0, client=None):
         """`overrides`: the rollout service's --set overrides; a fixed `server.address` is the router's (the
-        replicas take free ports), its other `server` settings are the router's too. `launcher` starts the
-        processes (deploy.pipeline.LocalLauncher by default)."""
+        replicas take free ports), its other `server` settings (TLS, auth) are the router's too. `launcher` starts
+        the processes (deploy.pipeline.LocalLauncher by default). `client` (services.config.ClientConfig): how the
+        run reaches the rollout, so how the router reaches its replicas and this object the router."""
         from deploy.pipeline import LocalLauncher
 
         self.supervisor, self.logs, self.run_dir = supervisor, logs, run_dir
         self.launcher = launcher or LocalLauncher()
+        self.client = client
         self.overrides = {k: v for k, v in overrides.items() if k != "server.address"}
         self.router_address = overrides.get("server.address")
         self.registry = run_dir / service_registry.REGISTRY_FILE
@@ -94,9 +97,12 @@ class RolloutReplicas:
         server = {k: v for k, v in self.overrides.items() if k == "server" or k.startswith("server.")}
         router = {**server, "model": self.overrides["model"], "router.poll_s": 0.5,
                   "router.replicas": [p.address for p in self.replicas.values()]}
+        if self.client is not None:
+            router["router.client"] = self.client.model_dump(exclude_defaults=True)
         if self.router_address:
             router["server.address"] = self.router_address
-        self.router = self.supervisor.add_service(self.launcher.service("rollout", router, self.logs, self.registry))
+        self.router = self.supervisor.add_service(self.launcher.service("rollout", router, self.logs, self.registry,
+                                                                        client=self.client))
         request = request_path(self.run_dir, "rollout")
         if request.exists():  # a request of an earlier process of this run (resumed) is not this run's to answer
             self._handled = json.loads(request.read_text())["id"]
@@ -109,7 +115,7 @@ class RolloutReplicas:
         if replicas < 1:
             raise ValueError(f"replicas: at least 1, got {replicas}")
         added, removed = [], {}
-        with grpc.insecure_channel(self.router.address) as channel:
+        with connect_sync(self.router.address, self.client) as channel:
             control = router_pb2_grpc.ReplicasStub(channel)
             while len(self.replicas) < replicas:
                 name, process = self._start_replica()
@@ -139,7 +145,7 @@ class RolloutReplicas:
         self._started += 1
         name = f"rollout-{self._started}"
         process = self.supervisor.add_service(self.launcher.service("rollout", self.overrides, self.logs,
-                                                                    self.registry, label=name))
+                                                                    self.registry, label=name, client=self.client))
         self.replicas[name] = process
         return name, process
 

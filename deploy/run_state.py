@@ -1,6 +1,7 @@
 """What a run folder keeps so that `relayrl run --resume RUN_DIR` can go on where the run stopped.
 
-    config.yaml         the resolved config (written at the start; the resume reads it)
+    config.yaml         the resolved config (written at the start; the resume reads it); owner-only (0600): an
+                        experiment's client tokens are in it
     model-sft/          the SFT warm-up's output, renamed into place once whole (a resume skips SFT then)
     buffer/             the buffer's log (the restarted buffer recovers it)
     checkpoints/        the trainer's checkpoints with their ledgers (the restarted trainer resumes from the latest)
@@ -24,14 +25,16 @@ RL_CLOCK_FILE = "rl_clock.json"
 def start_run_dir(run_dir: pathlib.Path, config: dict, seed: int, resume: bool) -> None:
     """A fresh run replaces `run_dir` and records its config; a resumed one keeps everything and adds its
     provenance to the record."""
-    from deploy.pipeline import write_yaml
+    import yaml
+
     from deploy.provenance import write_provenance
+    from deploy.run_security import write_private
 
     if not resume:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         (run_dir / "logs").mkdir(parents=True)
-        write_yaml(run_dir / CONFIG_FILE, config)
+        write_private(run_dir / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False), private_folder=False)
     write_provenance(run_dir, seed, resumed=resume)
 
 

@@ -32,12 +32,14 @@ KINDS = {
 
 @dataclass(frozen=True)
 class Target:
-    """A service to poll: its gRPC address, its kind when known (else probed by reflection), its /metrics port."""
+    """A service to poll: its gRPC address, its kind when known (else probed by reflection), its /metrics port, and
+    how its run reaches it (TLS files, token file; None = plain text, no token)."""
 
     name: str
     address: str
     kind: str | None = None
     metrics_port: int | None = None
+    client: ClientConfig | None = None
 
 
 def parse_address(text: str) -> Target:
@@ -47,8 +49,13 @@ def parse_address(text: str) -> Target:
 
 
 def run_targets(run_dir: pathlib.Path) -> list[Target]:
-    """The services a run folder records (services.json; FileNotFoundError if none yet)."""
-    return [Target(e.name, e.address, e.kind or e.name, e.metrics_port) for e in service_registry.read(run_dir)]
+    """The services a run folder records (services.json; FileNotFoundError if none yet), each with the client
+    settings the run reached it with (clients.json, deploy/run_security.py)."""
+    from deploy.run_security import read_clients
+
+    clients = read_clients(run_dir)
+    return [Target(e.name, e.address, e.kind or e.name, e.metrics_port, clients.get(e.kind or e.name))
+            for e in service_registry.read(run_dir)]
 
 
 @dataclass
@@ -153,8 +160,9 @@ def _from_rpcs(poll: Poll, channel: grpc.Channel, timeout: float) -> None:
 
 
 def poll(target: Target, client: ClientConfig | None = None, timeout: float = 5.0) -> Poll:
-    """Read one service now. An address that does not answer is a Poll with health UNREACHABLE."""
-    with connect_sync(target.address, client) as channel:
+    """Read one service now, reached as `client` says, else as its run reached it (target.client). An address that
+    does not answer is a Poll with health UNREACHABLE."""
+    with connect_sync(target.address, client or target.client) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             kind = target.kind or _kind(channel, timeout)

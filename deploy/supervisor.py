@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 
 from deploy.launcher import LaunchError, ServiceProcess
+from services.client import connect_sync
 from services.config import Strict
 
 log = logging.getLogger("relayrl.supervisor")
@@ -117,6 +118,11 @@ class Service:
         return self.service.address
 
     @property
+    def client(self):
+        """How its health is checked (services.config.ClientConfig; None = plain text)."""
+        return self.service.client
+
+    @property
     def pid(self) -> int:
         return self.service.pid
 
@@ -150,8 +156,8 @@ class Record:
     retired: bool = False  # stopped on purpose: no longer watched
 
 
-def _healthy(address: str, timeout: float) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _healthy(address: str, timeout: float, client=None) -> bool:
+    with connect_sync(address, client) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
@@ -250,7 +256,7 @@ class Supervisor:
                 return f"left its heartbeat {member.heartbeat.name} untouched for {silent:.0f}s (frozen)"
             return None
         deadline = time.monotonic() + self.config.health_timeout_s
-        while not _healthy(member.address, min(self.config.health_interval_s, 5.0)):
+        while not _healthy(member.address, min(self.config.health_interval_s, 5.0), member.client):
             if self._stopping.is_set() or member.exit_code() is not None:
                 return None  # a death is seen on the next round
             if time.monotonic() >= deadline:

@@ -62,8 +62,9 @@ def _credentials(address: str, config: ClientConfig) -> grpc.ChannelCredentials 
     if config.ca_cert:
         read = lambda p: pathlib.Path(p).read_bytes() if p else None
         channel_creds = grpc.ssl_channel_credentials(read(config.ca_cert), read(config.key), read(config.cert))
-    if config.token:
-        call_creds = grpc.access_token_call_credentials(config.token)
+    token = config.token or (pathlib.Path(config.token_file).read_text().strip() if config.token_file else None)
+    if token:
+        call_creds = grpc.access_token_call_credentials(token)
         if channel_creds is None:
             # A bearer token never crosses a network in plaintext: without TLS, loopback only.
             if not _is_loopback(address):

@@ -62,6 +62,8 @@ class ClientConfig(Strict):
     """How a client reaches a service."""
 
     token: str | None = Field(None, description="Bearer token sent as 'authorization: Bearer <token>'.")
+    token_file: str | None = Field(None, description="A file holding the token (read when a channel is made), which "
+                                   "keeps it out of config files and command lines; `token` wins when both are set.")
     ca_cert: str | None = Field(None, description="PEM CA to verify the server (TLS on when set).")
     cert: str | None = Field(None, description="Client certificate PEM (mTLS).")
     key: str | None = Field(None, description="Client key PEM (mTLS).")

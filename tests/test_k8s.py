@@ -215,6 +215,25 @@ def test_tls_files_and_tokens_travel_in_secrets(tmp_path):
     assert driver["clients"]["buffer"]["cert"] == "/etc/relayrl/secrets/clients/buffer-cert"
 
 
+def test_a_client_token_file_travels_in_the_clients_secret(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "run.token").write_text("token-from-a-file\n")
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (folder / name).write_text(f"-----BEGIN {name}-----\n")
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["services"]["reward"].update(tls={"cert": "cert.pem", "key": "key.pem"}, auth={"tokens": {}},
+                                      client={"ca_cert": "ca.pem", "token_file": "run.token"})
+    (folder / "experiment.yaml").write_text(yaml.safe_dump(data))
+    objects = _by_kind(render(load_config(ExperimentConfig, folder / "experiment.yaml"), folder))
+    secret = objects["Secret", "math-grpo-clients"]["data"]["reward-token"]
+    assert base64.b64decode(secret).decode() == "token-from-a-file"
+    driver = objects["Deployment", "math-grpo-driver"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--set=clients.reward.token=$(RELAYRL_REWARD_TOKEN)" in driver["command"]
+    config_map = objects["ConfigMap", "math-grpo-config"]["data"]
+    assert not any("token-from-a-file" in text for text in config_map.values())
+
+
 @pytest.mark.parametrize(("change", "named"), [
     ("kubernetes.image=null", "kubernetes.image: not set"),
     ("kubernetes.project_claim=null", "kubernetes.project_claim: not set"),

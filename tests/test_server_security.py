@@ -4,21 +4,15 @@ Health and reflection are real services on every relayrl server, so they exercis
 interceptor and TLS without any stand-in.
 """
 
-import datetime
-import ipaddress
-
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.client import connect
 from services.config import AuthConfig, ClientConfig, ServerConfig, TLSConfig
 from services.server import create_server
+from tests.pki_kit import make_pki
 
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 
@@ -70,47 +64,10 @@ def test_tokens_never_travel_in_plaintext_off_loopback():
         connect("10.0.0.1:5000", ClientConfig(token="t"))
 
 
-def _key():
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool):
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if not ca:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, made here."""
-    d = tmp_path_factory.mktemp("pki")
-    ca_key = _key()
-    ca = _cert("relayrl-test-ca", ca_key, "relayrl-test-ca", ca_key, ca=True)
-    files = {}
-    for name, subject in (("server", "localhost"), ("client", "trainer-0")):
-        key = _key()
-        cert = _cert(subject, key, "relayrl-test-ca", ca_key, ca=False)
-        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (d / f"{name}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-        files[name] = (str(d / f"{name}.pem"), str(d / f"{name}.key"))
-    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    files["ca"] = str(d / "ca.pem")
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def _serve_tls(pki, mtls: bool):
