@@ -89,6 +89,8 @@ def process_configs(config: ExperimentConfig) -> dict[str, dict]:
     at = {name: f"{host(k8s, name)}:{port(name, getattr(services, name))}" for name in SERVERS}
     if routed(services):  # the router listens on the rollout's port under its own Service name
         at["rollout"] = f"{host(k8s, ROUTER)}:{port('rollout', services.rollout)}"
+    if services.reward.replicas > 1:  # the headless Service's name resolves to every ready pod: round-robin over them
+        at["reward"] = f"dns:///{at['reward']}"
     addresses = Addresses(buffer=at["buffer"], reward=at["reward"], rollout=at["rollout"])
     out = {}
     rollout = rollout_overrides(plan)

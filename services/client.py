@@ -1,9 +1,10 @@
 """Client channels to relayrl services, with message limits, TLS and bearer tokens when configured.
 
-Every channel balances its calls round-robin over the addresses its target resolves to (gRPC's own client-side
-`round_robin` policy): a target naming several replicas of a stateless service (`replicas_target`, e.g.
-`ipv4:127.0.0.1:5001,127.0.0.1:5002`, or a Kubernetes headless Service's DNS name) spreads its calls over them and
-skips one that is down; a target of one address behaves as before.
+A target that names several servers of a stateless service balances its calls round-robin over them (gRPC's own
+client-side `round_robin` policy) and skips one that is down: several replicas' addresses (`replicas_target`, e.g.
+`ipv4:127.0.0.1:5001,127.0.0.1:5002`), or a `dns:///NAME:PORT` target (a Kubernetes headless Service's pods). Any
+other target keeps gRPC's default (pick_first): a server that restarts on its address is connected to again at
+the next call, where round_robin would fail calls fast while its reconnect backs off.
 """
 
 import ipaddress
@@ -14,7 +15,7 @@ import grpc
 from services.config import ClientConfig
 
 
-def _options(config: ClientConfig) -> list[tuple[str, object]]:
+def _options(target: str, config: ClientConfig) -> list[tuple[str, object]]:
     options: list[tuple[str, object]] = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -22,8 +23,9 @@ def _options(config: ClientConfig) -> list[tuple[str, object]]:
         # after grpc's default backoff of up to 120 s.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
-        ("grpc.lb_policy_name", "round_robin"),
     ]
+    if len(target_addresses(target)) > 1 or target.startswith("dns:"):
+        options.append(("grpc.lb_policy_name", "round_robin"))
     if config.server_name:
         options.append(("grpc.ssl_target_name_override", config.server_name))
     return options
@@ -79,8 +81,8 @@ def connect(address: str, config: ClientConfig | None = None) -> grpc.aio.Channe
     config = config or ClientConfig()
     creds = _credentials(address, config)
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=_options(config))
-    return grpc.aio.secure_channel(address, creds, options=_options(config))
+        return grpc.aio.insecure_channel(address, options=_options(address, config))
+    return grpc.aio.secure_channel(address, creds, options=_options(address, config))
 
 
 def connect_sync(address: str, config: ClientConfig | None = None) -> grpc.Channel:
@@ -88,5 +90,5 @@ def connect_sync(address: str, config: ClientConfig | None = None) -> grpc.Chann
     config = config or ClientConfig()
     creds = _credentials(address, config)
     if creds is None:
-        return grpc.insecure_channel(address, options=_options(config))
-    return grpc.secure_channel(address, creds, options=_options(config))
+        return grpc.insecure_channel(address, options=_options(address, config))
+    return grpc.secure_channel(address, creds, options=_options(address, config))
