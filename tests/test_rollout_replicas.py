@@ -1,6 +1,6 @@
 """Several rollout replicas behind the router, real processes on loopback (rollout/router.py, router_service.py):
-requests spread by load and a killed replica's requests re-run elsewhere, sessions sticky across a router restart,
-a replica added mid-run receiving the trainer's weights before traffic, and a removed one draining."""
+requests spread by load and a killed replica's requests (and reads) re-run elsewhere, sessions sticky across a router
+restart, a replica added mid-run receiving the trainer's weights before traffic, and a removed one draining."""
 
 import asyncio
 import time
@@ -95,6 +95,29 @@ def test_requests_spread_over_replicas_and_a_killed_replicas_requests_complete_e
         assert time.monotonic() - killed_at < 5, "the router still routes to the dead replica"
         time.sleep(0.1)
     assert replicas(router.address)[a.address].state == router_pb2.REPLICA_STATE_ACTIVE
+
+
+def test_reads_through_the_router_are_rerun_on_another_replica_when_theirs_just_died(service_factory,
+                                                                                     tiny_model_dir):
+    """The driver polls GetWeightVersion through the router every few ms; the replica the router picks for it may
+    have died since the router's last poll. Before the fix the router let the replica's UNAVAILABLE escape its
+    handler as UNKNOWN, which the driver does not retry: it exited (issue 16)."""
+    model = {"model": str(tiny_model_dir), **ENGINE}
+    a, b = service_factory("rollout", model), service_factory("rollout", model)
+    # No poll of the router notices the death first: the reads below find it.
+    router = service_factory("rollout", {"model": str(tiny_model_dir), "router.replicas": [a.address, b.address],
+                                         "router.poll_s": 600})
+    a.kill()  # of two idle replicas the router picks the first listed
+    logprobs = rollout_pb2.ComputeLogprobsRequest(prompt_ids=encode_array([5, 6, 7], "int32"),
+                                                  response_ids=[encode_array([8, 9], "int32")], temperature=1.0)
+    with grpc.insecure_channel(router.address) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        for _ in range(2):
+            assert stub.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=30).version == 0
+            assert stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=30).vocab_size > 0
+            assert len(stub.ComputeLogprobs(logprobs, timeout=30).logprobs) == 1
+    listed = replicas(router.address)
+    assert not listed[a.address].alive and listed[b.address].alive  # dropped by the failed call, not a poll
 
 
 @pytest.mark.slow  # 35-80 s on this shared 2-core machine (5 processes)
