@@ -133,8 +133,8 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
         lost_node = next(node for node in cluster.worker_nodes if node.node_id == placed[lost]["node_id"])
         ray.init(address=cluster.address)  # the cluster's node table, read while every node is in it
         resources = {node["NodeID"]: node["Resources"] for node in ray.nodes()}
-        cluster.remove_node(lost_node)
         lost_at = time.monotonic()
+        cluster.remove_node(lost_node)
         with contextlib.suppress(ProcessLookupError):  # a process of this test's own cluster, on this machine
             os.kill(registry[lost]["pid"], signal.SIGKILL)
         # The trainer across two nodes is one member: its rank 1, SIGKILLed on its node, ends the whole torchrun
@@ -239,8 +239,8 @@ def test_a_member_whose_node_is_lost_fails_the_run_at_once_naming_it_and_the_nod
         while not pid_file.exists():
             time.sleep(0.2)
         supervisor.check()  # it runs
-        cluster.remove_node(training)
         lost_at = time.monotonic()
+        cluster.remove_node(training)
         while supervisor.failure is None:
             assert time.monotonic() - lost_at < 120, "the supervisor never noticed the lost node"
             time.sleep(0.5)
@@ -248,7 +248,7 @@ def test_a_member_whose_node_is_lost_fails_the_run_at_once_naming_it_and_the_nod
         with pytest.raises(RunFailed, match=rf"trainer lost its Ray node {re.escape(node_ip)} \(node id "
                                             rf"{training.node_id[:12]}\).*cannot be started elsewhere"):
             supervisor.check()
-        print(f"ray: a lost node failed the run {noticed:.1f}s after it was removed")
+        print(f"ray: a lost node failed the run {noticed:.1f}s after its removal began")
         assert supervisor.restarts() == {}  # not restarted where it was: there is no there
         assert "trainer" not in launcher.placement()
     finally:
