@@ -45,7 +45,7 @@ test-slow: $(STAMP) $(NODE_STAMP)
 # minutes): it needs the `ray` extra, installed here (make test-slow skips it without Ray).
 test-ray: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,ray]'
-	$(BIN)/python -m pytest -q -rA tests/test_ray_launcher.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rA tests/test_ray_launcher.py tests/test_ray_resume.py $(PYTEST_ARGS)
 
 # Each algorithm family shown learning (tests/test_families.py, tests/test_distill_e2e.py); -rA prints each
 # test's figures (metric before -> after). Collecting nothing here is a failure.

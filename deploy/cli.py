@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "examples/algorithms/*.yaml) or an agentic one (examples/agentic/*.yaml); with neither this nor "
                      "an experiment file: the quickstart (deploy/quickstart_experiment.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    run.add_argument("--ray", metavar="ADDRESS", help="with an experiment file: place each service on its node "
-                     "group of the Ray cluster at ADDRESS (a group's name is the Ray resource marking its nodes; "
-                     "deploy/ray_launcher.py)")
+    run.add_argument("--ray", metavar="ADDRESS", help="with an experiment file (or --resume of its run): place "
+                     "each service on its node group of the Ray cluster at ADDRESS (a group's name is the Ray "
+                     "resource marking its nodes; deploy/ray_launcher.py)")
     run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
@@ -178,8 +178,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.experiment and args.config:
         print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)
         return 2
-    if args.ray and (not args.experiment or args.resume):
-        print("relayrl run: --ray runs an experiment file (not --config, the quickstart or --resume)", file=sys.stderr)
+    if args.ray and not (args.experiment or args.resume):
+        print("relayrl run: --ray runs an experiment file, or resumes the run of one (not --config or the quickstart)",
+              file=sys.stderr)
         return 2
     if args.resume:
         if args.experiment or args.config or args.set:
@@ -188,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         from deploy.resume import main as resume
 
-        return resume(args.resume)
+        return resume(args.resume, ray_address=args.ray)
     if args.experiment and agentic.selects(args.experiment):
         return agentic.main(args.experiment, args.set)
     if args.experiment:

@@ -24,7 +24,7 @@ def reward_service(config: ExperimentConfig) -> tuple[dict, dict[str, str], str]
 
     reward = config.reward
     env = {"PYTHONPATH": os.pathsep.join([*reward.python_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    overrides = dict(config.services.reward.settings)
+    overrides = _placement(config, "reward")
     if reward.model is not None:
         overrides[f"reward_models.{REWARD_NAME}"] = {"path": reward.model}
         return overrides, env, REWARD_NAME
@@ -65,7 +65,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
             algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
             driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
             buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
-            rollout_replicas=config.services.rollout.replicas,
+            rollout_replicas=config.services.rollout.replicas, reward_replicas=config.services.reward.replicas,
         ),
         supervise=config.supervise,
         buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,

@@ -4,7 +4,9 @@
     Secret       {name}-SERVICE-tls, {name}-SERVICE-auth (a server's TLS files and tokens), {name}-clients (what
                  the driver and trainer present): read from the files the experiment names
     buffer       StatefulSet of one; reward: Deployment; rollout: StatefulSet (stable pod names: the trainer
-                 publishes weights to each replica); each with a headless Service, gRPC health probes, resources
+                 publishes weights to each replica); each with a headless Service, gRPC health probes, resources.
+                 The reward's Service name resolves to every ready reward pod: the driver's channel balances its
+                 Score calls round-robin over them (services/client.py), as a local run's over reward-1..N
     router       with rollout replicas > 1: a Deployment of one `relayrl serve rollout` routing over the replicas'
                  stable names (rollout/router.py) on the rollout's group, and its Service; the driver generates
                  through it and the trainer publishes to the replicas it lists

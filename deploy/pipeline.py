@@ -54,11 +54,14 @@ class RLConfig(Strict):
                                      "(audits what was trained, e.g. across restarts).")
     rollout_replicas: int = Field(1, ge=1, description="Rollout processes; more than 1 runs them behind a router "
                                   "(deploy/replicas.py) that `relayrl deploy scale rollout N --run RUN_DIR` scales.")
+    reward_replicas: int = Field(1, ge=1, description="Reward processes; more than 1 runs reward-1..N, each on its "
+                                 "own free port, which the driver and the evaluation reach as one target that gRPC "
+                                 "balances round-robin (services.client.replicas_target).")
 
 
 @dataclass
 class Addresses:
-    """Where the services of a run listen (host:port)."""
+    """Where the services of a run listen (host:port; the reward's may be a gRPC target naming its replicas)."""
 
     buffer: str
     reward: str
@@ -205,6 +208,23 @@ def wait_for_published_weights(rollout: str, supervisor, timeout_s: float) -> No
             time.sleep(0.5)
 
 
+def start_reward(plan: Pipeline, supervisor, launcher, logs: pathlib.Path, registry: pathlib.Path) -> str:
+    """Start the reward service under `supervisor`; the target its clients call. With rl.reward_replicas > 1 it runs
+    as processes reward-1..N, each supervised and restarted on its own address like any service; scoring is
+    stateless, so no router stands in front of them: the target names them all and each client's channel spreads
+    its calls round-robin over those that answer (services/client.py)."""
+    from services.client import replicas_target
+
+    count = plan.rl.reward_replicas
+    if count > 1 and "server.address" in plan.reward:
+        raise ValueError(f"reward: {count} replicas cannot share the fixed address {plan.reward['server.address']} "
+                         "(each replica takes a free port)")
+    labels = ["reward"] if count == 1 else [f"reward-{i}" for i in range(1, count + 1)]
+    processes = [supervisor.add_service(launcher.service("reward", plan.reward, logs, registry, plan.reward_env,
+                                                         label=label)) for label in labels]
+    return replicas_target([process.address for process in processes])
+
+
 class LocalLauncher:
     """Where a run's processes start: each on this machine (deploy/ray_launcher.py places them on Ray nodes)."""
 
@@ -249,13 +269,13 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
     try:
         with progress.phase("starting buffer, reward and rollout services"):
             buffer = supervisor.add_service(launcher.service("buffer", buffer_overrides(plan), logs, registry))
-            reward = supervisor.add_service(launcher.service("reward", plan.reward, logs, registry, plan.reward_env))
+            reward = start_reward(plan, supervisor, launcher, logs, registry)
             if rl.rollout_replicas > 1:
                 replicas = RolloutReplicas(supervisor, rollout_overrides(plan), logs, run_dir, launcher)
                 rollout = replicas.start(rl.rollout_replicas)
             else:
                 rollout = supervisor.add_service(launcher.service("rollout", rollout_overrides(plan), logs, registry))
-        addresses = Addresses(buffer=buffer.address, reward=reward.address, rollout=rollout.address)
+        addresses = Addresses(buffer=buffer.address, reward=reward, rollout=rollout.address)
         if earlier:
             start_metric, spent = earlier[0]["accuracy"], rl_seconds(run_dir)
             progress.trainer.drain()  # the steps before the resume are in the earlier points' means

@@ -55,7 +55,9 @@ class ServicePlacement(Strict):
     replicas: int = Field(1, ge=1, description="Copies of the service (rollout and reward only: the buffer is one "
                           "process, the single owner of its log). A run (local or --ray) starts rollout replicas "
                           "behind a router (deploy/replicas.py; `relayrl deploy scale` changes their number while it "
-                          "runs); `relayrl deploy k8s` renders the router in front of them.")
+                          "runs; `relayrl deploy k8s` renders the router in front of them), and reward replicas "
+                          "reward-1..N with no router: every client calls one gRPC target naming them all and balances "
+                          "its calls round-robin over those that answer (on Kubernetes: the headless Service's name).")
     port: int = Field(0, ge=0, le=65535, description="The port it listens on; 0 = any free port on this machine "
                       "(relayrl doctor checks a fixed one is free). On a cluster 0 means the service's CLUSTER_PORTS one.")
     resources: Resources = Field(default_factory=Resources, description="Per replica; for Ray and Kubernetes.")
@@ -179,6 +181,19 @@ def placement_problems(groups: list[NodeGroup], services: ServicesSection) -> li
     return problems
 
 
+def _replica_problems(name: str, placement: ServicePlacement) -> list[str]:
+    """What a run (local or --ray) cannot honour of a service's replicas. Rollout replicas run behind a router
+    (deploy/replicas.py), which takes the fixed port; reward replicas each take a free port of their own and their
+    clients call one target naming them all (deploy.pipeline.start_reward), so a fixed port has no one to go to."""
+    field = f"services.{name}"
+    if placement.replicas > 1 and name == "buffer":  # placement_problems refuses it too: the log has one owner
+        return [f"{field}.replicas: {placement.replicas}"]
+    if placement.replicas > 1 and name == "reward" and placement.port:
+        port = f"{field}.port: {placement.port} with {placement.replicas} replicas"
+        return [f"{port} (each replica takes a free port: set port: 0)"]
+    return []
+
+
 def local_problems(services: ServicesSection) -> list[str]:
     """What `relayrl run` (one process per service, all on this machine, plain loopback) cannot honour; [] = none."""
     problems = []
@@ -187,8 +202,7 @@ def local_problems(services: ServicesSection) -> list[str]:
         if placement.group is not None:
             problems.append(f"{field}.group: {placement.group!r}")
         if isinstance(placement, ServicePlacement):
-            if placement.replicas > 1 and name != "rollout":  # rollout replicas run behind a router (deploy/replicas.py)
-                problems.append(f"{field}.replicas: {placement.replicas}")
+            problems += _replica_problems(name, placement)
             problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     trainer = services.trainer
     if trainer.world_size > 1:
@@ -202,8 +216,7 @@ def ray_problems(services: ServicesSection) -> list[str]:
     for name, placement in services.placed().items():
         field = f"services.{name}"
         if isinstance(placement, ServicePlacement):
-            if placement.replicas > 1 and name != "rollout":  # rollout replicas run behind a router (deploy/replicas.py)
-                problems.append(f"{field}.replicas: {placement.replicas}")
+            problems += _replica_problems(name, placement)
             problems += [f"{field}.{key}" for key in ("tls", "auth") if getattr(placement, key) is not None]
     trainer = services.trainer
     if trainer.nodes > 1 and trainer.group is None:  # its nodes are spread over the nodes carrying its group

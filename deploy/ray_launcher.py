@@ -4,7 +4,8 @@
     -> one agent (a Ray actor) per process, placed with resources={group: ...}: buffer, reward and rollout on their
        groups, the trainer on its group, the driver beside the buffer; no group = any node. Rollout replicas
        (deploy/replicas.py: "rollout-1", ... behind the router "rollout") get an agent each on the rollout's group,
-       made as each starts (a replica added by `relayrl deploy scale` too)
+       made as each starts (a replica added by `relayrl deploy scale` too); so do reward replicas ("reward-1", ...:
+       no router, the driver and the evaluation call one target naming them all, deploy.pipeline.start_reward)
     -> a trainer on `services.trainer.nodes` > 1 nodes: a Ray placement group of that many bundles of its group's
        resource, STRICT_SPREAD (each on a distinct node), and an agent in each: "trainer" (node rank 0),
        "trainer-node1", ...; each runs torchrun with --node-rank, static rendezvous on node 0's IP at
@@ -27,8 +28,8 @@
 
 Every node needs relayrl installed in the same Python environment, and the run folder and the model on a filesystem
 every node sees at the same path (logs, heartbeats, checkpoints and metrics are read there), as Kubernetes' project
-claim. Not yet: reward replicas > 1 (the driver calls one reward address), a trainer across nodes without a group,
-TLS and tokens, and surviving the loss of any node but a rollout replica's (the head's ends the Ray cluster itself).
+claim. Not yet: a trainer across nodes without a group, TLS and tokens, and surviving the loss of any node but a
+rollout replica's (the head's ends the Ray cluster itself).
 """
 
 import json
@@ -198,7 +199,10 @@ class RayLauncher:
         self.trainer_nodes = ["trainer", *(f"trainer-node{rank}" for rank in range(1, services.trainer.nodes))]
         self.groups.update({label: services.trainer.group for label in self.trainer_nodes})
         self.spread = self._spread_trainer() if services.trainer.nodes > 1 else None
-        self.agents = {name: self._new_agent(name, group) for name, group in self.groups.items()}
+        # Reward replicas get an agent each as they start (service(), label "reward-1", ...); "reward" itself none.
+        replicated = {"reward"} if services.reward.replicas > 1 else set()
+        self.agents = {name: self._new_agent(name, group) for name, group in self.groups.items()
+                       if name not in replicated}
         self.nodes: dict[str, tuple[str, str]] = {}
         for name in self.agents:
             self._place(name)

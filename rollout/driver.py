@@ -47,7 +47,8 @@ class DriverConfig(Strict):
     """Where the services are and how to sample."""
 
     rollout: str = Field(description="Rollout service address host:port.")
-    reward: str = Field(description="Reward service address.")
+    reward: str = Field(description="Reward service address, or a gRPC target naming its replicas "
+                        "(ipv4:HOST:PORT,HOST:PORT): Score calls go round-robin to those that answer.")
     buffer: str = Field(description="Replay buffer address.")
     clients: dict[Literal["rollout", "reward", "buffer"], ClientConfig] = Field(
         default_factory=dict, description="How to reach each service when it has TLS or tokens on (ca_cert, token).")

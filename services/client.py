@@ -1,5 +1,12 @@
-"""Client channels to relayrl services, with message limits, TLS and bearer tokens when configured."""
+"""Client channels to relayrl services, with message limits, TLS and bearer tokens when configured.
 
+Every channel balances its calls round-robin over the addresses its target resolves to (gRPC's own client-side
+`round_robin` policy): a target naming several replicas of a stateless service (`replicas_target`, e.g.
+`ipv4:127.0.0.1:5001,127.0.0.1:5002`, or a Kubernetes headless Service's DNS name) spreads its calls over them and
+skips one that is down; a target of one address behaves as before.
+"""
+
+import ipaddress
 import pathlib
 
 import grpc
@@ -15,15 +22,39 @@ def _options(config: ClientConfig) -> list[tuple[str, object]]:
         # after grpc's default backoff of up to 120 s.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.lb_policy_name", "round_robin"),
     ]
     if config.server_name:
         options.append(("grpc.ssl_target_name_override", config.server_name))
     return options
 
 
-def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
+def replicas_target(addresses: list[str]) -> str:
+    """One gRPC target naming every HOST:PORT of `addresses` (IP literals; IPv6 ones in brackets): the address
+    itself when there is one, else `ipv4:A,B,...` or `ipv6:[A],[B],...`, which a channel balances round-robin."""
+    if len(addresses) == 1:
+        return addresses[0]
+    versions = set()
+    for address in addresses:
+        host = address.rsplit(":", 1)[0].strip("[]")
+        try:
+            versions.add(ipaddress.ip_address(host).version)
+        except ValueError:
+            raise ValueError(f"{address}: replicas in one target need IP addresses, not host names") from None
+    if len(versions) > 1:
+        raise ValueError(f"{addresses}: replicas in one target need all IPv4 or all IPv6 addresses")
+    return f"ipv{versions.pop()}:{','.join(addresses)}"
+
+
+def target_addresses(target: str) -> list[str]:
+    """The HOST:PORT addresses a target names (those of an `ipv4:` / `ipv6:` list, else the target itself)."""
+    scheme, _, rest = target.partition(":")
+    return rest.split(",") if scheme in ("ipv4", "ipv6") else [target]
+
+
+def _is_loopback(target: str) -> bool:
+    hosts = [address.rsplit(":", 1)[0].strip("[]") for address in target_addresses(target)]
+    return all(host in ("localhost", "::1") or host.startswith("127.") for host in hosts)
 
 
 def _credentials(address: str, config: ClientConfig) -> grpc.ChannelCredentials | None:
@@ -43,7 +74,7 @@ def _credentials(address: str, config: ClientConfig) -> grpc.ChannelCredentials 
 
 
 def connect(address: str, config: ClientConfig | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to `address`."""
+    """An asyncio channel to `address` (HOST:PORT, or any gRPC target: `replicas_target`)."""
     config = config or ClientConfig()
     creds = _credentials(address, config)
     if creds is None:
@@ -52,7 +83,7 @@ def connect(address: str, config: ClientConfig | None = None) -> grpc.aio.Channe
 
 
 def connect_sync(address: str, config: ClientConfig | None = None) -> grpc.Channel:
-    """A blocking channel to `address`."""
+    """A blocking channel to `address` (HOST:PORT, or any gRPC target)."""
     config = config or ClientConfig()
     creds = _credentials(address, config)
     if creds is None:

@@ -19,6 +19,6 @@ def split_method(full_method: str) -> tuple[str, str]:
 
 
 def start_metrics_endpoint(port: int, host: str = "127.0.0.1") -> int:
-    """Serve /metrics over HTTP on `port` (0 = any free port); returns the bound port."""
+    """Serve /metrics over HTTP on `host`:`port` (0 = any free port); returns the bound port."""
     server, _thread = start_http_server(port, addr=host)
     return server.server_port

@@ -61,9 +61,11 @@ async def serve(
     `config.grace_s`, and run `on_stop`."""
     setup_logging(name, config.log_level)
     server, port = await create_server(config.address, services, config)
-    metrics_port = start_metrics_endpoint(config.metrics_port) if config.metrics_port is not None else None
-    await server.start()
     host = config.address.rsplit(":", 1)[0]
+    # /metrics on the gRPC server's own host: where a service on a node's address is reached, it is scraped too
+    metrics_port = (start_metrics_endpoint(config.metrics_port, host.strip("[]") or "127.0.0.1")
+                    if config.metrics_port is not None else None)
+    await server.start()
     log.info("%s listening on %s:%d%s", name, host, port,
              f" (metrics on :{metrics_port}/metrics)" if metrics_port is not None else "")
     if config.port_file:

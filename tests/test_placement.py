@@ -115,8 +115,10 @@ def test_relayrl_run_refuses_what_it_cannot_place_on_this_machine(tmp_path, caps
     _load(tmp_path, CLUSTER)
     assert run(str(tmp_path / "experiment.yaml")) == 2
     err = capsys.readouterr().err
-    for named in ("services.buffer.group: 'cpu'", "services.reward.replicas: 2", "services.trainer: 2 x 8 processes"):
+    for named in ("services.buffer.group: 'cpu'", "services.reward.port: 50052 with 2 replicas",
+                  "services.trainer: 2 x 8 processes"):
         assert named in err, err
+    assert "services.reward.replicas" not in err  # its replicas run on this machine (deploy.pipeline.start_reward)
 
 
 def test_a_local_run_takes_rollout_replicas_behind_a_router(tmp_path):
@@ -139,14 +141,36 @@ def test_a_local_run_takes_rollout_replicas_behind_a_router(tmp_path):
     assert trainer_config(single, Addresses("b:1", "r:2", "x:3"))["publish"]["receivers"] == ["x:3"]
 
 
+def test_a_local_run_takes_reward_replicas_on_free_ports(tmp_path):
+    """services.reward.replicas on this machine and on Ray: not refused (issue 16), the plan starts that many; a fixed
+    port cannot be shared by them (the rollout's goes to its router), so it is refused with the field named."""
+    from deploy.experiment_run import pipeline_plan
+    from deploy.placement import local_problems, ray_problems
+
+    local = {"model": {"path": "model"}, "data": {"train": {"path": "train.jsonl"}},
+             "services": {"reward": {"replicas": 3}, "rollout": {"replicas": 2, "port": 50053}}}
+    config = _load(tmp_path, local)
+    assert local_problems(config.services) == [] and ray_problems(config.services) == []
+    plan = pipeline_plan(config, tmp_path / "run", tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert plan.rl.reward_replicas == 3 and "server.address" not in plan.reward
+    fixed = _load(tmp_path, local, ["services.reward.port=50052"]).services
+    problem = "services.reward.port: 50052 with 3 replicas (each replica takes a free port: set port: 0)"
+    assert local_problems(fixed) == ray_problems(fixed) == [problem]
+    one = _load(tmp_path, local, ["services.reward.port=50052", "services.reward.replicas=1"])
+    assert local_problems(one.services) == []  # one reward process listens on its fixed port
+    assert pipeline_plan(one, tmp_path / "run", tmp_path / "model",
+                         tmp_path / "prompts.jsonl").reward["server.address"] == "127.0.0.1:50052"
+
+
 def test_relayrl_run_on_ray_refuses_what_its_launcher_cannot_do_yet(tmp_path, capsys):
     from deploy.experiment_run import main as run
 
     _load(tmp_path, CLUSTER)
     assert run(str(tmp_path / "experiment.yaml"), ray_address="127.0.0.1:1") == 2  # before connecting to anything
     err = capsys.readouterr().err
-    assert "services.reward.replicas: 2" in err, err
+    assert "services.reward.port: 50052 with 2 replicas" in err, err
     assert "services.buffer.group" not in err  # groups are what Ray places
+    assert "services.reward.replicas" not in err  # each reward replica gets an agent on the reward's group
     assert "services.rollout.replicas" not in err  # its replicas run behind a router, each on the rollout's group
     assert "services.trainer" not in err  # its nodes spread over its group's nodes (deploy/ray_launcher.py)
     _load(tmp_path, CLUSTER, ["services.trainer.group=null"])

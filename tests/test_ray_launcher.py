@@ -46,12 +46,14 @@ def replaced(run_dir, router: str) -> bool:
     if "rollout-3" not in registry:
         return False
     routed = {info.address for info in list_replicas(router).replicas if info.state == router_pb2.REPLICA_STATE_ACTIVE}
-    return registry["rollout-3"]["address"] in routed and generated_tokens(registry["rollout-3"]["metrics_port"]) > 0
+    return registry["rollout-3"]["address"] in routed and generated_tokens(registry["rollout-3"]) > 0
 
 
-def generated_tokens(metrics_port: int) -> float:
-    """relayrl_rollout_generated_tokens_total of the rollout replica exporting /metrics on `metrics_port`."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+def generated_tokens(entry: dict) -> float:
+    """relayrl_rollout_generated_tokens_total of the rollout replica a services.json `entry` names (its /metrics is
+    on its node's address, as its gRPC server)."""
+    host = entry["address"].rsplit(":", 1)[0]
+    text = urllib.request.urlopen(f"http://{host}:{entry['metrics_port']}/metrics", timeout=10).read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("relayrl_rollout_generated_tokens_total"))
 
@@ -123,7 +125,7 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
         registry = json.loads((run_dir / "services.json").read_text())
         router = registry["rollout"]["address"]
         listed = list_replicas(router)
-        tokens = {name: generated_tokens(registry[name]["metrics_port"]) for name in ("rollout-1", "rollout-2")}
+        tokens = {name: generated_tokens(registry[name]) for name in ("rollout-1", "rollout-2")}
         placed = json.loads((run_dir / "placement.json").read_text())
         # The replicas' agents are spread over the two inference nodes (Ray's SPREAD); the router's sits on one.
         # The other node, with one replica and no router, is lost: Ray removes it, and its replica's process,

@@ -50,6 +50,27 @@ def test_health_cli_reflection_and_metrics(reward_service):
     assert 'relayrl_rpc_handled_total{code="OK",method="ListFunctions",service="relayrl.reward.v1.Reward"}' in text
 
 
+def test_metrics_are_served_on_the_services_own_address(service_factory):
+    """A service bound to a node's address (as on Ray or a cluster) is scraped there, not only on loopback."""
+    import socket
+    import urllib.request
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 1))  # no packet is sent: it only picks the interface of the default route
+        host = probe.getsockname()[0]
+    except OSError:
+        pytest.skip("this machine has no address besides loopback")
+    finally:
+        probe.close()
+    if host.startswith("127."):
+        pytest.skip("this machine has no address besides loopback")
+    service = service_factory("reward", {"server.address": f"{host}:0", "server.insecure": True,
+                                         "server.metrics_port": 0})
+    text = urllib.request.urlopen(f"http://{host}:{service.metrics_port}/metrics", timeout=10).read().decode()
+    assert "relayrl_rpc_started_total" in text or "python_info" in text
+
+
 def test_health_cli_reports_an_unreachable_address(free_port):
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "health", f"127.0.0.1:{free_port}", "--timeout", "1"],
                          check=False, capture_output=True, text=True, timeout=60)

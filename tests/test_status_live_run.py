@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
+from live_run_kit import wait_for
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -17,14 +17,6 @@ from deploy.quickstart import DEFAULT_CONFIG, QuickstartConfig, run_quickstart
 from services.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def wait_for(condition, thread: threading.Thread, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert thread.is_alive(), f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
