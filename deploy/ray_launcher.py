@@ -263,6 +263,16 @@ class RayLauncher:
             if self.placement_path is not None:
                 self._write_placement()
 
+    def release(self, label: str) -> None:
+        """`label`'s process was stopped for good (a replica scaled away): its agent ends and leaves the placement."""
+        with self._lock:
+            agent = self.agents.pop(label, None)
+            self.nodes.pop(label, None)
+            if self.placement_path is not None:
+                self._write_placement()
+        if agent is not None:
+            ray.kill(agent)
+
     def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
                 env: dict[str, str] | None = None, label: str | None = None) -> RayService:
         """Start `name` on its agent's node; the placement is recorded beside the run's services.json. A `label`

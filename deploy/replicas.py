@@ -129,6 +129,7 @@ class RolloutReplicas:
                 reply = control.RemoveReplica(router_pb2.RemoveReplicaRequest(
                     address=process.address, drain_timeout_s=self.drain_timeout_s), timeout=self.drain_timeout_s + 10)
                 self.supervisor.stop_member(name)
+                self.launcher.release(name)
                 service_registry.forget(self.registry, name)
                 del self.replicas[name]
                 removed[name] = {"drained": reply.drained, "in_flight": reply.in_flight, "sessions": reply.sessions}

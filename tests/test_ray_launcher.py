@@ -49,6 +49,15 @@ def replaced(run_dir, router: str) -> bool:
     return registry["rollout-3"]["address"] in routed and generated_tokens(registry["rollout-3"]) > 0
 
 
+def back(run_dir, router: str, name: str, old_pid: int) -> bool:
+    """Whether replica `name`, killed as `old_pid`, runs again and the router routes to it."""
+    entry = json.loads((run_dir / "services.json").read_text()).get(name)
+    if entry is None or entry["pid"] == old_pid:
+        return False
+    infos = {info.address: info for info in list_replicas(router).replicas}
+    return entry["address"] in infos and infos[entry["address"]].state == router_pb2.REPLICA_STATE_ACTIVE
+
+
 def generated_tokens(entry: dict) -> float:
     """relayrl_rollout_generated_tokens_total of the rollout replica a services.json `entry` names (its /metrics is
     on its node's address, as its gRPC server)."""
@@ -158,6 +167,17 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
         # started again by its agent on the same node and address.
         before = registry[survivor]
         os.kill(before["pid"], signal.SIGKILL)
+        # Once it serves again, scaling down to one replica drains the newest (rollout-3), stops it, and ends its
+        # agent (`relayrl deploy scale` on a Ray run).
+        deadline = time.monotonic() + 300
+        while not back(run_dir, router, survivor, before["pid"]):
+            assert job.poll() is None and time.monotonic() < deadline, out.read_text()[-5000:]
+            time.sleep(1)
+        down = subprocess.run([sys.executable, "-m", "deploy.cli", "deploy", "scale", "rollout", "1", "--run",
+                               str(run_dir)], check=False, capture_output=True, text=True, timeout=300)
+        agents_after_down = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                             if actor["name"].endswith("-rollout-3")]
+        placed_after_down = json.loads((run_dir / "placement.json").read_text())
         job.wait(900)
     finally:
         if job.poll() is None:
@@ -177,6 +197,8 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     assert placed_after_loss["rollout-3"]["node_id"] == placed["rollout"]["node_id"] and lost not in placed_after_loss
     after = json.loads((run_dir / "services.json").read_text())[survivor]
     assert after["address"] == before["address"] and after["pid"] != before["pid"]
+    assert down.returncode == 0 and "removed rollout-3: drained" in down.stdout, down.stdout + down.stderr
+    assert "rollout-3" not in placed_after_down and agents_after_down == [], agents_after_down
     # The summary's restarts: the SIGKILLed replica and the trainer job, once each; not the driver (the router hid
     # both replicas' deaths from it), nor the lost replica (replaced, not restarted).
     assert json.loads((run_dir / "summary.json").read_text())["restarts"] == {survivor: 1, "trainer": 1}
