@@ -97,8 +97,13 @@ class RolloutReplicas:
         for _ in range(replicas):
             self._start_replica()
         server = {k: v for k, v in self.overrides.items() if k == "server" or k.startswith("server.")}
+        # The router keeps its replica set (scaled, replaced) in the run folder across its own restarts; this run's
+        # replicas are new ones, so an earlier process's set (a resumed run) is gone first.
+        kept = self.run_dir / SCALE_DIR / "router_replicas.json"
+        kept.unlink(missing_ok=True)
+        kept.parent.mkdir(parents=True, exist_ok=True)
         router = {**server, "model": self.overrides["model"], "router.poll_s": 0.5,
-                  "router.replicas": [p.address for p in self.replicas.values()]}
+                  "router.replicas": [p.address for p in self.replicas.values()], "router.replicas_file": str(kept)}
         if self.router_address:
             router["server.address"] = self.router_address
         self.router = self.supervisor.add_service(self.launcher.service("rollout", router, self.logs, self.registry))

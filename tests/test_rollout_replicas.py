@@ -175,6 +175,24 @@ def test_sessions_stick_to_their_replica_across_a_router_restart(service_factory
     assert error.code() == grpc.StatusCode.UNAVAILABLE and holder.address in error.details()
 
 
+def test_a_restarted_router_keeps_the_replicas_it_was_given_since_it_started(service_factory, sharp_model_dir,
+                                                                             tmp_path):
+    """Scaled (or replaced) replicas outlive a restart of the router: its replica set is kept in replicas_file, so the
+    restarted process routes to what it had, not to the list it was started with."""
+    model = {"model": str(sharp_model_dir), **ENGINE, "server.metrics_port": 0}
+    a, b = service_factory("rollout", model), service_factory("rollout", model)
+    router = service_factory("rollout", {"model": str(sharp_model_dir), "router.replicas": [a.address],
+                                         "router.poll_s": 0.2, "router.replicas_file": str(tmp_path / "set.json")})
+    with grpc.insecure_channel(router.address) as channel:
+        control = router_pb2_grpc.ReplicasStub(channel)
+        control.AddReplica(router_pb2.AddReplicaRequest(address=b.address, wait_s=30), timeout=60)
+        control.RemoveReplica(router_pb2.RemoveReplicaRequest(address=a.address, drain_timeout_s=10), timeout=30)
+    router.restart(timeout=120)  # started again with router.replicas: [a], as the supervisor would
+    assert list(replicas(router.address)) == [b.address]
+    served = asyncio.run(generate(router.address, [request_of(i, 4) for i in range(3)]))
+    assert all(len(tokens(r)) == 4 for r in served) and generated_tokens(b) > 0 and generated_tokens(a) == 0
+
+
 def test_a_replica_added_mid_run_gets_the_trainers_weights_before_traffic_and_a_removed_one_drains(
         service_factory, sharp_model_dir):
     import torch
