@@ -41,7 +41,7 @@ test: $(STAMP) $(NODE_STAMP)
 test-slow: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m "slow and not families and not vllm" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-# `relayrl run --ray` on a three-node ray.cluster_utils.Cluster on this machine (tests/test_ray_launcher.py, a few
+# `relayrl run --ray` on a five-node ray.cluster_utils.Cluster on this machine (tests/test_ray_launcher.py, a few
 # minutes): it needs the `ray` extra, installed here (make test-slow skips it without Ray).
 test-ray: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,ray]'

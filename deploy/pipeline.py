@@ -257,6 +257,9 @@ class LocalLauncher:
 
         return Process(name, args, log_path, exit_zero_is_done, heartbeat)
 
+    def release(self, label: str) -> None:
+        """Nothing holds a stopped process here (a Ray run's agent ends: deploy/ray_launcher.py)."""
+
     def trainer_settings(self) -> dict:
         """TrainerConfig fields that depend on where the trainer runs (none here: loopback)."""
         return {}

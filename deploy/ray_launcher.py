@@ -17,18 +17,29 @@
     -> this machine's supervisor (deploy/supervisor.py) watches each through its agent: health checks, heartbeats,
        restarts on the same node and address, the same bounds as a local run; a trainer across nodes is one member
        (deploy/node_job.py): one node's failure restarts the whole torchrun job from its checkpoint
+    -> a node lost (its agent's actor died with it, or the agent answers nothing for AGENT_TIMEOUT_S): a call on the
+       agent raises deploy.supervisor.MemberLost, and the process leaves placement.json. A rollout replica is
+       replaced (deploy/replicas.py): a new one, with a new agent on a node of the group that is left (replica agents
+       are SPREAD over the group's nodes, so one node takes as few as it can), joins the router and takes traffic
+       once it serves the current weights; the lost one leaves the router and services.json; the driver's requests
+       on it re-run on the others. Any other process (buffer, reward, the router, a trainer node, the driver) fails
+       the run at once with RunFailed naming it and the node: the others hold its address, and its state (the
+       buffer's log, the trainer's ranks) went with it or is in the shared run folder: `relayrl run --resume RUN_DIR
+       --ray ADDRESS` goes on from there
 
 Every node needs relayrl installed in the same Python environment, and the run folder and the model on a filesystem
 every node sees at the same path (logs, heartbeats, checkpoints and metrics are read there), as Kubernetes' project
 claim; so do the experiment's TLS files and the run's owner-only token files (deploy/run_security.py: each service's
-certificate must name the IPs of the nodes it may run on). Not yet: a trainer across nodes without a group, and an
-agent's node lost (its process is restarted only while its agent lives).
+certificate must name the IPs of the nodes it may run on). Not yet: a trainer across nodes without a group, and
+surviving the loss of any node but a rollout replica's (the head's ends the Ray cluster itself).
 """
 
 import json
 import pathlib
 import secrets
+import threading
 import time
+from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -37,10 +48,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deploy.launcher import start_service
 from deploy.node_job import NodeJob
 from deploy.placement import ServicesSection
-from deploy.supervisor import Process
+from deploy.supervisor import MemberLost, Process
 
 GROUP_SHARE = 0.001  # what one agent takes of its group's resource: the resource marks nodes, it does not count
 PLACE_TIMEOUT_S = 120.0
+AGENT_TIMEOUT_S = 60.0  # an agent that answers a call no sooner than this (beyond the call's own time) is lost
 PLACEMENT_FILE = "placement.json"
 
 
@@ -88,56 +100,87 @@ class NodeAgent:
         return self.member.log_tail(lines) if self.member is not None else ""
 
 
+class Agent:
+    """One agent as its member's handle sees it: calls on it, and its node's loss as MemberLost (its actor died with
+    the node, or it answered nothing for AGENT_TIMEOUT_S beyond the call's own time), which the launcher is told."""
+
+    def __init__(self, label: str, actor, node: tuple[str, str], on_lost: Callable[[str], None]):
+        self.label, self.actor, self.on_lost = label, actor, on_lost
+        self.where = f"its Ray node {node[1]} (node id {node[0][:12]})"
+
+    def call(self, method: str, *args, timeout: float = 0.0):
+        """`method(*args)` on the agent, answered within `timeout` + AGENT_TIMEOUT_S."""
+        deadline = time.monotonic() + timeout + AGENT_TIMEOUT_S
+        while True:
+            try:
+                return ray.get(getattr(self.actor, method).remote(*args),
+                               timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.ActorUnavailableError:  # unreachable for now: the node may come back, or die
+                if time.monotonic() >= deadline:
+                    self._lost("its agent stayed unreachable")
+                time.sleep(1.0)
+            except ray.exceptions.ActorDiedError as exc:
+                self._lost(f"its agent died ({str(exc).splitlines()[0]})")
+            except ray.exceptions.GetTimeoutError:
+                self._lost(f"its agent answered no {method} within {timeout + AGENT_TIMEOUT_S:.0f}s")
+
+    def _lost(self, cause: str):
+        self.on_lost(self.label)
+        raise MemberLost(self.label, self.where, cause) from None
+
+
 class RayService:
     """A service started by its agent, as the supervisor sees a deploy.launcher.ServiceProcess."""
 
-    def __init__(self, name: str, agent, address: str, pid: int, metrics_port: int | None, log_path: pathlib.Path,
-                 client=None):
+    def __init__(self, name: str, agent: Agent, address: str, pid: int, metrics_port: int | None,
+                 log_path: pathlib.Path, client=None):
         self.name, self.agent, self.address, self.pid = name, agent, address, pid
         self.metrics_port, self.log_path, self.client = metrics_port, log_path, client
 
     def restart(self, timeout: float = 120.0) -> None:
-        self.pid, self.metrics_port = ray.get(self.agent.restart.remote(timeout))
+        self.pid, self.metrics_port = self.agent.call("restart", timeout, timeout=timeout)
 
     def exit_code(self) -> int | None:
-        return ray.get(self.agent.exit_code.remote())
+        return self.agent.call("exit_code")
 
     def alive(self) -> bool:
         return self.exit_code() is None
 
     def kill(self) -> None:
-        ray.get(self.agent.kill.remote())
+        self.agent.call("kill", timeout=30.0)
 
     def stop(self, timeout: float = 15.0) -> None:
-        ray.get(self.agent.stop.remote(timeout))
+        self.agent.call("stop", timeout, timeout=timeout)
 
     def log_tail(self, lines: int = 40) -> str:
-        return ray.get(self.agent.log_tail.remote(lines))
+        """Read on the shared run folder (a lost node need not answer)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
 
 
 class RayProcess(Process):
     """A client process (trainer, driver) started by its agent; heartbeat files are read on the shared run folder."""
 
-    def __init__(self, agent, *args, **kwargs):
+    def __init__(self, agent: Agent, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.agent, self._pid = agent, 0
 
     def start(self, timeout: float) -> None:
         self.started_at = time.time()
-        self._pid = ray.get(self.agent.spawn.remote(self.args, str(self.log_path)), timeout=timeout)
+        self._pid = self.agent.call("spawn", self.args, str(self.log_path), timeout=timeout)
 
     @property
     def pid(self) -> int:
         return self._pid
 
     def exit_code(self) -> int | None:
-        return ray.get(self.agent.exit_code.remote())
+        return self.agent.call("exit_code")
 
     def kill(self) -> None:
-        ray.get(self.agent.kill.remote())
+        self.agent.call("kill", timeout=30.0)
 
     def stop(self, timeout: float = 20.0) -> None:
-        ray.get(self.agent.stop.remote(timeout))
+        self.agent.call("stop", timeout, timeout=timeout)
 
 
 class PlacementError(RuntimeError):
@@ -165,6 +208,8 @@ class RayLauncher:
         self.nodes: dict[str, tuple[str, str]] = {}
         for name in self.agents:
             self._place(name)
+        self.placement_path: pathlib.Path | None = None  # beside services.json, once the first service starts
+        self._lock = threading.Lock()  # supervisor threads place replicas and learn of lost nodes at once
 
     def _spread_trainer(self):
         """A placement group of one bundle of the trainer's group resource per trainer node, each on a distinct node."""
@@ -178,8 +223,12 @@ class RayLauncher:
                                f"(start each with --resources '{{\"{trainer.group}\": 1}}')")
         return spread
 
-    def _new_agent(self, name: str, group: str | None):
+    def _new_agent(self, name: str, group: str | None, spread: bool = False):
+        """An agent on a node of `group`; `spread`: on the group's nodes in turn (Ray's SPREAD), not packed on one,
+        so that one lost node takes as few of a service's replicas as it can."""
         options = {"resources": {group: GROUP_SHARE}} if group else {}
+        if spread:
+            options["scheduling_strategy"] = "SPREAD"
         if self.spread is not None and name in self.trainer_nodes:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.spread,
                                                                               self.trainer_nodes.index(name))
@@ -200,19 +249,47 @@ class RayLauncher:
         return {name: {"group": self.groups[name], "node_id": node_id, "ip": ip}
                 for name, (node_id, ip) in self.nodes.items()}
 
+    def _write_placement(self) -> None:
+        self.placement_path.write_text(json.dumps(self.placement(), indent=2))
+
+    def _agent(self, label: str) -> Agent:
+        return Agent(label, self.agents[label], self.nodes[label], self.lost)
+
+    def lost(self, label: str) -> None:
+        """`label`'s node is gone (its agent with it): it leaves the placement (placement.json) and is not killed
+        at the end."""
+        with self._lock:
+            if self.agents.pop(label, None) is None:
+                return
+            del self.nodes[label]
+            if self.placement_path is not None:
+                self._write_placement()
+
+    def release(self, label: str) -> None:
+        """`label`'s process was stopped for good (a replica scaled away): its agent ends and leaves the placement."""
+        with self._lock:
+            agent = self.agents.pop(label, None)
+            self.nodes.pop(label, None)
+            if self.placement_path is not None:
+                self._write_placement()
+        if agent is not None:
+            ray.kill(agent)
+
     def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
                 env: dict[str, str] | None = None, label: str | None = None, client=None) -> RayService:
         """Start `name` on its agent's node; the placement is recorded beside the run's services.json. A `label`
         not placed yet (a rollout replica, "rollout-2") gets a new agent on `name`'s group."""
         label = label or name
-        if label not in self.agents:
-            self.groups[label] = self.groups[name]
-            self.agents[label] = self._new_agent(label, self.groups[name])
-            self._place(label)
-        registry.with_name(PLACEMENT_FILE).write_text(json.dumps(self.placement(), indent=2))
-        agent = self.agents[label]
-        address, pid, metrics_port = ray.get(agent.serve.remote(name, overrides, str(log_dir), str(registry), env,
-                                                                PLACE_TIMEOUT_S, label, client))
+        with self._lock:
+            if label not in self.agents:
+                self.groups[label] = self.groups[name]
+                self.agents[label] = self._new_agent(label, self.groups[name], spread=True)
+                self._place(label)
+            self.placement_path = registry.with_name(PLACEMENT_FILE)
+            self._write_placement()
+        agent = self._agent(label)
+        address, pid, metrics_port = agent.call("serve", name, overrides, str(log_dir), str(registry), env,
+                                                PLACE_TIMEOUT_S, label, client, timeout=PLACE_TIMEOUT_S)
         return RayService(label, agent, address, pid, metrics_port, log_dir / f"{label}.log", client)
 
     def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
@@ -221,8 +298,8 @@ class RayLauncher:
         one torchrun per trainer node, each logging to logs/<its agent's name>.log."""
         trainer = self.services.trainer
         if name != "trainer" or trainer.world_size == 1:
-            return RayProcess(self.agents[name], name, args, log_path, exit_zero_is_done, heartbeat)
-        nodes = [RayProcess(self.agents[label], label, [*self._torchrun(rank), *args], log_path.with_name(f"{label}.log"))
+            return RayProcess(self._agent(name), name, args, log_path, exit_zero_is_done, heartbeat)
+        nodes = [RayProcess(self._agent(label), label, [*self._torchrun(rank), *args], log_path.with_name(f"{label}.log"))
                  for rank, label in enumerate(self.trainer_nodes)]
         return NodeJob(name, nodes, exit_zero_is_done, heartbeat)
 

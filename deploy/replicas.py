@@ -15,6 +15,9 @@ and the router on a node of the rollout's group of a Ray cluster (deploy/ray_lau
 Up: a new replica process starts, is supervised and recorded, and is added to the router as JOINING; it takes
 traffic once it serves the weight version the others serve (the trainer's next publish reaches it). Down: the
 newest replicas leave the router first (no new traffic; in-flight requests finish), then their processes stop.
+Lost (its node is gone, deploy/ray_launcher.py): a new replica starts in its place, on a node that is left, and
+joins as one scaled up does; then the lost one leaves the router (its requests re-ran on the others) and the run's
+services.json.
 """
 
 import json
@@ -32,6 +35,7 @@ from services.client import connect_sync
 
 log = logging.getLogger("relayrl.replicas")
 SCALE_DIR = "scale"
+LOST_DRAIN_S = 1.0  # a lost replica's drain: what it had in flight is re-run on the others, not waited for
 
 
 def request_path(run_dir: pathlib.Path, service: str) -> pathlib.Path:
@@ -84,6 +88,7 @@ class RolloutReplicas:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handled: str | None = None
+        self._lock = threading.Lock()  # a scale request and a lost replica's replacement change the set one at a time
 
     def start(self, replicas: int) -> ServiceProcess:
         """Start `replicas` replicas (or as many as a resumed run was scaled to) and the router in front of them;
@@ -95,8 +100,13 @@ class RolloutReplicas:
         for _ in range(replicas):
             self._start_replica()
         server = {k: v for k, v in self.overrides.items() if k == "server" or k.startswith("server.")}
+        # The router keeps its replica set (scaled, replaced) in the run folder across its own restarts; this run's
+        # replicas are new ones, so an earlier process's set (a resumed run) is gone first.
+        kept = self.run_dir / SCALE_DIR / "router_replicas.json"
+        kept.unlink(missing_ok=True)
+        kept.parent.mkdir(parents=True, exist_ok=True)
         router = {**server, "model": self.overrides["model"], "router.poll_s": 0.5,
-                  "router.replicas": [p.address for p in self.replicas.values()]}
+                  "router.replicas": [p.address for p in self.replicas.values()], "router.replicas_file": str(kept)}
         if self.client is not None:
             router["router.client"] = self.client.model_dump(exclude_defaults=True)
         if self.router_address:
@@ -115,7 +125,7 @@ class RolloutReplicas:
         if replicas < 1:
             raise ValueError(f"replicas: at least 1, got {replicas}")
         added, removed = [], {}
-        with connect_sync(self.router.address, self.client) as channel:
+        with self._lock, connect_sync(self.router.address, self.client) as channel:
             control = router_pb2_grpc.ReplicasStub(channel)
             while len(self.replicas) < replicas:
                 name, process = self._start_replica()
@@ -130,11 +140,25 @@ class RolloutReplicas:
                 reply = control.RemoveReplica(router_pb2.RemoveReplicaRequest(
                     address=process.address, drain_timeout_s=self.drain_timeout_s), timeout=self.drain_timeout_s + 10)
                 self.supervisor.stop_member(name)
+                self.launcher.release(name)
                 service_registry.forget(self.registry, name)
                 del self.replicas[name]
                 removed[name] = {"drained": reply.drained, "in_flight": reply.in_flight, "sessions": reply.sessions}
                 log.warning("rollout replica %s removed: %s", name, removed[name])
         return {"replicas": list(self.replicas), "added": added, "removed": removed}
+
+    def replace(self, name: str) -> None:
+        """A replica whose node was lost (the supervisor's replacer): another starts in its place, joins the router
+        (routed to once it serves the current weights), and the lost one leaves the router and services.json."""
+        with self._lock, connect_sync(self.router.address, self.client) as channel:
+            lost = self.replicas.pop(name)
+            service_registry.forget(self.registry, name)
+            new, process = self._start_replica()
+            control = router_pb2_grpc.ReplicasStub(channel)
+            control.AddReplica(router_pb2.AddReplicaRequest(address=process.address), timeout=30)
+            control.RemoveReplica(router_pb2.RemoveReplicaRequest(address=lost.address, drain_timeout_s=LOST_DRAIN_S),
+                                  timeout=LOST_DRAIN_S + 30)
+            log.warning("rollout replica %s lost its node; %s at %s took its place", name, new, process.address)
 
     def close(self) -> None:
         self._stop.set()
@@ -145,7 +169,8 @@ class RolloutReplicas:
         self._started += 1
         name = f"rollout-{self._started}"
         process = self.supervisor.add_service(self.launcher.service("rollout", self.overrides, self.logs,
-                                                                    self.registry, label=name, client=self.client))
+                                                                    self.registry, label=name, client=self.client),
+                                              replace=self.replace)
         self.replicas[name] = process
         return name, process
 

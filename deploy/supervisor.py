@@ -8,6 +8,10 @@ thread that beats through long steps and stops only with the whole process) has 
 as long. A member that is down is started again after a backoff, services on their own address; one
 that goes down more than `max_restarts` times within `restart_window_s` fails the run: `check()`
 raises RunFailed naming it, with the tail of its log.
+
+A member whose host is gone (MemberLost: a Ray node lost, deploy/ray_launcher.py) cannot be started again where
+it was. One added with a `replace` callback (a rollout replica behind the router, deploy/replicas.py) is replaced by
+whatever that callback starts elsewhere; any other fails the run at once, naming the member and the host lost.
 """
 
 import logging
@@ -18,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,12 +52,21 @@ class SuperviseConfig(Strict):
 
 
 class RunFailed(RuntimeError):
-    """A member went down more often than its restarts allow: the run cannot recover."""
+    """A member went down more often than its restarts allow, or lost its host: the run cannot recover."""
 
-    def __init__(self, name: str, problem: str, log_path: pathlib.Path, tail: str):
+    def __init__(self, name: str, problem: str, log_path: pathlib.Path, tail: str,
+                 why: str = "its restarts are exhausted"):
         self.name = name
-        super().__init__(f"{name} {problem}, and its restarts are exhausted: the run cannot recover.\n"
+        super().__init__(f"{name} {problem}, and {why}: the run cannot recover.\n"
                          f"last lines of {log_path}:\n{tail}")
+
+
+class MemberLost(RuntimeError):
+    """Raised by a member's methods when the host it runs on is gone (`where`: which): it cannot be restarted there."""
+
+    def __init__(self, name: str, where: str, cause: str):
+        self.name, self.where, self.cause = name, where, cause
+        super().__init__(f"{name} lost {where}: {cause}")
 
 
 class Process:
@@ -156,6 +169,12 @@ class Record:
     retired: bool = False  # stopped on purpose: no longer watched
 
 
+def _tail(member: Process | Service) -> str:
+    """The last lines of a member's log (read where the run folder is shared: a lost host need not answer)."""
+    text = member.log_path.read_text(errors="replace") if member.log_path.exists() else ""
+    return "\n".join(text.splitlines()[-40:])
+
+
 def _healthy(address: str, timeout: float, client=None) -> bool:
     with connect_sync(address, client) as channel:
         try:
@@ -172,13 +191,19 @@ class Supervisor:
         self.config = config or SuperviseConfig()
         self.members: dict[str, Process | Service] = {}
         self.records: dict[str, Record] = {}
+        self.replacers: dict[str, Callable[[str], None]] = {}  # member name -> what replaces it when its host is lost
         self.failure: RunFailed | None = None
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # a restart and stop() never run at once
 
-    def add_service(self, service: ServiceProcess) -> ServiceProcess:
-        """Watch a started service (deploy.launcher.start_service)."""
+    def add_service(self, service: ServiceProcess,
+                    replace: Callable[[str], None] | None = None) -> ServiceProcess:
+        """Watch a started service (deploy.launcher.start_service). `replace(name)`, if given, is called when the
+        service's host is lost (MemberLost) to start another in its place (and add it here); without it a lost
+        host fails the run."""
+        if replace is not None:
+            self.replacers[service.name] = replace
         self._watch(Service(service))
         return service
 
@@ -195,11 +220,16 @@ class Supervisor:
         return member
 
     def _watch(self, member: Process | Service) -> None:
-        self.members[member.name] = member
-        self.records[member.name] = Record()
-        thread = threading.Thread(target=self._run_watch, args=(member,), name=f"watch-{member.name}", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        with self._lock:  # one started while stop() runs (a replacement) is stopped here, not left running
+            if self._stopping.is_set():
+                member.stop()
+                return
+            self.members[member.name] = member
+            self.records[member.name] = Record()
+            thread = threading.Thread(target=self._run_watch, args=(member,), name=f"watch-{member.name}",
+                                      daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     def done(self, name: str) -> bool:
         """Whether `name` ended for good (the trainer reached its step count)."""
@@ -227,11 +257,20 @@ class Supervisor:
         for thread in self._threads:
             thread.join(10)
         for member in reversed(list(self.members.values())):
-            member.stop()
+            try:
+                member.stop()
+            except MemberLost as lost:  # the run already failed on it, or a replacement took its place
+                log.warning("%s", lost)
 
     # ------------------------------------------------------------------ one member's watcher
 
     def _run_watch(self, member: Process | Service) -> None:
+        try:
+            self._watch_until_over(member)
+        except MemberLost as lost:
+            self._lost(member, lost)
+
+    def _watch_until_over(self, member: Process | Service) -> None:
         record = self.records[member.name]
         while not self._stopping.is_set() and not record.retired:
             problem = self._problem(member)
@@ -245,6 +284,31 @@ class Supervisor:
                 return
             if not self._recover(member, record, problem):
                 return
+
+    def _lost(self, member: Process | Service, lost: MemberLost) -> None:
+        """Replace a member whose host is gone, if it has a replacer; else fail the run now (restarting it where it
+        was is impossible, and the others hold its address)."""
+        record = self.records[member.name]
+        problem = f"lost {lost.where}" + (f" (its part {lost.name})" if lost.name != member.name else "")
+        record.deaths.append((time.monotonic(), problem))
+        log.error("%s", lost)
+        replace = self.replacers.get(member.name)
+        with self._lock:
+            if self._stopping.is_set() or record.retired:
+                return
+            record.retired = True
+            if replace is None:
+                self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, _tail(member),
+                                         why="it cannot be started elsewhere (the others hold its address)")
+                log.error("%s", self.failure)
+                return
+            del self.members[member.name]  # not stopped at the end: its host is gone
+        try:  # not under the lock: the replacer adds its member here (_watch takes the lock)
+            replace(member.name)
+        except (RuntimeError, OSError, grpc.RpcError) as exc:  # no node left, a start or a router call failed
+            self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, _tail(member),
+                                     why=f"no replacement could be started ({str(exc).splitlines()[0]})")
+            log.error("%s", self.failure)
 
     def _problem(self, member: Process | Service) -> str | None:
         code = member.exit_code()

@@ -22,7 +22,10 @@ Replicas join and leave while a run goes on (Replicas RPCs, `relayrl deploy scal
 import asyncio
 import contextlib
 import enum
+import json
 import logging
+import os
+import pathlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -47,6 +50,10 @@ class RouterSettings(Strict):
                                 "(`relayrl serve rollout`) routed to from the start; more join by AddReplica.")
     decode: list[str] = Field(default_factory=list, description="host:port of each decode worker (`relayrl serve "
                               "decode`) of a prefill/decode split; routed like replicas.")
+    replicas_file: str | None = Field(None, description="Where the router keeps its replica set across restarts of "
+                                      "its own: written at start and on every AddReplica / RemoveReplica; when it "
+                                      "exists at start, its addresses replace `replicas` (a run's launcher, "
+                                      "deploy/replicas.py, names one in the run folder). None = `replicas` only.")
     client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the workers.")
     poll_s: float = Field(1.0, gt=0, description="How often each worker's load (and life) is read.")
     poll_timeout_s: float = Field(5.0, gt=0, description="A worker that does not answer a load poll within this is "
@@ -107,8 +114,9 @@ class Router:
         self.settings = settings
         self._connect = connect
         self.workers: dict[str, Worker] = {}
-        for address in [*settings.replicas, *settings.decode]:
+        for address in [*self._kept_replicas(), *settings.decode]:
             self._add(address, State.ACTIVE)
+        self._keep_replicas()
         self.affinity: OrderedDict[str, Worker] = OrderedDict()
         self.sessions: OrderedDict[str, Worker] = OrderedDict()  # open session id -> the worker that holds it
         self.changed = asyncio.Event()  # set after every poll and whenever a call to a worker ends
@@ -170,6 +178,7 @@ class Router:
         """Add a replica as JOINING (an address already known is left as it is); with `wait_s`, wait for it to be
         routed to."""
         worker = self.workers.get(address) or self._add(address, State.JOINING)
+        self._keep_replicas()
         await self.poll()  # every worker: the version it is measured against is the one served now
         deadline = time.monotonic() + wait_s
         while worker.state == State.JOINING and time.monotonic() < deadline and address in self.workers:
@@ -188,6 +197,7 @@ class Router:
             await self._changed(deadline - time.monotonic())
         left = (worker.in_flight, self.pinned(worker))
         del self.workers[address]
+        self._keep_replicas()
         for table in (self.affinity, self.sessions):
             for key in [key for key, holder in table.items() if holder is worker]:
                 del table[key]
@@ -200,6 +210,25 @@ class Router:
         self.changed.set()
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _kept_replicas(self) -> list[str]:
+        """The replica set this router had before it restarted (its replicas_file), else the configured one."""
+        path = self.settings.replicas_file
+        if path and pathlib.Path(path).exists():
+            kept = json.loads(pathlib.Path(path).read_text())["replicas"]
+            log.warning("replicas from %s (this router's set before it restarted): %s", path, kept)
+            return kept
+        return list(self.settings.replicas)
+
+    def _keep_replicas(self) -> None:
+        """Write the replica set to replicas_file, whole or not at all."""
+        if not self.settings.replicas_file:
+            return
+        path = pathlib.Path(self.settings.replicas_file)
+        replicas = [address for address in self.workers if address not in self.settings.decode]
+        staging = path.with_name(f".{path.name}.tmp")
+        staging.write_text(json.dumps({"replicas": replicas}))
+        os.replace(staging, path)
 
     def _add(self, address: str, state: State) -> Worker:
         channel = self._connect(address)

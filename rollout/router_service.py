@@ -3,7 +3,8 @@
 
 Generate / GenerateStream / GenerateMany go by load and routing key; a call whose worker dies (UNAVAILABLE) is
 re-run on another: the router gives every request without a seed one of its own, so the re-run samples the same
-tokens (under the same weights), and a stream skips the tokens its client already has.
+tokens (under the same weights), and a stream skips the tokens its client already has. GetWeightVersion,
+GetModelInfo and ComputeLogprobs are re-run on another worker the same way.
 
 Sessions are sticky: OpenSession goes to the least loaded worker and every later call of the session to that
 worker (its KV lives there; a session cannot move). A session id the router makes (the request named none) ends
@@ -79,12 +80,10 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.AbortResponse(found=any(getattr(reply, "found", False) for reply in replies))
 
     async def GetWeightVersion(self, request, context) -> rollout_pb2.GetWeightVersionResponse:
-        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
-        return await worker.rollout.GetWeightVersion(request)
+        return await self._anywhere(lambda stub: stub.GetWeightVersion(request), context, counted=False)
 
     async def GetModelInfo(self, request, context) -> rollout_pb2.GetModelInfoResponse:
-        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
-        return await worker.rollout.GetModelInfo(request)
+        return await self._anywhere(lambda stub: stub.GetModelInfo(request), context, counted=False)
 
     async def GetLoad(self, request, context) -> rollout_pb2.GetLoadResponse:
         """The routed workers' loads summed; the weight version the routed workers serve (their highest)."""
@@ -96,8 +95,7 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
         return total
 
     async def ComputeLogprobs(self, request, context) -> rollout_pb2.ComputeLogprobsResponse:
-        worker = await self._choose(rollout_pb2.GenerateRequest(), set(), context)
-        return await self._once(worker, worker.rollout.ComputeLogprobs(request), context)
+        return await self._anywhere(lambda stub: stub.ComputeLogprobs(request), context, counted=True)
 
     # -- sessions ----------------------------------------------------------------------------------
 
@@ -181,6 +179,24 @@ class RouterServicer(rollout_pb2_grpc.RolloutServicer):
     def _done(self, worker: Worker, sequences: int = 1) -> None:
         worker.give_back(sequences)
         self.router.notify()
+
+    async def _anywhere(self, call, context, counted: bool):
+        """A call any routed worker answers alike (a read, or logprobs under the served weights), re-run on another
+        when its worker is gone, as Generate is: a replica that just died is still routed to until a poll or a
+        failed call drops it, and its error must not reach the caller (an unhandled one would be UNKNOWN, which
+        clients do not retry). `counted`: in the worker's load and in-flight count (work, not a read)."""
+        tried: set[str] = set()
+        while True:
+            worker = await self._choose(rollout_pb2.GenerateRequest(), tried, context)
+            if counted:
+                worker.take(1)
+            try:
+                return await call(worker.rollout)
+            except grpc.aio.AioRpcError as exc:
+                await self._failed(worker, exc, context)
+            finally:
+                if counted:
+                    self._done(worker)
 
     async def _once(self, worker: Worker, call, context):
         """A call that cannot be re-run elsewhere: its worker's answer, or UNAVAILABLE when the worker is gone."""

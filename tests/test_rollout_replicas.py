@@ -1,6 +1,6 @@
 """Several rollout replicas behind the router, real processes on loopback (rollout/router.py, router_service.py):
-requests spread by load and a killed replica's requests re-run elsewhere, sessions sticky across a router restart,
-a replica added mid-run receiving the trainer's weights before traffic, and a removed one draining."""
+requests spread by load and a killed replica's requests (and reads) re-run elsewhere, sessions sticky across a router
+restart, a replica added mid-run receiving the trainer's weights before traffic, and a removed one draining."""
 
 import asyncio
 import time
@@ -97,6 +97,29 @@ def test_requests_spread_over_replicas_and_a_killed_replicas_requests_complete_e
     assert replicas(router.address)[a.address].state == router_pb2.REPLICA_STATE_ACTIVE
 
 
+def test_reads_through_the_router_are_rerun_on_another_replica_when_theirs_just_died(service_factory,
+                                                                                     tiny_model_dir):
+    """The driver polls GetWeightVersion through the router every few ms; the replica the router picks for it may
+    have died since the router's last poll. Before the fix the router let the replica's UNAVAILABLE escape its
+    handler as UNKNOWN, which the driver does not retry: it exited (issue 16)."""
+    model = {"model": str(tiny_model_dir), **ENGINE}
+    a, b = service_factory("rollout", model), service_factory("rollout", model)
+    # No poll of the router notices the death first: the reads below find it.
+    router = service_factory("rollout", {"model": str(tiny_model_dir), "router.replicas": [a.address, b.address],
+                                         "router.poll_s": 600})
+    a.kill()  # of two idle replicas the router picks the first listed
+    logprobs = rollout_pb2.ComputeLogprobsRequest(prompt_ids=encode_array([5, 6, 7], "int32"),
+                                                  response_ids=[encode_array([8, 9], "int32")], temperature=1.0)
+    with grpc.insecure_channel(router.address) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        for _ in range(2):
+            assert stub.GetWeightVersion(rollout_pb2.GetWeightVersionRequest(), timeout=30).version == 0
+            assert stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=30).vocab_size > 0
+            assert len(stub.ComputeLogprobs(logprobs, timeout=30).logprobs) == 1
+    listed = replicas(router.address)
+    assert not listed[a.address].alive and listed[b.address].alive  # dropped by the failed call, not a poll
+
+
 @pytest.mark.slow  # 35-80 s on this shared 2-core machine (5 processes)
 def test_sessions_stick_to_their_replica_across_a_router_restart(service_factory, sharp_model_dir):
     model = {"model": str(sharp_model_dir), **ENGINE}
@@ -150,6 +173,24 @@ def test_sessions_stick_to_their_replica_across_a_router_restart(service_factory
 
     error = asyncio.run(lost())
     assert error.code() == grpc.StatusCode.UNAVAILABLE and holder.address in error.details()
+
+
+def test_a_restarted_router_keeps_the_replicas_it_was_given_since_it_started(service_factory, sharp_model_dir,
+                                                                             tmp_path):
+    """Scaled (or replaced) replicas outlive a restart of the router: its replica set is kept in replicas_file, so the
+    restarted process routes to what it had, not to the list it was started with."""
+    model = {"model": str(sharp_model_dir), **ENGINE, "server.metrics_port": 0}
+    a, b = service_factory("rollout", model), service_factory("rollout", model)
+    router = service_factory("rollout", {"model": str(sharp_model_dir), "router.replicas": [a.address],
+                                         "router.poll_s": 0.2, "router.replicas_file": str(tmp_path / "set.json")})
+    with grpc.insecure_channel(router.address) as channel:
+        control = router_pb2_grpc.ReplicasStub(channel)
+        control.AddReplica(router_pb2.AddReplicaRequest(address=b.address, wait_s=30), timeout=60)
+        control.RemoveReplica(router_pb2.RemoveReplicaRequest(address=a.address, drain_timeout_s=10), timeout=30)
+    router.restart(timeout=120)  # started again with router.replicas: [a], as the supervisor would
+    assert list(replicas(router.address)) == [b.address]
+    served = asyncio.run(generate(router.address, [request_of(i, 4) for i in range(3)]))
+    assert all(len(tokens(r)) == 4 for r in served) and generated_tokens(b) > 0 and generated_tokens(a) == 0
 
 
 def test_a_replica_added_mid_run_gets_the_trainers_weights_before_traffic_and_a_removed_one_drains(
