@@ -2,11 +2,11 @@
 router: removing a replica drains it (the driver loses no request), a replica added mid-run serves the trainer's
 current weights when it takes traffic, and the run goes on to its end (deploy/replicas.py, deploy/scale.py).
 
-The run is rollout-bound on purpose (an untrained model writes all of its 48 tokens, while a training step over
-them stays cheap), as runs that add inference capacity are: the trainer waits for data, so a second replica has a
-core to use. The test goes 2 -> 1 -> 2 replicas and prints the driver's completions/s over the WINDOW_S seconds
-with one replica and over the WINDOW_S seconds after the second took traffic (the figure the issue note quotes).
-Not asserted: on 2 shared cores the gain is real but bounded and noisy."""
+The run is rollout-bound on purpose, as runs that add inference capacity are: each replica takes at most 8
+sequences at once (engine.max_num_seqs, as a GPU replica is bounded by its KV memory) and an untrained model writes
+all of its 48 tokens, so the trainer waits for data and a second replica has capacity and a core to use. The test
+goes 2 -> 1 -> 2 replicas and prints the driver's completions/s over the WINDOW_S seconds with one replica and over
+the WINDOW_S seconds after the second took traffic (the figure the issue note quotes). Not asserted: on 2 shared cores the gain is real but bounded and noisy."""
 
 import io
 import json
@@ -57,7 +57,7 @@ def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
     run_dir = tmp_path / "run"
     config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
         f"run_dir={run_dir}", "sft.steps=0", "task.num_eval=16", "rl.time_budget_s=200", "rl.eval_interval_s=30",
-        "rl.rollout_replicas=2", "rl.max_tokens=48"])
+        "rl.rollout_replicas=2", "rl.max_tokens=48", 'rollout={"engine.max_num_seqs": 8, "engine.max_n": 8}'])
     out, ended = io.StringIO(), {}
     thread = threading.Thread(target=lambda: ended.update(summary=run_quickstart(config, Console(file=out, width=200))))
     thread.start()
