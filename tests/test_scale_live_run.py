@@ -6,7 +6,8 @@ The run is rollout-bound on purpose, as runs that add inference capacity are: ea
 sequences at once (engine.max_num_seqs, as a GPU replica is bounded by its KV memory) and an untrained model writes
 all of its 48 tokens, so the trainer waits for data and a second replica has capacity and a core to use. The test
 goes 2 -> 1 -> 2 replicas and prints the driver's completions/s over the WINDOW_S seconds with one replica and over
-the WINDOW_S seconds after the second took traffic (the figure the issue note quotes). Not asserted: on 2 shared cores the gain is real but bounded and noisy."""
+the WINDOW_S seconds after the second took traffic (the figure the issue note quotes). Not asserted: on 2 shared
+cores the gain is real but noisy, and other jobs on the machine change it."""
 
 import io
 import json
