@@ -90,9 +90,13 @@ class ServiceProcess:
         self.proc, self.port_file, self.metrics_port = fresh.proc, fresh.port_file, fresh.metrics_port
 
     def log_tail(self, lines: int = 40) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return tail_of(self.log_path, lines)
+
+
+def tail_of(log_path: pathlib.Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log file ("" before it exists)."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _format_value(value: object) -> str:

@@ -45,7 +45,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.launcher import start_service
+from deploy.launcher import start_service, tail_of
 from deploy.node_job import NodeJob
 from deploy.placement import ServicesSection
 from deploy.supervisor import MemberLost, Process
@@ -95,9 +95,6 @@ class NodeAgent:
     def stop(self, timeout: float) -> None:
         """SIGTERM, then SIGKILL after `timeout` seconds."""
         self.member.stop(timeout)
-
-    def log_tail(self, lines: int) -> str:
-        return self.member.log_tail(lines) if self.member is not None else ""
 
 
 class Agent:
@@ -154,8 +151,7 @@ class RayService:
 
     def log_tail(self, lines: int = 40) -> str:
         """Read on the shared run folder (a lost node need not answer)."""
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return tail_of(self.log_path, lines)
 
 
 class RayProcess(Process):

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import yaml
 
 from deploy.placement import SERVERS, ServicePlacement, ServicesSection
+from services.client import bearer_token
 from services.config import AuthConfig, ClientConfig, TLSConfig
 
 SECRETS_DIR = "secrets"
@@ -51,13 +52,6 @@ def client_files(client: ClientConfig, at: Callable[[str, str], str]) -> dict:
     if client.server_name:
         out["server_name"] = client.server_name
     return out
-
-
-def client_token(client: ClientConfig) -> str | None:
-    """The token a service's clients present: client.token, else the content of client.token_file."""
-    if client.token:
-        return client.token
-    return pathlib.Path(client.token_file).read_text().strip() if client.token_file else None
 
 
 def tokens_of(auth: AuthConfig) -> dict[str, str]:
@@ -92,7 +86,7 @@ def write_secrets(services: ServicesSection, run_dir: pathlib.Path) -> None:
         placement: ServicePlacement = getattr(services, name)
         if placement.auth is not None:
             write_private(secrets / f"{name}-tokens.yaml", yaml.safe_dump(tokens_of(placement.auth)))
-        token = client_token(placement.client)
+        token = bearer_token(placement.client)
         if token:
             write_private(secrets / f"{name}.token", token)
     (run_dir / CLIENTS_FILE).write_text(json.dumps(clients, indent=2))

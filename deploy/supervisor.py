@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 
-from deploy.launcher import LaunchError, ServiceProcess
+from deploy.launcher import LaunchError, ServiceProcess, tail_of
 from services.client import connect_sync
 from services.config import Strict
 
@@ -116,8 +116,7 @@ class Process:
                 self.kill()
 
     def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return tail_of(self.log_path, lines)
 
 
 class Service:
@@ -167,12 +166,6 @@ class Record:
     restarts: int = 0
     done: bool = False
     retired: bool = False  # stopped on purpose: no longer watched
-
-
-def _tail(member: Process | Service) -> str:
-    """The last lines of a member's log (read where the run folder is shared: a lost host need not answer)."""
-    text = member.log_path.read_text(errors="replace") if member.log_path.exists() else ""
-    return "\n".join(text.splitlines()[-40:])
 
 
 def _healthy(address: str, timeout: float, client=None) -> bool:
@@ -298,7 +291,7 @@ class Supervisor:
                 return
             record.retired = True
             if replace is None:
-                self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, _tail(member),
+                self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, tail_of(member.log_path),
                                          why="it cannot be started elsewhere (the others hold its address)")
                 log.error("%s", self.failure)
                 return
@@ -306,7 +299,7 @@ class Supervisor:
         try:  # not under the lock: the replacer adds its member here (_watch takes the lock)
             replace(member.name)
         except (RuntimeError, OSError, grpc.RpcError) as exc:  # no node left, a start or a router call failed
-            self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, _tail(member),
+            self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, tail_of(member.log_path),
                                      why=f"no replacement could be started ({str(exc).splitlines()[0]})")
             log.error("%s", self.failure)
 

@@ -217,6 +217,40 @@ class SessionTable:
         session.num_cached_tokens = 0
 
 
+def open_checked(sessions: SessionTable, info, session_id: str, prompt_ids: Seq[int]) -> int:
+    """Open a session on a checked initial context (`info`: the engine's ModelInfo); returns its length. Every
+    engine's open_session. Raises InvalidRequest, DuplicateRequest, QueueFull (too many sessions), ContextFull."""
+    prompt = [int(t) for t in prompt_ids]
+    validate_prompt(prompt, info.vocab_size)
+    return len(sessions.open(session_id, prompt).token_ids)
+
+
+def append_checked(sessions: SessionTable, info, session_id: str, token_ids: Seq[int], weight_version: int,
+                   turn_reward: float | None) -> int:
+    """Append checked observation tokens (loss mask 0); returns the context length. Every engine's
+    append_to_session. Raises SessionNotFound, SessionBusy, InvalidRequest, ContextFull."""
+    tokens = [int(t) for t in token_ids]
+    if tokens:
+        validate_prompt(tokens, info.vocab_size, "token_ids")
+    elif turn_reward is None:
+        raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
+    return len(sessions.append(session_id, tokens, weight_version, turn_reward).token_ids)
+
+
+def turn_params(session: Session, params: SamplingParams, info) -> SamplingParams:
+    """The params of `session`'s next policy turn: one completion, max_tokens cut to the context left. Raises
+    InvalidRequest, ContextFull."""
+    if params.n != 1:
+        raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
+    context, limit = len(session.token_ids), info.max_model_len
+    if limit - context <= 0:
+        raise ContextFull(f"the session's context ({context} tokens) is at the context length {limit}; "
+                          "nothing more can be generated")
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, limit - context))
+    params.validate(prompt_len=context, vocab_size=info.vocab_size, max_model_len=limit, max_n=1)
+    return params
+
+
 _EXPIRY_CHECK_S = 1.0  # how often a step engine looks for idle sessions
 
 
@@ -232,34 +266,18 @@ class SessionSteps:
     def open_session(self, session_id: str, prompt_ids: Seq[int]) -> int:
         """Open a session on its initial context; returns its length. Raises InvalidRequest, DuplicateRequest,
         QueueFull (too many sessions), ContextFull."""
-        prompt = [int(t) for t in prompt_ids]
-        validate_prompt(prompt, self.info.vocab_size)
-        return len(self.sessions.open(session_id, prompt).token_ids)
+        return open_checked(self.sessions, self.info, session_id, prompt_ids)
 
     def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None) -> int:
         """Append observation tokens (loss mask 0); returns the context length. Raises SessionNotFound,
         SessionBusy, InvalidRequest, ContextFull."""
-        tokens = [int(t) for t in token_ids]
-        if tokens:
-            validate_prompt(tokens, self.info.vocab_size, "token_ids")
-        elif turn_reward is None:
-            raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
-        return len(self.sessions.append(session_id, tokens, self.weight_version, turn_reward).token_ids)
+        return append_checked(self.sessions, self.info, session_id, token_ids, self.weight_version, turn_reward)
 
     def _turn(self, session_id: str, params: SamplingParams) -> tuple[Session, SamplingParams]:
-        """The idle session whose next policy turn `params` asks for, and the params of that turn: one
-        completion, max_tokens cut to the context left. Raises SessionNotFound, SessionBusy, InvalidRequest,
-        ContextFull."""
+        """The idle session whose next policy turn `params` asks for, and the params of that turn (turn_params).
+        Raises SessionNotFound, SessionBusy, InvalidRequest, ContextFull."""
         session = self.sessions.idle(session_id)
-        if params.n != 1:
-            raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
-        context, limit = len(session.token_ids), self.info.max_model_len
-        if limit - context <= 0:
-            raise ContextFull(f"the session's context ({context} tokens) is at the context length {limit}; "
-                              "nothing more can be generated")
-        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, limit - context))
-        params.validate(prompt_len=context, vocab_size=self.info.vocab_size, max_model_len=limit, max_n=1)
-        return session, params
+        return session, turn_params(session, params, self.info)
 
     def session_turn(self, session_id: str) -> str | None:
         """The request id of the session's running turn, if any."""

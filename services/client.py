@@ -59,12 +59,19 @@ def _is_loopback(target: str) -> bool:
     return all(host in ("localhost", "::1") or host.startswith("127.") for host in hosts)
 
 
+def bearer_token(config: ClientConfig) -> str | None:
+    """The token a client presents: config.token, else the content of config.token_file; None for neither."""
+    if config.token:
+        return config.token
+    return pathlib.Path(config.token_file).read_text().strip() if config.token_file else None
+
+
 def _credentials(address: str, config: ClientConfig) -> grpc.ChannelCredentials | None:
     channel_creds = None
     if config.ca_cert:
         read = lambda p: pathlib.Path(p).read_bytes() if p else None
         channel_creds = grpc.ssl_channel_credentials(read(config.ca_cert), read(config.key), read(config.cert))
-    token = config.token or (pathlib.Path(config.token_file).read_text().strip() if config.token_file else None)
+    token = bearer_token(config)
     if token:
         call_creds = grpc.access_token_call_credentials(token)
         if channel_creds is None:

@@ -30,7 +30,6 @@ marked gpu (not run yet: no GPU where this was written).
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import json
 import random
@@ -44,11 +43,18 @@ import torch
 from rollout.config import read_eos_token_ids
 from rollout.engines.base import Layout, ModelInfo, checkpoint_layout
 from rollout.engines.settings import SglangSettings
-from rollout.errors import ContextFull, DuplicateRequest, EngineDead, InvalidRequest
+from rollout.errors import DuplicateRequest, EngineDead, InvalidRequest
 from rollout.outputs import Completion
 from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.sequence import FinishReason
-from rollout.sessions import SessionRecord, SessionState, SessionTable
+from rollout.sessions import (
+    SessionRecord,
+    SessionState,
+    SessionTable,
+    append_checked,
+    open_checked,
+    turn_params,
+)
 from services.weights import GroupSpec, Manifest
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -290,29 +296,17 @@ class SglangEngine:
     # ---- sessions
 
     async def open_session(self, session_id: str, prompt_ids: Sequence[int]) -> int:
-        prompt = [int(t) for t in prompt_ids]
-        validate_prompt(prompt, self.info.vocab_size)
         self.sessions.expire()
-        return len(self.sessions.open(session_id, prompt).token_ids)
+        return open_checked(self.sessions, self.info, session_id, prompt_ids)
 
     async def append_to_session(self, session_id: str, token_ids: Sequence[int],
                                 turn_reward: float | None = None) -> int:
-        tokens = [int(t) for t in token_ids]
-        if tokens:
-            validate_prompt(tokens, self.info.vocab_size, "token_ids")
-        elif turn_reward is None:
-            raise InvalidRequest("token_ids", "nothing to append: give tokens, text, messages or a turn_reward")
-        return len(self.sessions.append(session_id, tokens, self.weight_version, turn_reward).token_ids)
+        return append_checked(self.sessions, self.info, session_id, token_ids, self.weight_version, turn_reward)
 
     async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
                                   ) -> AsyncIterator[Completion]:
         session = self.sessions.idle(session_id)
-        if params.n != 1:
-            raise InvalidRequest("params.n", f"a session turn generates one completion, got n={params.n}")
-        room = self.info.max_model_len - len(session.token_ids)
-        if room <= 0:
-            raise ContextFull(f"the session's context ({len(session.token_ids)} tokens) is at the context length")
-        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        params = turn_params(session, params, self.info)
         turn = _Turn(f"session/{session_id}/{uuid.uuid4().hex[:8]}", session.token_ids)
         self.sessions.start_turn(session, turn, logprobs_temperature("tempered", params.temperature))
         done = Completion(0)
