@@ -87,8 +87,10 @@ bench: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
+# ruff, then the import rules of pyproject.toml (import-linter: floors, no circles; docs/architecture.md).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache $(NODE_ENV)/node_modules

@@ -9,7 +9,7 @@ kept in --model-dir and reused by later runs (building it takes ~40 s here). Pro
 
 - resident B/tok: bytes per token of a cache block as stored (EngineConfig.kv_bytes_per_block / block_size, block 16);
   the float pool of open blocks (one per running sequence) is not in it, it is in "seqs in budget".
-- wire B/tok: the codec of rollout/kv_compression.py (key groups of 64 tokens) on the KV of 256 tokens.
+- wire B/tok: the codec of rollout/kv/codecs.py (key groups of 64 tokens) on the KV of 256 tokens.
 - seqs in budget: the most sequences of max_model_len=512 tokens whose blocks, and their open float blocks, fit
   64 MiB (checked against EngineConfig's own num_blocks); with eviction a sequence holds at most its budget (128
   tokens) plus the block that triggers its compaction.
@@ -41,10 +41,10 @@ from deploy.quickstart import QuickstartConfig, sft_warmup
 from deploy.tasks import arithmetic_tasks, split_tasks
 from reward.match import extract_answer, normalize
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.kv_compression import make_codec
-from rollout.sampling_params import SamplingParams
-from rollout.tiny import write_tiny_model
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.kv.codecs import make_codec
+from rollout.model.tiny import write_tiny_model
 
 BUDGET_BYTES = 64 << 20
 MAX_MODEL_LEN = 512
@@ -56,7 +56,7 @@ QUALITY_BLOCK_SIZE = 4
 class Method:
     name: str
     overrides: dict = field(default_factory=dict)  # EngineConfig fields
-    wire_codec: str = "none"  # the codec of the same compression on the wire (rollout/kv_compression.py)
+    wire_codec: str = "none"  # the codec of the same compression on the wire (rollout/kv/codecs.py)
     quality: dict = field(default_factory=dict)  # overrides of `overrides` for the quality columns only
 
 

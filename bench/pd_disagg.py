@@ -41,7 +41,7 @@ MAX_TOKENS = 32
 def sharp_model(folder: pathlib.Path) -> pathlib.Path:
     from safetensors.torch import load_file, save_file
 
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     model = write_tiny_model(folder / "qwen2", seed=0)
     weights = load_file(model / "model.safetensors")

@@ -1,7 +1,7 @@
 """The prefill worker's batching: concurrent prefills for KV transfer as one batch vs one at a time.
 
 A prefill worker's concurrent Prefill calls that wait together run as one prefill batch (up to
-max_num_batched_tokens of prompt; rollout/async_engine.py, kv_handoff.prefill_many_for_transfer). Baseline: the
+max_num_batched_tokens of prompt; rollout/engine/async_engine.py, kv_handoff.prefill_many_for_transfer). Baseline: the
 same requests prefilled one at a time (prefill_for_transfer, as the worker ran them before), in the same run on
 the same engine settings. Both export every prompt's KV, as a transfer needs. Model: the tiny Qwen2 (hidden 128,
 2 layers) and a wider one (hidden 512, 4 layers), float32, one torch thread (the rollout service's default here).
@@ -30,7 +30,7 @@ def timed(fn, *args) -> float:
 
 
 def one_at_a_time(engine, requests) -> None:
-    from rollout.kv_handoff import prefill_for_transfer
+    from rollout.engine.kv_handoff import prefill_for_transfer
 
     for request_id, prompt, params in requests:
         prefill_for_transfer(engine, request_id, prompt, params)
@@ -38,7 +38,7 @@ def one_at_a_time(engine, requests) -> None:
 
 def batched(engine, requests) -> None:
     """As the prefill worker batches them: up to max_num_batched_tokens of prompt per batch."""
-    from rollout.kv_handoff import budget_batches, prefill_many_for_transfer
+    from rollout.engine.kv_handoff import budget_batches, prefill_many_for_transfer
 
     for batch in budget_batches(requests, engine.config.max_num_batched_tokens):
         prefill_many_for_transfer(engine, batch)
@@ -48,9 +48,9 @@ def main() -> None:
     import torch
 
     from rollout.config import EngineConfig
-    from rollout.engine import LLMEngine
-    from rollout.sampling_params import SamplingParams
-    from rollout.tiny import write_tiny_model
+    from rollout.engine.llm_engine import LLMEngine
+    from rollout.engine.sampling_params import SamplingParams
+    from rollout.model.tiny import write_tiny_model
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=64)

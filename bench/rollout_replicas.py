@@ -73,7 +73,7 @@ def main() -> None:
     rounds, groups = (2, 16) if args.quick else (args.rounds, args.groups)
 
     from deploy.launcher import start_service
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     folder = pathlib.Path(tempfile.mkdtemp(prefix="relayrl-bench-replicas-"))
     model = str(write_tiny_model(folder / "qwen2", seed=0))

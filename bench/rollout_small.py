@@ -34,9 +34,9 @@ import torch
 from protos import rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, encode_array
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
-from rollout.tiny import char_tokenizer, write_tiny_model
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.model.tiny import char_tokenizer, write_tiny_model
 from services.client import connect
 
 N, MAX_TOKENS, PROMPTS_PER_BATCH = 8, 4, 8

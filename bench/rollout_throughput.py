@@ -29,7 +29,7 @@ ceiling = ratio / matmul share. A target above that line needs fewer or faster m
 dtype, another machine) more than less overhead around them.
 
 Attention, before and after: the engine reads each length class of a step's sequences apart
-(rollout/attention.py); `attention_length_classes=False` is the path before, one call padded to the longest
+(rollout/model/attention.py); `attention_length_classes=False` is the path before, one call padded to the longest
 context of the step. Both run the same requests on the same model (max_model_len 2048) in three shapes: the RL
 batch above (64 prompts of 16-48 tokens), agentic-like contexts (64 prompts of 20-260 tokens) and the long tail
 (one prompt of `--long-tail` tokens among 63 of 20). Reported: tokens/s (CPU time) and the largest attention
@@ -49,9 +49,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
-from rollout.tiny import write_tiny_model
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.model.tiny import write_tiny_model
 
 EOS = 2
 

@@ -52,7 +52,7 @@ def layers_for(total_mb: int) -> int:
 
 
 def write_model(folder: pathlib.Path, total_mb: int) -> pathlib.Path:
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     return write_tiny_model(folder, arch="qwen2", hidden_size=HIDDEN, num_layers=layers_for(total_mb),
                             num_heads=HIDDEN // HEAD_DIM, num_kv_heads=HIDDEN // HEAD_DIM, head_dim=HEAD_DIM,
@@ -65,10 +65,10 @@ def run_receiver(args) -> None:
     import torch
 
     from protos import weights_pb2_grpc
-    from rollout.async_engine import AsyncEngine
     from rollout.config import EngineConfig
-    from rollout.engine import LLMEngine
-    from rollout.weight_receiver import WeightReceiver
+    from rollout.engine.async_engine import AsyncEngine
+    from rollout.engine.llm_engine import LLMEngine
+    from rollout.serve.weight_receiver import WeightReceiver
     from services.config import ServerConfig
     from services.runtime import serve
 

@@ -166,7 +166,7 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     from deploy.tensorboard import RunBoard
     from rollout.envs.runner import env_spec, evaluate
     from rollout.envs.transcripts import transcripts
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     torch.set_num_threads(1)
     began = time.monotonic()

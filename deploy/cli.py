@@ -10,11 +10,11 @@ from services.teardown import skip_final_collection
 
 # name -> module exposing `Config` (pydantic, with a `server` field) and `async serve(config)`.
 SERVICES = {
-    "rollout": "rollout.service",
+    "rollout": "rollout.main",
     "reward": "reward.service",
     "buffer": "services.buffer.service",
-    "prefill": "rollout.pd_prefill",  # prefill/decode disaggregation workers (rollout/pd_prefill.py)
-    "decode": "rollout.pd_decode",
+    "prefill": "rollout.pd.prefill",  # prefill/decode disaggregation workers (rollout/pd/prefill.py)
+    "decode": "rollout.pd.decode",
 }
 
 

@@ -1,6 +1,6 @@
 """An experiment's data: rows read from JSONL / Parquet / a `datasets` folder, mapped to the driver's prompts.
 
-The driver reads {prompt_id, prompt, metadata} per line (rollout/driver.py) and encodes `prompt` as it is; so a
+The driver reads {prompt_id, prompt, metadata} per line (rollout/driver/driver.py) and encodes `prompt` as it is; so a
 chat template is applied here, once, and the rendered text is what the driver encodes.
 """
 
@@ -122,7 +122,7 @@ def write_prompts(prompts: list[PromptRow], path: pathlib.Path) -> pathlib.Path:
 
 
 def prompt_ids(row: PromptRow, tokenizer, add_bos: bool) -> list[int]:
-    """The token ids the driver makes of a prompt (rollout.driver.load_prompts), for evaluation."""
+    """The token ids the driver makes of a prompt (rollout.driver.driver.load_prompts), for evaluation."""
     ids = tokenizer.encode(row.prompt, add_special_tokens=False)
     if add_bos and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id, *ids]

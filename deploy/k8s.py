@@ -8,7 +8,7 @@
                  The reward's Service name resolves to every ready reward pod: the driver's channel balances its
                  Score calls round-robin over them (services/client.py), as a local run's over reward-1..N
     router       with rollout replicas > 1: a Deployment of one `relayrl serve rollout` routing over the replicas'
-                 stable names (rollout/router.py) on the rollout's group, and its Service; the driver generates
+                 stable names (rollout/router/router.py) on the rollout's group, and its Service; the driver generates
                  through it and the trainer publishes to the replicas it lists
     trainer      indexed Job of `nodes` pods, each `torchrun --nproc-per-node P --node-rank INDEX`; pod 0 holds
                  global rank 0, so it hosts torchrun's rendezvous and the weight broadcast's (headless Service)

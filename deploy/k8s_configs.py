@@ -3,7 +3,7 @@
 They come from the same functions a local run uses (deploy/experiment_run.py `pipeline_plan`, deploy/pipeline.py),
 with the services' stable DNS names for addresses, every path under the project volume, and TLS files and tokens
 at the paths where their Secrets are mounted. With rollout replicas (services.rollout.replicas > 1) the driver and
-the trainer reach them through the rollout router (ROUTER, rollout/router.py), which is told each replica's stable
+the trainer reach them through the rollout router (ROUTER, rollout/router/router.py), which is told each replica's stable
 StatefulSet name; the trainer publishes to the replicas the router lists (publish.receivers_from). A token never goes into a config file: the container gets it from a
 Secret as an environment variable, and `--set ...token=$(VAR)` in its arguments (Kubernetes expands it).
 """

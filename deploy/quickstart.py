@@ -27,7 +27,7 @@ DEFAULT_CONFIG = pathlib.Path(__file__).with_name("quickstart.yaml")
 
 
 class ModelConfig(Strict):
-    """The tiny decoder built in code (rollout.tiny.write_tiny_model)."""
+    """The tiny decoder built in code (rollout.model.tiny.write_tiny_model)."""
 
     arch: str = Field("qwen2", description="qwen2, qwen3 or llama.")
     hidden_size: int = 128
@@ -172,7 +172,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None, resu
     from deploy.run_state import start_run_dir, whole_model
     from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     torch.set_num_threads(1)
     run_dir = pathlib.Path(config.run_dir).resolve()

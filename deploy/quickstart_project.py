@@ -1,7 +1,7 @@
 """The quickstart's project, written the way a user would lay out their own (`relayrl run` with no argument).
 
     runs/quickstart-project/
-        model/            a tiny Qwen2 built in code (rollout.tiny) with its character tokenizer
+        model/            a tiny Qwen2 built in code (rollout.model.tiny) with its character tokenizer
         train.jsonl       every 2-digit addition {prompt_id, prompt: "12+34=", answer: "46"} but the held-out ones
         eval.jsonl        200 held out by a seeded shuffle (deploy.tasks.split_tasks, as the --config job splits)
         experiment.yaml   a copy of the shipped deploy/quickstart_experiment.yaml
@@ -20,7 +20,7 @@ DEFAULT_FOLDER = pathlib.Path("runs") / "quickstart-project"
 def write_project(folder: pathlib.Path, seed: int = 0, num_eval: int = 200) -> pathlib.Path:
     """Model, data and the experiment file in `folder` (kept when already whole); returns the experiment file."""
     from deploy.tasks import arithmetic_tasks, split_tasks
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "model" / "config.json").is_file():

@@ -5,7 +5,7 @@
     model-sft/          the SFT warm-up's output, renamed into place once whole (a resume skips SFT then)
     buffer/             the buffer's log (the restarted buffer recovers it)
     checkpoints/        the trainer's checkpoints with their ledgers (the restarted trainer resumes from the latest)
-    driver_position.json  where the driver stands in the prompt stream (rollout/position.py)
+    driver_position.json  where the driver stands in the prompt stream (rollout/driver/position.py)
     rl_clock.json       seconds of RL spent so far (the time budget counts them)
     metrics.jsonl, trainer_metrics.jsonl, driver_stats.jsonl   appended to: the curve goes on
     summary.json        written last: the run finished

@@ -1,5 +1,6 @@
 """Engine and model configuration: one typed dataclass each, derived fields filled and checked once."""
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -7,12 +8,40 @@ from typing import Literal
 
 import torch
 
-from rollout.attention_flashinfer import choose_attention
-from rollout.kv_cache_quantized import block_codec
+from rollout.kv.quantized import block_codec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 KV_CACHE_DTYPES = ("auto", "int8", "int4")
+
+
+# FlashInfer's paged kernel (rollout/model/attention_flashinfer.py): the dtypes and head sizes it is built for
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's prefill kernels are built for
+
+
+def choose_attention(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> str:
+    """'flashinfer' or 'torch' for an engine's `backend` setting ('auto', 'torch' or 'flashinfer').
+
+    'auto' takes FlashInfer wherever it can run; asked for by name where it cannot, ValueError says why."""
+    if backend == "torch":
+        return "torch"
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"it runs on CUDA devices, the engine is on {device}")
+    if dtype not in KERNEL_DTYPES:
+        reasons.append(f"it has float16 and bfloat16 kernels, the engine's dtype is {dtype}")
+    if head_dim not in KERNEL_HEAD_DIMS:
+        reasons.append(f"its kernels take head_dim {', '.join(map(str, KERNEL_HEAD_DIMS))}, the model's is {head_dim}")
+    if kv_cache_dtype != "auto":
+        reasons.append(f"it reads a cache in the model dtype, not kv_cache_dtype {kv_cache_dtype!r}")
+    if importlib.util.find_spec("flashinfer") is None:
+        reasons.append("flashinfer is not installed (pip install 'relayrl[gpu]': flashinfer-python)")
+    if not reasons:
+        return "flashinfer"
+    if backend == "flashinfer":
+        raise ValueError(f"attention_backend 'flashinfer': {'; '.join(reasons)}")
+    return "torch"
 
 
 @dataclass(frozen=True)
@@ -94,7 +123,7 @@ class EngineConfig:
     The KV cache holds `num_blocks` blocks of `block_size` tokens; when `num_blocks` is None it is
     sized to `kv_cache_memory_bytes`, but never beyond what `max_num_seqs` sequences of
     `max_model_len` tokens can use. A quantized cache (`kv_cache_dtype` int8 / int4,
-    rollout/kv_cache_quantized.py) also keeps `kv_open_blocks` partly written blocks in the model dtype;
+    rollout/kv/quantized.py) also keeps `kv_open_blocks` partly written blocks in the model dtype;
     they are paid out of the same budget.
     """
 
@@ -105,19 +134,19 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks; None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is None
     # "auto": K and V in the model dtype; "int8" / "int4": KIVI-style quantized blocks (keys per channel over a
-    # block's tokens, values per token), dequantized when attention reads them (rollout/kv_cache_quantized.py)
+    # block's tokens, values per token), dequantized when attention reads them (rollout/kv/quantized.py)
     kv_cache_dtype: Literal["auto", "int8", "int4"] = "auto"
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int = 4096  # tokens computed in one step (decodes, then prefill chunks); >= max_num_seqs
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix an earlier sequence computed
-    # Attention reads each length class of a step's sequences apart (rollout/attention.py); False: all in one
+    # Attention reads each length class of a step's sequences apart (rollout/model/attention.py); False: all in one
     # call padded to the longest context (the path before classes; bench/rollout_throughput.py compares them).
     attention_length_classes: bool = True
-    # Who computes paged attention (rollout/attention_flashinfer.py): "torch" (any device, any dtype), "flashinfer"
+    # Who computes paged attention (rollout/model/attention_flashinfer.py): "torch" (any device, any dtype), "flashinfer"
     # (FlashInfer's paged kernel: CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto), "auto": flashinfer
     # wherever it can run.
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
-    # KV eviction for long contexts (rollout/kv_eviction.py): a sequence keeps at most kv_budget_tokens cache slots.
+    # KV eviction for long contexts (rollout/engine/kv_eviction.py): a sequence keeps at most kv_budget_tokens cache slots.
     kv_eviction: Literal["none", "window", "snapkv"] = "none"  # window: sinks + most recent; snapkv: + most attended
     kv_budget_tokens: int = 1024  # cache slots a sequence keeps when kv_eviction is on
     kv_sink_tokens: int = 4  # the first tokens, always kept (attention sinks)
@@ -126,8 +155,8 @@ class EngineConfig:
     max_queue: int = 1024  # requests waiting to start; beyond it add_request raises QueueFull
     max_n: int = 16  # largest n (completions per prompt) a request may ask for
     seed: int = 0  # seeds the per-request seeds of requests that bring none
-    logprobs_mode: Literal["tempered", "raw", "processed"] = "tempered"  # see rollout/sampler.py
-    max_sessions: int = 256  # open multi-turn sessions (rollout/sessions.py); beyond it OpenSession is refused
+    logprobs_mode: Literal["tempered", "raw", "processed"] = "tempered"  # see rollout/engine/sampler.py
+    max_sessions: int = 256  # open multi-turn sessions (rollout/engine/sessions.py); beyond it OpenSession is refused
     session_idle_timeout_s: float = 600.0  # a session idle this long is closed and its blocks freed
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)

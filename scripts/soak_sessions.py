@@ -107,7 +107,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from deploy.launcher import start_service
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="relayrl-soak-") as tmp:
         model = write_tiny_model(pathlib.Path(tmp) / "model", seed=0)

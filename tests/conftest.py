@@ -44,7 +44,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> pathlib.Path:
     """A tiny Qwen2 HF folder (hidden 128, 2 layers, head_dim 32, char tokenizer), made in code."""
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "qwen2", seed=0)
 

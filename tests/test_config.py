@@ -51,7 +51,7 @@ def test_the_engine_is_a_tagged_choice():
     """`engine.type` picks the engine's settings class; without it the native engine's (configs written before
     the choice existed keep their meaning); an unknown type or another engine's field names the field."""
     from rollout.engines.settings import NativeSettings, SglangSettings, VllmSettings
-    from rollout.service import Config
+    from rollout.main import Config
 
     assert type(load_config(Config, None, ["model=m", "engine.max_num_seqs=8"]).engine) is NativeSettings
     vllm = load_config(Config, None, ["model=m", "engine={type: vllm, kv_cache_dtype: fp8}", "engine.seed=3"]).engine

@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from deploy.tasks import arithmetic_tasks, write_jsonl
-from rollout.tiny import write_tiny_model
+from rollout.model.tiny import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "algorithms"
@@ -116,7 +116,7 @@ def test_distillation_from_a_teacher_per_domain(tmp_path, service_factory):
     by token against each teacher's own forward pass), and the student's reverse KL to them falls."""
     from transformers import AutoModelForCausalLM
 
-    from rollout.driver import DriverConfig, drive
+    from rollout.driver.driver import DriverConfig, drive
     from trainer.buffer_client import BufferClient
     from trainer.config import BufferClientConfig
 

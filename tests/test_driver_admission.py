@@ -1,7 +1,7 @@
 """Admission control reads what the trainer consumes; producer ids stay unique across driver restarts, and a
 restarted driver goes on from its saved position.
 
-The rule (rollout/admission.py) on its own, then the Driver against real buffer, reward and rollout
+The rule (rollout/driver/admission.py) on its own, then the Driver against real buffer, reward and rollout
 processes, with a stand-in trainer that pulls, acks and publishes weights the way trainer/loop.py does.
 """
 
@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 from deploy.tasks import arithmetic_tasks, write_jsonl
 from protos import buffer_pb2, buffer_pb2_grpc
 from protos.sample import Sample
-from rollout.admission import Pipeline, admit, expected_lag
-from rollout.driver import Driver, DriverConfig, load_prompts
-from rollout.position import Position
-from rollout.producer import STOP_GRACE_S, item_stream
+from rollout.driver.admission import Pipeline, admit, expected_lag
+from rollout.driver.driver import Driver, DriverConfig, load_prompts
+from rollout.driver.position import Position
+from rollout.driver.producer import STOP_GRACE_S, item_stream
 from services.client import connect
 
 G, B = 8, 64  # group size, batch size (8 groups)
@@ -252,7 +252,7 @@ def test_a_paused_producer_polls_again_the_moment_a_newer_version_is_served():
     need not ask the rollout."""
     import time
 
-    from rollout.admission import Gauge
+    from rollout.driver.admission import Gauge
 
     hints = []
 

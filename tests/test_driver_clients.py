@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from protos import buffer_pb2
-from rollout.driver import Driver, DriverConfig
+from rollout.driver.driver import Driver, DriverConfig
 
 
 @pytest.mark.parametrize("token", ["driver-token", None])

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from rollout.call_merger import CallMerger
+from rollout.driver.call_merger import CallMerger
 
 
 class Recorder:

@@ -1,10 +1,10 @@
-"""A producer's position in its stream (rollout/position.py): saved after each group stored, loaded by the next
+"""A producer's position in its stream (rollout/driver/position.py): saved after each group stored, loaded by the next
 producer, which neither repeats nor skips a group and draws a producer id none before it had."""
 
 import itertools
 
-from rollout.position import Position
-from rollout.producer import item_stream, unstored_items
+from rollout.driver.position import Position
+from rollout.driver.producer import item_stream, unstored_items
 
 
 def test_a_position_round_trips_and_the_next_producer_runs_what_was_not_stored(tmp_path):

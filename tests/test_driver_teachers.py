@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from deploy.tasks import arithmetic_tasks, write_jsonl
-from rollout.driver import Driver, DriverConfig, load_prompts
+from rollout.driver.driver import Driver, DriverConfig, load_prompts
 
 
 def config(tmp_path, tiny_model_dir, **teachers) -> DriverConfig:

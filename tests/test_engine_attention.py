@@ -1,4 +1,4 @@
-"""Attention reads the paged cache one length class of sequences at a time (rollout/attention.py): classes give
+"""Attention reads the paged cache one length class of sequences at a time (rollout/model/attention.py): classes give
 the tokens and logprobs of one call padded to the longest context (the path before them), both equal
 transformers', and a long sequence among short ones reads its blocks alone instead of padding every sequence
 to its length."""
@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""FlashInfer's paged kernel behind the engine's attention call (rollout/attention_flashinfer.py).
+"""FlashInfer's paged kernel behind the engine's attention call (rollout/model/attention_flashinfer.py).
 
 The `gpu` tests need CUDA and flashinfer: the kernel against attention computed in float32 from the same cache
 through the same block tables (decodes, whole prefills and prefill chunks of mixed lengths, grouped-query heads,
@@ -9,10 +9,10 @@ logprobs of those tokens). The others run anywhere: which backend an engine gets
 import pytest
 import torch
 
-from rollout.attention_flashinfer import FlashInferAttention, choose_attention
-from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
+from rollout.config import EngineConfig, choose_attention
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.model.attention_flashinfer import FlashInferAttention
 
 
 def _needs_flashinfer() -> None:
@@ -69,7 +69,7 @@ def wide_sharp_model_dir(tmp_path_factory):
     choices are rarely near-ties (see tests/conftest.py: sharp_model_dir)."""
     from safetensors.torch import load_file, save_file
 
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     path = write_tiny_model(tmp_path_factory.mktemp("wide-sharp") / "qwen2", hidden_size=256, num_heads=4,
                             num_kv_heads=2, head_dim=64, seed=5)

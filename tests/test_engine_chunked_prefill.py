@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

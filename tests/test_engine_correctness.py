@@ -6,11 +6,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.outputs import Completion
-from rollout.sampling_params import SamplingParams
-from rollout.sequence import FinishReason
-from rollout.tiny import write_tiny_model
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.outputs import Completion
+from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.sequence import FinishReason
+from rollout.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 
@@ -210,7 +210,7 @@ def test_compute_logprobs_match_transformers_between_steps_and_in_chunks(model_d
 
 
 def test_compute_logprobs_refuses_bad_ids_and_lengths(tiny_model_dir):
-    from rollout.errors import InvalidRequest
+    from rollout.engine.errors import InvalidRequest
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=32))
     with pytest.raises(InvalidRequest, match=r"^response_ids\[1\]: token id 5000"):

@@ -1,21 +1,21 @@
 """KV accounting: whatever mix of completed, aborted and preempted requests, chunked prefills, prompts sharing
-cached prefixes, weight updates, requests imported from a prefill engine (rollout/kv_handoff.py) and KV eviction
-(rollout/kv_eviction.py), every block comes back (free or cached) and the prefix cache stays coherent."""
+cached prefixes, weight updates, requests imported from a prefill engine (rollout/engine/kv_handoff.py) and KV eviction
+(rollout/engine/kv_eviction.py), every block comes back (free or cached) and the prefix cache stays coherent."""
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.errors import QueueFull
-from rollout.kv_cache_quantized import QuantizedKVCache
-from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer
-from rollout.sampling_params import SamplingParams
-from rollout.sequence import Sequence
-from rollout.tiny import write_tiny_model
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.errors import QueueFull
+from rollout.engine.kv_handoff import add_prefilled_request, prefill_for_transfer
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.sequence import Sequence
+from rollout.kv.quantized import QuantizedKVCache
+from rollout.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 

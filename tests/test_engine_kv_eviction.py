@@ -1,4 +1,4 @@
-"""KV eviction (rollout/kv_eviction.py): a sequence keeps kv_budget_tokens cache slots; what it keeps is exactly
+"""KV eviction (rollout/engine/kv_eviction.py): a sequence keeps kv_budget_tokens cache slots; what it keeps is exactly
 what it attends to, its blocks go back, and snapkv keeps the past its latest queries attend to most."""
 
 import pytest
@@ -6,11 +6,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.kv_cache import KVCache
-from rollout.kv_eviction import KVEvictor, compact
-from rollout.sampling_params import SamplingParams
-from rollout.tiny import write_tiny_model
+from rollout.engine.kv_eviction import KVEvictor, compact
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.kv.cache import KVCache
+from rollout.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 

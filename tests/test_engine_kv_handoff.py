@@ -1,5 +1,5 @@
-"""A request prefilled on one engine and decoded on another (rollout/kv_handoff.py, through the wire format of
-rollout/kv_transfer.py) produces what one engine produces alone."""
+"""A request prefilled on one engine and decoded on another (rollout/engine/kv_handoff.py, through the wire format of
+rollout/pd/transfer.py) produces what one engine produces alone."""
 
 import dataclasses
 
@@ -8,16 +8,16 @@ import torch
 
 from protos import rollout_pb2
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.errors import InvalidRequest, KVWeightVersionMismatch, QueueFull
-from rollout.kv_handoff import (
+from rollout.engine.errors import InvalidRequest, KVWeightVersionMismatch, QueueFull
+from rollout.engine.kv_handoff import (
     add_prefilled_request,
     prefill_for_transfer,
     prefill_many_for_transfer,
     served_layout,
 )
-from rollout.kv_transfer import pack, unpack
-from rollout.sampling_params import SamplingParams
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.pd.transfer import pack, unpack
 
 PROMPTS = [[3 + (i * 7 + j) % 90 for j in range(length)] for i, length in enumerate([5, 16, 33, 17, 48, 1])]
 PARAMS = [
@@ -137,7 +137,7 @@ def test_concurrent_prefills_for_transfer_run_as_one_batch(tiny_model_dir):
     import asyncio
     import time
 
-    from rollout.async_engine import AsyncEngine
+    from rollout.engine.async_engine import AsyncEngine
 
     async_engine = AsyncEngine(engine(tiny_model_dir))
     runs = []

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
-from rollout.tiny import write_tiny_model
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 

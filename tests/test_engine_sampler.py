@@ -2,7 +2,7 @@
 
 import torch
 
-from rollout.sampler import Sampler, SamplingTensors, row_key
+from rollout.engine.sampler import Sampler, SamplingTensors, row_key
 
 
 def tensors(rows: int, temperature=1.0, top_p=1.0, top_k=0, vocab=8, seeds=None, positions=None) -> SamplingTensors:
@@ -61,7 +61,7 @@ def test_processed_logprobs_use_the_sampled_distribution():
 
 
 def test_batched_row_keys_equal_row_key():
-    from rollout.sampler import completion_key, row_keys
+    from rollout.engine.sampler import completion_key, row_keys
 
     seeds, indices, positions = [0, 1, 2**64 - 1, 12345], [0, 3, 15, 7], [0, 9, 4095, 2**40]
     expected = [row_key(s, i, p) for s, i, p in zip(seeds, indices, positions)]

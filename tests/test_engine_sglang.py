@@ -13,13 +13,13 @@ import torch
 pytestmark = pytest.mark.gpu
 sglang = pytest.importorskip("sglang")
 
-from rollout.async_engine import AsyncEngine
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
+from rollout.engine.async_engine import AsyncEngine
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
 from rollout.engines.settings import SglangSettings
 from rollout.engines.sglang_engine import SglangEngine
-from rollout.sampling_params import SamplingParams
-from rollout.weight_receiver import WeightReceiver
+from rollout.serve.weight_receiver import WeightReceiver
 from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
 
 PROMPTS = [[5, 17, 33, 2, 60], [70, 71, 72], [9] * 12]

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.vllm
 from protos import rollout_pb2, rollout_pb2_grpc, weights_pb2_grpc
 from protos.codec import decode_array, encode_array
 from protos.sample import Sample
-from rollout.async_engine import AsyncEngine
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
+from rollout.engine.async_engine import AsyncEngine
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
 from rollout.engines.settings import VllmSettings
 from rollout.engines.vllm_engine import start_vllm
-from rollout.sampling_params import SamplingParams
-from rollout.weight_receiver import WeightReceiver
+from rollout.serve.weight_receiver import WeightReceiver
 from services.client import connect
 from services.server import create_server
 

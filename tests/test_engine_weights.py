@@ -6,9 +6,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
-from rollout.tiny import write_tiny_model
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.model.tiny import write_tiny_model
 from services.weights import allocate_staging, merge_order, pack_bucket, plan_buckets, unpack_buckets
 
 torch.set_num_threads(1)

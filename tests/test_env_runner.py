@@ -15,10 +15,10 @@ import yaml
 
 from protos import buffer_pb2, buffer_pb2_grpc
 from protos.codec import decode_array, unpack_metadata
-from rollout.chat import render_continuation
 from rollout.envs.base import environment_class
 from rollout.envs.runner import Runner, RunnerConfig
-from rollout.tiny import char_tokenizer
+from rollout.model.tiny import char_tokenizer
+from rollout.serve.chat import render_continuation
 from services.client import connect_sync
 
 ENV = {"max_number": 15, "max_turns": 3}

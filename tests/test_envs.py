@@ -13,7 +13,7 @@ from rollout.envs.base import Task, environment_class
 from rollout.envs.guess_number import GuessNumber, GuessNumberConfig
 from rollout.envs.tool_use import ToolUse, ToolUseConfig, tool_call_text
 from rollout.envs.transcripts import transcripts
-from rollout.tiny import char_tokenizer
+from rollout.model.tiny import char_tokenizer
 
 TASK = Task("123*456", {"a": 123, "b": 456, "answer": "56088"})
 CALL = tool_call_text("calc", {"expr": "123*456"})

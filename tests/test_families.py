@@ -48,7 +48,7 @@ def sft_run(tmp_path_factory) -> SFTRun:
     """The SFT example, once: tiny model built in code, warmed up by the quickstart's own sft_warmup."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     root = tmp_path_factory.mktemp("sft")
     config = load_config(QuickstartConfig, EXAMPLES / "sft.yaml", [f"run_dir={root}"])

@@ -96,8 +96,8 @@ def test_each_process_is_placed_probed_and_configured_as_its_group_says():
     # Every config file is valid for the process that reads it, and addresses name the stable DNS names.
     files = {name: yaml.safe_load(text) for name, text in objects["ConfigMap", "math-grpo-config"]["data"].items()}
     from reward.service import Config as RewardConfig
-    from rollout.driver import DriverConfig
-    from rollout.service import Config as RolloutConfig
+    from rollout.driver.driver import DriverConfig
+    from rollout.main import Config as RolloutConfig
     from services.buffer.service import Config as BufferConfig
     from trainer.config import TrainerConfig
 

@@ -1,4 +1,4 @@
-"""The quantized resident KV cache (rollout/kv_cache_quantized.py): what it stores and reads back, its pool of open
+"""The quantized resident KV cache (rollout/kv/quantized.py): what it stores and reads back, its pool of open
 blocks, and the engine on it: close to the float cache, prefix caching and n > 1 intact (its block accounting is
 tested with the others' in test_engine_kv.py)."""
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.kv_cache_quantized import QuantizedKVCache, block_codec
-from rollout.kv_handoff import add_prefilled_request, prefill_for_transfer
-from rollout.sampling_params import SamplingParams
+from rollout.engine.kv_handoff import add_prefilled_request, prefill_for_transfer
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.kv.quantized import QuantizedKVCache, block_codec
 
 torch.set_num_threads(1)
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 32

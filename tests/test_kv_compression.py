@@ -1,11 +1,11 @@
-"""KV codecs (rollout/kv_compression.py): round-trip error bounds, exact byte sizes, bytes round trip."""
+"""KV codecs (rollout/kv/codecs.py): round-trip error bounds, exact byte sizes, bytes round trip."""
 
 import math
 
 import pytest
 import torch
 
-from rollout.kv_compression import CODECS, PARAM_DTYPE, Quantized, make_codec
+from rollout.kv.codecs import CODECS, PARAM_DTYPE, Quantized, make_codec
 
 SHAPE = (2, 37, 3, 32)  # layers, tokens (not a multiple of the key group), kv heads, head_dim
 

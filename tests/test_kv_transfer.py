@@ -1,12 +1,13 @@
-"""The KV transfer format (rollout/kv_transfer.py): a round trip, and every refusal with its typed error."""
+"""The KV transfer format (rollout/pd/transfer.py): a round trip, and every refusal with its typed error."""
 
 import pytest
 import torch
 
 from protos import kv_pb2, rollout_pb2
 from protos.codec import encode_array
-from rollout.errors import KVTransferCorrupt, KVTransferInvalid, KVWeightVersionMismatch
-from rollout.kv_transfer import PrefilledPrompt, ServedLayout, pack, unpack
+from rollout.engine.errors import KVTransferCorrupt, KVTransferInvalid, KVWeightVersionMismatch
+from rollout.kv.prefilled import PrefilledPrompt, ServedLayout
+from rollout.pd.transfer import pack, unpack
 
 SERVED = ServedLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, vocab_size=101, weight_version=3)
 

@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from protos.sample import Sample
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.outputs import Completion
-from rollout.sampling_params import SamplingParams, logprobs_temperature
-from rollout.tiny import write_tiny_model
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.outputs import Completion
+from rollout.engine.sampling_params import SamplingParams, logprobs_temperature
+from rollout.model.tiny import write_tiny_model
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.parallel import DistEnv

@@ -18,7 +18,7 @@ import pytest
 from deploy.pipeline import Addresses, Pipeline, RLConfig, driver_config, trainer_config, write_yaml
 from deploy.supervisor import SuperviseConfig
 from deploy.tasks import arithmetic_tasks, write_jsonl
-from rollout.producer import WATCH_S
+from rollout.driver.producer import WATCH_S
 
 netns_kit = pytest.importorskip("netns_kit")
 _why_not = netns_kit.available()

@@ -15,7 +15,7 @@ import pytest
 
 from protos import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array
-from rollout.tiny import char_tokenizer
+from rollout.model.tiny import char_tokenizer
 from services.client import connect_sync
 
 NODE = shutil.which("node")

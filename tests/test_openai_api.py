@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 
 from protos import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, encode_array
-from rollout.chat import render_continuation, render_prompt
-from rollout.openai_output import Choice
-from rollout.outputs import Completion
-from rollout.sequence import FinishReason
-from rollout.tool_calls import ToolCall, ToolCallParser, split_tool_calls
+from rollout.engine.outputs import Completion
+from rollout.engine.sequence import FinishReason
+from rollout.serve.chat import render_continuation, render_prompt
+from rollout.serve.openai_output import Choice
+from rollout.serve.tool_calls import ToolCall, ToolCallParser, split_tool_calls
 from services.client import connect
 
 torch.set_num_threads(1)
@@ -128,8 +128,8 @@ def test_a_choice_cuts_stop_strings_and_parses_tool_calls_from_tokens(tokenizer)
 
 
 def test_a_session_takes_only_a_continuation_of_its_history():
-    from rollout.openai_schema import ChatMessage
-    from rollout.openai_sessions import ChatSession, HistoryDiverged
+    from rollout.serve.openai_schema import ChatMessage
+    from rollout.serve.openai_sessions import ChatSession, HistoryDiverged
 
     def keys(*messages):
         return [ChatMessage(**m).key() for m in messages]
@@ -153,7 +153,7 @@ def test_a_session_takes_only_a_continuation_of_its_history():
 
 
 def test_the_endpoint_stays_on_loopback_unless_told():
-    from rollout.openai_schema import OpenAISettings
+    from rollout.serve.openai_schema import OpenAISettings
 
     with pytest.raises(ValueError, match="no auth"):
         OpenAISettings(host="0.0.0.0")
@@ -342,11 +342,11 @@ async def test_a_busy_session_is_409_and_too_many_sessions_429(endpoint):
 
 
 async def test_a_stopped_engine_is_503_and_the_api_key_can_name_the_session(tiny_model_dir):
-    from rollout.async_engine import AsyncEngine
     from rollout.config import EngineConfig
-    from rollout.engine import LLMEngine
-    from rollout.openai_api import create_app
-    from rollout.openai_schema import OpenAISettings
+    from rollout.engine.async_engine import AsyncEngine
+    from rollout.engine.llm_engine import LLMEngine
+    from rollout.serve.openai_api import create_app
+    from rollout.serve.openai_schema import OpenAISettings
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=128)))
     app = create_app(engine, engine.engine.tokenizer, MODEL, OpenAISettings(session_by_key=True, retry_after_s=2))

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation with real processes on loopback: a prefill worker, decode workers, the rollout
-router in front, and a monolithic rollout worker to compare with (rollout/pd_prefill.py, pd_decode.py, router.py)."""
+router in front, and a monolithic rollout worker to compare with (rollout/pd/prefill.py, pd_decode.py, router.py)."""
 
 import asyncio
 import time

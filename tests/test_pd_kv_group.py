@@ -1,4 +1,4 @@
-"""The KV channel over torch.distributed (rollout/kv_group.py), with real processes on loopback: a prefill worker
+"""The KV channel over torch.distributed (rollout/pd/kv_group.py), with real processes on loopback: a prefill worker
 and a decode worker in one gloo group move payloads by send/recv, only headers over gRPC, and generate exactly
 what a monolithic worker generates. The `gpu` tests do the same over an NCCL group between two GPUs, and show
 two workers on one GPU refused by the group (by name, in their logs) while transfers go on over gRPC."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protos import kv_pb2, kv_pb2_grpc
-from rollout.kv_group import KVGroup, KVGroupConfig
+from rollout.pd.kv_group import KVGroup, KVGroupConfig
 from services.client import connect
 from tests.test_pd_disagg import ENGINE, REQUESTS, generate_all, request_of, tokens_and_logprobs
 

@@ -7,7 +7,7 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from protos.sample import Sample
 from reward.model import reward_model
-from rollout.tiny import char_tokenizer
+from rollout.model.tiny import char_tokenizer
 
 
 def write_tiny_reward_model(path, num_labels: int = 1):

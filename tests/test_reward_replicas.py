@@ -24,7 +24,7 @@ from deploy.pipeline import LocalLauncher, Pipeline, RLConfig, start_reward
 from deploy.supervisor import SuperviseConfig, Supervisor
 from protos import common_pb2
 from protos.sample import Sample
-from rollout.driver import Driver, DriverConfig
+from rollout.driver.driver import Driver, DriverConfig
 from services.client import replicas_target, target_addresses
 
 COMPLETED = common_pb2.SAMPLE_STATUS_COMPLETED

@@ -1,4 +1,4 @@
-"""Several rollout replicas behind the router, real processes on loopback (rollout/router.py, router_service.py):
+"""Several rollout replicas behind the router, real processes on loopback (rollout/router/router.py, router_service.py):
 requests spread by load and a killed replica's requests (and reads) re-run elsewhere, sessions sticky across a router
 restart, a replica added mid-run receiving the trainer's weights before traffic, and a removed one draining."""
 

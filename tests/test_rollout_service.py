@@ -149,10 +149,11 @@ def test_unary_generate_text_prompt_model_info_abort_and_sessions(rollout_proces
 
 
 async def _in_process(tiny_model_dir, **engine_settings):
-    from rollout.async_engine import AsyncEngine
     from rollout.config import EngineConfig
-    from rollout.engine import LLMEngine
-    from rollout.service import SERVICE_NAME, RolloutServicer
+    from rollout.engine.async_engine import AsyncEngine
+    from rollout.engine.llm_engine import LLMEngine
+    from rollout.serve.service import RolloutServicer
+    from rollout.serve.wire import SERVICE_NAME
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), **engine_settings)))
     servicer = RolloutServicer(engine, str(tiny_model_dir), engine.engine.tokenizer)
@@ -216,7 +217,7 @@ def test_full_queue_is_resource_exhausted(tiny_model_dir):
 def test_update_weights_between_steps_tags_later_tokens(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     other = load_file(write_tiny_model(tmp_path / "other", seed=5) / "model.safetensors")
 
@@ -320,7 +321,7 @@ def test_a_version_watch_answers_when_new_weights_land_and_refuses_bad_waits(tin
 
     from safetensors.torch import load_file
 
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     other = load_file(write_tiny_model(tmp_path / "other", seed=5) / "model.safetensors")
 

@@ -9,8 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.errors import (
+from rollout.engine.errors import (
     ContextFull,
     DuplicateRequest,
     InvalidRequest,
@@ -18,8 +17,9 @@ from rollout.errors import (
     SessionBusy,
     SessionNotFound,
 )
-from rollout.sampling_params import SamplingParams
-from rollout.sequence import FinishReason
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.sequence import FinishReason
 
 
 def run_turn(engine: LLMEngine, session_id: str, params: SamplingParams, request_id: str = "turn") -> list[int]:

@@ -12,7 +12,7 @@ from deploy.tensorboard import RunBoard
 from protos import buffer_pb2, buffer_pb2_grpc
 from services.client import connect_sync
 
-# Lines as trainer/loop.py report() and rollout/producer.py snapshot() write them (a subset of their fields).
+# Lines as trainer/loop.py report() and rollout/driver/producer.py snapshot() write them (a subset of their fields).
 TRAINER_LINES = [
     {"step": 1, "weight_version": 1, "loss": 0.5, "reward_mean": 0.25, "staleness_mean": 0.5, "staleness_max": 1.0,
      "publish_s": 0.01},

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollout.tiny import CHARACTERS, char_tokenizer, write_tiny_model
+from rollout.model.tiny import CHARACTERS, char_tokenizer, write_tiny_model
 
 
 def test_char_tokenizer_ids_and_round_trip():

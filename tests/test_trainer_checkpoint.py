@@ -85,7 +85,7 @@ def test_latest_is_replaced_atomically_and_old_checkpoints_pruned(tiny_model_dir
 def test_export_is_a_hugging_face_folder_with_the_trained_weights(tiny_model_dir, tmp_path, tied):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True) if tied else tiny_model_dir
     learner = learner_for(model, "ppo")

@@ -137,7 +137,7 @@ def test_sft_learns_a_fixed_batch(tiny_model_dir):
 
 
 def test_distillation_moves_the_student_to_the_teacher(tiny_model_dir, tmp_path):
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     teacher = write_tiny_model(tmp_path / "teacher", seed=1)
     learner = Learner(config(tiny_model_dir, algorithm={"name": "distill", "off_policy": "tis"},

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from protos import weights_pb2, weights_pb2_grpc
-from rollout.async_engine import AsyncEngine
 from rollout.config import EngineConfig
-from rollout.engine import LLMEngine
-from rollout.sampling_params import SamplingParams
-from rollout.weight_receiver import WeightReceiver
+from rollout.engine.async_engine import AsyncEngine
+from rollout.engine.llm_engine import LLMEngine
+from rollout.engine.sampling_params import SamplingParams
+from rollout.serve.weight_receiver import WeightReceiver
 from services.client import connect
 from services.server import create_server
 from services.weights import GroupSpec, deadline_after, host_store, make_group, merge_order, plan_buckets
@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory):
-    from rollout.tiny import write_tiny_model
+    from rollout.model.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tied") / "qwen2", seed=3, tie_word_embeddings=True)
 

@@ -20,7 +20,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from protos import weights_pb2_grpc
 from rollout.engines.base import checkpoint_layout
-from rollout.weight_receiver import WeightReceiver
+from rollout.serve.weight_receiver import WeightReceiver
 from services.config import ServerConfig
 from services.runtime import serve
 from services.weights import GroupSpec, Manifest

@@ -21,7 +21,7 @@ def word_tokenizer():
     """A word-level tokenizer over the task's words, split on whitespace, decoded with spaces between words."""
     from tokenizers import pre_tokenizers
 
-    from rollout.tiny import word_tokenizer as tokenizer_over
+    from rollout.model.tiny import word_tokenizer as tokenizer_over
 
     words = [*LABELS, *(noun for nouns in LABELS.values() for noun in nouns), *FILLERS, "kind", "?"]
     return tokenizer_over(words, pre_tokenizers.WhitespaceSplit())
@@ -29,7 +29,7 @@ def word_tokenizer():
 
 def write_model(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """A small randomly initialised Llama with the word tokenizer, saved as a Hugging Face folder."""
-    from rollout.tiny import write_llama
+    from rollout.model.tiny import write_llama
 
     return write_llama(folder, word_tokenizer(), seed=seed, hidden_size=64, intermediate_size=128, num_heads=2,
                        num_kv_heads=1)

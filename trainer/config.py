@@ -324,7 +324,7 @@ class PublishConfig(Strict):
 
     receivers: list[str] = Field(default_factory=list, description="host:port of each rollout worker; empty = no publish.")
     receivers_from: str | None = Field(
-        None, description="host:port of a rollout router (rollout/router.py): publish to the replicas it lists, asked "
+        None, description="host:port of a rollout router (rollout/router/router.py): publish to the replicas it lists, asked "
         "before every publish, so replicas added or removed mid-run are followed (trainer/receivers.py); with "
         "receivers empty.")
     interval: int = Field(1, gt=0, description="Publish every this many optimizer steps.")

@@ -80,7 +80,7 @@ def run_policy(
 
     Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
     (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
-    logprobs of (rollout/sampler.py, logprobs_mode "tempered"), as verl divides its logits too.
+    logprobs of (rollout/engine/sampler.py, logprobs_mode "tempered"), as verl divides its logits too.
     """
     logits, values = model(input_ids, attention_mask)
     if temperatures is not None and bool((temperatures != 1.0).any()):

@@ -1,6 +1,6 @@
 """Who receives the trainer's weights when rollout replicas come and go: the replicas a rollout router lists.
 
-With `publish.receivers_from` set to a router's address (rollout/router.py), every publish goes to the replicas
+With `publish.receivers_from` set to a router's address (rollout/router/router.py), every publish goes to the replicas
 the router lists as JOINING or ACTIVE and alive, asked afresh before each publish and each check of the served
 versions: a replica added mid-run receives the next publish (or the resync a waiting trainer sends to a receiver
 behind), which is what lets the router route to it; a DRAINING one gets no more weights. A router that does not

@@ -16,7 +16,7 @@ import numpy as np
 from _vs_trl.arith import TaskSpec, greedy_accuracy, prompt_ids
 from deploy.tasks import Task
 from protos.sample import Sample
-from rollout.tiny import char_tokenizer, write_tiny_model
+from rollout.model.tiny import char_tokenizer, write_tiny_model
 from trainer.config import AlgorithmConfig, BatchConfig, OptimConfig, TrainerConfig
 from trainer.learner import Learner
 from trainer.parallel import init_distributed

@@ -38,7 +38,7 @@ def word_tokenizer():
     """One token per word, number and punctuation run of the specs and solutions; decoded with spaces between."""
     from tokenizers import pre_tokenizers
 
-    from rollout.tiny import word_tokenizer as tokenizer_over
+    from rollout.model.tiny import word_tokenizer as tokenizer_over
 
     pre = pre_tokenizers.Whitespace()  # \w+ and runs of punctuation: "f(x):" -> "f", "(", "x", "):"
     texts = [spec.format(name=n, arg=x, a=2, b=1) + " " + solution(n, x, 2, 1, sign)
@@ -49,7 +49,7 @@ def word_tokenizer():
 
 def write_model(folder: pathlib.Path, seed: int) -> None:
     """A small randomly initialised Llama and its tokenizer, as a Hugging Face folder."""
-    from rollout.tiny import write_llama
+    from rollout.model.tiny import write_llama
 
     write_llama(folder, word_tokenizer(), seed=seed)
 

@@ -24,7 +24,7 @@ MAX_NUMBER = 9  # operands 1..9; answers 0..18
 
 def word_tokenizer():
     """One token per word, number and punctuation mark of the problems; decoded with spaces between tokens."""
-    from rollout.tiny import word_tokenizer as tokenizer_over
+    from rollout.model.tiny import word_tokenizer as tokenizer_over
 
     words = {word for text in [*GAINS, *LOSSES, QUESTION, "has and ."] for word in text.replace("?", " ?").split()}
     words = sorted(w for w in words if not w.startswith("{")) + NAMES + THINGS
@@ -33,7 +33,7 @@ def word_tokenizer():
 
 def write_model(folder: pathlib.Path, seed: int) -> None:
     """A small randomly initialised Llama and its tokenizer, as a Hugging Face folder."""
-    from rollout.tiny import write_llama
+    from rollout.model.tiny import write_llama
 
     write_llama(folder, word_tokenizer(), seed=seed)
 

@@ -20,9 +20,9 @@ def start_engine(model: str, settings: "EngineChoice") -> "RolloutEngine":
 
         torch.set_num_threads(threads)
     if kind == "native":
-        from rollout.async_engine import AsyncEngine
         from rollout.config import EngineConfig
-        from rollout.engine import LLMEngine
+        from rollout.engine.async_engine import AsyncEngine
+        from rollout.engine.llm_engine import LLMEngine
 
         return AsyncEngine(LLMEngine(EngineConfig(model=model, **values)))
     if kind == "vllm":

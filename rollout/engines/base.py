@@ -1,41 +1,27 @@
 """The one engine interface the rollout service, the weight receiver and sessions use.
 
 Three implementations sit behind it, chosen by `engine.type` in the rollout service's config
-(rollout/engines/settings.py): `native` (rollout.async_engine.AsyncEngine, the embedded default and the
+(rollout/engines/settings.py): `native` (rollout.engine.async_engine.AsyncEngine, the embedded default and the
 reference), `vllm` (rollout/engines/vllm_engine.py) and `sglang` (rollout/engines/sglang_engine.py).
 The service code never branches on the engine beyond that choice: what differs between engines is here,
 as methods, or in ModelInfo, as facts.
 
 Every generated token carries its logprob and the weight version that produced it; refusals raise the
-errors of rollout/errors.py (InvalidRequest, QueueFull, DuplicateRequest, the session errors), which the
-service maps to status codes; an engine that stopped raises rollout.errors.EngineDead.
+errors of rollout/engine/errors.py (InvalidRequest, QueueFull, DuplicateRequest, the session errors), which the
+service maps to status codes; an engine that stopped raises rollout.engine.errors.EngineDead.
 """
 
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from rollout.outputs import Completion
-from rollout.sampling_params import SamplingParams
-from rollout.sessions import SessionRecord, SessionState
+from rollout.engine.model_info import Layout, ModelInfo
+from rollout.engine.outputs import Completion
+from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.sessions import SessionRecord, SessionState
 from services.weights import GroupSpec, Manifest
-
-Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What callers need to know about the served model and how the engine reports logprobs."""
-
-    engine: str  # "native", "vllm", "sglang" (GetModelInfo.engine)
-    vocab_size: int
-    max_model_len: int  # prompt + response limit
-    eos_token_ids: tuple[int, ...]
-    logprobs_mode: str  # "tempered" / "raw" / "processed" (rollout.sampling_params.logprobs_temperature)
-    session_idle_timeout_s: float  # an idle session is closed after this long
 
 
 class RolloutEngine(Protocol):

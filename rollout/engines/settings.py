@@ -12,7 +12,7 @@ from services.config import Strict
 
 
 class NativeSettings(Strict):
-    """The native engine (rollout.async_engine.AsyncEngine; rollout.config.EngineConfig says how each is used)."""
+    """The native engine (rollout.engine.async_engine.AsyncEngine; rollout.config.EngineConfig says how each is used)."""
 
     type: Literal["native"] = Field("native", description="The project's own torch engine (the default).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
@@ -36,7 +36,7 @@ class NativeSettings(Strict):
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
                                         "request computed (same weights only; hit rate in the metrics).")
     kv_eviction: Literal["none", "window", "snapkv"] = Field(
-        "none", description="KV eviction for long contexts (rollout/kv_eviction.py): each sequence keeps "
+        "none", description="KV eviction for long contexts (rollout/engine/kv_eviction.py): each sequence keeps "
         "kv_budget_tokens cache slots; 'window' keeps the first kv_sink_tokens and the most recent, 'snapkv' also the "
         "past its latest queries attend to most. Not for session turns. Evicted rollouts are another behaviour policy.")
     kv_budget_tokens: int = Field(1024, gt=0, description="Cache slots a sequence keeps when kv_eviction is on.")
@@ -50,7 +50,7 @@ class NativeSettings(Strict):
     logprobs_mode: Literal["tempered", "raw", "processed"] = Field(
         "tempered", description="'tempered': logprobs of softmax(logits / temperature), before top-k/top-p (what "
         "the trainer recomputes, at Sample.temperature); 'raw': at temperature 1; 'processed': of the distribution "
-        "sampled from, after top-k/top-p (rollout/sampler.py).")
+        "sampled from, after top-k/top-p (rollout/engine/sampler.py).")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
     max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions; beyond it OpenSession is "
                               "RESOURCE_EXHAUSTED.")

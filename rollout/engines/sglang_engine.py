@@ -23,7 +23,7 @@ marked gpu (not run yet: no GPU where this was written).
 - Versions: SGLang switches weights under its own lock; a token is tagged with the version served when its
   chunk arrived here, so a token computed just before a switch but delivered after it may carry the new one.
 - n completions are n requests (`{request_id}/{i}`) whose prompt SGLang's radix cache shares.
-- Sessions keep their tokens here (rollout/sessions.py's table without blocks); a turn sends the whole
+- Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context and the radix cache supplies the earlier turns' KV.
 - PD: `disaggregation_mode` prefill / decode makes this worker one side of SGLang's own split.
 """
@@ -41,13 +41,12 @@ from pathlib import Path
 import torch
 
 from rollout.config import read_eos_token_ids
-from rollout.engines.base import Layout, ModelInfo, checkpoint_layout
-from rollout.engines.settings import SglangSettings
-from rollout.errors import DuplicateRequest, EngineDead, InvalidRequest
-from rollout.outputs import Completion
-from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
-from rollout.sequence import FinishReason
-from rollout.sessions import (
+from rollout.engine.errors import DuplicateRequest, EngineDead, InvalidRequest
+from rollout.engine.model_info import Layout, ModelInfo
+from rollout.engine.outputs import Completion
+from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
+from rollout.engine.sequence import FinishReason
+from rollout.engine.sessions import (
     SessionRecord,
     SessionState,
     SessionTable,
@@ -55,13 +54,15 @@ from rollout.sessions import (
     open_checked,
     turn_params,
 )
+from rollout.engines.base import checkpoint_layout
+from rollout.engines.settings import SglangSettings
 from services.weights import GroupSpec, Manifest
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 class _Turn:
-    """What the session table needs of a running turn (rollout/sessions.py reads these fields)."""
+    """What the session table needs of a running turn (rollout/engine/sessions.py reads these fields)."""
 
     def __init__(self, request_id: str, prompt: list[int]):
         self.request_id = request_id

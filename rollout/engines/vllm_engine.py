@@ -1,7 +1,7 @@
 """vLLM behind the engine interface: VllmCore, a step engine that AsyncEngine drives from its thread.
 
 VllmCore has the native LLMEngine's thread-side methods (add_request, step, abort, compute_logprobs,
-load_weights, sessions), so rollout.async_engine.AsyncEngine gives it the same asyncio side as the native
+load_weights, sessions), so rollout.engine.async_engine.AsyncEngine gives it the same asyncio side as the native
 engine: streams, whole deliveries, version watches, commands run between two steps. vLLM's own LLMEngine runs
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set otherwise; `uni` executor for one device), so
 a step's outputs are the tokens of that step, and every token is tagged with the weight version that
@@ -12,7 +12,7 @@ produced it, exactly as in the native engine.
 - Weight updates: the worker extension (rollout/engines/vllm_worker.py) loads the tensors through the
   model runner's reload_weights (a plain model.load_weights fails on CPU, where vLLM repacks linear weights
   after loading), then the prefix cache is reset: KV of other weights is never reused.
-- Sessions keep their tokens here (rollout/sessions.py's table without blocks); a turn sends the whole
+- Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
 
@@ -27,13 +27,14 @@ from pathlib import Path
 import torch
 
 from rollout.config import read_eos_token_ids
-from rollout.engines.base import Layout, ModelInfo, checkpoint_layout
+from rollout.engine.errors import DuplicateRequest, InvalidRequest
+from rollout.engine.model_info import Layout, ModelInfo
+from rollout.engine.outputs import TokenOutput
+from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
+from rollout.engine.sequence import FinishReason, Sequence, SequenceStatus
+from rollout.engine.sessions import SessionSteps, SessionTable
+from rollout.engines.base import checkpoint_layout
 from rollout.engines.settings import VllmSettings
-from rollout.errors import DuplicateRequest, InvalidRequest
-from rollout.outputs import TokenOutput
-from rollout.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
-from rollout.sequence import FinishReason, Sequence, SequenceStatus
-from rollout.sessions import SessionSteps, SessionTable
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _WORKER_EXTENSION = "rollout.engines.vllm_worker.WeightLoader"
@@ -41,7 +42,7 @@ _WORKER_EXTENSION = "rollout.engines.vllm_worker.WeightLoader"
 
 def start_vllm(model: str, settings: VllmSettings):
     """vLLM serving `model`, behind AsyncEngine's asyncio side."""
-    from rollout.async_engine import AsyncEngine
+    from rollout.engine.async_engine import AsyncEngine
 
     return AsyncEngine(VllmCore(model, settings))
 
@@ -263,7 +264,7 @@ class VllmCore(SessionSteps):
         return {"running": sum(not s.is_finished for seqs in list(self.requests.values()) for s in seqs),
                 "sessions": len(self.sessions.sessions), "sessions_expired": self.sessions.num_expired}
 
-    # ---- sessions (rollout/sessions.py)
+    # ---- sessions (rollout/engine/sessions.py)
 
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
         """Queue the session's next policy turn: its whole context as the prompt (the prefix cache has the KV)."""

@@ -5,7 +5,7 @@
         -> ... -> CloseSession(reward, submit: the rollout puts the episode into the buffer under the group)
 
 The episodes of one task form one GRPO group. A group starts only when admission control lets it
-(rollout/admission.py, the rule the driver applies): it must train within max_staleness of the policy
+(rollout/driver/admission.py, the rule the driver applies): it must train within max_staleness of the policy
 that generates it. Group and sample ids carry a producer id (fresh at each start), so a restarted runner
 never reuses an id the buffer holds.
 
@@ -31,8 +31,8 @@ from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 from protos.codec import pack_metadata
+from rollout.driver.producer import RETRYABLE, GroupProducer
 from rollout.envs.base import Environment, Message, Task, environment_class
-from rollout.producer import RETRYABLE, GroupProducer
 from services.client import connect
 from services.config import Strict, load_config
 from services.teardown import skip_final_collection
@@ -59,7 +59,7 @@ class RunnerConfig(Strict):
     producer_id: str | None = Field(
         None, description="Goes into every group and sample id; None = a fresh random token at each start.")
     position_path: str | None = Field(
-        None, description="Keep the runner's place in the task stream here (rollout/position.py): a runner started "
+        None, description="Keep the runner's place in the task stream here (rollout/driver/position.py): a runner started "
         "again goes on from it.")
     temperature: float = Field(1.0, ge=0, description="The same in every turn (a session's logprobs have one).")
     top_p: float = Field(1.0, gt=0, le=1)

@@ -5,7 +5,7 @@
     tool:      56088            (after 50-200 ms, like a real tool)
     assistant: 56088            -> reward 1 when it is the product
 
-The tool call is the chat template's format (rollout/tiny.py renders an assistant's tool_calls this
+The tool call is the chat template's format (rollout/model/tiny.py renders an assistant's tool_calls this
 way), written by the policy as text. No `tools` list is sent: the tiny char-level model's context is
 short, and SFT transcripts (rollout/envs/transcripts.py) teach it the protocol. A malformed call (not
 JSON, an unknown tool, a bad expression, an unclosed tag) gets an error observation and the episode

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from protos.sample import Sample
-from rollout.chat import render_continuation, render_prompt
 from rollout.envs.base import Environment, Message, Task, environment_class
 from rollout.envs.tool_use import TOOL, tool_call_text
+from rollout.serve.chat import render_continuation, render_prompt
 
 Player = Callable[[Environment, list[Message], random.Random, float], str]
 

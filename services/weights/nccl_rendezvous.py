@@ -1,5 +1,5 @@
 """What the NCCL groups (weight sync: nccl.py, torch's ProcessGroupNCCL, and cupy_nccl.py, cupy's communicator;
-the KV group of prefill and decode workers: rollout/kv_group.py) do before they create a communicator, so that forming a group stays within its deadline and fails with a clear error.
+the KV group of prefill and decode workers: rollout/pd/kv_group.py) do before they create a communicator, so that forming a group stays within its deadline and fails with a clear error.
 
 NCCL's own initialisation blocks until every rank has called it, with no timeout of its own, and it refuses
 two ranks on one GPU with an error that names neither process. So every member first checks in on the

@@ -1,0 +1,314 @@
+"""LLMEngine: requests in, tokens (with logprob and weight version) out, one step at a time.
+
+Not thread-safe: one thread calls add_request / abort / step / load_weights (AsyncEngine's loop).
+"""
+
+import itertools
+import random
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.errors import ContextFull, DuplicateRequest, InvalidRequest, QueueFull
+from rollout.engine.kv_eviction import KVEvictor
+from rollout.engine.model_info import Layout, ModelInfo
+from rollout.engine.model_runner import ModelRunner
+from rollout.engine.outputs import Completion, RequestOutput, TokenOutput
+from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
+from rollout.engine.scheduler import Batch, Scheduler
+from rollout.engine.sequence import FinishReason, Sequence
+from rollout.engine.sessions import SessionSteps, SessionTable
+
+
+class LLMEngine(SessionSteps):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = config.model_config
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.sessions = SessionTable(self.block_manager, config.max_model_len, config.max_sessions,
+                                     config.session_idle_timeout_s)
+        self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle)
+        self.evictor = (KVEvictor(config, self.block_manager, self.runner.cache)
+                        if config.kv_eviction != "none" else None)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.weight_version = 0
+        self.num_prefill_tokens = 0  # tokens computed by prefill (new prompts, session turns, recomputes)
+        self._next_expiry_check = 0.0
+        self._seed_rng = random.Random(config.seed)
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The model folder's tokenizer, loaded on first use (stop strings, text in the service)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        return self._tokenizer
+
+    @property
+    def info(self) -> ModelInfo:
+        config = self.config
+        return ModelInfo("native", self.model_config.vocab_size, config.max_model_len, self.model_config.eos_token_ids,
+                         config.logprobs_mode, config.session_idle_timeout_s)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live, with the CUDA index ("cuda" resolved when they were made)."""
+        return next(self.runner.model.parameters()).device
+
+    def parameter_layout(self) -> Layout:
+        """name -> (shape, dtype) of every parameter a weight update may carry."""
+        return {name: (tuple(p.shape), p.dtype) for name, p in self.runner.model.named_parameters()}
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Queue a request; raises InvalidRequest, DuplicateRequest or QueueFull."""
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.model_config.vocab_size)
+        params.validate(
+            prompt_len=len(prompt),
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.config.max_model_len,
+            max_n=self.config.max_n,
+        )
+        if self.block_manager.blocks_for(len(prompt) + params.max_tokens) > self.block_manager.num_blocks:
+            raise InvalidRequest(
+                "params.max_tokens",
+                f"prompt + max_tokens ({len(prompt) + params.max_tokens} tokens) exceeds the KV cache "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
+            )
+        seqs = self._new_sequences(request_id, prompt, params)
+        seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0])
+        self.requests[request_id] = seqs
+
+    def _new_sequences(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[Sequence]:
+        if request_id in self.requests:
+            raise DuplicateRequest(f"request_id: {request_id!r} is already running")
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue={self.config.max_queue})")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        return [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
+
+    # ---- sessions (rollout/engine/sessions.py)
+
+    def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
+        """Queue the session's next policy turn (one completion, max_tokens cut to the context left)."""
+        session, params = self._turn(session_id, params)
+        context = len(session.token_ids)
+        if self.block_manager.blocks_for(context + params.max_tokens) > self.block_manager.num_blocks:
+            raise ContextFull(f"the session's context + max_tokens ({context + params.max_tokens} tokens) exceeds "
+                              f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+        [seq] = self._new_sequences(request_id, session.token_ids, params)
+        self.sessions.start_turn(session, seq, logprobs_temperature(self.config.logprobs_mode, params.temperature))
+        self.scheduler.add(seq)
+        self.requests[request_id] = [seq]
+
+    def step(self) -> list[TokenOutput]:
+        """Schedule, run, post-process: one step of decodes and prefill chunks. Returns one output per sequence
+        that sampled (a sequence whose prefill is not complete yet samples nothing)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        due = self.evictor.plan(batch) if self.evictor is not None else []
+        self._count_prefill(batch)
+        token_ids, logprobs = self.runner.run(batch)
+        self.scheduler.update(batch)
+        outputs = self._postprocess(batch.sampled, token_ids, logprobs)
+        if due:
+            self.evictor.evict(due, self.runner.observations)
+        return outputs
+
+    def _count_prefill(self, batch: Batch) -> None:
+        """Tally the tokens this step computes beyond plain decodes (one fed-back token of a running sequence)."""
+        for seq in batch.seqs:
+            computed = batch.num_new_tokens.get(seq.seq_id, 0)
+            if not seq.prefilling or (computed == 1 and seq.num_output_tokens > 0):  # a sampled token fed back
+                continue
+            self.num_prefill_tokens += computed
+            if seq.session is not None:
+                seq.session.prefill_tokens += computed
+                seq.session.turn_prefill_tokens[-1] += computed
+
+    def abort(self, request_id: str) -> list[TokenOutput]:
+        """End a request's unfinished completions (reason abort, partial output kept) and free their blocks."""
+        outputs = []
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                seq.finish_reason = FinishReason.ABORT
+                self._finish(seq)
+                outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT))
+        return outputs
+
+    def compute_logprobs(
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Logprob of every token of each response given the prompt and the response tokens before it,
+        under softmax(logits / temperature).
+
+        Runs between steps with blocks taken from the free list and returned at once (the prefix cache is
+        neither read nor filled). Raises
+        InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
+        """
+        return [logprobs for logprobs, _ in self._score(prompt_ids, responses, temperature, 0)]
+
+    def compute_top_logprobs(
+        self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float, top: int
+    ) -> list[list[tuple[int, float]]]:
+        """At each position of the response, the `top` most likely tokens (id, logprob) given the prompt and the
+        response tokens before it, under softmax(logits / temperature); one scoring pass like compute_logprobs."""
+        return self._score(prompt_ids, [response_ids], temperature, top)[0][1]
+
+    def _score(
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float, top: int
+    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        if not temperature > 0:
+            raise InvalidRequest("temperature", f"must be > 0 to score under softmax(logits / temperature), got {temperature}")
+        prompt = [int(t) for t in prompt_ids]
+        validate_prompt(prompt, self.model_config.vocab_size)
+        seqs = []
+        for i, response in enumerate(responses):
+            tokens = [int(t) for t in response]
+            field = f"response_ids[{i}]"
+            if tokens:
+                validate_prompt(tokens, self.model_config.vocab_size, field)
+            if len(prompt) + len(tokens) > self.config.max_model_len:
+                raise InvalidRequest(field, f"prompt + response ({len(prompt) + len(tokens)} tokens) exceeds the "
+                                            f"context length {self.config.max_model_len}")
+            if self.block_manager.blocks_for(len(prompt) + len(tokens)) > self.block_manager.num_blocks:
+                raise InvalidRequest(field, f"prompt + response exceeds the KV cache ({self.block_manager.num_blocks} "
+                                            f"blocks of {self.block_manager.block_size})")
+            seqs.append(Sequence(-1, "", i, prompt + tokens, SamplingParams(), 0))
+        results: list[tuple[list[float], list[list[tuple[int, float]]]]] = [([], []) for _ in seqs]
+        pending = [seq for seq in seqs if len(seq) > len(prompt)]
+        while pending:
+            chunk = self._fitting(pending)
+            for seq in chunk:
+                self.block_manager.allocate(seq, reuse_prefix=False)  # runner.score computes every token
+            try:
+                scored = self.runner.score(chunk, [len(prompt)] * len(chunk), temperature, top)
+            finally:
+                for seq in chunk:
+                    self.block_manager.deallocate(seq)
+            for seq, result in zip(chunk, scored):
+                results[seq.index] = result
+            pending = pending[len(chunk):]
+        return results
+
+    def _fitting(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The longest head of `seqs` whose blocks are free now and whose tokens fit one prefill."""
+        blocks = tokens = count = 0
+        for seq in seqs:
+            blocks += self.block_manager.blocks_for(len(seq))
+            tokens += len(seq)
+            while blocks > self.block_manager.num_free_blocks and self.sessions.evict_idle():
+                pass
+            if blocks > self.block_manager.num_free_blocks or (count and tokens > self.config.max_num_batched_tokens):
+                break
+            count += 1
+        if count == 0:
+            raise QueueFull(f"running requests hold the KV blocks needed to score {len(seqs[0])} tokens; retry")
+        return seqs[:count]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def load_weights(
+        self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+        adopt: bool = False,
+    ) -> None:
+        """Copy tensors into the parameters of the same name, in place, and serve them as `version`.
+
+        With `adopt`, the model serves the given tensors themselves instead (a complete update whose
+        memory the caller hands over, see CausalLM.adopt_weights). Sequences in flight keep their KV
+        and continue; their later tokens carry the new version. The prefix cache forgets every prefix:
+        KV computed with the old weights is never reused by a new request.
+        """
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        with torch.no_grad():
+            if adopt:
+                self.runner.model.adopt_weights(items)
+            else:
+                self.runner.model.load_weights(items)
+        self.weight_version = version
+        self.block_manager.reset_prefix_cache()
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Offline generation: run every prompt to completion, outputs in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        outputs: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params_list, strict=True):
+            request_id = f"generate-{next(self._request_ids)}"
+            self.add_request(request_id, prompt, p)
+            outputs[request_id] = RequestOutput(request_id, list(prompt), [Completion(i) for i in range(p.n)])
+        while any(output.request_id in self.requests for output in outputs.values()):
+            for token in self.step():
+                if token.request_id in outputs:
+                    outputs[token.request_id].completions[token.index].add(token)
+        return list(outputs.values())
+
+    @property
+    def stats(self) -> dict[str, int | float]:
+        """Gauges for metrics: running and waiting sequences, free KV blocks (cached ones nobody holds included),
+        preemptions and prefill tokens so far, the tokens looked up in the prefix cache so far and those it
+        supplied (hit rate = hits / queried), open sessions and the blocks they hold between turns, their KV
+        evictions and expiries, and the KV cache's bytes per token as stored (config.kv_cache_dtype says how)."""
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.block_manager.num_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefill_tokens": self.num_prefill_tokens,
+            "prefix_cache_queried_tokens": self.block_manager.num_queried_tokens,
+            "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens,
+            "sessions": len(self.sessions.sessions),
+            "session_blocks": self.sessions.num_blocks_held,
+            "session_evictions": self.sessions.num_evictions,
+            "sessions_expired": self.sessions.num_expired,
+            "kv_evicted_tokens": self.evictor.num_evicted_tokens if self.evictor is not None else 0,
+            "kv_cache_bytes_per_token": self.config.kv_bytes_per_block / self.config.block_size,
+        }
+
+    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[TokenOutput]:
+        outputs = []
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
+            seq.append(token_id, logprob, self.weight_version)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                seq.finish_reason = reason
+                self._finish(seq)
+                if all(s.is_finished for s in self.requests[seq.request_id]):
+                    del self.requests[seq.request_id]
+            outputs.append(TokenOutput(seq.request_id, seq.index, token_id, logprob, self.weight_version, reason))
+        return outputs
+
+    def _finish(self, seq: Sequence) -> None:
+        session = seq.session
+        self.scheduler.finish(seq)
+        if session is not None:
+            self.sessions.end_turn(seq)
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.model_config.eos_token_ids):
+            return FinishReason.STOP
+        if params.stop and self._ends_with_stop_string(seq):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _ends_with_stop_string(self, seq: Sequence) -> bool:
+        """Whether the newest token completed a stop string (each token decodes to >= 1 character)."""
+        window = max(len(s) for s in seq.params.stop) + 1
+        text = self.tokenizer.decode(seq.output_ids[-window:])
+        return any(stop in text for stop in seq.params.stop)

@@ -1,0 +1,219 @@
+"""Runs one scheduled batch: builds the index tensors, runs the model over the paged cache, samples."""
+
+import itertools
+from collections.abc import Collection
+
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine.sampler import Sampler, SamplingTensors, completion_key, row_keys
+from rollout.engine.scheduler import Batch
+from rollout.engine.sequence import Sequence
+from rollout.kv.cache import KVCache
+from rollout.kv.quantized import QuantizedKVCache, block_codec
+from rollout.model.attention import AttentionGroup, AttentionMetadata, LengthClass, Observation
+from rollout.model.attention_flashinfer import FlashInferAttention
+from rollout.model.decoder import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        model_config = config.model_config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.vocab_size = model_config.vocab_size
+        self.model = CausalLM(model_config, config.max_model_len, config.torch_dtype, self.device)
+        with torch.no_grad():
+            self.model.load_checkpoint(config.model)
+        self.cache = make_kv_cache(config, self.device)  # in the model dtype, or quantized (kv_cache_dtype)
+        # FlashInfer's paged kernel where config.attention_backend chose it; None: plain torch (rollout/model/attention.py)
+        self.kernel = None
+        if config.attention_kernel == "flashinfer":
+            self.kernel = FlashInferAttention(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
+                                              config.block_size, config.torch_dtype, self.device)
+        self.sampler = Sampler(config.logprobs_mode)
+        # Built once, read every step: key positions of the widest block table and the two mask values.
+        max_blocks = -(-config.max_model_len // config.block_size)
+        self._key_positions = torch.arange(max_blocks * config.block_size, device=self.device)
+        self.length_classes = config.attention_length_classes
+        self.observation_window = config.kv_observation_window
+        self.observations: dict[int, list[torch.Tensor]] = {}  # of the last run: see attention.Observation
+        self._attend = torch.tensor(0.0, dtype=config.torch_dtype, device=self.device)
+        self._ignore = torch.tensor(float("-inf"), dtype=config.torch_dtype, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> tuple[list[int], list[float]]:
+        """Run the batch; returns the sampled token id and its logprob for each of batch.sampled."""
+        if batch.block_copies:
+            src, dst = zip(*batch.block_copies)
+            self.cache.copy_blocks(list(src), list(dst))
+        computed = [seq for seq in batch.seqs if seq.prefill_from is None]
+        if batch.is_prefill:  # one-token rows first: they attend as a group of their own (see _prepare)
+            computed.sort(key=lambda seq: batch.num_new_tokens[seq.seq_id] > 1)
+        query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
+        input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens, batch.observe)
+        hidden = self.model(input_ids, positions, self.cache, meta)
+        self.observations = meta.observations
+        if not batch.sampled:  # every sequence is mid-prefill
+            return [], []
+        row_of = {id(seq): row for seq, row in zip(computed, last_rows)}
+        rows = [row_of[id(seq.prefill_from or seq)] for seq in batch.sampled]
+        if rows != list(range(hidden.shape[0])):
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        tokens, logprobs = self.sampler(self.model.logits(hidden), self._sampling_tensors(batch.sampled))
+        return tokens.tolist(), logprobs.tolist()
+
+    @torch.inference_mode()
+    def score(self, seqs: list[Sequence], starts: list[int], temperature: float = 1.0,
+              top: int = 0) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        """Logprobs under softmax(logits / temperature) of tokens starts[i]: of each sequence given the tokens before them,
+        and at each of those positions the `top` most likely tokens with theirs ([] when top is 0).
+
+        One prefill over the whole sequences (fresh: blocks for every token, none cached yet); logits are made per
+        sequence, so a long sequence with a large vocabulary never holds [all tokens, vocab] at once.
+        """
+        input_ids, positions, meta, last_rows = self._prepare(seqs, is_prefill=True)
+        hidden = self.model(input_ids, positions, self.cache, meta)
+        results = []
+        for seq, start, last in zip(seqs, starts, last_rows):
+            first = last - len(seq) + 1  # the sequence's first row
+            targets = input_ids[first + start : last + 1]
+            logits = self.model.logits(hidden[first + start - 1 : last]).float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            log_norm = torch.logsumexp(logits, dim=-1)
+            chosen = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm).tolist()
+            tops: list[list[tuple[int, float]]] = []
+            if top:
+                values, ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
+                values = values - log_norm.unsqueeze(-1)
+                tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+            results.append((chosen, tops))
+        return results
+
+    def _prepare(
+        self, seqs: list[Sequence], is_prefill: bool, query_lens: list[int] | None = None,
+        observe: Collection[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat new tokens of the batch, their positions, attention metadata, and each seq's last row.
+
+        In a prefill, each sequence computes `query_lens` tokens from its num_cached_tokens (None: all the rest).
+        A token at position p is written to cache slot p - num_evicted_tokens and sees the slots before it. The
+        sequences whose seq_id is in `observe` also report what their latest queries attend to (kv_eviction.py).
+
+        Leading sequences with one new token (a decode, also one mixed into a prefill step: `run` puts them
+        first) attend as one group, the rest as another, each padded only to its own longest query."""
+        block_size = self.block_size
+        if is_prefill:
+            starts = [seq.num_cached_tokens for seq in seqs]
+            if query_lens is None:
+                query_lens = [len(seq) - start for seq, start in zip(seqs, starts)]
+            input_ids = [t for seq, start, n in zip(seqs, starts, query_lens) for t in seq.token_ids[start : start + n]]
+            positions = [p for start, n in zip(starts, query_lens) for p in range(start, start + n)]
+            owners = [seq for seq, n in zip(seqs, query_lens) for _ in range(n)]
+            last_rows = list(itertools.accumulate(query_lens, initial=-1))[1:]
+            split = next((i for i, n in enumerate(query_lens) if n > 1), len(seqs))
+        else:
+            input_ids = [seq.token_ids[-1] for seq in seqs]
+            positions = starts = [len(seq) - 1 for seq in seqs]
+            query_lens = None
+            owners = seqs
+            last_rows = list(range(len(seqs)))
+            split = len(seqs)
+        slots = positions
+        shifts = [seq.num_evicted_tokens for seq in seqs]
+        if any(shifts):
+            slots = [p - seq.num_evicted_tokens for seq, p in zip(owners, positions)]
+            starts = [start - shift for start, shift in zip(starts, shifts)]
+        slot_mapping = [seq.block_table[s // block_size] * block_size + s % block_size for seq, s in zip(owners, slots)]
+        # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
+        input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
+        if self.kernel is not None and not observe:  # the kernel reads the block tables itself; no classes to build
+            row_lens = query_lens if query_lens is not None else [1] * len(seqs)
+            self.kernel.plan([seq.block_table for seq in seqs], row_lens,
+                             [start + n for start, n in zip(starts, row_lens)])
+            return input_ids_t, positions_t, AttentionMetadata(slot_mapping_t, [], kernel=self.kernel), last_rows
+        groups = []
+        if split:  # one new token each: rows 0..split-1, at their slots
+            decode_slots = self._tensor(starts[:split]) if any(shifts) else positions_t[:split]
+            groups.append(self._group(seqs[:split], slice(0, split), decode_slots.unsqueeze(1), None, 1,
+                                      [start + 1 for start in starts[:split]], observe))
+        if split < len(seqs):
+            lens = query_lens[split:]
+            longest = max(lens)
+            offsets = torch.arange(longest, device=self.device)
+            query_positions = self._tensor(starts[split:]).unsqueeze(1) + offsets
+            query_slots = self._tensor([i * longest + j for i, n in enumerate(lens) for j in range(n)])
+            groups.append(self._group(seqs[split:], slice(split, len(input_ids)), query_positions, query_slots, longest,
+                                      [s + n for s, n in zip(starts[split:], lens)], observe, lens))
+        return input_ids_t, positions_t, AttentionMetadata(slot_mapping=slot_mapping_t, groups=groups), last_rows
+
+    def _group(self, seqs: list[Sequence], rows: slice, query_positions: torch.Tensor, query_slots: torch.Tensor | None,
+               max_query_len: int, kv_lens: list[int], observe: Collection[int] = (),
+               query_lens: list[int] | None = None) -> AttentionGroup:
+        """The attention of `seqs`, whose queries sit at cache slots `query_positions` ([B, max_query_len]) and see
+        the first kv_lens[i] slots of their sequence, split into length classes by blocks needed
+        (rollout/model/attention.py). Sequences in `observe` report the attention of their last `observation_window`
+        queries (of `query_lens[i]`, one each when None)."""
+        block_size = self.block_size
+        needed = [-(-n // block_size) for n in kv_lens]
+        members: dict[int, list[int]] = {}
+        for i, n in enumerate(needed):
+            members.setdefault((n - 1).bit_length() if self.length_classes else 0, []).append(i)
+        classes = []
+        for indices in members.values():
+            width = max(needed[i] for i in indices)
+            block_ids = []
+            for i in indices:
+                table = seqs[i].block_table[:width]
+                block_ids += table + [0] * (width - len(table))
+            everyone = len(indices) == len(seqs)
+            rows_t = None if everyone else self._tensor(indices)
+            positions = query_positions if everyone else query_positions[rows_t]
+            visible = self._key_positions[: width * block_size] <= positions.unsqueeze(-1)
+            watched = [(row, i) for row, i in enumerate(indices) if seqs[i].seq_id in observe] if observe else []
+            classes.append(LengthClass(rows=rows_t, block_ids=self._tensor(block_ids), num_blocks=width,
+                                       mask=torch.where(visible, self._attend, self._ignore).unsqueeze(1),
+                                       observed=self._observed(seqs, watched, max_query_len, query_lens)))
+        return AttentionGroup(rows=rows, num_seqs=len(seqs), classes=classes, query_slots=query_slots,
+                              max_query_len=max_query_len)
+
+    def _observed(self, seqs: list[Sequence], watched: list[tuple[int, int]], max_query_len: int,
+                  query_lens: list[int] | None) -> Observation | None:
+        """Which rows of a length class report their attention, and the weights of their last queries."""
+        if not watched:
+            return None
+        weights = torch.zeros(len(watched), max_query_len, dtype=torch.float32, device=self.device)
+        for k, (_, i) in enumerate(watched):
+            n = 1 if query_lens is None else query_lens[i]
+            last = min(n, self.observation_window)
+            weights[k, n - last : n] = 1.0 / last
+        return Observation(rows=self._tensor([row for row, _ in watched]), seq_ids=[seqs[i].seq_id for _, i in watched],
+                           query_weights=weights)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        device = self.device
+        temperatures = [seq.params.temperature for seq in seqs]
+        top_ps = [seq.params.top_p for seq in seqs]
+        top_ks = [seq.params.top_k if seq.params.top_k > 0 else self.vocab_size for seq in seqs]
+        return SamplingTensors(
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            row_keys=row_keys([completion_key(seq.seed, seq.index) for seq in seqs], [len(seq) for seq in seqs], device),
+            any_sampled=any(t > 0 for t in temperatures),
+            any_filtered=any(t > 0 and (p < 1 or k < self.vocab_size) for t, p, k in zip(temperatures, top_ps, top_ks)),
+        )
+
+
+def make_kv_cache(config: EngineConfig, device: torch.device) -> KVCache | QuantizedKVCache:
+    """The cache `config.kv_cache_dtype` names: KVCache in the model dtype ("auto") or a QuantizedKVCache."""
+    m = config.model_config
+    shape = (m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim)
+    if config.kv_cache_dtype == "auto":
+        return KVCache(*shape, config.torch_dtype, device)
+    return QuantizedKVCache(*shape, config.torch_dtype, device, block_codec(config.kv_cache_dtype, config.block_size),
+                            config.kv_open_blocks)

@@ -1,0 +1,48 @@
+"""What the engine hands back: per-step token outputs and, for offline use, whole completions."""
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from rollout.engine.sequence import FinishReason
+
+
+class TokenOutput(NamedTuple):
+    """What one step produced for one completion: a new token, or only its end (abort).
+
+    A NamedTuple rather than a frozen dataclass: the engine makes one per sequence per step, and a
+    frozen dataclass's __init__ costs about twice as much (~2.9 vs ~1.3 us measured here).
+    """
+
+    request_id: str
+    index: int  # completion index within the request
+    token_id: int | None  # None for an abort, which produces no token
+    logprob: float | None
+    weight_version: int | None  # policy version that produced the token
+    finish_reason: FinishReason | None  # None while the completion continues
+
+
+@dataclass
+class Completion:
+    """One completion as it stands (finished when finish_reason is set)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def add(self, output: TokenOutput) -> None:
+        if output.token_id is not None:
+            self.token_ids.append(output.token_id)
+            self.logprobs.append(output.logprob)
+            self.weight_versions.append(output.weight_version)
+        self.finish_reason = output.finish_reason
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its n completions, ordered by index."""
+
+    request_id: str
+    prompt_ids: list[int]
+    completions: list[Completion]

@@ -1,0 +1,133 @@
+"""Token sampling for a batch: temperature, top-k, top-p, greedy, per-request seeds, logprobs.
+
+Sampling is Gumbel-max over the processed logits: token = argmax(logits / T (top-k/top-p
+masked) + Gumbel noise). The noise comes from a counter-based hash of (seed, completion index,
+position, token id) (splitmix64), so one batched op serves every request, each with its own seed, and a
+completion is reproducible whatever it was batched with and even after preemption.
+
+Logprobs (`logprobs_mode`):
+- "tempered" (default): log_softmax(logits / T) at the row's temperature T, before top-k/top-p: the
+  distribution the token was drawn from, up to the truncation. The trainer recomputes exactly this
+  (Sample.temperature carries T), so the PPO ratio and the importance weights compare like with like.
+  Greedy rows (T = 0) report the raw logprob (T = 1). top-k/top-p are not in the number: the trainer
+  cannot reproduce a truncation (verl and vLLM's default make the same choice); a truncated sampler is
+  corrected only up to the mass it cuts, which `top_p: 1, top_k: 0` (the default) makes zero.
+- "raw": log_softmax of the logits at temperature 1 whatever T was (what the policy would score at T = 1).
+- "processed": log-probability under the distribution actually sampled from (after temperature,
+  top-k and top-p); 0.0 for greedy rows, whose distribution is a point mass. Not reproducible by the
+  trainer when top-k/top-p cut anything: for inspection, not for off-policy correction.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.sampling_params import LOGPROBS_MODES
+
+
+def as_int64(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic; products wrap alike)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment and finaliser constants
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def splitmix64(value: int) -> int:
+    """The splitmix64 finaliser on a Python int (the per-row half of the hash, computed host-side)."""
+    value = (value ^ (value >> 30)) * _MIX1 & _MASK64
+    value = (value ^ (value >> 27)) * _MIX2 & _MASK64
+    return value ^ (value >> 31)
+
+
+@functools.lru_cache(maxsize=4096)
+def completion_key(seed: int, index: int) -> int:
+    """The per-completion half of row_key, the same at every position (cached: it is asked every step)."""
+    return splitmix64((splitmix64(seed) + index) & _MASK64)
+
+
+def row_key(seed: int, index: int, position: int) -> int:
+    """The noise key of one sampled token: completion `index` of a request seeded `seed`, at `position`."""
+    return as_int64(splitmix64((completion_key(seed, index) + position) & _MASK64))
+
+
+def row_keys(completion_keys: list[int], positions: list[int], device: torch.device) -> torch.Tensor:
+    """row_key of each (completion_key(seed, index), position) pair as one int64 tensor, hashed in one batched op."""
+    keys = torch.tensor([as_int64(k) for k in completion_keys], dtype=torch.int64, device=device)
+    return _splitmix64(keys + torch.tensor(positions, dtype=torch.int64, device=device))  # int64 sums wrap like uint64
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling controls of one batch, as tensors on the logits' device."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64, vocab size when unrestricted
+    row_keys: torch.Tensor  # [B] int64, row_key(seed, completion index, position)
+    any_sampled: bool  # some row has temperature > 0
+    any_filtered: bool  # some sampled row uses top-k or top-p
+
+
+class Sampler:
+    def __init__(self, logprobs_mode: str = "tempered"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: expected one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+        self._token_offsets: torch.Tensor | None = None  # token id * golden ratio, per vocabulary
+
+    def _gumbel(self, row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Gumbel(0, 1) noise [B, V], a pure function of (row key, token id)."""
+        if self._token_offsets is None or self._token_offsets.shape[1] != vocab:
+            ids = torch.arange(vocab, dtype=torch.int64, device=row_keys.device)
+            self._token_offsets = (ids * as_int64(_GOLDEN)).unsqueeze(0)
+        bits = _splitmix64(row_keys.unsqueeze(1) + self._token_offsets)
+        uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)  # in (0, 1)
+        return uniform.log_().neg_().log_().neg_().float()
+
+    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] -> (token ids [B] int64, logprobs [B] float32)."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        if not params.any_sampled:  # all greedy: a point mass in "processed" mode, the raw logprob otherwise
+            if self.logprobs_mode == "processed":
+                return tokens, torch.zeros(tokens.shape, dtype=logits.dtype, device=logits.device)
+            return tokens, self._logprobs(logits, tokens)
+        sampled = params.temperatures > 0
+        tempered = logits / torch.where(sampled, params.temperatures, 1.0).unsqueeze(1)
+        processed = _top_k_top_p(tempered, params.top_ks, params.top_ps) if params.any_filtered else tempered
+        noise = self._gumbel(params.row_keys, logits.shape[1])
+        tokens = torch.where(sampled, (processed + noise).argmax(dim=-1), tokens)
+        if self.logprobs_mode == "raw":
+            return tokens, self._logprobs(logits, tokens)
+        if self.logprobs_mode == "tempered":  # greedy rows were divided by 1: their raw logprob
+            return tokens, self._logprobs(tempered, tokens)
+        return tokens, torch.where(sampled, self._logprobs(processed, tokens), 0.0)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus of what is left."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill((mass_before > top_ps.unsqueeze(1)) & (ranks > 0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors; masks turn the arithmetic shifts into logical ones."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * as_int64(_MIX1)
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * as_int64(_MIX2)
+    return x ^ ((x >> 31) & ((1 << 33) - 1))

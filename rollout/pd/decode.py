@@ -1,0 +1,277 @@
+"""The decode worker: `relayrl serve decode --model PATH --set 'prefill=[HOST:PORT]'`.
+
+It serves relayrl.rollout.v1.Rollout like `relayrl serve rollout`, but Generate and GenerateStream pull the
+prompt's prefill from a prefill worker (rollout/pd/prefill.py explains the design), import it and decode.
+GenerateMany, ComputeLogprobs and the session rpcs run on this worker alone, prefill included (a session's
+KV stays on the worker its key is routed to). DecodeWorker.Continue decodes a transfer the caller brings.
+
+A transfer that does not fit is refused (INVALID_ARGUMENT, DATA_LOSS, FAILED_PRECONDITION) and the worker
+goes on serving. KV computed with other weights than served is never imported: a pulled prefill is pulled
+again (weight updates reach prefill and decode workers a moment apart) until `import_wait_s` runs out.
+"""
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Literal
+
+import grpc
+from prometheus_client import Counter
+from pydantic import Field
+
+from protos import kv_pb2, kv_pb2_grpc, rollout_pb2
+from protos.codec import encode_array
+from rollout.engine.errors import (
+    KVTransferCorrupt,
+    KVTransferInvalid,
+    KVWeightVersionMismatch,
+    QueueFull,
+)
+from rollout.engine.outputs import Completion
+from rollout.engine.sampling_params import SamplingParams
+from rollout.engines.settings import NativeSettings
+from rollout.pd.kv_group import KVGroup, KVGroupConfig, KVGroupError
+from rollout.serve.service import RolloutServicer
+from rollout.serve.wire import FINISH_REASONS, REFUSAL_CODES
+from services.config import ClientConfig, ServerConfig, Strict
+
+if TYPE_CHECKING:
+    from rollout.engine.async_engine import AsyncEngine
+    from rollout.pd.transfer import ReceivedTransfer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "relayrl.kv.v1.DecodeWorker"
+KV_BYTES = Counter("relayrl_decode_kv_transfer_bytes_total", "Encoded KV payload bytes received from prefill workers")
+KV_GROUP_BYTES = Counter("relayrl_decode_kv_group_bytes_total", "Encoded KV payload bytes received over the KV "
+                         "group (rollout/pd/kv_group.py), a part of relayrl_decode_kv_transfer_bytes_total")
+KV_REFUSED = Counter("relayrl_decode_kv_transfers_refused_total", "KV transfers refused", ["reason"])
+_RETRY_S = 0.02  # pause before asking again for blocks or a prefill under the served weights
+
+_CODES = (
+    (KVTransferInvalid, grpc.StatusCode.INVALID_ARGUMENT),
+    (KVTransferCorrupt, grpc.StatusCode.DATA_LOSS),
+    (KVWeightVersionMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    *REFUSAL_CODES,
+)
+
+_REFUSALS = tuple(kind for kind, _ in _CODES)
+
+
+class Config(Strict):
+    """`relayrl serve decode` configuration."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    model: str = Field(description="Local Hugging Face model folder (the prefill workers' model).")
+    engine: NativeSettings = Field(default_factory=NativeSettings)
+    prefill: list[str] = Field(min_length=1, description="host:port of each prefill worker (taken in turn).")
+    prefill_client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach prefill workers.")
+    codec: Literal["none", "int8", "int4"] | None = Field(None, description="Wire codec asked of the prefill workers; "
+                                                          "None: each prefill worker's own setting.")
+    import_wait_s: float = Field(30.0, gt=0, description="How long a request waits for KV blocks, or for a prefill "
+                                 "under the weights served here, before RESOURCE_EXHAUSTED / FAILED_PRECONDITION.")
+    prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one Prefill call.")
+    kv_group: KVGroupConfig | None = Field(None, description="A torch.distributed group shared with prefill "
+                                           "workers: their payloads come by recv, not gRPC chunks, once the group "
+                                           "is up (rollout/pd/kv_group.py). None = gRPC only.")
+
+
+def params_proto(params: SamplingParams) -> rollout_pb2.SamplingParams:
+    """SamplingParams as the wire carries them (RolloutServicer._params' inverse)."""
+    msg = rollout_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_tokens,
+        stop_token_ids=params.stop_token_ids, stop=params.stop, n=params.n, ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+class DecodeServicer(RolloutServicer):
+    def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, prefill_channels: list[grpc.aio.Channel],
+                 codec: str | None = None, import_wait_s: float = 30.0, prefill_timeout_s: float = 60.0,
+                 group: KVGroup | None = None):
+        super().__init__(engine, model_name, tokenizer)
+        self.group = group
+        self._tags = itertools.count(1)
+        self.prefill_stubs = [kv_pb2_grpc.PrefillWorkerStub(channel) for channel in prefill_channels]
+        # Over an NCCL group, one grouped transfer in flight per prefill worker (KVGroup.one_at_a_time).
+        self._grouped_turn = {id(stub): asyncio.Lock() for stub in self.prefill_stubs}
+        self._next_prefill = itertools.cycle(range(len(self.prefill_stubs)))
+        self.codec = codec or ""
+        self.import_wait_s = import_wait_s
+        self.prefill_timeout_s = prefill_timeout_s
+
+    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                        context) -> AsyncIterator[Completion]:
+        """Pull the prefill, import it, stream the deltas; refusals end the call with their status."""
+        from rollout.engine.errors import EngineDead
+
+        request = rollout_pb2.GenerateRequest(request_id=request_id, prompt_ids=encode_array(prompt, "int32"),
+                                              params=params_proto(params))
+        deadline = time.monotonic() + self.import_wait_s
+        try:
+            while True:
+                transfer = await self._pull(request, context)
+                try:
+                    async for delta in self._import(transfer, deadline):
+                        yield delta
+                    return
+                except KVWeightVersionMismatch:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(_RETRY_S)  # the prefill worker's weights are not these yet: pull again
+        except (*_REFUSALS, EngineDead) as exc:  # EngineDead: UNAVAILABLE
+            await self._refuse(context, exc)
+
+    async def _generate_all(self, request_id: str, prompt: list[int], params: SamplingParams,
+                            context) -> list[Completion]:
+        completions = [Completion(i) for i in range(params.n)]
+        async for delta in self._generate(request_id, prompt, params, context):
+            done = completions[delta.index]
+            done.token_ids += delta.token_ids
+            done.logprobs += delta.logprobs
+            done.weight_versions += delta.weight_versions
+            done.finish_reason = delta.finish_reason
+        return completions
+
+    async def Continue(self, request_iterator, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
+        from rollout.engine.errors import EngineDead
+
+        chunks = [chunk async for chunk in request_iterator]
+        try:
+            transfer = self._unpack(chunks)
+            request = transfer.request
+            async for delta in self._import(transfer, time.monotonic() + self.import_wait_s):
+                yield rollout_pb2.GenerateChunk(
+                    request_id=request.request_id, index=delta.index,
+                    token_ids=encode_array(delta.token_ids, "int32"),
+                    logprobs=encode_array(delta.logprobs if request.params.logprobs else [], "float32"),
+                    weight_versions=encode_array(delta.weight_versions, "int64"),
+                    finish_reason=FINISH_REASONS[delta.finish_reason], text=self.decode_text(delta.token_ids))
+        except (*_REFUSALS, EngineDead) as exc:  # EngineDead: UNAVAILABLE
+            await self._refuse(context, exc)
+
+    def _unpack(self, chunks: list[kv_pb2.KVTransferChunk]) -> "ReceivedTransfer":
+        from rollout.engine.kv_handoff import served_layout
+        from rollout.pd.transfer import unpack
+
+        transfer = unpack(chunks, served_layout(self.engine.engine))
+        KV_BYTES.inc(transfer.payload_bytes)
+        return transfer
+
+    async def _pull(self, request: rollout_pb2.GenerateRequest, context) -> "ReceivedTransfer":
+        """The request's prefill from the next prefill worker that answers (UNAVAILABLE when none does)."""
+        last_error = None
+        for _ in range(len(self.prefill_stubs)):
+            stub = self.prefill_stubs[next(self._next_prefill)]
+            try:
+                chunks = await self._prefill_chunks(stub, request)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    await context.abort(exc.code(), f"prefill: {exc.details()}")
+                last_error = exc
+                continue
+            except KVGroupError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill: {exc}")
+            return self._unpack(chunks)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"no prefill worker answers: {last_error.details()}")
+
+    async def _prefill_chunks(self, stub, request: rollout_pb2.GenerateRequest) -> list[kv_pb2.KVTransferChunk]:
+        """One Prefill call's transfer; with the KV group up, its payload comes by recv (as one payload chunk)."""
+        ask = kv_pb2.PrefillRequest(request=request, codec=self.codec)
+        if self.group is not None and self.group.ready:
+            ask.kv_group_rank = self.group.rank
+            ask.kv_group_tag = next(self._tags) % (1 << 31)
+            if self.group.one_at_a_time:
+                async with self._grouped_turn[id(stub)]:
+                    return await self._stream_prefill(stub, ask)
+        return await self._stream_prefill(stub, ask)
+
+    async def _stream_prefill(self, stub, ask: kv_pb2.PrefillRequest) -> list[kv_pb2.KVTransferChunk]:
+        """The chunks of `ask`'s Prefill call, the payload received over the group when the header says so."""
+        from rollout.engine.kv_handoff import served_layout
+        from rollout.pd.transfer import check_header
+
+        chunks, received = [], None
+        async for chunk in stub.Prefill(ask, timeout=self.prefill_timeout_s):
+            chunks.append(chunk)
+            if chunk.WhichOneof("kind") == "header" and chunk.header.HasField("payload_from_rank"):
+                header = chunk.header
+                if not ask.HasField("kv_group_rank"):
+                    raise KVTransferInvalid("payload_from_rank: the payload was sent over a KV group this worker "
+                                            "did not ask for")
+                check_header(header, served_layout(self.engine.engine))  # before allocating payload_bytes
+                received = asyncio.create_task(asyncio.to_thread(
+                    self.group.recv, header.payload_bytes, header.payload_from_rank, ask.kv_group_tag))
+        if received is not None:
+            payload = await received
+            KV_GROUP_BYTES.inc(len(payload))
+            chunks.append(kv_pb2.KVTransferChunk(payload=payload))
+        return chunks
+
+    async def _import(self, transfer: "ReceivedTransfer", deadline: float) -> AsyncIterator[Completion]:
+        """The deltas of the imported request; waits (until `deadline`) while its KV blocks are not free."""
+        params = dataclasses.replace(self._params(transfer.request.params), seed=transfer.prefilled.seed)
+        while True:
+            try:
+                async for delta in self.engine.generate_prefilled(transfer.request.request_id, transfer.prefilled,
+                                                                  params):
+                    yield delta
+                return
+            except QueueFull:  # raised before any delta: the blocks are taken now
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_RETRY_S)
+
+    async def _refuse(self, context, exc: Exception) -> None:
+        code = next((code for kind, code in _CODES if isinstance(exc, kind)), grpc.StatusCode.UNAVAILABLE)
+        if isinstance(exc, (KVTransferInvalid, KVTransferCorrupt, KVWeightVersionMismatch)):
+            KV_REFUSED.labels(type(exc).__name__).inc()
+            log.warning("KV transfer refused (%s): %s", code.name, exc)
+        await context.abort(code, str(exc))
+
+
+class DecodeWorkerRPCs(kv_pb2_grpc.DecodeWorkerServicer):
+    """relayrl.kv.v1.DecodeWorker over a DecodeServicer: Continue, and Rollout.GetLoad in kv's message."""
+
+    def __init__(self, servicer: DecodeServicer):
+        self.servicer = servicer
+
+    async def Continue(self, request_iterator, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
+        async for chunk in self.servicer.Continue(request_iterator, context):
+            yield chunk
+
+    async def GetLoad(self, request, context) -> kv_pb2.GetLoadResponse:
+        load = await self.servicer.GetLoad(rollout_pb2.GetLoadRequest(), context)
+        return kv_pb2.GetLoadResponse(free_blocks=load.free_blocks, num_blocks=load.num_blocks, running=load.running,
+                                      waiting=load.waiting, weight_version=load.weight_version)
+
+
+async def serve(config: Config) -> None:
+    """Load the model and serve Rollout + DecodeWorker (+ WeightSync) until SIGTERM."""
+    from protos import rollout_pb2_grpc, weights_pb2_grpc
+    from rollout.engines import start_engine
+    from rollout.serve.weight_receiver import WeightReceiver
+    from rollout.serve.wire import SERVICE_NAME as ROLLOUT_SERVICE
+    from services.client import connect
+    from services.runtime import serve as serve_forever
+
+
+    engine = start_engine(config.model, config.engine)
+    channels = [connect(address, config.prefill_client) for address in config.prefill]
+    servicer = DecodeServicer(engine, config.model, engine.tokenizer, channels, config.codec,
+                              config.import_wait_s, config.prefill_timeout_s,
+                              KVGroup(config.kv_group, engine.device) if config.kv_group else None)
+
+    async def on_stop() -> None:
+        engine.shutdown()
+        for channel in channels:
+            await channel.close()
+
+    await serve_forever("decode", [
+        (rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, ROLLOUT_SERVICE),
+        (kv_pb2_grpc.add_DecodeWorkerServicer_to_server, DecodeWorkerRPCs(servicer), SERVICE_NAME),
+        (weights_pb2_grpc.add_WeightSyncServicer_to_server, WeightReceiver(engine), "relayrl.weights.v1.WeightSync"),
+    ], config.server, on_stop)

@@ -1,0 +1,23 @@
+"""What `relayrl serve rollout` is told when it serves an engine in its own process."""
+
+from pydantic import Field
+
+from rollout.engines.settings import EngineChoice, NativeSettings
+from rollout.serve.openai_schema import OpenAISettings
+from services.config import ClientConfig, ServerConfig, Strict
+
+
+class ReplicaConfig(Strict):
+    """`relayrl serve rollout` serving an engine in this process (rollout/main.py adds the router's settings)."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    model: str = Field(description="Local Hugging Face model folder (config.json, *.safetensors, tokenizer).")
+    engine: EngineChoice = Field(default_factory=NativeSettings, description="The engine that generates: "
+                                 "{type: native | vllm | sglang, ...its settings} (rollout/engines/settings.py).")
+    buffer: str | None = Field(None, description="Replay buffer address for CloseSession(submit=true); None: "
+                               "submitting is FAILED_PRECONDITION.")
+    buffer_client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the buffer.")
+    buffer_timeout_s: float = Field(30.0, gt=0, description="How long CloseSession retries a buffer that is "
+                                    "unavailable or full before it answers submitted=false.")
+    openai: OpenAISettings | None = Field(None, description="The OpenAI-compatible HTTP endpoint over the same "
+                                          "engine (rollout/serve/openai_api.py, docs/openai.md); None: off.")

@@ -1,0 +1,292 @@
+"""The rollout service: `relayrl serve rollout --model PATH`.
+
+Three layers: the engine (pure logic behind the engine interface, rollout/engines/base.py: native, vLLM or
+SGLang as `engine.type` says), RolloutServicer (proto <-> domain, status codes), and serve() wiring both into
+the shared runtime with the WeightSync receiver. Heavy imports (torch, the engine) happen inside serve(),
+after the config has been parsed.
+"""
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import Gauge
+
+from protos import rollout_pb2, rollout_pb2_grpc
+from protos.codec import CodecError, decode_array, encode_array
+from rollout.engine.errors import DuplicateRequest, EngineDead, InvalidRequest, QueueFull
+from rollout.engine.sampling_params import SamplingParams, logprobs_temperature
+from rollout.serve.config import ReplicaConfig
+from rollout.serve.session_service import SessionRPCs
+from rollout.serve.wire import FINISH_REASONS, REFUSAL_CODES, SERVICE_NAME, TOKENS_GENERATED
+
+if TYPE_CHECKING:
+    from rollout.engine.outputs import Completion
+    from rollout.engines.base import RolloutEngine
+
+RUNNING_SEQS = Gauge("relayrl_rollout_running_sequences", "Sequences in the running batch")
+WAITING_SEQS = Gauge("relayrl_rollout_waiting_sequences", "Sequences waiting for KV blocks or a batch slot")
+FREE_BLOCKS = Gauge("relayrl_rollout_free_kv_blocks", "KV cache blocks on the free list")
+WEIGHT_VERSION = Gauge("relayrl_rollout_weight_version", "Weight version used for new tokens")
+PREFILL_TOKENS = Gauge("relayrl_rollout_prefill_tokens", "Tokens computed by prefill so far (prompts, session turns, "
+                       "recomputes): a session turn adds only its new tokens")
+OPEN_SESSIONS = Gauge("relayrl_rollout_open_sessions", "Multi-turn sessions open")
+SESSION_BLOCKS = Gauge("relayrl_rollout_session_kv_blocks", "KV blocks held by idle sessions between turns")
+PREFIX_QUERIED_TOKENS = Gauge("relayrl_rollout_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
+                              "prefix cache so far")
+PREFIX_HIT_TOKENS = Gauge("relayrl_rollout_prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache "
+                          "supplied so far (hit rate = hits / queried)")
+KV_EVICTED_TOKENS = Gauge("relayrl_rollout_kv_evicted_tokens", "Tokens whose KV was evicted so far (kv_eviction)")
+KV_BYTES_PER_TOKEN = Gauge("relayrl_rollout_kv_cache_bytes_per_token", "KV cache bytes per token as stored (every "
+                           "layer, keys and values), labelled by engine.kv_cache_dtype", ["kv_cache_dtype"])
+SESSION_EVICTIONS = Gauge("relayrl_rollout_session_kv_evictions", "Idle sessions whose KV was dropped so far "
+                          "(recomputed on their next turn)")
+
+_STATS_GAUGES = {  # engine.stats key -> its gauge
+    "running": RUNNING_SEQS, "waiting": WAITING_SEQS, "free_blocks": FREE_BLOCKS, "prefill_tokens": PREFILL_TOKENS,
+    "prefix_cache_queried_tokens": PREFIX_QUERIED_TOKENS, "prefix_cache_hit_tokens": PREFIX_HIT_TOKENS,
+    "sessions": OPEN_SESSIONS, "session_blocks": SESSION_BLOCKS, "session_evictions": SESSION_EVICTIONS,
+    "kv_evicted_tokens": KV_EVICTED_TOKENS,
+}
+
+MAX_VERSION_WAIT_S = 60.0  # the longest GetWeightVersion watch
+
+class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
+    """Generate / GenerateStream / Abort / GetWeightVersion / GetModelInfo / ComputeLogprobs / GetLoad over an engine
+    (rollout/engines/base.py), and the session RPCs (rollout/serve/session_service.py)."""
+
+    def __init__(self, engine: "RolloutEngine", model_name: str, tokenizer, buffer_channel=None,
+                 buffer_timeout_s: float = 30.0):
+        self.engine = engine
+        self.buffer_channel = buffer_channel  # grpc.aio.Channel to the replay buffer, or None
+        self.buffer_timeout_s = buffer_timeout_s
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.decode_text = _text_decoder(tokenizer)
+        info = engine.info
+        self.vocab_size = info.vocab_size
+        self.eos_token_id = info.eos_token_ids[0] if info.eos_token_ids else -1
+        self.max_model_len = info.max_model_len
+        self.openai_port = 0  # the OpenAI-compatible endpoint's, once it serves (GetLoad tells a router)
+
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
+        request_id, prompt, params = self._parse(request)
+        return self._response(request, request_id, prompt, params,
+                              await self._generate_all(request_id, prompt, params, context))
+
+    async def GenerateMany(self, request: rollout_pb2.GenerateManyRequest, context) -> rollout_pb2.GenerateManyResponse:
+        parsed = []
+        for i, one in enumerate(request.requests):
+            try:
+                parsed.append(self._parse(one))
+            except CodecError as exc:
+                raise CodecError(f"requests[{i}].{exc}") from None
+        if not parsed:
+            raise CodecError("requests: give at least one request")
+        ids = [request_id for request_id, _, _ in parsed]
+        if len(set(ids)) < len(ids):
+            raise CodecError("requests: request_ids must be distinct")
+        tasks = [asyncio.ensure_future(self.engine.generate_all(*one)) for one in parsed]
+        try:
+            results = await asyncio.gather(*tasks)
+        except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
+            failed = next(i for i, task in enumerate(tasks)
+                          if task.done() and not task.cancelled() and task.exception() is exc)
+            await _abort_with_status(context, exc, f"requests[{failed}].")
+        finally:  # a refusal, or the caller gone: the other requests are aborted (each wait aborts its own)
+            for task in tasks:
+                task.cancel()
+                task.add_done_callback(_retrieved)
+        return rollout_pb2.GenerateManyResponse(responses=[
+            self._response(one, *parsed_one, done) for one, parsed_one, done in zip(request.requests, parsed, results)])
+
+    def _response(self, request: rollout_pb2.GenerateRequest, request_id: str, prompt: list[int],
+                  params: SamplingParams, done: list["Completion"]) -> rollout_pb2.GenerateResponse:
+        with_logprobs = request.params.logprobs
+        logprobs_t = logprobs_temperature(self.engine.info.logprobs_mode, params.temperature)
+        completions = []
+        for completion in done:
+            TOKENS_GENERATED.inc(len(completion.token_ids))
+            completions.append(rollout_pb2.Completion(
+                index=completion.index,
+                token_ids=encode_array(completion.token_ids, "int32"),
+                logprobs=encode_array(completion.logprobs, "float32") if with_logprobs else None,
+                weight_versions=encode_array(completion.weight_versions, "int64"),
+                finish_reason=FINISH_REASONS[completion.finish_reason],
+                text=self.decode_text(completion.token_ids),
+                logprobs_temperature=logprobs_t,
+            ))
+        return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
+
+    async def GenerateStream(self, request: rollout_pb2.GenerateRequest, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
+        request_id, prompt, params = self._parse(request)
+        async for delta in self._generate(request_id, prompt, params, context):
+            yield rollout_pb2.GenerateChunk(
+                request_id=request_id,
+                index=delta.index,
+                token_ids=encode_array(delta.token_ids, "int32"),
+                logprobs=encode_array(delta.logprobs if request.params.logprobs else [], "float32"),
+                weight_versions=encode_array(delta.weight_versions, "int64"),
+                finish_reason=FINISH_REASONS[delta.finish_reason],
+                text=self.decode_text(delta.token_ids),
+            )
+
+    async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:
+        return rollout_pb2.AbortResponse(found=await self.engine.abort(request.request_id))
+
+    async def GetWeightVersion(self, request, context) -> rollout_pb2.GetWeightVersionResponse:
+        if not 0 <= request.wait_s <= MAX_VERSION_WAIT_S:  # also false for NaN
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"wait_s: must be within [0, {MAX_VERSION_WAIT_S:g}] seconds, got {request.wait_s}")
+        version = self.engine.weight_version
+        if request.wait_s > 0:
+            version = await self.engine.watch_version(request.newer_than, request.wait_s)
+        return rollout_pb2.GetWeightVersionResponse(version=version)
+
+    async def GetModelInfo(self, request, context) -> rollout_pb2.GetModelInfoResponse:
+        return rollout_pb2.GetModelInfoResponse(
+            model=self.model_name,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            weight_version=self.engine.weight_version,
+            paused=False,  # every engine switches weights between steps without pausing
+            eos_token_id=self.eos_token_id,
+            engine=self.engine.info.engine,
+        )
+
+    async def GetLoad(self, request, context) -> rollout_pb2.GetLoadResponse:
+        stats = self.engine.stats
+        return rollout_pb2.GetLoadResponse(
+            free_blocks=stats.get("free_blocks", 0), num_blocks=stats.get("num_blocks", 0),
+            running=stats.get("running", 0), waiting=stats.get("waiting", 0), weight_version=self.engine.weight_version,
+            sessions=stats.get("sessions", 0), openai_port=self.openai_port)
+
+    async def ComputeLogprobs(self, request: rollout_pb2.ComputeLogprobsRequest, context) -> rollout_pb2.ComputeLogprobsResponse:
+        prompt = decode_array(request.prompt_ids, field="prompt_ids", expect="int32").tolist()
+        responses = [decode_array(r, field=f"response_ids[{i}]", expect="int32").tolist()
+                     for i, r in enumerate(request.response_ids)]
+        try:
+            logprobs, version = await self.engine.compute_logprobs(prompt, responses, request.temperature or 1.0)
+        except (InvalidRequest, QueueFull, EngineDead) as exc:
+            await _abort_with_status(context, exc)
+        return rollout_pb2.ComputeLogprobsResponse(
+            logprobs=[encode_array(values, "float32") for values in logprobs], weight_version=version)
+
+    async def _generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, context
+    ) -> AsyncIterator["Completion"]:
+        """The engine's deltas, with refusals turned into status codes. Cancelling the call aborts the request."""
+        try:
+            async for delta in self.engine.generate(request_id, prompt, params):
+                TOKENS_GENERATED.inc(len(delta.token_ids))
+                yield delta
+        except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
+            await _abort_with_status(context, exc)
+
+    async def _generate_all(
+        self, request_id: str, prompt: list[int], params: SamplingParams, context
+    ) -> list["Completion"]:
+        """The finished completions, with refusals turned into status codes. Cancelling the call aborts the request."""
+        try:
+            return await self.engine.generate_all(request_id, prompt, params)
+        except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
+            await _abort_with_status(context, exc)
+
+    def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+        """Request -> (request id, prompt ids, params); raises CodecError (INVALID_ARGUMENT) naming the field."""
+        prompt_ids = decode_array(request.prompt_ids, field="prompt_ids", expect="int32")
+        if prompt_ids.size and request.prompt_text:
+            raise CodecError("prompt_ids: give prompt_ids or prompt_text, not both")
+        prompt = self.tokenizer(request.prompt_text).input_ids if request.prompt_text else prompt_ids.tolist()
+        return request.request_id or uuid.uuid4().hex, prompt, self._params(request.params)
+
+    @staticmethod
+    def _params(p: rollout_pb2.SamplingParams) -> SamplingParams:
+        return SamplingParams(
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            top_k=p.top_k,
+            max_tokens=p.max_tokens,
+            stop_token_ids=tuple(p.stop_token_ids),
+            stop=tuple(p.stop),
+            n=p.n or 1,
+            seed=p.seed if p.HasField("seed") else None,
+            ignore_eos=p.ignore_eos,
+        )
+
+
+def _text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight to the Rust tokenizer when that is all it does.
+
+    transformers' decode first converts and checks its input in Python, which costs more than decoding
+    the few tokens of a completion.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a task's outcome as seen (a request refused after another already failed the call)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _abort_with_status(context, exc: Exception, where: str = "") -> None:
+    """End the call with the status code of an engine refusal (EngineDead: UNAVAILABLE), its message after `where`."""
+    code = grpc.StatusCode.UNAVAILABLE
+    for kind, kind_code in REFUSAL_CODES:
+        if isinstance(exc, kind):
+            code = kind_code
+            break
+    await context.abort(code, where + str(exc))
+
+
+async def serve_engine(config: ReplicaConfig) -> None:
+    """Load the model, start the engine thread, and serve Rollout (+ WeightSync) until SIGTERM."""
+    from protos import weights_pb2_grpc
+    from rollout.engines import start_engine
+    from rollout.serve.weight_receiver import WeightReceiver
+    from services.client import connect
+    from services.runtime import serve as serve_forever
+    from services.runtime import setup_logging
+
+    setup_logging("rollout", config.server.log_level)  # before the OpenAI endpoint logs its port
+    engine = start_engine(config.model, config.engine)
+    for key, gauge in _STATS_GAUGES.items():
+        if key in engine.stats:  # each engine reports the counters it keeps
+            gauge.set_function(lambda key=key: engine.stats[key])
+    WEIGHT_VERSION.set_function(lambda: engine.weight_version)
+    if "kv_cache_bytes_per_token" in engine.stats:
+        KV_BYTES_PER_TOKEN.labels(kv_cache_dtype=config.engine.kv_cache_dtype).set(
+            engine.stats["kv_cache_bytes_per_token"])
+    buffer_channel = connect(config.buffer, config.buffer_client) if config.buffer else None
+    servicer = RolloutServicer(engine, config.model, engine.tokenizer, buffer_channel, config.buffer_timeout_s)
+    receiver = WeightReceiver(engine)
+    openai_server = None
+    if config.openai is not None:  # up before the port file appears, so a ready service serves both
+        from rollout.serve.openai_api import serve_openai
+
+        openai_server = await serve_openai(config.openai, engine, engine.tokenizer, config.model,
+                                           servicer.submit_episode if buffer_channel is not None else None)
+        servicer.openai_port = openai_server.port
+
+    async def on_stop() -> None:
+        if openai_server is not None:
+            await openai_server.stop()
+        engine.shutdown()
+        if buffer_channel is not None:
+            await buffer_channel.close()
+
+    await serve_forever(
+        "rollout",
+        [
+            (rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, SERVICE_NAME),
+            (weights_pb2_grpc.add_WeightSyncServicer_to_server, receiver, "relayrl.weights.v1.WeightSync"),
+        ],
+        config.server,
+        on_stop,
+    )
