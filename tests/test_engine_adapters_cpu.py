@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from rollout.engine.errors import SessionNotFound
 from rollout.engine.model_info import ModelInfo
 from rollout.engine.sequence import FinishReason
 from rollout.engine.sessions import SessionTable
@@ -57,7 +58,7 @@ async def test_sglang_close_session_is_bounded_by_its_deadline_when_the_abort_ne
     assert record.finish_reason == FinishReason.ABORT and record.response_ids == [7, 8]
     assert record.logprobs == [-0.5, -0.25] and record.loss_mask == [1, 1]
     assert "s" not in engine.sessions.sessions and turn.request_id not in engine._running
-    with pytest.raises(Exception):
+    with pytest.raises(SessionNotFound):
         engine.sessions.get("s")
 
 
