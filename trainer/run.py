@@ -13,7 +13,8 @@ import transformers
 from services.runtime import Sparse
 from trainer.buffer_client import BufferClient
 from trainer.checkpoint import TrainState
-from trainer.config import PublishConfig, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.config.publish import PublishConfig
 from trainer.loop import train
 from trainer.parallel import init_distributed, shutdown_distributed
 from trainer.receivers import RouterReceivers
