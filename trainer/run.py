@@ -84,7 +84,8 @@ class RolloutPublisher:
 
     def __init__(self, config: PublishConfig, device: torch.device | None = None) -> None:
         """`device`: the trainer's; the NCCL backends send from it (gloo sends from the CPU)."""
-        from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
+        from trainer.broadcast.blocking import BlockingWeightBroadcaster
+        from trainer.broadcast.config import BroadcastConfig
 
         self._log_level = Sparse()
         self._broadcaster = BlockingWeightBroadcaster(

@@ -8,7 +8,7 @@ from services.config import ClientConfig, Strict
 
 
 class PublishConfig(Strict):
-    """Where new weights go after training steps (trainer/weight_broadcast.py)."""
+    """Where new weights go after training steps (trainer/broadcast/)."""
 
     receivers: list[str] = Field(default_factory=list, description="host:port of each rollout worker; empty = no publish.")
     receivers_from: str | None = Field(
