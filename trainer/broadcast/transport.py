@@ -19,6 +19,8 @@ from trainer.broadcast.config import BroadcastConfig
 
 @dataclass
 class Group:
+    """The group of a publish: its members (ranks 1.., in this order) and its name in the rendezvous store."""
+
     members: tuple[str, ...]
     name: str
     transfer: Transfer | None = None  # None until this process has joined
