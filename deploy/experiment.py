@@ -29,7 +29,7 @@ from deploy.supervisor import SuperviseConfig
 from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
 from services.config import Strict, load_config
-from trainer.config import AlgorithmConfig
+from trainer.config.algorithm import AlgorithmConfig
 
 DataFormat = Literal["auto", "jsonl", "parquet", "datasets"]
 
