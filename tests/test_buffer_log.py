@@ -11,9 +11,9 @@ from protos import common_pb2
 from protos.sample import SampleStatus
 from services.buffer.buffer import ReplayBuffer
 from services.buffer.config import BufferConfig
+from services.buffer.entries import EntryState, PullSpec
 from services.buffer.log import LogCorruption, RecordKind, SegmentLog
 from services.buffer.records import Checkpoint
-from services.buffer.store import EntryState, PullSpec
 
 CHECKPOINT = Checkpoint().encode()
 

@@ -56,6 +56,7 @@ from protos.sample import Sample, SampleStatus
 from services.buffer import metrics
 from services.buffer.commit import Durability, FsyncPolicy
 from services.buffer.config import BufferConfig
+from services.buffer.entries import EntryState, NewSample, PullSpec
 from services.buffer.log import HEADER, Location, LogCorruption, Record, RecordKind, SegmentLog
 from services.buffer.records import (
     COPY_HEADER,
@@ -74,7 +75,7 @@ from services.buffer.records import (
     version_record,
 )
 from services.buffer.retired import RetiredIds, group_hash, sample_hashes
-from services.buffer.store import EntryState, NewSample, PullSpec, SampleStore
+from services.buffer.store import SampleStore
 
 log = logging.getLogger(__name__)
 
