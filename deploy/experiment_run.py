@@ -102,7 +102,7 @@ def _sft_samples(rows, tokenizer, add_bos: bool):
 def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False, launcher=None):
     """The whole run; returns deploy.quickstart.Summary (its accuracy fields hold the held-out mean reward). With
     `resume`, the run in config.run_dir goes on from where it stopped (deploy/run_state.py). `launcher` starts the
-    RL phase's processes (deploy.pipeline.LocalLauncher by default; deploy.ray_launcher.RayLauncher)."""
+    RL phase's processes (deploy.local_launcher.LocalLauncher by default; deploy.ray_launcher.RayLauncher)."""
     import torch
     from transformers import AutoTokenizer
 

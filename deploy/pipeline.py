@@ -239,36 +239,11 @@ def start_reward(plan: Pipeline, supervisor, launcher, logs: pathlib.Path, regis
     return replicas_target([process.address for process in processes])
 
 
-class LocalLauncher:
-    """Where a run's processes start: each on this machine (deploy/ray_launcher.py places them on Ray nodes)."""
-
-    def service(self, name: str, overrides: dict, log_dir: pathlib.Path, registry: pathlib.Path,
-                env: dict[str, str] | None = None, label: str | None = None, client=None):
-        """A started, serving service process (deploy.launcher.ServiceProcess); `label` names it in the run (a
-        rollout replica: "rollout-2"), `name` is what `relayrl serve` runs, `client` how its health is checked."""
-        from deploy.launcher import start_service
-
-        return start_service(name, overrides, log_dir=log_dir, registry=registry, env=env, label=label, client=client)
-
-    def process(self, name: str, args: list[str], log_path: pathlib.Path, exit_zero_is_done: bool = False,
-                heartbeat: pathlib.Path | None = None):
-        """A client process (`python ARGS`) not yet started (deploy.supervisor.Process)."""
-        from deploy.supervisor import Process
-
-        return Process(name, args, log_path, exit_zero_is_done, heartbeat)
-
-    def release(self, label: str) -> None:
-        """Nothing holds a stopped process here (a Ray run's agent ends: deploy/ray_launcher.py)."""
-
-    def trainer_settings(self) -> dict:
-        """TrainerConfig fields that depend on where the trainer runs (none here: loopback)."""
-        return {}
-
-
 def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> PipelineResult:
     """Run the RL phase under `supervisor` (deploy.supervisor.Supervisor), reporting to `progress`
     (deploy.progress.Progress); the caller stops the supervisor. `launcher` starts the processes (LocalLauncher
     by default)."""
+    from deploy.local_launcher import LocalLauncher
     from deploy.replicas import RolloutReplicas
     from deploy.run_state import rl_seconds, save_rl_seconds
     from deploy.service_registry import REGISTRY_FILE
