@@ -46,9 +46,9 @@ def _placement(config: ExperimentConfig, name: str) -> dict:
 
 def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path,
                   prompts_path: pathlib.Path):
-    """The RL phase of `config` as deploy.pipeline.Pipeline: what each service, the driver and the trainer are told.
+    """The RL phase of `config` as deploy.pipeline_config.Pipeline: what each service, the driver and the trainer are told.
     Its `evaluate` is left for the caller to set (a run measures the served policy; deploy/k8s.py renders the rest)."""
-    from deploy.pipeline import Pipeline, RLConfig, merged, nested
+    from deploy.pipeline_config import Pipeline, RLConfig, merged, nested
 
     training, evaluation = config.training, config.evaluation
     reward_overrides, reward_env, function = reward_service(config)
@@ -139,7 +139,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     from deploy.pipeline import run_pipeline
     from deploy.progress import Progress
     from deploy.run_security import secure
-    from deploy.run_state import Summary, start_run_dir
+    from deploy.run_state import start_run_dir
     from deploy.supervisor import Supervisor
 
     torch.set_num_threads(1)
@@ -169,11 +169,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
         supervisor.stop()
         progress.close()
     export(config, run_dir, policy_dir, progress)
-    summary = Summary(
-        seed=config.seed, sft_accuracy=result.start_metric, final_accuracy=result.final_metric,
-        best_accuracy=max(p["accuracy"] for p in result.curve), steps=result.steps, completions=result.completions,
-        rl_seconds=result.rl_seconds, curve=result.curve, run_dir=str(run_dir), restarts=result.restarts,
-    )
+    summary = result.summary(config.seed, run_dir)
     progress.finish(summary)
     return summary
 

@@ -17,7 +17,7 @@ import sys
 
 from pydantic import Field
 
-from deploy.pipeline import RLConfig
+from deploy.pipeline_config import RLConfig
 from deploy.run_state import Summary
 from deploy.supervisor import SuperviseConfig
 from deploy.tiny_model import ModelConfig
@@ -109,7 +109,8 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None, resu
     import torch
     from transformers import AutoTokenizer
 
-    from deploy.pipeline import Pipeline, run_pipeline
+    from deploy.pipeline import run_pipeline
+    from deploy.pipeline_config import Pipeline
     from deploy.progress import Progress
     from deploy.run_state import start_run_dir, whole_model
     from deploy.supervisor import Supervisor
@@ -148,12 +149,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None, resu
     finally:
         supervisor.stop()
         progress.close()
-    summary = Summary(
-        seed=config.seed, sft_accuracy=result.start_metric, final_accuracy=result.final_metric,
-        best_accuracy=max(p["accuracy"] for p in result.curve), steps=result.steps,
-        completions=result.completions, rl_seconds=result.rl_seconds, curve=result.curve, run_dir=str(run_dir),
-        restarts=result.restarts,
-    )
+    summary = result.summary(config.seed, run_dir)
     progress.finish(summary)
     return summary
 

@@ -21,7 +21,8 @@ from rich.console import Console
 
 from deploy import service_registry
 from deploy.local_launcher import LocalLauncher
-from deploy.pipeline import Pipeline, RLConfig, start_reward
+from deploy.pipeline import start_reward
+from deploy.pipeline_config import Pipeline, RLConfig
 from deploy.supervisor import SuperviseConfig, Supervisor
 from protos import common_pb2
 from protos.sample import Sample
