@@ -86,3 +86,12 @@ def test_relayrl_status_shows_the_trainers_last_mismatch(tmp_path):
     console = Console(width=200, record=True)
     console.print(table([], "relayrl status: run", summary))
     assert "mismatch mean 0.03, max 0.5, k3 0.002" in " ".join(console.export_text().split())
+
+
+def test_the_step_figures_reach_prometheus():
+    from prometheus_client import REGISTRY
+
+    check_mismatch(MismatchConfig(), {"mismatch/abs_mean": 0.125, "mismatch/abs_mean_lag2+": 0.5, "loss": 1.0}, 4)
+    value = REGISTRY.get_sample_value("relayrl_trainer_logprob_mismatch", {"stat": "abs_mean"})
+    assert value == 0.125
+    assert REGISTRY.get_sample_value("relayrl_trainer_logprob_mismatch", {"stat": "abs_mean_lag2+"}) == 0.5

@@ -12,12 +12,15 @@ import logging
 
 import torch
 import torch.distributed as dist
+from prometheus_client import Gauge
 
 from trainer.config.mismatch import MismatchConfig
 
 log = logging.getLogger(__name__)
 LAGS = (0, 1, 2)  # the last one counts every lag >= 2
 PREFIX = "mismatch/"
+MISMATCH = Gauge("relayrl_trainer_logprob_mismatch", "Rollout-vs-trainer logprob mismatch of the last step: abs_mean, "
+                 "abs_max, k3, abs_mean_lag0/1/2+", ["stat"])
 
 
 def mismatch_sums(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -64,7 +67,10 @@ class MismatchTooLarge(RuntimeError):
 
 
 def check_mismatch(config: MismatchConfig, metrics: dict[str, float], step: int) -> None:
-    """Warn or stop as `config` says when the step's figure is above its bound."""
+    """Export the step's figures (Prometheus) and warn or stop as `config` says when one is above its bound."""
+    for name, figure in metrics.items():
+        if name.startswith(PREFIX):
+            MISMATCH.labels(stat=name[len(PREFIX):]).set(figure)
     value = metrics.get(f"{PREFIX}{config.metric}")
     if value is None:
         return

@@ -49,6 +49,8 @@ class TrainerConfig(Strict):
     metrics_sample_ids: bool = Field(
         False, description="Also record each step's lease and sample ids in the metrics file (audits resumes)."
     )
+    metrics_port: int | None = Field(None, ge=0, description="Serve Prometheus /metrics on 127.0.0.1:PORT from rank 0 "
+                                     "(0 = any free port): step, weight version, logprob mismatch. None = off.")
     heartbeat_path: str | None = Field(
         None, description="Touch this file every heartbeat_interval_s from a daemon thread of rank 0 (from start-up "
         "on): a supervisor that finds it untouched knows the process is frozen, not merely busy. None = off."
