@@ -234,6 +234,8 @@ class LLMEngine(SessionSteps):
         with torch.no_grad():
             if adopt:
                 self.runner.model.adopt_weights(items)
+                if self.runner.graphs is not None:  # the graphs hold the old weights' addresses
+                    self.runner.graphs.reset()
             else:
                 self.runner.model.load_weights(items)
         self.weight_version = version

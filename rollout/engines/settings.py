@@ -29,10 +29,15 @@ class NativeSettings(Strict):
         4096, gt=0, description="Tokens computed per step: the running decodes first, one each, then chunks of the "
         "prompts being prefilled (a longer prompt is prefilled over several steps while the others keep decoding); "
         "at least max_num_seqs.")
-    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
-        "auto", description="Paged attention: 'torch' (any device and dtype), 'flashinfer' (FlashInfer's paged kernel: "
-        "CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto; the `gpu` extra), 'auto' = flashinfer "
-        "wherever it can run.")
+    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = Field(
+        "auto", description="Paged attention: 'torch' (any device and dtype), 'triton' (the Triton kernel: CUDA, any "
+        "dtype, quantized caches too; on CPU only in Triton's interpreter), 'flashinfer' (FlashInfer's paged kernel: "
+        "CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto; the `gpu` extra), 'auto' = triton on CUDA "
+        "when triton is importable, torch elsewhere.")
+    cuda_graphs: bool | None = Field(
+        None, description="Decode steps replayed from CUDA graphs, one per batch-size bucket (prefill steps stay "
+        "eager); None: on for CUDA with the Triton kernel and kv_cache_dtype auto; true on CPU runs the same static "
+        "buffers with plain calls (tests).")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
                                         "request computed (same weights only; hit rate in the metrics).")
     kv_eviction: Literal["none", "window", "snapkv"] = Field(
