@@ -148,9 +148,11 @@ def test_abort_keeps_partial_output_and_in_flight_tokens_carry_the_new_version(t
             [aborted] = await task
             assert aborted.finish_reason.value == "abort" and 0 < len(aborted.token_ids) < 200
 
+            state = _new_weights(tiny_model_dir, seed=2)  # before the request: building it can outlast 200 tokens
             task = asyncio.ensure_future(engine.generate_all("switch", PROMPTS[2], params))
-            await asyncio.sleep(0.3)
-            state = _new_weights(tiny_model_dir, seed=2)
+            while engine.stats["running"] == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
             await engine.update_weights(state, version=5)
             [done] = await task
             versions = done.weight_versions
