@@ -163,6 +163,46 @@ def test_abort_keeps_partial_output_and_in_flight_tokens_carry_the_new_version(t
     asyncio.run(main())
 
 
+def test_scoring_at_a_temperature_asks_vllm_for_the_given_tokens_only(sharp_model_dir):
+    """compute_logprobs and top_logprobs at T = 0.7, two responses scored in one step beside a running request:
+    the native engine's values within 1e-4, and every scoring request asks vLLM for the given token's prompt
+    logprob (or the top few), never the whole vocabulary's (prompt_logprobs=-1)."""
+
+    async def main():
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), max_model_len=128)))
+        vllm = start_vllm(str(sharp_model_dir), VllmSettings(type="vllm", max_model_len=128, max_num_seqs=8))
+        asked = []
+        add_request = vllm.engine.llm.add_request
+
+        def spy(request_id, prompt, params, *args, **kwargs):
+            asked.append(params.prompt_logprobs)
+            return add_request(request_id, prompt, params, *args, **kwargs)
+
+        vllm.engine.llm.add_request = spy
+        try:
+            running = asyncio.ensure_future(vllm.generate_all("beside", PROMPTS[3], SamplingParams(
+                temperature=1.0, max_tokens=60, ignore_eos=True, seed=4)))
+            while vllm.stats["running"] == 0:
+                await asyncio.sleep(0.01)
+            responses = [[12, 40, 7, 7, 88, 3, 51], [90, 1, 33, 60, 2, 2, 18, 75, 4, 30, 66]]
+            mine, _ = await native.compute_logprobs(PROMPTS[0], responses, 0.7)
+            theirs, _ = await vllm.compute_logprobs(PROMPTS[0], responses, 0.7)
+            for a, b in zip(mine, theirs):
+                assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+            top_mine = await native.top_logprobs(PROMPTS[1], responses[1], 0.7, 5)
+            top_theirs = await vllm.top_logprobs(PROMPTS[1], responses[1], 0.7, 5)
+            for a, b in zip(top_mine, top_theirs):
+                assert [i for i, _ in a] == [i for i, _ in b]
+                assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-4
+            await running
+            assert asked == [None, 0, 0, 5]  # the running request, the two responses, the top logprobs
+        finally:
+            vllm.shutdown()
+            native.shutdown()
+
+    asyncio.run(main())
+
+
 def test_the_rollout_service_serves_vllm(tiny_model_dir, service_factory):
     """`engine: {type: vllm}`: the same RPCs and the same refusals, GetModelInfo names the engine, a session's
     turns are token in, token out."""

@@ -9,6 +9,8 @@ produced it, exactly as in the native engine.
 
 - Tokens: `SamplingParams(logprobs=0)` returns each sampled token's logprob; `logprobs_mode` tempered is
   vLLM's processed_logprobs (softmax(logits / temperature)), raw its raw_logprobs.
+- Scoring given tokens: vLLM's prompt logprobs of the given token only (prompt_logprobs=0), at a temperature
+  through the worker extension (rollout/engines/vllm_worker.py), never the whole vocabulary's.
 - Weight updates: the worker extension (rollout/engines/vllm_worker.py) loads the tensors through the
   model runner's reload_weights (a plain model.load_weights fails on CPU, where vLLM repacks linear weights
   after loading), then the prefix cache is reset: KV of other weights is never reused.
@@ -35,6 +37,7 @@ from rollout.engine.sequence import FinishReason, Sequence, SequenceStatus
 from rollout.engine.sessions import SessionSteps, SessionTable
 from rollout.engines.base import checkpoint_layout
 from rollout.engines.settings import VllmSettings
+from rollout.engines.vllm_worker import SCORE_TEMPERATURE
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _WORKER_EXTENSION = "rollout.engines.vllm_worker.WeightLoader"
@@ -58,6 +61,7 @@ class VllmCore(SessionSteps):
         self.model = model
         self.settings = settings
         self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(model, settings)))
+        self.llm.collective_rpc("enable_tempered_prompt_logprobs")
         vllm_model = self.llm.model_config
         raw = json.loads((Path(model) / "config.json").read_text())
         self.info = ModelInfo("vllm", vllm_model.get_vocab_size(), vllm_model.max_model_len,
@@ -185,30 +189,21 @@ class VllmCore(SessionSteps):
     def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]],
                          temperature: float = 1.0) -> list[list[float]]:
         """Logprob of every token of each response given the prompt and the response tokens before it, under
-        softmax(logits / temperature): vLLM's prompt logprobs of prompt + response, renormalized at the
-        temperature from the whole vocabulary's when it is not 1."""
+        softmax(logits / temperature): vLLM's prompt logprobs of prompt + response, the given token's only."""
         prompt, tokens = self._check_scoring(prompt_ids, responses, temperature)
-        rows = self._prompt_logprobs(prompt, tokens, whole_vocab=temperature != 1.0)
-        result = []
-        for response, positions in zip(tokens, rows):
-            values = []
-            for token_id, entry in zip(response, positions):
-                if temperature == 1.0:
-                    values.append(entry[token_id].logprob)
-                else:
-                    values.append(float(_tempered(entry, temperature)[token_id]))
-            result.append(values)
-        return result
+        rows = self._prompt_logprobs(prompt, tokens, temperature, top=0)
+        return [[entry[token_id].logprob for token_id, entry in zip(response, positions)]
+                for response, positions in zip(tokens, rows)]
 
     def compute_top_logprobs(self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float,
                              top: int) -> list[list[tuple[int, float]]]:
         """The `top` most likely tokens (id, logprob) at each position of the response."""
         prompt, tokens = self._check_scoring(prompt_ids, [response_ids], temperature)
+        top = min(top, self.info.vocab_size)
         rows = []
-        for entry in self._prompt_logprobs(prompt, tokens, whole_vocab=True)[0]:
-            logprobs = _tempered(entry, temperature)
-            values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
-            rows.append(list(zip(ids.tolist(), values.tolist())))
+        for entry in self._prompt_logprobs(prompt, tokens, temperature, top)[0]:  # the given token's comes too
+            ranked = sorted(((token_id, lp.logprob) for token_id, lp in entry.items()), key=lambda item: -item[1])
+            rows.append(ranked[:top])
         return rows
 
     def _check_scoring(self, prompt_ids, responses, temperature) -> tuple[list[int], list[list[int]]]:
@@ -227,12 +222,16 @@ class VllmCore(SessionSteps):
             tokens.append(ids)
         return prompt, tokens
 
-    def _prompt_logprobs(self, prompt: list[int], responses: list[list[int]], whole_vocab: bool) -> list[list[dict]]:
-        """Per response, vLLM's prompt-logprob entry (token id -> Logprob) at each response position. Runs vLLM
-        steps until the scoring requests finish; the other requests' outputs of those steps wait in _pending."""
+    def _prompt_logprobs(self, prompt: list[int], responses: list[list[int]], temperature: float,
+                         top: int) -> list[list[dict]]:
+        """Per response, vLLM's prompt-logprob entry (token id -> Logprob: the given token and the `top` most
+        likely) at each response position, under softmax(logits / temperature) (the worker extension divides
+        the logits). Runs vLLM steps until the scoring requests finish; the other requests' outputs of those
+        steps wait in _pending."""
         from vllm import SamplingParams as VllmParams
 
-        params = VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if whole_vocab else 0, detokenize=False)
+        params = VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=top, detokenize=False,
+                            extra_args={SCORE_TEMPERATURE: temperature} if temperature != 1.0 else None)
         ids = {}
         for i, response in enumerate(responses):
             if response:
@@ -297,12 +296,3 @@ def engine_args(model: str, settings: VllmSettings) -> dict:
         args["kv_transfer_config"] = KVTransferConfig(**settings.kv_transfer_config)
     return {**args, **settings.engine_args}
 
-
-def _tempered(entry: dict, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) over the vocabulary from vLLM's whole-vocabulary logprobs at T = 1 (a logprob is
-    the logit less a constant, which the softmax cancels)."""
-    ids = torch.tensor(list(entry.keys()))
-    raw = torch.tensor([lp.logprob for lp in entry.values()], dtype=torch.float64)
-    dense = torch.full((int(ids.max()) + 1,), float("-inf"), dtype=torch.float64)
-    dense[ids] = raw
-    return torch.log_softmax(dense / temperature, dim=0)
