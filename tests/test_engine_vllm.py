@@ -163,6 +163,38 @@ def test_abort_keeps_partial_output_and_in_flight_tokens_carry_the_new_version(t
     asyncio.run(main())
 
 
+def test_a_weight_update_with_requests_in_flight_really_resets_the_prefix_cache(tiny_model_dir):
+    """An update lands while a request holds the blocks of a prompt (vLLM's plain reset_prefix_cache() then
+    resets nothing): a later request with the same prompt is computed with the new weights, its logprobs those
+    of a fresh engine that has them, and the request in flight goes on, its later tokens at the new version."""
+    prompt = [(7 * i) % 97 + 2 for i in range(70)]  # two full blocks of 32
+    state = _new_weights(tiny_model_dir, seed=3)
+
+    async def main():
+        vllm = start_vllm(str(tiny_model_dir), VllmSettings(type="vllm", max_model_len=256, max_num_seqs=4,
+                                                            engine_args={"block_size": 32}))
+        fresh = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=256)))
+        try:
+            await fresh.update_weights(state, 1)
+            stream = vllm.generate("in-flight", prompt, SamplingParams(temperature=1.0, max_tokens=150,
+                                                                       ignore_eos=True, seed=1))
+            versions = list((await anext(stream)).weight_versions)
+            await vllm.update_weights(state, 1)
+            params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=2)
+            [later] = await vllm.generate_all("later", prompt, params)
+            assert set(later.weight_versions) == {1}
+            [expected], _ = await fresh.compute_logprobs(prompt, [later.token_ids], 1.0)
+            assert max(abs(a - b) for a, b in zip(later.logprobs, expected)) < 1e-4
+            async for delta in stream:
+                versions += delta.weight_versions
+            assert len(versions) == 150 and versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+        finally:
+            vllm.shutdown()
+            fresh.shutdown()
+
+    asyncio.run(main())
+
+
 def test_scoring_at_a_temperature_asks_vllm_for_the_given_tokens_only(sharp_model_dir):
     """compute_logprobs and top_logprobs at T = 0.7, two responses scored in one step beside a running request:
     the native engine's values within 1e-4, and every scoring request asks vLLM for the given token's prompt

@@ -67,7 +67,8 @@ class VllmSettings(Strict):
     max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
     enable_prefix_caching: bool = Field(True, description="vLLM's prefix cache (sessions' turns reuse their "
-                                        "context's KV through it); reset at every weight update.")
+                                        "context's KV through it); reset at every weight update, the running "
+                                        "requests' context computed again with the new weights.")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's KV cache dtype; fp8 on GPU.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: the share of its memory vLLM takes.")

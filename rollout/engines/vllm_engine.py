@@ -11,9 +11,11 @@ produced it, exactly as in the native engine.
   vLLM's processed_logprobs (softmax(logits / temperature)), raw its raw_logprobs.
 - Scoring given tokens: vLLM's prompt logprobs of the given token only (prompt_logprobs=0), at a temperature
   through the worker extension (rollout/engines/vllm_worker.py), never the whole vocabulary's.
-- Weight updates: the worker extension (rollout/engines/vllm_worker.py) loads the tensors through the
-  model runner's reload_weights (a plain model.load_weights fails on CPU, where vLLM repacks linear weights
-  after loading), then the prefix cache is reset: KV of other weights is never reused.
+- Weight updates: the worker extension loads the tensors through the model runner's reload_weights (a plain
+  model.load_weights fails on CPU, where vLLM repacks linear weights after loading). Then the prefix cache
+  is reset with the running requests preempted (reset_prefix_cache(reset_running_requests=True), what
+  vLLM's pause_generation(mode="keep") does): their context is computed again with the new weights before
+  their next token, and no KV of other weights is ever reused. The reset is checked.
 - Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
@@ -250,11 +252,15 @@ class VllmCore(SessionSteps):
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                      version: int, adopt: bool = False) -> None:
-        """Load the tensors into vLLM's model through the worker extension and serve them as `version`; the
-        prefix cache forgets every prefix. vLLM copies (and on CPU repacks) them, so `adopt` changes nothing."""
+        """Load the tensors into vLLM's model through the worker extension and serve them as `version`. The
+        prefix cache forgets every prefix, and the running requests are preempted so that vLLM computes their context again with the new weights
+        (without it the reset fails while any request holds blocks, nearly always in asynchronous RL). vLLM
+        copies (and on CPU repacks) the tensors, so `adopt` changes nothing."""
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         self.llm.collective_rpc("load_tensors", args=(items,))
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after loading weight version "
+                               f"{version}; its KV of the earlier weights could be reused")
         self.weight_version = version
 
     @property
