@@ -74,6 +74,10 @@ class VllmSettings(Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: the share of its memory vLLM takes.")
     cpu_kv_cache_gib: int = Field(1, gt=0, description="CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).")
     tensor_parallel_size: int = Field(1, gt=0, description="GPUs one engine spans.")
+    weight_relay_device: str | None = Field(
+        None, description="tensor_parallel_size > 1: the GPU ('cuda:N') where this process receives a weight update "
+        "and sends it to vLLM's workers over vLLM's NCCL weight transfer; one none of the workers uses (NCCL refuses "
+        "two ranks on one GPU). None: the GPU after the workers' (cuda:<tensor_parallel_size>).")
     enforce_eager: bool = Field(True, description="No graph compilation (on CPU it costs ~75 s at start).")
     seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
     logprobs_mode: Literal["tempered", "raw"] = Field(

