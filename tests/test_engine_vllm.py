@@ -235,6 +235,31 @@ def test_scoring_at_a_temperature_asks_vllm_for_the_given_tokens_only(sharp_mode
     asyncio.run(main())
 
 
+def test_the_vllm_floor_is_the_first_release_with_the_apis_the_adapter_calls():
+    """pyproject's `vllm` extra admits 0.28.0 and nothing older (0.27.1 lacks the trainer-side weight-transfer
+    engine the TP > 1 path drives; 0.15 and older lack reload_weights(weights_iterator=)); the installed vLLM has
+    each API with the arguments the adapter passes."""
+    import inspect
+    import pathlib
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from vllm import LLMEngine
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    [requirement] = [Requirement(r) for r in pyproject["project"]["optional-dependencies"]["vllm"]]
+    assert requirement.specifier.contains("0.28.0") and not requirement.specifier.contains("0.27.1")
+    assert "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert "reset_running_requests" in inspect.signature(LLMEngine.reset_prefix_cache).parameters
+    assert {"client", "source"} <= set(inspect.signature(NCCLTrainerWeightTransferEngine.trainer_init).parameters)
+    assert "rank" in NCCLTrainerInitInfo.__dataclass_fields__
+
+
 def test_the_rollout_service_serves_vllm(tiny_model_dir, service_factory):
     """`engine: {type: vllm}`: the same RPCs and the same refusals, GetModelInfo names the engine, a session's
     turns are token in, token out."""
