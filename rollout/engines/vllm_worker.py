@@ -93,7 +93,9 @@ def _hook_v2(worker) -> str:
 
 
 def _temperature(sampling_params) -> float:
-    return float((sampling_params.extra_args or {}).get(SCORE_TEMPERATURE, 1.0))
+    """The scoring temperature a request names (1 for every other request, pooling ones included)."""
+    extra_args = getattr(sampling_params, "extra_args", None) or {}
+    return float(extra_args.get(SCORE_TEMPERATURE, 1.0))
 
 
 @contextmanager
