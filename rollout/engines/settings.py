@@ -75,12 +75,17 @@ class VllmSettings(Strict):
     max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
     enable_prefix_caching: bool = Field(True, description="vLLM's prefix cache (sessions' turns reuse their "
-                                        "context's KV through it); reset at every weight update.")
+                                        "context's KV through it); reset at every weight update, the running "
+                                        "requests' context computed again with the new weights.")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's KV cache dtype; fp8 on GPU.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: the share of its memory vLLM takes.")
     cpu_kv_cache_gib: int = Field(1, gt=0, description="CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).")
     tensor_parallel_size: int = Field(1, gt=0, description="GPUs one engine spans.")
+    weight_relay_device: str | None = Field(
+        None, description="tensor_parallel_size > 1: the GPU ('cuda:N') where this process receives a weight update "
+        "and sends it to vLLM's workers over vLLM's NCCL weight transfer; one none of the workers uses (NCCL refuses "
+        "two ranks on one GPU). None: the GPU after the workers' (cuda:<tensor_parallel_size>).")
     enforce_eager: bool = Field(True, description="No graph compilation (on CPU it costs ~75 s at start).")
     seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
     logprobs_mode: Literal["tempered", "raw"] = Field(
