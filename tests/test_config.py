@@ -61,3 +61,20 @@ def test_the_engine_is_a_tagged_choice():
         load_config(Config, None, ["model=m", "engine.type=tgi"])
     with pytest.raises(ConfigError, match=r"engine\.vllm\.block_size: Extra inputs are not permitted"):
         load_config(Config, None, ["model=m", "engine={type: vllm, block_size: 16}"])
+
+
+def test_kv_on_update_is_each_engines_and_vllm_refuses_recompute():
+    """engine.kv_on_update: keep by default everywhere; the native engine and SGLang take recompute; the vLLM
+    adapter cannot do it yet and says so when the config is loaded (docs/engine.md)."""
+    from rollout.main import Config
+
+    def engine(*settings: str):
+        return load_config(Config, None, ["model=m", *settings]).engine
+
+    assert engine().kv_on_update == engine("engine.type=vllm").kv_on_update == "keep"
+    assert engine("engine.kv_on_update=recompute").kv_on_update == "recompute"
+    assert engine("engine.type=sglang", "engine.kv_on_update=recompute").kv_on_update == "recompute"
+    with pytest.raises(ConfigError, match=r"engine\.vllm\.kv_on_update: .*'recompute' is not supported by the vLLM"):
+        engine("engine={type: vllm, kv_on_update: recompute}")
+    with pytest.raises(ConfigError, match=r"engine\.native\.kv_on_update"):
+        engine("engine.kv_on_update=later")

@@ -6,7 +6,7 @@ Each engine's settings are its own class; what all three share has the same name
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from services.config import Strict
 
@@ -56,6 +56,12 @@ class NativeSettings(Strict):
                               "RESOURCE_EXHAUSTED.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed and its KV "
                                           "freed; its id then answers NOT_FOUND (expired).")
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "keep", description="What a weight update does to KV computed with the old weights (docs/sessions.md). "
+        "'keep': sequences in flight and idle sessions go on over their KV; each completion's kv_version is the "
+        "oldest weight version of the KV its tokens were sampled on. 'recompute' (AReaL's interruptible "
+        "generation): that KV is dropped; each sequence in flight recomputes its context with the new weights "
+        "before its next token, each session at its next turn. Either way no new request reuses old KV.")
 
 
 class VllmSettings(Strict):
@@ -87,6 +93,21 @@ class VllmSettings(Strict):
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
 
+    # ---- kv_on_update (issue 29; docs/engine.md): keep only
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "keep", description="'keep' (the only one): requests in flight go on over the KV of the old weights; "
+        "vLLM's prefix cache is reset at an update, which vLLM skips while any request holds blocks, so a later "
+        "request may reuse KV of older weights. 'recompute' is refused (docs/engine.md).")
+
+    @field_validator("kv_on_update")
+    @classmethod
+    def _keep_only(cls, value: str) -> str:
+        if value == "recompute":
+            raise ValueError("'recompute' is not supported by the vLLM engine: the adapter neither aborts and "
+                             "resubmits requests in flight nor can it make vLLM reset its prefix cache while they "
+                             "hold blocks; use 'keep' (the native engine supports recompute)")
+        return value
+
 
 class SglangSettings(Strict):
     """SGLang as the rollout worker (rollout/engines/sglang_engine.py, the `sglang` extra); GPU only."""
@@ -109,6 +130,10 @@ class SglangSettings(Strict):
     abort_timeout_s: float = Field(10.0, gt=0, description="How long CloseSession waits for a running turn's abort "
                                    "to land in SGLang; then the turn ends here (marked abort) and its SGLang requests "
                                    "are left to SGLang, so a close never hangs.")
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "keep", description="Both are what SGLang does, which keeps no KV across an update: it switches weights only "
+        "once the requests in flight have finished (its model-update lock) and flushes its radix cache with the "
+        "switch, so every session's next turn recomputes its context (docs/engine.md).")
 
 
 def _engine_type(value: Any) -> str:
