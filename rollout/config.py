@@ -204,6 +204,10 @@ class EngineConfig:
     lm_head_fp32: bool = False
     max_sessions: int = 256  # open multi-turn sessions (rollout/engine/sessions.py); beyond it OpenSession is refused
     session_idle_timeout_s: float = 600.0  # a session idle this long is closed and its blocks freed
+    # What a weight update does to KV computed with the old weights (docs/sessions.md, "KV across weight updates"):
+    # "keep": running sequences and idle sessions go on over it (each completion says so in its kv_version);
+    # "recompute": it is dropped, and each context is recomputed with the new weights before its next token.
+    kv_on_update: Literal["keep", "recompute"] = "keep"
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)
     kv_open_blocks: int = field(init=False)
@@ -238,6 +242,8 @@ class EngineConfig:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+        if self.kv_on_update not in ("keep", "recompute"):
+            raise ValueError(f"kv_on_update: {self.kv_on_update!r} is not one of keep, recompute")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
         device = torch.device(self.device)

@@ -6,7 +6,7 @@ Each engine's settings are its own class; what all three share has the same name
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from services.config import Strict
 
@@ -64,6 +64,12 @@ class NativeSettings(Strict):
                               "RESOURCE_EXHAUSTED.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed and its KV "
                                           "freed; its id then answers NOT_FOUND (expired).")
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "keep", description="What a weight update does to KV computed with the old weights (docs/sessions.md). "
+        "'keep': sequences in flight and idle sessions go on over their KV; each completion's kv_version is the "
+        "oldest weight version of the KV its tokens were sampled on. 'recompute' (AReaL's interruptible "
+        "generation): that KV is dropped; each sequence in flight recomputes its context with the new weights "
+        "before its next token, each session at its next turn. Either way no new request reuses old KV.")
 
 
 class VllmSettings(Strict):
@@ -100,6 +106,21 @@ class VllmSettings(Strict):
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
 
+    # ---- kv_on_update (docs/engine.md): recompute only
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "recompute", description="'recompute' (the only one): at an update the adapter resets vLLM's prefix cache with "
+        "reset_running_requests=True, so vLLM recomputes the context of every request in flight with the new weights "
+        "before its next token, and no later request reuses KV of older weights. 'keep' is refused (docs/engine.md).")
+
+    @field_validator("kv_on_update")
+    @classmethod
+    def _recompute_only(cls, value: str) -> str:
+        if value == "keep":
+            raise ValueError("'keep' is not supported by the vLLM engine: its prefix-cache reset at an update "
+                             "recomputes the requests in flight (vLLM cannot reset the cache while they keep their "
+                             "blocks); use 'recompute' (the native engine supports both)")
+        return value
+
 
 class SglangSettings(Strict):
     """SGLang as the rollout worker (rollout/engines/sglang_engine.py, the `sglang` extra); GPU only."""
@@ -122,6 +143,10 @@ class SglangSettings(Strict):
     abort_timeout_s: float = Field(10.0, gt=0, description="How long CloseSession waits for a running turn's abort "
                                    "to land in SGLang; then the turn ends here (marked abort) and its SGLang requests "
                                    "are left to SGLang, so a close never hangs.")
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "keep", description="Both are what SGLang does, which keeps no KV across an update: it switches weights only "
+        "once the requests in flight have finished (its model-update lock) and flushes its radix cache with the "
+        "switch, so every session's next turn recomputes its context (docs/engine.md).")
 
 
 def _engine_type(value: Any) -> str:
