@@ -83,8 +83,8 @@ def records(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("overlap", "bind"), [(False, True), (True, True), (True, False)],
-    ids=["publish-bound", "overlapped-publish-of-snapshots", "overlapped-publish-gathered"],
+    ("overlap", "bind"), [(False, True), (True, True), (True, False), (False, False)],
+    ids=["publish-bound", "overlapped-publish-of-snapshots", "overlapped-publish-gathered", "publish-gathered-per-bucket"],
 )
 def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_path, service_factory, overlap, bind):
     from transformers import AutoModelForCausalLM

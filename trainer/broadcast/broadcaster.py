@@ -44,7 +44,7 @@ from services.client import connect
 from services.weights import GroupSpec, Manifest, TransferError, deadline_after, transfer_device
 from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.plan import BroadcastPlan
-from trainer.broadcast.transport import Group, Transport
+from trainer.broadcast.transport import Group, Tensors, Transport
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,10 @@ class WeightBroadcaster:
 
         return dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses)), strict=True))
 
-    async def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
-        """Send `named_tensors` as version `version` to every receiver; see the module docstring."""
+    async def publish(self, named_tensors: Tensors, version: int) -> PublishReport:
+        """Send `named_tensors` as version `version` to every receiver; see the module docstring. Sharded weights
+        (trainer/broadcast/gather.py) are gathered into each bucket as it goes out; the caller calls their
+        `finish()` afterwards (rank 0 like every other rank)."""
         start = time.perf_counter()
         tensors = self._plan.prepare(named_tensors)
         manifest = self._plan.manifest(tensors)
@@ -263,7 +265,7 @@ class WeightBroadcaster:
         return errors
 
     async def _transfer_and_commit(
-        self, group: Group, manifest: Manifest, tensors: dict[str, torch.Tensor], version: int,
+        self, group: Group, manifest: Manifest, tensors: Tensors, version: int,
         results: dict[str, ReceiverResult], report: PublishReport,
     ) -> None:
         deadline = deadline_after(self.config.timeout_s)
