@@ -136,6 +136,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 "already_trained": float(len(work.already_trained)),
                 "pull_s": time.monotonic() - started,
                 "publish_s": publisher.seconds,
+                **publisher.timings(),
             }
             mini_batches = learner.prepare(work.train)
             for index, mini_batch in enumerate(mini_batches):
@@ -244,6 +245,12 @@ class Publishing:
             finish_gather(tensors)
         state.weight_version = self.env.broadcast_object(state.weight_version)
         self.seconds = time.monotonic() - started
+
+    def timings(self) -> dict[str, float]:
+        """Rank 0: the last publish that ended: sync_s, from BeginUpdate until every receiver switched, and pause_s,
+        the longest an engine generated nothing for it (zeros before the first, or from a publisher that does not
+        say). publish_s is what the publish cost this loop: all of sync_s, or with `overlap` the gather alone."""
+        return {"sync_s": 0.0, "pause_s": 0.0, **getattr(self.publish, "timings", {})}
 
     def receivers_behind(self) -> bool:
         """Rank 0, no publish in flight: whether a receiver serves an older version than the last publish.

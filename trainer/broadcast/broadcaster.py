@@ -60,6 +60,7 @@ class ReceiverResult:
     not_newer: bool = False  # BeginUpdate refused the version: the receiver serves this one or a later one
     receive_s: float = 0.0
     switch_s: float = 0.0
+    pause_s: float = 0.0  # how long its engine generated nothing for this update (the receiver's measure)
 
 
 @dataclass
@@ -80,6 +81,12 @@ class PublishReport:
     def ok(self) -> bool:
         """Every receiver switched to the new version."""
         return bool(self.results) and all(r.ok for r in self.results)
+
+    @property
+    def pause_s(self) -> float:
+        """The longest any receiver's engine stopped generating for this publish (0 when none switched); it lies
+        within total_s, the publish's sync time, of which the receivers generate through the rest."""
+        return max((r.pause_s for r in self.results if r.ok), default=0.0)
 
     @property
     def failed(self) -> dict[str, str]:
@@ -312,7 +319,7 @@ class WeightBroadcaster:
         except grpc.RpcError as exc:
             return ReceiverResult(address, False, f"CommitUpdate {_describe(exc)}")
         return ReceiverResult(address, True, version=reply.current_version, receive_s=reply.receive_s,
-                              switch_s=reply.switch_s)
+                              switch_s=reply.switch_s, pause_s=reply.pause_s)
 
     async def _abort(self, addresses: Sequence[str], version: int) -> None:
         """Tell receivers to drop `version`; one that cannot be reached keeps it only until its own deadline."""
