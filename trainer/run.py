@@ -91,7 +91,7 @@ class RolloutPublisher:
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
             BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
-                            control_timeout_s=config.control_timeout_s, dtype=config.dtype,
+                            control_timeout_s=config.control_timeout_s, dtype=config.dtype, cuda_ipc=config.cuda_ipc,
                             master_addr=config.master_addr, master_port=config.master_port, client=config.client),
             device if config.backend != "gloo" else None,
         )

@@ -1,7 +1,8 @@
 """The rollout worker's side of weight sync: the relayrl.weights.v1.WeightSync servicer.
 
 BeginUpdate validates the manifest against the engine's parameters, then a background thread joins
-(or reuses) the update group and receives every bucket into staging buffers. CommitUpdate waits for
+(or reuses) the update group and receives every bucket into staging buffers (on the engine's GPU when the group
+was formed as CUDA IPC: the trainer shares that GPU, services/weights/cuda_ipc.py). CommitUpdate waits for
 that thread (with its timeout) and hands views of the staged tensors to
 `AsyncEngine.update_weights`, which switches between two decode steps; its reply says how long the engine
 generated nothing for the update (pause_s: the engine's own measure). On any failure the worker keeps
@@ -155,6 +156,9 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 device = transfer_device(spec.backend, self.device)
             except TransferError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker cannot take the update: {exc}")
+            held = self._group
+            if spec.existing and held is not None and self._holds(spec):
+                device = held.device  # a group formed as CUDA IPC stages on this GPU, whatever backend it was asked as
         async with self._switch_lock:
             current = self.engine.weight_version
             if request.version <= current:
@@ -231,6 +235,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         started = time.monotonic()
         try:
             group = self._join(update)
+            if update.staging.buffers[0].device != group.device:  # formed as CUDA IPC: the trainer is on this GPU
+                update.staging = _Staging(update.manifest, allocate_staging(update.manifest, group.device))
             receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
         except TransferError as exc:
             self._drop_group(update.spec.group_name)

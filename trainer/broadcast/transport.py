@@ -69,9 +69,13 @@ class Transport:
 
     async def join(self, group: Group, tensors: Tensors) -> None:
         """Form the new group as its rank 0 (the rendezvous); raises TransferError."""
-        device = self.device if self.device is not None else _device_of(tensors)
-        form = make_torch_group if group.tensor_broadcasts else make_group
-        group.transfer = await asyncio.to_thread(form, self._spec(group, 0), self.config.timeout_s, self._store, device)
+        device = self.device if self.device is not None else _device_of(tensors)  # which GPU, for CUDA IPC
+        spec, timeout_s = self._spec(group, 0), self.config.timeout_s
+        if group.tensor_broadcasts:
+            group.transfer = await asyncio.to_thread(make_torch_group, spec, timeout_s, self._store, device)
+        else:
+            group.transfer = await asyncio.to_thread(make_group, spec, timeout_s, self._store, device,
+                                                     self.config.cuda_ipc)
 
     async def send(self, group: Group, manifest: Manifest, tensors: Tensors, deadline: float) -> None:
         """Broadcast every tensor of `manifest` on the joined group by `deadline`; raises TransferError.
