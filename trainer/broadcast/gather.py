@@ -37,6 +37,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _identity(tensor: torch.Tensor) -> tuple | None:
+    """What two names of one tensor share, alike on every rank (a shard's storage, even when it holds no row of
+    the tensor on this rank); None for a tensor without memory."""
+    local = _local(tensor)
+    storage = local.untyped_storage()
+    if not storage.nbytes():
+        return None
+    return (local.device, storage.data_ptr(), local.storage_offset(), local.dtype, tuple(tensor.shape), local.stride())
+
+
 def _even_shard_dim(tensor: DTensor) -> int | None:
     """The mesh dimension `tensor` is split evenly over along its dimension 0, when that is its only split."""
     shards = [i for i, p in enumerate(tensor.placements) if not p.is_replicate()]
@@ -73,9 +83,8 @@ class ShardedWeights:
         self._tensors: dict[str, torch.Tensor] = {}
         seen = set()
         for name, tensor in tensors.items():  # a tied model holds one tensor under two names: it goes once
-            local = _local(tensor)
-            view = (local.device, local.data_ptr(), local.dtype, tuple(tensor.shape), local.stride())
-            if local.numel() and view in seen:
+            view = _identity(tensor)
+            if view is not None and view in seen:
                 continue
             seen.add(view)
             self._tensors[name] = tensor.detach()
