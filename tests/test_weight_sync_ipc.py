@@ -196,9 +196,7 @@ def test_a_publish_reaches_a_rollout_service_on_the_trainers_gpu(tiny_model_dir,
     from transformers import AutoModelForCausalLM
 
     from deploy.launcher import start_service
-    from protos import rollout_pb2, rollout_pb2_grpc
-    from protos.codec import decode_array, encode_array
-    from services.client import connect_sync
+    from tests.serve_check_kit import assert_served, greedy_completion
     from trainer.broadcast.broadcaster import WeightBroadcaster
     from trainer.broadcast.config import BroadcastConfig
     from trainer.broadcast.gather import ShardedWeights
@@ -217,18 +215,7 @@ def test_a_publish_reaches_a_rollout_service_on_the_trainers_gpu(tiny_model_dir,
         report, transfer = asyncio.run(publish())
         assert report.ok, report.failed
         assert transfer is CudaIpcTransfer and 0 < report.pause_s <= report.total_s
-        prompt = [1, *range(10, 30)]
-        request = rollout_pb2.GenerateRequest(prompt_ids=encode_array(prompt, "int32"), params=rollout_pb2.SamplingParams(
-            temperature=0.0, max_tokens=16, logprobs=True, ignore_eos=True))
-        with connect_sync(service.address) as channel:
-            completion = rollout_pb2_grpc.RolloutStub(channel).Generate(request, timeout=60).completions[0]
+        completion = greedy_completion(service.address)
     finally:
         service.stop(timeout=10)
-    tokens = decode_array(completion.token_ids, expect="int32").tolist()
-    assert set(decode_array(completion.weight_versions, expect="int64").tolist()) == {1}
-    model.load_state_dict(weights)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens], device="cuda:0")).logits[0].float()
-    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(tokens, device="cuda:0")[:, None])
-    torch.testing.assert_close(torch.tensor(decode_array(completion.logprobs, expect="float32").tolist()),
-                               expected[:, 0].cpu(), atol=1e-4, rtol=0)
+    assert_served(completion, model, weights, version=1)

@@ -14,7 +14,6 @@ import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -166,9 +165,7 @@ def test_a_publish_reaches_a_rollout_service_on_another_gpu(backend, tiny_model_
     from transformers import AutoModelForCausalLM
 
     from deploy.launcher import start_service
-    from protos import rollout_pb2, rollout_pb2_grpc
-    from protos.codec import decode_array, encode_array
-    from services.client import connect_sync
+    from tests.serve_check_kit import assert_served, greedy_completion
     from trainer.broadcast.broadcaster import WeightBroadcaster
     from trainer.broadcast.config import BroadcastConfig
 
@@ -184,21 +181,10 @@ def test_a_publish_reaches_a_rollout_service_on_another_gpu(backend, tiny_model_
 
         report = asyncio.run(publish())
         assert report.ok, report.failed
-        prompt = [1, *range(10, 30)]
-        request = rollout_pb2.GenerateRequest(prompt_ids=encode_array(prompt, "int32"), params=rollout_pb2.SamplingParams(
-            temperature=0.0, max_tokens=16, logprobs=True, ignore_eos=True))
-        with connect_sync(service.address) as channel:
-            completion = rollout_pb2_grpc.RolloutStub(channel).Generate(request, timeout=60).completions[0]
+        completion = greedy_completion(service.address)
     finally:
         service.stop(timeout=10)
-    tokens = decode_array(completion.token_ids, expect="int32").tolist()
-    assert set(decode_array(completion.weight_versions, expect="int64").tolist()) == {1}
-    model.load_state_dict(weights)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens], device="cuda:0")).logits[0].float()
-    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(tokens, device="cuda:0")[:, None])
-    np.testing.assert_allclose(decode_array(completion.logprobs, expect="float32"), expected[:, 0].cpu().numpy(),
-                               atol=1e-4)
+    assert_served(completion, model, weights, version=1)
 
 
 def test_the_nccl_backends_run_on_the_cuda_device_named_with_its_index():

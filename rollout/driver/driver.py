@@ -12,7 +12,6 @@ driver never reuses an id the buffer holds; with position_path it also goes on w
 counted in the stats and logged.
 """
 
-import argparse
 import asyncio
 import json
 import logging
@@ -29,10 +28,9 @@ from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rol
 from protos.codec import decode_array, encode_array
 from protos.sample import Sample, SampleStatus
 from rollout.driver.call_merger import CallMerger
-from rollout.driver.producer import GroupProducer
+from rollout.driver.producer import GroupProducer, run_producer
 from services.client import connect
-from services.config import ClientConfig, Strict, load_config
-from services.teardown import skip_final_collection
+from services.config import ClientConfig, Strict
 
 log = logging.getLogger("relayrl.driver")
 
@@ -260,18 +258,7 @@ async def drive(config: DriverConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Feed the replay buffer with scored groups of completions.")
-    parser.add_argument("--config", help="YAML DriverConfig")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    config = load_config(DriverConfig, args.config, args.set)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [driver] %(message)s")
-    try:
-        summary = asyncio.run(drive(config))
-    finally:
-        skip_final_collection()
-    log.info("driver done: %s", json.dumps(summary))
-    return 0
+    return run_producer("driver", "Feed the replay buffer with scored groups of completions.", DriverConfig, drive, argv)
 
 
 if __name__ == "__main__":

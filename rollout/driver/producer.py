@@ -6,6 +6,7 @@ A subclass sets `rollout`, `buffer` (stubs) and `stats` (with a "retries" count)
 stream is kept there (rollout/driver/position.py): a producer started again goes on from it.
 """
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -13,14 +14,16 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 
 from protos import buffer_pb2, rollout_pb2
 from rollout.driver.admission import Gauge, Pipeline, admit
 from rollout.driver.position import Position
+from services.config import load_config
 from services.runtime import Sparse
+from services.teardown import skip_final_collection
 
 log = logging.getLogger("relayrl.producer")
 WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
@@ -196,3 +199,21 @@ class GroupProducer:
         while not stop.is_set():
             await asyncio.sleep(2.0)
             self._write_stats()
+
+
+def run_producer(name: str, description: str, config_type: type, run: Callable[..., Awaitable[dict]],
+                 argv: list[str] | None = None) -> int:
+    """A producer as a process (`python -m rollout.driver`, `python -m rollout.envs.runner`): its config from
+    --config / --set, `run(config)` until it is signalled, then its summary logged."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help=f"YAML {config_type.__name__}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_config(config_type, args.config, args.set)
+    logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
+    try:
+        summary = asyncio.run(run(config))
+    finally:
+        skip_final_collection()
+    log.info("%s done: %s", name, json.dumps(summary))
+    return 0

@@ -15,9 +15,7 @@ sample id (the buffer drops a second copy of one it stored). A context that fill
 the episode where it is.
 """
 
-import argparse
 import asyncio
-import json
 import logging
 import random
 import secrets
@@ -31,11 +29,10 @@ from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 from protos.codec import pack_metadata
-from rollout.driver.producer import RETRYABLE, GroupProducer
+from rollout.driver.producer import RETRYABLE, GroupProducer, run_producer
 from rollout.envs.base import Environment, Message, Task, environment_class
 from services.client import connect
-from services.config import Strict, load_config
-from services.teardown import skip_final_collection
+from services.config import Strict
 
 log = logging.getLogger("relayrl.runner")
 
@@ -260,18 +257,8 @@ async def run_runner(config: RunnerConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Play environment episodes against the rollout service's sessions.")
-    parser.add_argument("--config", help="YAML RunnerConfig")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    config = load_config(RunnerConfig, args.config, args.set)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [runner] %(message)s")
-    try:
-        summary = asyncio.run(run_runner(config))
-    finally:
-        skip_final_collection()
-    log.info("runner done: %s", json.dumps(summary))
-    return 0
+    return run_producer("runner", "Play environment episodes against the rollout service's sessions.", RunnerConfig,
+                        run_runner, argv)
 
 
 if __name__ == "__main__":
