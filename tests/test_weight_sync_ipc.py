@@ -170,22 +170,9 @@ def test_ipc_waits_end_at_their_deadlines():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_buckets_reach_a_process_on_the_trainers_gpu_through_ipc_handles(backend):
-    from test_weight_sync_nccl import _finish, _manifest, _spawn, _weights
+    from test_weight_sync_nccl import _send_twice
 
-    store = host_store("127.0.0.1", timeout_s=30)
-    name = f"one-gpu-ipc-{backend}"
-    process, out = _spawn(backend, store.port, name, "cuda:0", 2, 30.0)
-    try:
-        sender = make_group(GroupSpec(backend, "127.0.0.1", store.port, 2, 0, name), timeout_s=30, store=store,
-                            device="cuda:0")
-        assert isinstance(sender, CudaIpcTransfer) and sender.device == torch.device("cuda:0")
-        weights = _weights("cuda:0")
-        for _ in range(2):  # the group carries several updates; the packing buffers are reused
-            send_buckets(sender, _manifest(), weights, deadline_after(30))
-        assert out.get(timeout=60) == ("ok", [[], []])
-        sender.close(wait_s=5)
-    finally:
-        _finish(process)
+    assert _send_twice(backend, f"one-gpu-ipc-{backend}", "cuda:0") is CudaIpcTransfer
 
 
 @pytest.mark.gpu

@@ -102,18 +102,24 @@ def _finish(process) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_buckets_reach_a_process_on_another_gpu_bit_exact(backend):
     _needs(backend, 2)
+    _send_twice(backend, f"two-gpus-{backend}", "cuda:1")
+
+
+def _send_twice(backend: str, name: str, receiver_device: str) -> type:
+    """Two updates from cuda:0 to a receiving process on `receiver_device`, each bucket checked bit-exact there
+    (the group carries several updates; the packing buffers are reused); the sender's transfer type."""
     store = host_store("127.0.0.1", timeout_s=30)
-    name = f"two-gpus-{backend}"
-    process, out = _spawn(backend, store.port, name, "cuda:1", 2, 30.0)
+    process, out = _spawn(backend, store.port, name, receiver_device, 2, 30.0)
     try:
         sender = make_group(GroupSpec(backend, "127.0.0.1", store.port, 2, 0, name), timeout_s=30, store=store,
                             device="cuda:0")
         assert sender.device == torch.device("cuda:0")
         weights = _weights("cuda:0")
-        for _ in range(2):  # the group carries several updates
+        for _ in range(2):
             send_buckets(sender, _manifest(), weights, deadline_after(30))
         assert out.get(timeout=60) == ("ok", [[], []])
         sender.close(wait_s=5)
+        return type(sender)
     finally:
         _finish(process)
 

@@ -249,12 +249,7 @@ class Driver(GroupProducer):
 
 async def drive(config: DriverConfig) -> dict:
     prompts = load_prompts(config)
-    driver = Driver(config)
-    try:
-        await driver.run_until_signalled(prompts)
-    finally:
-        await driver.close()
-    return driver.snapshot()
+    return await Driver(config).run_to_end(prompts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -168,6 +168,14 @@ class GroupProducer:
                 reporter.cancel()
                 self._write_stats()
 
+    async def run_to_end(self, items: list) -> dict:
+        """run_until_signalled, then close; the final snapshot (what a producer process logs when it ends)."""
+        try:
+            await self.run_until_signalled(items)
+        finally:
+            await self.close()
+        return self.snapshot()
+
     async def run_until_signalled(self, items: list) -> None:
         """run() until it ends or SIGTERM/SIGINT; then the groups in flight get STOP_GRACE_S to be stored and the
         rest are abandoned (not stored: a producer started again generates them again). Ctrl-C reaches every

@@ -248,12 +248,7 @@ async def evaluate(address: str, env_name: str, env_config: dict, tasks: Sequenc
 async def run_runner(config: RunnerConfig) -> dict:
     cls, env_config = env_spec(config.env, config.env_config)
     train_tasks, _ = cls.tasks(env_config, config.seed)
-    runner = Runner(config)
-    try:
-        await runner.run_until_signalled(train_tasks)
-    finally:
-        await runner.close()
-    return runner.snapshot()
+    return await Runner(config).run_to_end(train_tasks)
 
 
 def main(argv: list[str] | None = None) -> int:
