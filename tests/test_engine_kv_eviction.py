@@ -126,3 +126,18 @@ def test_eviction_settings_are_checked(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir), kv_eviction="window", kv_budget_tokens=10, kv_sink_tokens=4,
                      kv_observation_window=8)
     assert isinstance(LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_eviction="window")).evictor, KVEvictor)
+
+
+def test_snapkv_selects_and_compacts_on_the_cache_device(tiny_model_dir):
+    """On CUDA, select concatenated CPU index tensors with the device's attention scores ("Expected all tensors to
+    be on the same device", issue 28). The meta device has the same checks and no data: selection and compaction
+    run there with every index tensor on the cache's device."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4, max_model_len=128, kv_eviction="snapkv",
+                                    kv_budget_tokens=12, kv_sink_tokens=2, kv_observation_window=3))
+    meta = torch.device("meta")
+    evictor = engine.evictor
+    evictor.cache = KVCache(2, 12, 4, 2, 8, torch.float32, meta)
+    keep = evictor.select(20, [torch.rand(2, 20, device=meta) for _ in range(2)])
+    assert keep.device == meta and keep.shape == (2, 2, 12)
+    assert evictor.select(20, None).device == meta  # nothing observed: the window's choice
+    compact(evictor.cache, [5, 2, 9, 1, 3], [7, 0, 4], keep)

@@ -72,13 +72,13 @@ class KVEvictor:
 
     def select(self, slots: int, importance: list[torch.Tensor] | None) -> torch.Tensor:
         """Slots to keep, [num_layers, kv_heads, budget] in increasing order (one set for every layer and head when
-        the method scores nothing)."""
-        layers, heads = self.cache.num_layers, self.cache.num_kv_heads
-        sinks = torch.arange(self.sinks)
+        the method scores nothing), on the cache's device (where the scores are)."""
+        layers, heads, device = self.cache.num_layers, self.cache.num_kv_heads, self.cache.device
+        sinks = torch.arange(self.sinks, device=device)
         if self.method == "window" or importance is None:
-            keep = torch.cat([sinks, torch.arange(slots - (self.budget - self.sinks), slots)])
+            keep = torch.cat([sinks, torch.arange(slots - (self.budget - self.sinks), slots, device=device)])
             return keep.expand(layers, heads, -1)
-        recent = torch.arange(slots - self.window, slots)
+        recent = torch.arange(slots - self.window, slots, device=device)
         middle = torch.stack([layer[:, self.sinks : slots - self.window] for layer in importance])  # [L, H, candidates]
         chosen = middle.topk(self.budget - self.sinks - self.window, dim=-1).indices + self.sinks
         fixed = torch.cat([sinks, recent]).expand(layers, heads, -1)
