@@ -22,7 +22,7 @@ from rollout.config import EngineConfig
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.scheduler import Batch
 from rollout.engine.sequence import Sequence
-from rollout.kv.cache import KVCache
+from rollout.kv.cache import KVCache, device_ids
 from rollout.kv.quantized import QuantizedKVCache
 
 
@@ -91,13 +91,14 @@ def compact(cache: KVCache | QuantizedKVCache, old_table: list[int], new_table: 
     kv head by kv head."""
     block_size = cache.block_size
     count = keep.shape[-1]
-    old_ids = torch.tensor(old_table, device=cache.device)
-    targets = torch.tensor([new_table[s // block_size] * block_size + s % block_size for s in range(count)],
-                           device=cache.device)
+    target_slots = [new_table[s // block_size] * block_size + s % block_size for s in range(count)]
+    old_ids, targets = device_ids(cache.device, old_table, target_slots)
     heads = torch.arange(cache.num_kv_heads, device=cache.device)
     for layer in range(cache.num_layers):
         keys, values = cache.read_blocks(layer, old_ids)
         rows = keep[layer].T.to(cache.device)  # [count, heads]
         kept_keys = keys.view(-1, cache.num_kv_heads, cache.head_dim)[rows, heads]
         kept_values = values.view(-1, cache.num_kv_heads, cache.head_dim)[rows, heads]
+        if layer == 0:
+            cache.plan_write(target_slots, targets)
         cache.write(layer, targets, kept_keys, kept_values)

@@ -128,6 +128,7 @@ class ModelRunner:
         slot_mapping = [seq.block_table[s // block_size] * block_size + s % block_size for seq, s in zip(owners, slots)]
         # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
         input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
+        self.cache.plan_write(slot_mapping, slot_mapping_t)  # a quantized cache plans its write on the host
         if self.kernel is not None and not observe:  # the kernel reads the block tables itself; no classes to build
             row_lens = query_lens if query_lens is not None else [1] * len(seqs)
             self.kernel.plan([seq.block_table for seq in seqs], row_lens,

@@ -146,21 +146,30 @@ class Quantized(KVCodec):
         })
 
     def decode(self, encoded):
+        keys = torch.empty(encoded.shape, dtype=encoded.dtype, device=encoded.parts["key_codes"].device)
+        values = torch.empty_like(keys)
+        self.decode_into(encoded, keys, values)
+        return keys, values
+
+    def decode_into(self, encoded: EncodedKV, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """decode(encoded), written into keys and values (contiguous, shaped encoded.shape, in any float dtype, on the
+        parts' device): each value is min + code * scale of its group, worked out per element in float32 and rounded
+        once to the outputs' dtype, with no float32 copy of the whole (the resident cache reads into its workspace)."""
         layers, tokens, heads, head_dim = encoded.shape
         p = encoded.parts
-        groups = p["key_mins"].shape[1]
-        k = self._unpack(p["key_codes"], head_dim).float()
-        padded = groups * self.key_group_size
-        if padded > tokens:
-            k = torch.cat([k, k.new_zeros(layers, padded - tokens, heads, head_dim)], dim=1)
-        k = k.view(layers, groups, self.key_group_size, heads, head_dim)
-        k = k * p["key_scales"].float().unsqueeze(2) + p["key_mins"].float().unsqueeze(2)
-        keys = k.view(layers, padded, heads, head_dim)[:, :tokens]
+        size = self.key_group_size
+        keys.copy_(self._unpack(p["key_codes"], head_dim))  # codes are exact in every float dtype
+        full = tokens // size
+        if full:
+            k = keys[:, : full * size].view(layers, full, size, heads, head_dim)
+            torch.addcmul(p["key_mins"][:, :full].unsqueeze(2), k, p["key_scales"][:, :full].unsqueeze(2), out=k)
+        if tokens > full * size:  # the last group, of fewer tokens
+            k = keys[:, full * size :]
+            torch.addcmul(p["key_mins"][:, full:], k, p["key_scales"][:, full:], out=k)
         group = self._value_group(head_dim)
-        v = self._unpack(p["value_codes"], head_dim).float().view(layers, tokens, heads, head_dim // group, group)
-        v = v * p["value_scales"].float().unsqueeze(4) + p["value_mins"].float().unsqueeze(4)
-        values = v.view(layers, tokens, heads, head_dim)
-        return keys.to(encoded.dtype).contiguous(), values.to(encoded.dtype).contiguous()
+        v = values.view(layers, tokens, heads, head_dim // group, group)
+        v.copy_(self._unpack(p["value_codes"], head_dim).view(v.shape))
+        torch.addcmul(p["value_mins"].unsqueeze(4), v, p["value_scales"].unsqueeze(4), out=v)
 
     def _quantize(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Codes (uint8, unpacked) of x over groups along `dim`, and each group's float16 min and scale."""
