@@ -158,7 +158,7 @@ async def measure_pair(model: pathlib.Path, tensors: dict, receivers: int, repea
     import torch
     import torch.distributed as dist
 
-    from trainer.weight_broadcast import PublishReport, WeightBroadcaster
+    from trainer.broadcast.broadcaster import PublishReport, WeightBroadcaster
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from trainer.weight_broadcast import BroadcastConfig
+    from trainer.broadcast.config import BroadcastConfig
 
     sizes = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
     config = BroadcastConfig(**sizes, solo_mb=args.solo_mb, timeout_s=120, control_timeout_s=30)

@@ -5,7 +5,7 @@ import torch
 from test_trainer_step import config, local, make_samples
 
 from trainer.advantages import grpo_advantages
-from trainer.config import AlgorithmConfig
+from trainer.config.algorithm import AlgorithmConfig
 from trainer.learner import Learner
 from trainer.losses import loss_weights
 

@@ -131,7 +131,7 @@ def test_each_estimator_trains_a_step(tiny_model_dir, estimator):
 
 
 def test_estimator_and_algorithm_must_agree():
-    from trainer.config import AlgorithmConfig
+    from trainer.config.algorithm import AlgorithmConfig
 
     with pytest.raises(ValueError, match="ppo estimates advantages by gae"):
         AlgorithmConfig(name="ppo", advantage_estimator="rloo")

@@ -18,7 +18,7 @@ from test_algorithms_estimators import PROMPT, response, samples_from
 from test_trainer_step import config, local, make_samples, with_true_logprobs
 
 from trainer.batch import collate
-from trainer.config import AlgorithmConfig
+from trainer.config.algorithm import AlgorithmConfig
 from trainer.learner import Learner
 from trainer.losses import is_weight_moments, loss_weights
 from trainer.model import run_policy

@@ -187,7 +187,7 @@ async def test_uniform_replay_hands_each_sample_out_max_reuse_times(tmp_path):
 
 @pytest.mark.parametrize("version", [0, 5, -1, 2**63 - 1])
 def test_batches_are_encoded_from_stored_bytes_exactly_as_protobuf_would(version):
-    from services.buffer.buffer import LeasedBatch
+    from services.buffer.results import LeasedBatch
     from services.buffer.wire import encode_batch
 
     samples = [make_sample("a", tokens=3), make_sample("ü" * 70, tokens=200)]

@@ -2,15 +2,15 @@
 
 import pytest
 
-from services.buffer.store import (
+from services.buffer.entries import (
     EntryState,
     GroupSizeConflict,
     LeaseNotFound,
     NewSample,
     Policy,
     PullSpec,
-    SampleStore,
 )
+from services.buffer.store import SampleStore
 
 
 def arrive(store: SampleStore, samples: list[NewSample], now: float = 0) -> None:

@@ -118,7 +118,7 @@ def test_distillation_from_a_teacher_per_domain(tmp_path, service_factory):
 
     from rollout.driver.driver import DriverConfig, drive
     from trainer.buffer_client import BufferClient
-    from trainer.config import BufferClientConfig
+    from trainer.config.buffer import BufferClientConfig
 
     student_dir = write_tiny_model(tmp_path / "student", seed=0)
     teacher_dirs = {"add": sharp_teacher(tmp_path / "teacher-add", seed=1),

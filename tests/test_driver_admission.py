@@ -197,7 +197,7 @@ async def stand_in_trainer(buffer_address: str, rollout_address: str, weights: d
 
     Returns the lag of each batch: the trainer's version minus its samples' oldest version.
     """
-    from trainer.weight_broadcast import WeightBroadcaster
+    from trainer.broadcast.broadcaster import WeightBroadcaster
 
     lags, version = [], 0
     async with connect(buffer_address) as channel, WeightBroadcaster([rollout_address]) as broadcaster:

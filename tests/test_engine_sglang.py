@@ -20,7 +20,8 @@ from rollout.engine.sampling_params import SamplingParams
 from rollout.engines.settings import SglangSettings
 from rollout.engines.sglang_engine import SglangEngine
 from rollout.serve.weight_receiver import WeightReceiver
-from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
+from trainer.broadcast.broadcaster import WeightBroadcaster
+from trainer.broadcast.config import BroadcastConfig
 
 PROMPTS = [[5, 17, 33, 2, 60], [70, 71, 72], [9] * 12]
 

@@ -63,7 +63,8 @@ def test_after_one_weight_update_vllm_matches_the_native_engine(sharp_model_dir)
     """One publish over a real gloo group reaches both engines (vLLM's through its worker extension); then
     greedy tokens are equal, their logprobs and the scored logprobs (T = 1 and 0.7) within 1e-4, every token
     tagged version 1; tokens vLLM samples at T = 0.7 carry the native engine's tempered logprobs."""
-    from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
+    from trainer.broadcast.blocking import BlockingWeightBroadcaster
+    from trainer.broadcast.config import BroadcastConfig
 
     state = _new_weights(sharp_model_dir, seed=1)
 

@@ -19,8 +19,9 @@ needs_linter = pytest.mark.skipif(LINT_IMPORTS is None, reason="import-linter is
 
 def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.run([LINT_IMPORTS, "--config", str(tree / "pyproject.toml"), "--no-cache"], check=False, cwd=tree,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([LINT_IMPORTS, "--config", str(tree / "pyproject.toml"), "--no-cache"], check=False,
+                          cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 def _copy_tree(dest: Path) -> Path:

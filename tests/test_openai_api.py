@@ -127,6 +127,41 @@ def test_a_choice_cuts_stop_strings_and_parses_tool_calls_from_tokens(tokenizer)
     assert choice.content_and_calls()[0].startswith("<tool_call>")  # no tools in the request: plain content
 
 
+def _byte_level_tokenizer():
+    """A byte-level BPE whose multi-byte characters (accents, CJK, emoji) span several tokens."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat. " * 20, "héllo wörld"], vocab_size=300, min_frequency=2,
+                            show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+
+
+def test_streaming_decodes_each_token_a_bounded_number_of_times_and_equals_the_whole_decode():
+    """Incremental detokenisation: streaming a completion token by token decodes O(tokens), not O(tokens^2), and
+    its text (held back while a character is incomplete) equals decoding the whole completion at once."""
+    tokenizer = _byte_level_tokenizer()
+    text = "the cat sat on the mat. héllo wörld 日本語 🙂 " * 12
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert len(ids) > 200
+    decoded_tokens = []
+
+    def decode(part):
+        decoded_tokens.append(len(part))
+        return tokenizer.decode(part, skip_special_tokens=True)
+
+    choice = Choice(0, decode, ("STOP",), None)
+    streamed = []
+    for at, token in enumerate(ids):
+        last = at == len(ids) - 1
+        pieces = choice.take(Completion(0, [token], [-1.0], [0], FinishReason.LENGTH if last else None)).pieces
+        streamed += pieces
+        assert all("\ufffd" not in piece for piece in pieces)  # no half character is ever sent
+    assert "".join(streamed) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert sum(decoded_tokens) <= 12 * len(ids), (sum(decoded_tokens), len(ids))  # was len(ids)**2 / 2
+
+
 def test_a_session_takes_only_a_continuation_of_its_history():
     from rollout.serve.openai_schema import ChatMessage
     from rollout.serve.openai_sessions import ChatSession, HistoryDiverged

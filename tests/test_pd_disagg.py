@@ -193,7 +193,8 @@ def test_a_trainer_publish_reaches_prefill_and_decode_workers_and_the_split_foll
     from transformers import AutoModelForCausalLM
 
     from deploy.launcher import start_service
-    from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
+    from trainer.broadcast.broadcaster import WeightBroadcaster
+    from trainer.broadcast.config import BroadcastConfig
 
     model = {"model": str(sharp_model_dir), **ENGINE}
     mono = start_service("rollout", model, log_dir=tmp_path)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainer.batch import TrainBatch
-from trainer.config import AlgorithmConfig
+from trainer.config.algorithm import AlgorithmConfig
 from trainer.losses import loss_weights
 from trainer.model import PolicyOutput
 from trainer.objectives import objective

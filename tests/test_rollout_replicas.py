@@ -198,7 +198,7 @@ def test_a_replica_added_mid_run_gets_the_trainers_weights_before_traffic_and_a_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.config import PublishConfig
+    from trainer.config.publish import PublishConfig
     from trainer.run import RolloutPublisher
 
     model = {"model": str(sharp_model_dir), **ENGINE, "server.metrics_port": 0}

@@ -180,7 +180,7 @@ def test_a_lost_lease_is_redelivered_and_acked_without_training_again(tmp_path, 
     """A consumed lease expires before its checkpoint (a frozen trainer): the Ack answers NOT_FOUND, counted
     as redelivered; the same samples come again and are acked without being trained twice."""
     from trainer.buffer_client import BufferClient
-    from trainer.config import BufferClientConfig
+    from trainer.config.buffer import BufferClientConfig
     from trainer.leases import LeaseBook
 
     buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
@@ -219,7 +219,7 @@ def test_batches_trained_when_the_buffer_restarts_come_back_and_are_acked_withou
     restarted, it is told a version far ahead. Both batches come back (before, they were dropped as stale and
     stayed in the ledger for good), the ledger moves them to their new leases, and they are acked untrained."""
     from trainer.buffer_client import BufferClient
-    from trainer.config import BufferClientConfig
+    from trainer.config.buffer import BufferClientConfig
     from trainer.leases import LeaseBook
 
     address = f"127.0.0.1:{free_port}"

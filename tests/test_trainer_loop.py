@@ -118,7 +118,7 @@ def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_p
     try:
         state = train(config, init_distributed("cpu"), client, publisher)
         # Bound: every publish went out straight from the parameters' (or the snapshot's) memory, unpacked.
-        packing_buffers = publisher._broadcaster.broadcaster._sender._buffers
+        packing_buffers = publisher._broadcaster.broadcaster._transport._sender._buffers
         assert (packing_buffers == []) == bind, packing_buffers
     finally:
         client.close()

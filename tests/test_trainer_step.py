@@ -8,7 +8,8 @@ import torch
 
 from protos.sample import Sample
 from trainer.batch import collate, pack_by_tokens, split_packs
-from trainer.config import BatchConfig, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.config.optim import BatchConfig
 from trainer.learner import Learner
 from trainer.model import run_policy
 from trainer.parallel import DistEnv

@@ -78,7 +78,7 @@ def test_fresh_and_resumed_trainers_continue_the_versions_of_a_warm_worker(tiny_
 def test_a_version_refused_as_not_newer_is_published_again_above_the_workers(tiny_model_dir, service_factory):
     from transformers import AutoModelForCausalLM
 
-    from trainer.config import PublishConfig
+    from trainer.config.publish import PublishConfig
     from trainer.run import RolloutPublisher
 
     rollout = service_factory("rollout", {"model": str(tiny_model_dir)})

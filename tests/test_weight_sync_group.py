@@ -175,7 +175,7 @@ def test_rendezvous_store_listens_on_a_fixed_port_when_given():
     """A cluster opens one known port for the weight broadcast's rendezvous (services.trainer.weight_sync.port)."""
     import socket
 
-    from trainer.config import PublishConfig
+    from trainer.config.publish import PublishConfig
     from trainer.run import RolloutPublisher
 
     with socket.socket() as probe:

@@ -167,7 +167,8 @@ def test_a_publish_reaches_a_rollout_service_on_another_gpu(backend, tiny_model_
     from protos import rollout_pb2, rollout_pb2_grpc
     from protos.codec import decode_array, encode_array
     from services.client import connect_sync
-    from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
+    from trainer.broadcast.broadcaster import WeightBroadcaster
+    from trainer.broadcast.config import BroadcastConfig
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().to("cuda:0")
     gen = torch.Generator().manual_seed(2)
@@ -240,8 +241,9 @@ def test_check_in_refuses_two_members_on_one_gpu_and_times_out_without_a_member(
 
 
 def test_the_trainer_refuses_an_nccl_publish_from_the_cpu():
+    from trainer.broadcast.broadcaster import WeightBroadcaster
+    from trainer.broadcast.config import BroadcastConfig
     from trainer.config import TrainerConfig
-    from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
 
     with pytest.raises(ValueError, match="sends from the trainer's GPU"):
         TrainerConfig(model_path="m", device="cpu", publish={"backend": "nccl", "receivers": ["127.0.0.1:1"]})

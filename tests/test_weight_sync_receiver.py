@@ -16,7 +16,9 @@ from rollout.serve.weight_receiver import WeightReceiver
 from services.client import connect
 from services.server import create_server
 from services.weights import GroupSpec, deadline_after, host_store, make_group, merge_order, plan_buckets
-from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig, WeightBroadcaster
+from trainer.broadcast.blocking import BlockingWeightBroadcaster
+from trainer.broadcast.broadcaster import WeightBroadcaster
+from trainer.broadcast.config import BroadcastConfig
 
 torch.set_num_threads(1)
 
@@ -211,7 +213,7 @@ def test_a_bound_model_is_published_from_its_own_memory_and_lands_bit_exact(tied
                 for param in model.parameters():
                     param.add_(0.01)
             reports.append(await sending)
-            packed = broadcaster._sender._buffers
+            packed = broadcaster._transport._sender._buffers
         served_3 = dict(engine.engine.runner.model.named_parameters())
         return reports, packed, (served_2, expected_2), (served_3, expected_3)
 

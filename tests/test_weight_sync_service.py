@@ -16,7 +16,8 @@ from protos import rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 from protos.codec import decode_array, encode_array
 from services.client import connect, connect_sync
 from services.weights import GroupSpec, deadline_after, host_store, make_group, plan_buckets, send_buckets
-from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
+from trainer.broadcast.broadcaster import WeightBroadcaster
+from trainer.broadcast.config import BroadcastConfig
 
 torch.set_num_threads(1)
 PROMPT = [1, *range(10, 30)]

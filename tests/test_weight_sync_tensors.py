@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests.torch_group_member import LAYOUT
-from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
+from trainer.broadcast.blocking import BlockingWeightBroadcaster
+from trainer.broadcast.config import BroadcastConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,7 @@ import grpc
 from protos import buffer_pb2, buffer_pb2_grpc
 from protos.sample import Sample
 from services.client import connect_sync
-from trainer.config import BufferClientConfig
+from trainer.config.buffer import BufferClientConfig
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ from trainer.checkpoint import (
     save_checkpoint,
     ties_embeddings,
 )
-from trainer.config import PublishConfig, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.parallel import DistEnv, gather_model_state

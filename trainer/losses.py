@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from trainer.config import RejectionStatistic
+from trainer.config.algorithm import RejectionStatistic
 
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]

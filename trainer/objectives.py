@@ -8,7 +8,7 @@ values. Metrics come back as sums to be added across micro-batches and ranks.
 import torch
 
 from trainer.batch import TrainBatch
-from trainer.config import AlgorithmConfig
+from trainer.config.algorithm import AlgorithmConfig
 from trainer.losses import (
     LOG_RATIO_BOUND,
     chained_rejection_mask,

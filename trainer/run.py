@@ -13,7 +13,8 @@ import transformers
 from services.runtime import Sparse
 from trainer.buffer_client import BufferClient
 from trainer.checkpoint import TrainState
-from trainer.config import PublishConfig, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.config.publish import PublishConfig
 from trainer.loop import train
 from trainer.parallel import init_distributed, shutdown_distributed
 from trainer.receivers import RouterReceivers
@@ -83,7 +84,8 @@ class RolloutPublisher:
 
     def __init__(self, config: PublishConfig, device: torch.device | None = None) -> None:
         """`device`: the trainer's; the NCCL backends send from it (gloo sends from the CPU)."""
-        from trainer.weight_broadcast import BlockingWeightBroadcaster, BroadcastConfig
+        from trainer.broadcast.blocking import BlockingWeightBroadcaster
+        from trainer.broadcast.config import BroadcastConfig
 
         self._log_level = Sparse()
         self._broadcaster = BlockingWeightBroadcaster(

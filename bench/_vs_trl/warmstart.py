@@ -17,7 +17,9 @@ from _vs_trl.arith import TaskSpec, greedy_accuracy, prompt_ids
 from deploy.tasks import Task
 from protos.sample import Sample
 from rollout.model.tiny import char_tokenizer, write_tiny_model
-from trainer.config import AlgorithmConfig, BatchConfig, OptimConfig, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.config.algorithm import AlgorithmConfig
+from trainer.config.optim import BatchConfig, OptimConfig
 from trainer.learner import Learner
 from trainer.parallel import init_distributed
 

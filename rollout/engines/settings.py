@@ -106,6 +106,9 @@ class SglangSettings(Strict):
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Other sglang ServerArgs, as they are.")
     max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
+    abort_timeout_s: float = Field(10.0, gt=0, description="How long CloseSession waits for a running turn's abort "
+                                   "to land in SGLang; then the turn ends here (marked abort) and its SGLang requests "
+                                   "are left to SGLang, so a close never hangs.")
 
 
 def _engine_type(value: Any) -> str:

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import random
 import time
 import uuid
@@ -58,6 +59,7 @@ from rollout.engines.base import checkpoint_layout
 from rollout.engines.settings import SglangSettings
 from services.weights import GroupSpec, Manifest
 
+log = logging.getLogger(__name__)
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -320,7 +322,8 @@ class SglangEngine:
             turn.token_ids += done.token_ids
             turn.logprobs, turn.weight_versions = done.logprobs, done.weight_versions
             turn.finish_reason = done.finish_reason or FinishReason.ABORT
-            self.sessions.end_turn(turn)
+            if turn.session is not None:  # not already ended by close_session's deadline
+                self.sessions.end_turn(turn)
         if whole:
             yield done
 
@@ -328,10 +331,22 @@ class SglangEngine:
         return self.sessions.state(session_id, self.weight_version)
 
     async def close_session(self, session_id: str) -> SessionRecord:
+        """Close a session. A running turn is aborted, and its stream ends it once the abort lands; if that has
+        not happened within `abort_timeout_s`, the turn is ended here as aborted and the session closed."""
         session = self.sessions.get(session_id)
-        while session.turn is not None:  # its stream ends the turn once the abort lands
+        deadline = time.monotonic() + self.settings.abort_timeout_s
+        pause = 0.01
+        while session.turn is not None and time.monotonic() < deadline:
             await self.abort(session_id)
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+            pause = min(2 * pause, 0.5)
+        if session.turn is not None:
+            turn = session.turn
+            log.warning("session %s: SGLang did not end its turn %s within %.1f s of the abort; closing it anyway",
+                        session_id, turn.request_id, self.settings.abort_timeout_s)
+            self._running.pop(turn.request_id, None)
+            turn.finish_reason = FinishReason.ABORT
+            self.sessions.end_turn(turn)
         return self.sessions.close(session_id)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -38,7 +38,10 @@ class Choice:
     weight_versions: list[int] = field(default_factory=list)
     pieces: list[str | ToolCall] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    settled_chars: int = 0  # characters of the decoded text settled
+    text: str = ""  # the decoded text, as far as its last character is complete
+    settled_chars: int = 0  # characters of `text` settled
+    prefix_offset: int = 0  # token_ids[prefix_offset:read_offset] are decoded again as context for the next ones
+    read_offset: int = 0  # token_ids before it are in `text`
 
     def take(self, delta: Completion) -> Update:
         self.token_ids += delta.token_ids
@@ -46,6 +49,7 @@ class Choice:
         self.weight_versions += delta.weight_versions
         self.finish_reason = delta.finish_reason
         final = delta.finish_reason is not None
+        self._detokenize(final)
         text = self._settle(final)
         if self.parser is None:
             pieces = [text] if text else []
@@ -68,11 +72,24 @@ class Choice:
             return "tool_calls"
         return FINISH_REASONS.get(self.finish_reason)
 
+    def _detokenize(self, final: bool) -> None:
+        """Decode only what the new tokens add, with the tokens before them as context (vLLM's prefix and read
+        offsets): the text of token_ids[prefix_offset:read_offset] is already in `text`, so whatever the decode of
+        token_ids[prefix_offset:] adds beyond it is new, unless it ends in an incomplete character, which waits
+        for the next token. Each delta costs its own tokens and a few before them, never the whole completion."""
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        window = self.decode(self.token_ids[self.prefix_offset:])
+        if final or (len(window) > len(prefix) and not window.endswith("\ufffd")):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+
     def _settle(self, final: bool) -> str:
         """New text no later token can change: a stop string and what follows it are cut; before the end, a
-        tail that may begin one, or an incomplete character, is held back."""
-        text = self.decode(self.token_ids)
-        end = min((at for at in (text.find(stop) for stop in self.stops) if at >= 0), default=len(text))
+        tail that may begin one, or an incomplete character, is held back. No stop string begins before the
+        settled text, so the search starts there."""
+        text = self.text
+        end = min((at for at in (text.find(stop, self.settled_chars) for stop in self.stops) if at >= 0),
+                  default=len(text))
         if not final:
             end = min(end, len(text) - max((len(stop) - 1 for stop in self.stops), default=0))
             while end > self.settled_chars and text[end - 1] == "\ufffd":

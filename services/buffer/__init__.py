@@ -1,5 +1,7 @@
 """The replay buffer service: durable, staleness-aware, group-aware storage between rollout and trainer.
 
-store.py (in-memory index, policies, leases, staleness) <- buffer.py (over the durable log.py with
-commit.py's fsync policy) <- service.py (the gRPC servicer and serve()).
+entries.py (the index's data) <- index.py (held samples, groups, staleness) <- store.py (leases, policies)
+<- buffer.py (ReplayBuffer over the durable log.py with commit.py's fsync policy; its parts intake.py,
+handout.py, compaction.py with segments.py, recovery.py; results.py what it answers) <- service.py (the
+gRPC servicer and serve()).
 """

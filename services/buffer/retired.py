@@ -5,7 +5,7 @@ PUT is compacted away and across restarts. So the ids of samples acked or droppe
 finished or closed, are kept as 64-bit hashes (blake2b of the id, sample and group ids apart,
 read as int64): 8 bytes each in a sorted numpy array, plus a set of recent ones merged into it
 in batches. In the log they are RETIRED records of the same 8 bytes per id (records.py), copied
-forward by compaction (buffer.py), so a data dir costs 8 bytes of disk and ~16 bytes of memory
+forward by compaction (compaction.py), so a data dir costs 8 bytes of disk and ~16 bytes of memory
 (this set and the per-segment lists compaction copies from) per id it ever stored.
 
 A hash collision makes a fresh id look retired: its Put counts it as a duplicate. The chance

@@ -8,9 +8,10 @@ import grpc
 from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc
-from services.buffer.buffer import BufferFull, LeasedBatch, ReplayBuffer, StagedPut
+from services.buffer.buffer import ReplayBuffer
 from services.buffer.config import BufferConfig
-from services.buffer.store import GroupSizeConflict, LeaseNotFound, Policy, PullSpec
+from services.buffer.entries import GroupSizeConflict, LeaseNotFound, Policy, PullSpec
+from services.buffer.results import BufferFull, LeasedBatch, StagedPut
 from services.buffer.wire import SERVICE_NAME, PutPayload, add_buffer_to_server, require
 from services.config import ServerConfig
 from services.runtime import serve as run_server

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 
 from protos import buffer_pb2
 from protos.codec import CodecError
-from services.buffer.buffer import LeasedBatch
+from services.buffer.results import LeasedBatch
 
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name
 

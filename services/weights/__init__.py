@@ -1,7 +1,9 @@
 """Weight sync shared by trainer and rollout: the manifest and bucket layout (manifest.py, buckets.py),
-the process group that carries the bytes (transfer.py with gloo.py / nccl.py / cupy_nccl.py; torch_group.py for
-members that form it as torch.distributed does, SGLang's scheduler), and the bucket stream."""
+the process group that carries the bytes (the interface in transfer.py, one backend each in gloo.py / nccl.py /
+cupy_nccl.py, picked by backends.py; torch_group.py for members that form it as torch.distributed does, SGLang's
+scheduler), and the bucket stream."""
 
+from services.weights.backends import make_group
 from services.weights.bucket_stream import (
     BucketSender,
     allocate_staging,
@@ -19,7 +21,6 @@ from services.weights.transfer import (
     TransferTimeout,
     deadline_after,
     host_store,
-    make_group,
     transfer_device,
 )
 

@@ -1,8 +1,10 @@
 """The data plane of a weight update: a process group that broadcasts buckets from rank 0 (the trainer).
 
-One small interface, one file per backend, chosen by `GroupSpec.backend`: gloo.py (CPU tensors over TCP),
-nccl.py (CUDA tensors through torch's ProcessGroupNCCL), cupy_nccl.py (CUDA tensors through cupy's NCCL
-bindings, the `gpu` extra). The NCCL backends run on the CUDA device each member names explicitly.
+The interface every backend implements (Transfer, Pending), the group's spec, its errors and its rendezvous
+store. One file per backend: gloo.py (CPU tensors over TCP), nccl.py (CUDA tensors through torch's
+ProcessGroupNCCL), cupy_nccl.py (CUDA tensors through cupy's NCCL bindings, the `gpu` extra); backends.py
+picks one by `GroupSpec.backend`. The backends import this module; it imports none of them. The NCCL
+backends run on the CUDA device each member names explicitly.
 """
 
 import datetime
@@ -155,26 +157,3 @@ class Transfer(ABC):
         thread.start()
         thread.join(wait_s)
 
-
-def make_group(spec: GroupSpec, timeout_s: float, store: dist.Store | None = None,
-               device: torch.device | str | None = None) -> Transfer:
-    """Form the group described by `spec` (blocks until every member joined, at most `timeout_s`).
-
-    Rank 0 passes the store it hosts (`host_store`); the others connect to it. Each group lives under
-    its own `group_name` prefix, so one store serves every group the trainer forms. `device`: this member's
-    CUDA device for the NCCL backends (see transfer_device); ignored by gloo.
-    """
-    on = transfer_device(spec.backend, device)
-    store = store if store is not None else join_store(spec, timeout_s)
-    scoped = dist.PrefixStore(f"{spec.group_name}/", store)
-    if spec.backend == "gloo":
-        from services.weights.gloo import GlooTransfer
-
-        return GlooTransfer(spec, scoped, timeout_s)
-    if spec.backend == "cupy_nccl":
-        from services.weights.cupy_nccl import CupyNcclTransfer
-
-        return CupyNcclTransfer(spec, scoped, timeout_s, on)
-    from services.weights.nccl import NcclTransfer
-
-    return NcclTransfer(spec, scoped, timeout_s, on)

@@ -1,6 +1,6 @@
 """Expected numbers of tests/test_algorithms_estimators.py: verl's trainer pipeline from scores to advantages.
 
-Not run in CI. Runs, with verl's own functions (loaded as generate.py loads them), what verl's RayPPOTrainer
+Not run in CI. Runs, with verl's own functions (loaded by reference_source.py), what verl's RayPPOTrainer
 does between the reward and the actor update for a critic-free estimator: apply_kl_penalty (use_kl_in_reward,
 fixed coefficient) on the token-level scores, then the estimator's compute_*_advantage on the penalised
 token-level rewards. Writes verl_pipeline.json beside this file, with the verl commit it ran:
@@ -14,7 +14,8 @@ import types
 
 import numpy as np
 import torch
-from generate import HERE, MASK, OLD, AlgoConfig, Batch, load_verl, resolve, t
+from generate import HERE, MASK, OLD, t
+from reference_source import AlgoConfig, Batch, load_verl, resolve
 
 GROUPS = ["a", "a", "a", "b", "b"]  # row 3 (no trained token) in a group with row 4 (a masked span)
 

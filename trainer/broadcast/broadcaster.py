@@ -16,89 +16,37 @@ caller's counter is behind (a restarted trainer), and `served_versions()` says w
 A receiver that restarted (at version 0) is simply in the next publish: a kept group it no longer holds
 is answered ABORTED and a new group is formed with it.
 
-The group is kept across publishes while its membership is unchanged and every step succeeded:
-a rendezvous costs ~0.2-0.5 s on loopback, more than the transfer of a small model. Any failure drops
-the group and the next publish forms a new one under a new name.
+The group is kept across publishes while its membership is unchanged and every step succeeded (transport.py);
+any failure drops it and the next publish forms a new one under a new name. Which tensors go out, in which
+bucket, is plan.py's.
 
 Receivers whose engine joins the group itself (SGLang: init_weights_update_group / update_weights_from_distributed)
 say so in their BeginUpdate reply (tensor_broadcasts): their group is formed as torch.distributed forms a named
 group (services/weights/torch_group.py) and carries one broadcast per tensor instead of buckets. One group holds
 receivers of one kind; a publish to both kinds fails for all of them, saying so.
 
-Two ways in: `WeightBroadcaster` (asyncio: `await publish(...)`) and `BlockingWeightBroadcaster` (a
+Two ways in: `WeightBroadcaster` (asyncio: `await publish(...)`) and `BlockingWeightBroadcaster` (blocking.py: a
 synchronous training loop: `publish(...)` blocks, the asyncio side runs on a private thread).
 """
 
 import asyncio
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Self
+from typing import Self
 
 import grpc
 import torch
-from pydantic import Field
 
 from protos import rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 from services.client import connect
-from services.config import ClientConfig, Strict
-from services.weights import (
-    BucketSender,
-    GroupSpec,
-    Manifest,
-    TensorSlot,
-    Transfer,
-    TransferError,
-    allocate_staging,
-    bind_to_buckets,
-    deadline_after,
-    host_store,
-    make_group,
-    merge_order,
-    plan_buckets,
-    send_tensors,
-    transfer_device,
-    unpack_buckets,
-)
-from services.weights.manifest import ALIGN_BYTES
-from services.weights.torch_group import make_torch_group
+from services.weights import GroupSpec, Manifest, TransferError, deadline_after, transfer_device
+from trainer.broadcast.config import BroadcastConfig
+from trainer.broadcast.plan import BroadcastPlan
+from trainer.broadcast.transport import Group, Transport
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class BroadcastConfig(Strict):
-    """How the trainer publishes weights."""
-
-    backend: Literal["gloo", "nccl", "cupy_nccl"] = Field(
-        "gloo", description="Collective for the tensors: gloo (CPU), nccl (GPU, torch's ProcessGroupNCCL) or cupy_nccl "
-        "(GPU, cupy's NCCL bindings: the `gpu` extra). The NCCL ones need every member on a GPU of its own.")
-    bucket_mb: float = Field(32.0, gt=0, description="Tensors are packed into buckets of up to this many MiB; "
-                             "packing the next bucket overlaps sending this one. On gloo, 32-64 MiB beat smaller "
-                             "buckets and one broadcast per tensor: each collective has a fixed cost in time and CPU.")
-    solo_mb: float | None = Field(None, ge=0, description="Tensors of this many MiB or more travel alone, straight "
-                                  "from their memory (no packing copy); None = bucket_mb.")
-    timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer, and of every collective.")
-    control_timeout_s: float = Field(10.0, gt=0, description="Deadline of each BeginUpdate/AbortUpdate call, and "
-                                     "what CommitUpdate may add for the switch itself.")
-    master_addr: str = Field("127.0.0.1", description="Address at which receivers reach this trainer's rendezvous store "
-                             "and gloo group; both bind this interface only (loopback: unreachable from other hosts).")
-    master_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store; 0 = any free port.")
-    keep_group: bool = Field(True, description="Reuse the group across publishes while its members are unchanged.")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="Cast floating tensors to this dtype before sending (the rollout engine's); None = as is."
-    )
-    client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers.")
-
-    @property
-    def publish_bound_s(self) -> float:
-        """The longest one publish can take, whatever its receivers do: two Begin rounds, rendezvous +
-        transfer, commit and aborts, each within its own deadline."""
-        return 2 * self.timeout_s + 8 * self.control_timeout_s
 
 
 @dataclass
@@ -143,20 +91,6 @@ class PublishReport:
         return [r.address for r in self.results if r.not_newer]
 
 
-@dataclass
-class _Group:
-    members: tuple[str, ...]
-    name: str
-    transfer: Transfer | None = None  # None until this process has joined
-    # The members take one broadcast per tensor on a torch.distributed named group (their BeginUpdate said so:
-    # SGLang receiving itself); False: buckets on this project's own group.
-    tensor_broadcasts: bool = False
-
-    def spec(self, rank: int, master_addr: str, port: int, backend: str) -> GroupSpec:
-        return GroupSpec(backend, master_addr, port, len(self.members) + 1, rank, self.name,  # type: ignore[arg-type]
-                         existing=self.transfer is not None)
-
-
 class _MixedGroup(Exception):
     """BeginUpdate replies disagree on tensor_broadcasts: some members receive per tensor, others buckets."""
 
@@ -181,22 +115,12 @@ class WeightBroadcaster:
                  device: torch.device | str | None = None):
         self.config = config or BroadcastConfig()
         self.receivers = list(receivers)
-        self.device = None if device is None else transfer_device(self.config.backend, device)
-        self._bucket_bytes = int(self.config.bucket_mb * (1 << 20))
-        solo_mb = self.config.bucket_mb if self.config.solo_mb is None else self.config.solo_mb
-        self._solo_bytes = int(solo_mb * (1 << 20))
-        self._sender = BucketSender()
-        self._token = uuid.uuid4().hex[:8]
-        self._groups_planned = 0
-        self._group: _Group | None = None
-        self._store = None
+        self._plan = BroadcastPlan(self.config)
+        device = None if device is None else transfer_device(self.config.backend, device)
+        self._transport = Transport(self.config, device)
         self._stubs: dict[str, weights_pb2_grpc.WeightSyncStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._channel_of: dict[str, grpc.aio.Channel] = {}
-        self._manifest: tuple[tuple, Manifest] | None = None
-        self._wire: tuple[Manifest, list[weights_pb2.TensorSpec], list[int]] | None = None  # its BeginUpdate fields
-        self._bound: tuple[Manifest, list[torch.Tensor]] | None = None  # bind(): the layout, the parameters' buffers
-        self._snapshot: list[torch.Tensor] | None = None  # snapshot(): a second set of buffers in that layout
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         """Change who receives from the next publish on (replicas added or removed)."""
@@ -208,28 +132,14 @@ class WeightBroadcaster:
         no packing copy, no per-bucket cost. For a model held whole in this process, published while it
         is not being updated (a publish overlapping the next optimizer step would send a mix of two
         steps); with `dtype` set, publishes send cast copies instead, so binding is refused."""
-        if self.config.dtype is not None:
-            raise ValueError("bind: publishes cast the tensors to config.dtype, so they never send from the parameters")
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in self._prepare(parameters).items())
-        whole = sum(TensorSlot(name, shape, dtype, 0, 0).nbytes for name, shape, dtype in key) + ALIGN_BYTES * len(key)
-        self._manifest = (key, plan_buckets(merge_order(key), whole, solo_bytes=whole + 1))
-        self._bound = (self._manifest[1], bind_to_buckets(parameters, self._manifest[1]))
-        self._snapshot = None
+        self._plan.bind(parameters)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the bound parameters as they are now (one memcpy into a second buffer kept for this),
         by name and laid out like them: a publish of it also goes straight from its memory, while the
         parameters change (a publish overlapping the next optimizer step). Valid until the next snapshot;
         take it only when no publish of the previous one is in flight."""
-        if self._bound is None:
-            raise RuntimeError("snapshot: bind() the parameters first")
-        manifest, buffers = self._bound
-        if self._snapshot is None:
-            self._snapshot = allocate_staging(manifest, buffers[0].device)
-        with torch.no_grad():
-            for source, copy in zip(buffers, self._snapshot, strict=True):
-                copy.copy_(source)
-        return unpack_buckets(manifest, self._snapshot)
+        return self._plan.snapshot()
 
     async def __aenter__(self) -> Self:
         return self
@@ -238,8 +148,7 @@ class WeightBroadcaster:
         await self.close()
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._drop_group, self.config.control_timeout_s)
-        self._store = None
+        await self._transport.close()
         for channel in self._channels:
             await channel.close()
         self._channels.clear()
@@ -267,8 +176,8 @@ class WeightBroadcaster:
     async def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
         """Send `named_tensors` as version `version` to every receiver; see the module docstring."""
         start = time.perf_counter()
-        tensors = self._prepare(named_tensors)
-        manifest = self._plan(tensors)
+        tensors = self._plan.prepare(named_tensors)
+        manifest = self._plan.manifest(tensors)
         report = PublishReport(version, [], bytes=manifest.total_bytes)
         results: dict[str, ReceiverResult] = {}
 
@@ -288,20 +197,20 @@ class WeightBroadcaster:
 
     async def _begin_round(
         self, manifest: Manifest, version: int, results: dict[str, ReceiverResult]
-    ) -> tuple[list[str], _Group | None]:
+    ) -> tuple[list[str], Group | None]:
         """BeginUpdate to every receiver. If some fail, the others are told to abort and the round starts
         again on a new group without the failed ones (at most three rounds)."""
         members = list(self.receivers)
         for _ in range(3):
             if not members:
                 return [], None
-            group = self._group_for(members)
+            group = self._transport.group_for(members)
             reused = group.transfer is not None
             try:
                 errors = await self._begin(group, manifest, version)
             except _MixedGroup as mixed:
                 await self._abort(members, version)
-                self._drop_group()
+                self._transport.drop()
                 why = (f"BeginUpdate: {', '.join(mixed.per_tensor)} receive one broadcast per tensor (an engine that "
                        "joins the group itself: SGLang), the others buckets; one group cannot carry both")
                 for address in members:
@@ -310,7 +219,7 @@ class WeightBroadcaster:
             if not errors:
                 return members, group
             await self._abort([m for m in members if m not in errors], version)
-            self._drop_group()
+            self._transport.drop()
             for address, error in errors.items():
                 # ABORTED on a reused group: the receiver no longer holds it (it restarted); a new group
                 # fixes that, so it stays in.
@@ -323,15 +232,12 @@ class WeightBroadcaster:
             results[address] = ReceiverResult(address, False, "BeginUpdate kept failing while the group changed")
         return [], None
 
-    async def _begin(self, group: _Group, manifest: Manifest, version: int) -> dict[str, grpc.RpcError]:
+    async def _begin(self, group: Group, manifest: Manifest, version: int) -> dict[str, grpc.RpcError]:
         """BeginUpdate to the group's members, concurrently; the errors by address."""
-        await self._ensure_store()
-        if self._wire is None or self._wire[0] is not manifest:
-            self._wire = (manifest, *manifest.to_proto())
-        _, specs, bucket_sizes = self._wire
+        specs, bucket_sizes = self._plan.wire(manifest)
+        group_specs = await self._transport.member_specs(group)
 
-        async def one(rank: int, address: str) -> weights_pb2.BeginUpdateResponse:
-            spec = group.spec(rank, self.config.master_addr, self._store.port, self.config.backend)
+        async def one(address: str, spec: GroupSpec) -> weights_pb2.BeginUpdateResponse:
             request = weights_pb2.BeginUpdateRequest(
                 version=version, tensors=specs, bucket_sizes=bucket_sizes, group=spec.to_proto(),
                 timeout_s=self.config.timeout_s,
@@ -339,7 +245,8 @@ class WeightBroadcaster:
             return await self._stub(address).BeginUpdate(request, timeout=self.config.control_timeout_s)
 
         replies = await asyncio.gather(
-            *(one(rank, address) for rank, address in enumerate(group.members, start=1)), return_exceptions=True
+            *(one(address, spec) for address, spec in zip(group.members, group_specs, strict=True)),
+            return_exceptions=True,
         )
         errors, per_tensor = {}, {}
         for address, reply in zip(group.members, replies, strict=True):
@@ -356,7 +263,7 @@ class WeightBroadcaster:
         return errors
 
     async def _transfer_and_commit(
-        self, group: _Group, manifest: Manifest, tensors: dict[str, torch.Tensor], version: int,
+        self, group: Group, manifest: Manifest, tensors: dict[str, torch.Tensor], version: int,
         results: dict[str, ReceiverResult], report: PublishReport,
     ) -> None:
         deadline = deadline_after(self.config.timeout_s)
@@ -365,23 +272,19 @@ class WeightBroadcaster:
         pending: list[asyncio.Task] = []
         try:
             if group.transfer is None:
-                spec = group.spec(0, self.config.master_addr, self._store.port, self.config.backend)
-                device = self.device if self.device is not None else next(iter(tensors.values())).device
-                form = make_torch_group if group.tensor_broadcasts else make_group
-                group.transfer = await asyncio.to_thread(form, spec, self.config.timeout_s, self._store, device)
+                await self._transport.join(group, tensors)
             report.rendezvous_s = time.perf_counter() - started
             step = "transfer"
             started = time.perf_counter()
             # CommitUpdate travels with the buckets: a receiver answers once it holds them all and has switched,
             # so no round trip is left to make after the last byte.
             pending = [asyncio.create_task(self._commit(address, version, deadline)) for address in group.members]
-            send = send_tensors if group.tensor_broadcasts else self._sender.send
-            await asyncio.to_thread(send, group.transfer, manifest, tensors, deadline)
+            await self._transport.send(group, manifest, tensors, deadline)
             report.transfer_s = time.perf_counter() - started
         except TransferError as exc:
             for address in group.members:
                 results[address] = ReceiverResult(address, False, f"{step} failed: {exc}")
-            self._drop_group()
+            self._transport.drop()
             await self._abort(list(group.members), version)
             for result in await asyncio.gather(*pending):
                 if result.ok:  # it had every byte and switched before the abort came
@@ -397,7 +300,7 @@ class WeightBroadcaster:
         for result in commits:
             results[result.address] = result
         if not all(result.ok for result in commits) or not self.config.keep_group:
-            self._drop_group()
+            self._transport.drop()
 
     async def _commit(self, address: str, version: int, deadline: float) -> ReceiverResult:
         wait_s = max(deadline - time.monotonic(), self.config.control_timeout_s)
@@ -422,50 +325,6 @@ class WeightBroadcaster:
             elif isinstance(reply, BaseException):
                 raise reply
 
-    # -- state -------------------------------------------------------------------------------------
-
-    def _prepare(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Detach, cast if configured, and send a tensor seen under two names once, under its first name:
-        a tied model's state dict holds the embedding again as lm_head.weight, which the rollout engine
-        does not count as a parameter of its own."""
-        cast = _DTYPES.get(self.config.dtype) if self.config.dtype else None
-        prepared, seen = {}, set()
-        for name, tensor in named_tensors.items():
-            tensor = tensor.detach()
-            view = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-            if tensor.numel() and view in seen:
-                continue
-            seen.add(view)
-            prepared[name] = tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor
-        return prepared
-
-    def _plan(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
-        """The bucket layout (in merge order: receivers adopt the staged bytes without a copy), recomputed
-        only when names, shapes or dtypes change."""
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
-        if self._manifest is None or self._manifest[0] != key:
-            self._manifest = (key, plan_buckets(merge_order(key), self._bucket_bytes, self._solo_bytes))
-        return self._manifest[1]
-
-    def _group_for(self, members: list[str]) -> _Group:
-        """The kept group if its members are these, else a new one under a name no store has seen."""
-        if self._group is not None and self._group.members == tuple(members):
-            return self._group
-        self._drop_group()
-        self._groups_planned += 1
-        self._group = _Group(tuple(members), f"relayrl-wsync-{self._token}-{self._groups_planned}")
-        return self._group
-
-    def _drop_group(self, wait_s: float = 0.0) -> None:
-        if self._group is not None and self._group.transfer is not None:
-            self._group.transfer.close(wait_s)
-        self._group = None
-
-    async def _ensure_store(self) -> None:
-        if self._store is None:
-            self._store = await asyncio.to_thread(host_store, self.config.master_addr, self.config.timeout_s,
-                                              self.config.master_port)
-
     def _stub(self, address: str) -> weights_pb2_grpc.WeightSyncStub:
         if address not in self._stubs:
             channel = connect(address, self.config.client)
@@ -473,39 +332,3 @@ class WeightBroadcaster:
             self._channel_of[address] = channel
             self._stubs[address] = weights_pb2_grpc.WeightSyncStub(channel)
         return self._stubs[address]
-
-
-class BlockingWeightBroadcaster:
-    """A WeightBroadcaster for synchronous code: `publish` blocks; the asyncio side runs on its own thread."""
-
-    def __init__(self, receivers: Sequence[str], config: BroadcastConfig | None = None,
-                 device: torch.device | str | None = None):
-        self.broadcaster = WeightBroadcaster(receivers, config, device)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="weight-broadcast", daemon=True)
-        self._thread.start()
-
-    def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
-        return self._run(self.broadcaster.publish(named_tensors, version), self.broadcaster.config.publish_bound_s)
-
-    def served_versions(self, addresses: Sequence[str] | None = None) -> dict[str, int | None]:
-        return self._run(self.broadcaster.served_versions(addresses), 2 * self.broadcaster.config.control_timeout_s)
-
-    def bind(self, parameters: Mapping[str, torch.Tensor]) -> None:
-        """WeightBroadcaster.bind; call it while no publish is in flight."""
-        self.broadcaster.bind(parameters)
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """WeightBroadcaster.snapshot; call it while no publish is in flight."""
-        return self.broadcaster.snapshot()
-
-    def set_receivers(self, receivers: Sequence[str]) -> None:
-        self._loop.call_soon_threadsafe(self.broadcaster.set_receivers, list(receivers))
-
-    def close(self) -> None:
-        self._run(self.broadcaster.close(), self.broadcaster.config.control_timeout_s)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=self.broadcaster.config.control_timeout_s)
-
-    def _run(self, coro, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

@@ -1,0 +1,37 @@
+"""How the trainer publishes weights (BroadcastConfig): collective, bucket sizes, deadlines, rendezvous address."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.config import ClientConfig, Strict
+
+
+class BroadcastConfig(Strict):
+    """How the trainer publishes weights."""
+
+    backend: Literal["gloo", "nccl", "cupy_nccl"] = Field(
+        "gloo", description="Collective for the tensors: gloo (CPU), nccl (GPU, torch's ProcessGroupNCCL) or cupy_nccl "
+        "(GPU, cupy's NCCL bindings: the `gpu` extra). The NCCL ones need every member on a GPU of its own.")
+    bucket_mb: float = Field(32.0, gt=0, description="Tensors are packed into buckets of up to this many MiB; "
+                             "packing the next bucket overlaps sending this one. On gloo, 32-64 MiB beat smaller "
+                             "buckets and one broadcast per tensor: each collective has a fixed cost in time and CPU.")
+    solo_mb: float | None = Field(None, ge=0, description="Tensors of this many MiB or more travel alone, straight "
+                                  "from their memory (no packing copy); None = bucket_mb.")
+    timeout_s: float = Field(60.0, gt=0, description="Deadline of rendezvous + transfer, and of every collective.")
+    control_timeout_s: float = Field(10.0, gt=0, description="Deadline of each BeginUpdate/AbortUpdate call, and "
+                                     "what CommitUpdate may add for the switch itself.")
+    master_addr: str = Field("127.0.0.1", description="Address at which receivers reach this trainer's rendezvous store "
+                             "and gloo group; both bind this interface only (loopback: unreachable from other hosts).")
+    master_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store; 0 = any free port.")
+    keep_group: bool = Field(True, description="Reuse the group across publishes while its members are unchanged.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Cast floating tensors to this dtype before sending (the rollout engine's); None = as is."
+    )
+    client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers.")
+
+    @property
+    def publish_bound_s(self) -> float:
+        """The longest one publish can take, whatever its receivers do: two Begin rounds, rendezvous +
+        transfer, commit and aborts, each within its own deadline."""
+        return 2 * self.timeout_s + 8 * self.control_timeout_s

@@ -1,0 +1,62 @@
+"""The trainer's typed configuration: one pydantic model, every field documented, checked in one place.
+
+TrainerConfig is the whole of a run's config (`python -m trainer --config FILE`); each of its sections is a
+model of its own, in a module named after it: algorithm, optim (and batch), checkpoint, buffer, publish.
+"""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.config import Strict
+from trainer.config.algorithm import AlgorithmConfig
+from trainer.config.buffer import BufferClientConfig
+from trainer.config.checkpoint import CheckpointConfig
+from trainer.config.optim import BatchConfig, OptimConfig
+from trainer.config.publish import PublishConfig
+
+
+class TrainerConfig(Strict):
+    """Everything one training run needs."""
+
+    model_path: str = Field(description="Hugging Face folder of the policy to train.")
+    ref_model_path: str | None = Field(
+        None,
+        description="Frozen reference (KL, DPO) or teacher (distill) model, used when samples carry no ref_logprobs.",
+    )
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    buffer: BufferClientConfig = Field(default_factory=BufferClientConfig)
+    max_steps: int = Field(100, gt=0, description="Stop after this many optimizer steps.")
+    max_staleness: int | None = Field(
+        None, ge=0, description="Fail loudly if a batch holds a sample older than this (the buffer enforces it)."
+    )
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype: bfloat16 = autocast on GPU; parameters stay float32."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    num_threads: int | None = Field(1, gt=0, description="torch threads per process (1 when processes share cores).")
+    dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of torch.distributed collectives.")
+    log_interval: int = Field(1, gt=0, description="Log metrics every this many steps.")
+    metrics_path: str | None = Field(None, description="Append each step's metrics here as JSON lines (rank 0).")
+    metrics_sample_ids: bool = Field(
+        False, description="Also record each step's lease and sample ids in the metrics file (audits resumes)."
+    )
+    heartbeat_path: str | None = Field(
+        None, description="Touch this file every heartbeat_interval_s from a daemon thread of rank 0 (from start-up "
+        "on): a supervisor that finds it untouched knows the process is frozen, not merely busy. None = off."
+    )
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between touches of heartbeat_path.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.publish.backend != "gloo" and self.publish.receivers and self.device == "cpu":
+            raise ValueError(f"publish.backend {self.publish.backend!r} sends from the trainer's GPU: set device to "
+                             "cuda (or auto on a GPU machine), or use backend 'gloo'")
+        if self.algorithm.name == "dpo" and self.batch.micro_batch_size % 2:
+            raise ValueError("batch.micro_batch_size: DPO trains (chosen, rejected) pairs, so it must be even")
+        return self

@@ -1,0 +1,50 @@
+"""The `optim:` and `batch:` sections of the trainer config: what one optimizer step takes and how it steps."""
+
+from pydantic import Field
+
+from services.config import Strict
+
+
+class OptimConfig(Strict):
+    """AdamW with a linear warm-up."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from 0 to lr.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; None = no clip.")
+
+
+class BatchConfig(Strict):
+    """How many samples make one optimizer step, and how they are split."""
+
+    global_batch_size: int = Field(64, gt=0, description="Samples per pulled batch across all ranks (whole groups).")
+    micro_batch_size: int = Field(8, gt=0, description="Samples per forward/backward on one rank (gradient accumulation); "
+                                  "with max_tokens_per_micro_batch, the most samples one may hold.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="Token budget of one forward/backward on one rank, counted padded (samples x the "
+        "longest): the samples are sorted by length and packed into as few micro-batches as fit, so a batch of short "
+        "and long episodes is not padded to its longest (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu). A "
+        "sample longer than the budget goes alone. Every rank runs as many micro-batches as the rank that needs most. "
+        "None = micro_batch_size samples each, in batch order.")
+    mini_batches: int = Field(
+        1, gt=0, description="Optimizer steps per pulled batch (PPO mini-batches); the batch is split in this many."
+    )
+
+    def rows_per_rank(self, world_size: int) -> int:
+        """Samples of one mini-batch on one rank."""
+        return self.global_batch_size // self.mini_batches // world_size
+
+    def check_divisible(self, world_size: int) -> None:
+        """Raise ValueError naming the field unless the batch splits evenly over steps, ranks and micro-batches."""
+        per_step = self.global_batch_size // self.mini_batches
+        if self.global_batch_size % self.mini_batches:
+            raise ValueError(f"batch.global_batch_size={self.global_batch_size} is not divisible by mini_batches={self.mini_batches}")
+        if per_step % world_size:
+            raise ValueError(f"batch.global_batch_size: {per_step} samples per step do not split over {world_size} ranks")
+        if self.max_tokens_per_micro_batch is None and self.rows_per_rank(world_size) % self.micro_batch_size:
+            raise ValueError(
+                f"batch.micro_batch_size={self.micro_batch_size} does not divide the {self.rows_per_rank(world_size)} "
+                "samples per rank and step"
+            )
