@@ -38,9 +38,14 @@ class EncodedKV:
     def nbytes(self) -> int:
         return sum(part.numel() * part.element_size() for part in self.parts.values())
 
+    def to_buffer(self) -> torch.Tensor:
+        """The parts' raw bytes, one after the other in part order (machine byte order: little-endian here), as one
+        uint8 tensor on the parts' device."""
+        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self.parts.values()])
+
     def to_bytes(self) -> bytes:
-        """The parts' raw bytes, one after the other in part order (machine byte order: little-endian here)."""
-        return b"".join(part.contiguous().view(torch.uint8).numpy().tobytes() for part in self.parts.values())
+        """to_buffer()'s bytes on the host (copied there when the parts are on a device)."""
+        return self.to_buffer().cpu().numpy().tobytes()
 
 
 class KVCodec(ABC):
@@ -63,16 +68,21 @@ class KVCodec(ABC):
 
     def from_bytes(self, shape: tuple[int, int, int, int], dtype: torch.dtype, data: bytes | bytearray) -> EncodedKV:
         """The EncodedKV whose to_bytes() is `data`; raises ValueError when its length is not the layout's."""
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return self.from_buffer(shape, dtype, raw)
+
+    def from_buffer(self, shape: tuple[int, int, int, int], dtype: torch.dtype, buffer: torch.Tensor) -> EncodedKV:
+        """The EncodedKV whose to_buffer() is `buffer` (uint8, 1-D, on any device), its parts views of it; raises
+        ValueError when its length is not the layout's."""
         layout = self.part_layout(shape, dtype)
         expected = sum(math.prod(s) * d.itemsize for s, d in layout.values())
-        if len(data) != expected:
-            raise ValueError(f"payload: {len(data)} bytes, the {self.name} encoding of {list(shape)} {dtype} is "
+        if buffer.numel() != expected:
+            raise ValueError(f"payload: {buffer.numel()} bytes, the {self.name} encoding of {list(shape)} {dtype} is "
                              f"{expected} bytes")
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
         parts, offset = {}, 0
         for name, (part_shape, part_dtype) in layout.items():
             size = math.prod(part_shape) * part_dtype.itemsize
-            parts[name] = raw[offset : offset + size].view(part_dtype).reshape(part_shape)
+            parts[name] = buffer[offset : offset + size].view(part_dtype).reshape(part_shape)
             offset += size
         return EncodedKV(self.name, tuple(shape), dtype, parts)
 
