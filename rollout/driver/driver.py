@@ -196,6 +196,7 @@ class Driver(GroupProducer):
                 rollout_logprobs=decode_array(completion.logprobs, "logprobs", "float32"),
                 weight_versions=versions,
                 temperature=completion.logprobs_temperature,
+                kv_version=completion.kv_version if completion.HasField("kv_version") else None,
                 status=_STATUS.get(completion.finish_reason, SampleStatus.FAILED),
                 reason=rollout_pb2.FinishReason.Name(completion.finish_reason),
                 prompt_text=prompt.text,

@@ -365,7 +365,8 @@ class AsyncEngine:
 
 
 def _completion(seq: EngineSequence) -> Completion:
-    return Completion(seq.index, seq.output_ids, list(seq.logprobs), list(seq.weight_versions), seq.finish_reason)
+    return Completion(seq.index, seq.output_ids, list(seq.logprobs), list(seq.weight_versions), seq.finish_reason,
+                      seq.kv_version)
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, list[TokenOutput]]]) -> None:

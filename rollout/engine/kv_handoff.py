@@ -169,6 +169,7 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
         manager.fork(head, child)
     for seq in seqs:
         seq.num_cached_tokens = len(prompt)
+        seq.context_version = prefilled.weight_version
     engine.requests[request_id] = seqs
     outputs = engine._postprocess(seqs, prefilled.first_token_ids, prefilled.first_logprobs)
     for seq in reversed(seqs):  # the children first: completion 0 then holds its last block alone

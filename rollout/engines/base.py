@@ -77,8 +77,9 @@ class RolloutEngine(Protocol):
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
         """Serve `weights` (every tensor of parameter_layout) as `version` from the next step on; in-flight
-        sequences continue under it. With `adopt` the engine may keep the tensors themselves (the caller leaves
-        them untouched until a later update). Returns the seconds the switch took."""
+        sequences continue under it, over their KV or recomputing it as the engine's kv_on_update says. With
+        `adopt` the engine may keep the tensors themselves (the caller leaves them untouched until a later update).
+        Returns the seconds the switch took."""
         ...
 
     async def watch_version(self, newer_than: int, wait_s: float) -> int:

@@ -76,6 +76,7 @@ class _Turn:
         self.num_cached_tokens = len(prompt)  # the radix cache holds it
         self.finish_reason: FinishReason | None = None
         self.session = None
+        self.context_version = self.stale_kv_version = None  # unknown: SGLang's KV versions are not reported
 
     @property
     def num_output_tokens(self) -> int:

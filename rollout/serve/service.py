@@ -117,6 +117,7 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
                 finish_reason=FINISH_REASONS[completion.finish_reason],
                 text=self.decode_text(completion.token_ids),
                 logprobs_temperature=logprobs_t,
+                kv_version=completion.kv_version,
             ))
         return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
 
@@ -131,6 +132,7 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
                 weight_versions=encode_array(delta.weight_versions, "int64"),
                 finish_reason=FINISH_REASONS[delta.finish_reason],
                 text=self.decode_text(delta.token_ids),
+                kv_version=delta.kv_version,
             )
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:

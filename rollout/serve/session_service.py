@@ -96,6 +96,7 @@ class SessionRPCs:
                     weight_versions=encode_array(delta.weight_versions, "int64"),
                     finish_reason=FINISH_REASONS[delta.finish_reason],
                     text=self.decode_text(delta.token_ids),
+                    kv_version=delta.kv_version,
                 )
 
     async def CloseSession(self, request: rollout_pb2.CloseSessionRequest, context) -> rollout_pb2.CloseSessionResponse:
@@ -161,6 +162,7 @@ class SessionRPCs:
             response_text=self.decode_text(record.response_ids),
             metadata={**metadata, "session_id": record.session_id, "turns": record.turns},
             temperature=record.temperature,
+            kv_version=record.kv_version,
         )
 
     async def submit_episode(self, record: SessionRecord, reward: float, group_id: str, group_size: int) -> bool:
