@@ -115,14 +115,15 @@ def test_the_quantized_cache_runs_on_the_meta_device(kv_cache_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_on_cuda_a_decode_step_forward_does_not_synchronize(sharp_model_dir, kv_cache_dtype):
-    """CUDA's sync debug mode raises on any synchronizing call inside the forward pass of decode steps."""
+@pytest.mark.parametrize("kv_cache_dtype, attention", [("auto", "torch"), ("int8", "torch"), ("int8", "triton")])
+def test_on_cuda_a_step_forward_does_not_synchronize(sharp_model_dir, kv_cache_dtype, attention):
+    """CUDA's sync debug mode raises on any synchronizing call inside the forward passes (prefill and decode; eager:
+    CUDA graphs are off for the torch path and for a quantized cache)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     engine = LLMEngine(EngineConfig(model=str(sharp_model_dir), kv_cache_dtype=kv_cache_dtype, device="cuda",
                                     block_size=4, num_blocks=256, max_model_len=128, max_num_seqs=8,
-                                    attention_backend="torch"))
+                                    attention_backend=attention))
     model, forward, passes = engine.runner.model, engine.runner.model.forward, []
 
     def strict(*args, **kwargs):
