@@ -18,9 +18,10 @@
 # failed. Full output of each step in $OUT/NAME.log, the verdicts and result lines in $OUT/summary.txt.
 #
 # Options: --device cuda|cpu (default cuda; cpu = the dry run), -h.
-# Env: OUT (logs; default a new /tmp/relayrl-gpu-check.*), TOTAL_S (wall budget of all steps; default 540, under the
-#      10 minutes a device command may run), PY (python; default python3), WORK (scratch: models, the quickstart's run),
-#      ENGINE_ARGS (extra arguments of bench/engine_gpu.py), QS_RL_S (default 60 on cuda, 15 on cpu), QS_SFT_STEPS.
+# Env: OUT (logs; default a new /tmp/relayrl-gpu-check.*), TOTAL_S (wall budget of all steps; default 520: with the
+#      wheels' install, under the 10 minutes a device command may run), PY (python; default python3), WORK (scratch:
+#      models, the quickstart's run; default a temp dir, removed), ENGINE_ARGS (more arguments of bench/engine_gpu.py,
+#      after the defaults: --repeats 1 on cuda, --quick on cpu), QS_RL_S (default 60 on cuda, 30 on cpu), QS_SFT_STEPS.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
@@ -39,7 +40,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 case ":${PYTHONPATH:-}:" in *":$ROOT:"*) ;; *) export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" ;; esac
 PY="${PY:-python3}"
-TOTAL_S="${TOTAL_S:-540}"
+TOTAL_S="${TOTAL_S:-520}"
 OUT="${OUT:-$(mktemp -d /tmp/relayrl-gpu-check.XXXXXX)}"
 if [ -z "${WORK:-}" ]; then  # scratch of ours: removed at the end
   WORK="$(mktemp -d /tmp/relayrl-gpu-work.XXXXXX)"
@@ -168,7 +169,8 @@ if [ ! -f bench/engine_gpu.py ]; then
   verdict engine-bench SKIP "bench/engine_gpu.py is not in this tree"
 else
   # shellcheck disable=SC2086
-  if run engine-bench 180 "$PY" bench/engine_gpu.py --device "$DEVICE" $([ $DRY = 1 ] && echo --quick) ${ENGINE_ARGS:-}; then
+  if run engine-bench 180 "$PY" bench/engine_gpu.py --device "$DEVICE" $([ $DRY = 1 ] && echo --quick || echo --repeats 1) \
+      ${ENGINE_ARGS:-}; then
     if [ "$RC" -eq 0 ]; then verdict engine-bench PASS "$(grep -c '^result:' "$LOG") result lines in $(took)"
     elif [ "$RC" -eq 124 ]; then timed_out engine-bench
     else failed engine-bench; fi
