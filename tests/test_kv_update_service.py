@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 import torch
-from trainer.weight_broadcast import BroadcastConfig, WeightBroadcaster
 from transformers import AutoModelForCausalLM
 
 from deploy.tasks import arithmetic_tasks, write_jsonl
@@ -17,6 +16,8 @@ from protos.codec import decode_array, encode_array
 from protos.sample import Sample
 from rollout.driver.driver import Driver, DriverConfig, load_prompts
 from services.client import connect
+from trainer.broadcast.broadcaster import WeightBroadcaster
+from trainer.broadcast.config import BroadcastConfig
 
 torch.set_num_threads(1)
 PROMPT = [1, *range(40, 52)]

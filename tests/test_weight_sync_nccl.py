@@ -3,7 +3,8 @@ bindings (services/weights/cupy_nccl.py).
 
 The `gpu` tests run each member as a process of its own on the GPU it names (the receiver is spawned), as a
 trainer and a rollout worker are: buckets land bit-exact on another GPU, a silent sender times a receive out
-at its deadline, two members on one GPU are refused by name before NCCL is touched, and a publish reaches a
+at its deadline, two members on one GPU are refused by name before NCCL is touched (when the trainer turned CUDA
+IPC off; on, they get IPC handles: tests/test_weight_sync_ipc.py), and a publish reaches a
 rollout service on another GPU. The others run anywhere: the explicit device choice, the check-in that comes
 before NCCL (on a real TCP store), and the trainer's and receiver's refusals of a backend they cannot carry.
 """
@@ -140,7 +141,8 @@ def test_a_receive_from_a_silent_sender_times_out_at_its_deadline(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_trainer_and_a_receiver_on_one_gpu_are_refused_by_name(backend):
-    """NCCL needs one GPU per member: both sides learn it from the check-in, within the rendezvous."""
+    """NCCL needs one GPU per member: both sides learn it from the check-in, within the rendezvous (with CUDA IPC
+    turned off by the trainer; on, such a group carries IPC handles: tests/test_weight_sync_ipc.py)."""
     _needs(backend, 1)
     store = host_store("127.0.0.1", timeout_s=30)
     name = f"one-gpu-{backend}"
@@ -148,7 +150,7 @@ def test_a_trainer_and_a_receiver_on_one_gpu_are_refused_by_name(backend):
     try:
         with pytest.raises(TransferError, match="ranks 0 and 1 are both on GPU"):
             make_group(GroupSpec(backend, "127.0.0.1", store.port, 2, 0, name), timeout_s=30, store=store,
-                       device="cuda:0")
+                       device="cuda:0", cuda_ipc=False)
         kind, message = out.get(timeout=60)
         assert kind == "TransferError" and "ranks 0 and 1 are both on GPU" in message
     finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from protos.sample import Sample
+from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtype
 from trainer.checkpoint import (
     TrainState,
     export_hf,
@@ -37,7 +38,7 @@ from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
-from trainer.parallel import DistEnv, gather_model_state
+from trainer.parallel import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 "already_trained": float(len(work.already_trained)),
                 "pull_s": time.monotonic() - started,
                 "publish_s": publisher.seconds,
+                **publisher.timings(),
             }
             mini_batches = learner.prepare(work.train)
             for index, mini_batch in enumerate(mini_batches):
@@ -221,7 +223,7 @@ class Publishing:
     trainer's counter by as much, on every rank.
     """
 
-    def __init__(self, weights: Callable[[], dict[str, torch.Tensor]] | None, publish: Publisher | None,
+    def __init__(self, weights: Callable[[], dict[str, torch.Tensor] | ShardedWeights] | None, publish: Publisher | None,
                  overlap: bool, env: DistEnv, wait_s: float) -> None:
         self.weights, self.publish, self.env, self.wait_s = weights, publish, env, wait_s
         self.sending = Background("relayrl-publish") if overlap and env.is_main else None
@@ -233,15 +235,24 @@ class Publishing:
         started = time.monotonic()
         self._wait(state)  # the previous overlapped publish, if any
         tensors = self.weights()
-        if self.env.is_main:
-            if self.sending is not None:
-                self._requested = state.weight_version
-                self.sending.start(self.publish, tensors, state.weight_version)
-            else:
-                self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
-            self.published = state.weight_version
+        try:
+            if self.env.is_main:
+                if self.sending is not None:
+                    self._requested = state.weight_version
+                    self.sending.start(self.publish, tensors, state.weight_version)
+                else:
+                    self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
+                self.published = state.weight_version
+        finally:  # sharded weights: the other ranks gather every tensor now, rank 0 what its publish did not reach
+            finish_gather(tensors)
         state.weight_version = self.env.broadcast_object(state.weight_version)
         self.seconds = time.monotonic() - started
+
+    def timings(self) -> dict[str, float]:
+        """Rank 0: the last publish that ended: sync_s, from BeginUpdate until every receiver switched, and pause_s,
+        the longest an engine generated nothing for it (zeros before the first, or from a publisher that does not
+        say). publish_s is what the publish cost this loop: all of sync_s, or with `overlap` the gather alone."""
+        return {"sync_s": 0.0, "pause_s": 0.0, **getattr(self.publish, "timings", {})}
 
     def receivers_behind(self) -> bool:
         """Rank 0, no publish in flight: whether a receiver serves an older version than the last publish.
@@ -290,13 +301,16 @@ def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
 
 def policy_weights(
     learner: Learner, env: DistEnv, publish: Publisher | None, config: PublishConfig
-) -> Callable[[], dict[str, torch.Tensor]]:
-    """What each publish sends: the policy under Hugging Face names on rank 0, {} elsewhere (collective).
+) -> Callable[[], dict[str, torch.Tensor] | ShardedWeights]:
+    """What each publish sends: the policy under Hugging Face names (collective).
 
     A trainer that holds its policy whole (one process) and sends it uncast binds the parameters to the
     broadcast's layout (`publish.bind`, see PublishConfig.bind): each publish then goes straight from their
-    memory, or, overlapped with the next step, from a one-copy snapshot of it. Otherwise every publish
-    gathers a full state dict, which the broadcaster packs into buckets.
+    memory, or, overlapped with the next step, from a one-copy snapshot of it. Otherwise each publish sends
+    ShardedWeights over the policy's state as this rank holds it (FSDP2 shards): every tensor is gathered on the
+    trainer's device straight into its bucket as the bucket goes out (trainer/broadcast/gather.py), never into
+    a state dict in host memory. Overlapped with the next step, the publish cannot gather while that step runs
+    its own collectives: every tensor is gathered first, on the device, into a copy (the model's size, on rank 0).
     """
     tied = ties_embeddings(learner.policy)
     can_bind = not env.distributed and config.bind and config.dtype is None
@@ -306,7 +320,14 @@ def policy_weights(
             publish.bind(parameters)
             return publish.snapshot if config.overlap else lambda: parameters
         log.info("publishing gathered state dicts: the policy's state holds tensors that are not parameters")
-    return lambda: hf_state_dict(gather_model_state(learner.policy, env), tied)
+    dtype = publish_dtype(config.dtype)
+
+    def sharded() -> ShardedWeights:
+        return ShardedWeights(hf_state_dict(learner.policy.state_dict(), tied), env.device, dtype)
+
+    if config.overlap:
+        return lambda: sharded().gathered_copy(keep=env.is_main)
+    return sharded
 
 
 def measure_staleness(samples: Sequence[Sample], trainer_version: int, max_staleness: int | None) -> dict[str, float]:

@@ -82,6 +82,12 @@ class RolloutEngine(Protocol):
         Returns the seconds the switch took."""
         ...
 
+    @property
+    def last_pause_s(self) -> float:
+        """Seconds the last update_weights kept the engine from generating (from when it stopped stepping for the
+        update until it could step again), measured by the engine: the weight receiver reports it (pause_s)."""
+        ...
+
     async def watch_version(self, newer_than: int, wait_s: float) -> int:
         """The served version once it differs from `newer_than`, or after `wait_s` the version then."""
         ...
