@@ -149,6 +149,7 @@ class ModelRunner:
         slot_mapping = [seq.block_table[s // block_size] * block_size + s % block_size for seq, s in zip(owners, slots)]
         # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
         input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
+        self.cache.plan_write(slot_mapping, slot_mapping_t)  # a quantized cache plans its write on the host
         if self.attention_kernel != "torch" and not observe:  # a kernel reads the block tables; no classes to build
             row_lens = query_lens if query_lens is not None else [1] * len(seqs)
             kernel = self._plan_kernel(seqs, row_lens, [start + n for start, n in zip(starts, row_lens)])
