@@ -38,38 +38,8 @@ from rollout.config import EngineConfig
 from rollout.engine.llm_engine import LLMEngine
 from rollout.engine.sampling_params import SamplingParams
 
-SHAPES = {
-    "qwen05b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "head_dim": 64,
-                "intermediate_size": 4864, "vocab_size": 151936},
-    "small": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
-              "intermediate_size": 256, "vocab_size": 4096},
-}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-EOS = 2
-
-
-def build_model(folder: Path, shape: str, dtype: str, device: str, max_positions: int) -> Path:
-    """A random Qwen2 folder of `shape` (real-size vocabulary, the char tokenizer), initialised on `device`."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from rollout.model.tiny import char_tokenizer
-
-    s = SHAPES[shape]
-    config = Qwen2Config(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"],
-                         intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_layers"],
-                         num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
-                         head_dim=s["head_dim"], max_position_embeddings=max_positions,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=EOS)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    model.config.dtype = dtype
-    model.save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen_shape import DTYPES, EOS, SHAPES, build_model
 
 
 class Floor:
@@ -221,7 +191,7 @@ def main() -> int:
     vocab = SHAPES[args.shape]["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(Path(tmp) / "model", args.shape, args.dtype, args.device,
-                             args.prompt_len + args.new_tokens + 16)
+                             args.prompt_len + args.new_tokens + 16, head_scale=4.0)
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype]).to(args.device).eval()

@@ -28,41 +28,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
-SHAPES = {
-    "qwen05b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "head_dim": 64,
-                "intermediate_size": 4864, "vocab_size": 151936},
-    "small": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
-              "intermediate_size": 256, "vocab_size": 4096},
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen_shape import SHAPES, build_model
+
 GROUP = 8
 
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def build_model(folder: Path, shape: str, device: str) -> Path:
-    """A random Qwen2 folder of `shape` (bfloat16 on disk, real-size vocabulary, the char tokenizer), made on `device`."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from rollout.model.tiny import char_tokenizer
-
-    s = SHAPES[shape]
-    config = Qwen2Config(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"],
-                         intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_layers"],
-                         num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
-                         head_dim=s["head_dim"], max_position_embeddings=1024,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device(device):  # seconds on a GPU, not a minute on a CPU
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.config.dtype = "bfloat16"
-    model.save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    print(f"model: {shape}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters", flush=True)
-    return folder
 
 
 def make_samples(rows: int, seq: int, vocab: int, seed: int):
@@ -177,7 +151,7 @@ def main() -> int:
     else:
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="trainer-gpu-step-") as scratch:
-        folder = build_model(Path(args.model_dir or scratch) / args.shape, args.shape, args.device)
+        folder = build_model(Path(args.model_dir or scratch) / args.shape, args.shape, "bfloat16", args.device)
         tokens = args.batch * args.seq
         print(f"GRPO step: {args.batch} rows x {args.seq} tokens, micro-batches of {args.micro}, {args.dtype} on "
               f"{args.device}; median of {args.steps} after a warm-up", flush=True)
