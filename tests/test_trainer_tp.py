@@ -100,6 +100,45 @@ def loading_report(model: str, env) -> dict:
     return report
 
 
+def _record_dtypes(computed: list, module, _inputs, output) -> None:
+    computed.append([str(module.weight.dtype), str(output.dtype)])
+
+
+def mixed_precision_report(model: str, env, tp: int) -> dict:
+    """PPO's steps in float32, then under FSDP2's bf16 policy as on a GPU (forced here on CPU): the dtypes
+    the LM head computes in, the parameters and Adam moments the optimizer steps, and both runs' losses."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from trainer.config import TrainerConfig
+    from trainer.learner import Learner
+    from trainer.parallel import compose
+
+    report = {}
+    original = compose.mixed_precision_policy
+    for name in ("float32", "bfloat16"):
+        if name == "bfloat16":
+            compose.mixed_precision_policy = lambda *_: MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                             reduce_dtype=torch.float32)
+        config = TrainerConfig.model_validate({
+            "model_path": model, "optim": {"lr": 2e-3}, "dtype": name, "parallel": {"tp": tp},
+            "batch": {"global_batch_size": 8, "micro_batch_size": 2}, "algorithm": {"name": "ppo"},
+        })  # fmt: skip
+        learner = Learner(config, env)
+        computed: list[list[str]] = []
+        hook = learner.policy.lm.get_output_embeddings().register_forward_hook(
+            functools.partial(_record_dtypes, computed))
+        losses = [learner.train_step(batch, step)["loss"] for step in range(2)
+                  for batch in learner.prepare(make_samples("ppo"))]
+        hook.remove()
+        states = [value for state in learner.optimizer.state.values() for value in state.values()]
+        report[name] = {"losses": losses, "head": computed[0],
+                        "stepped": sorted({str(p.dtype) for p in learner.policy.parameters()}),
+                        "moments": sorted({str(v.dtype) for v in states if v.dim() > 0})}
+    compose.mixed_precision_policy = original
+    return report
+
+
 def worker(model: str, out: str, checkpoints: str, tp: int) -> None:
     import torch
 
@@ -110,7 +149,8 @@ def worker(model: str, out: str, checkpoints: str, tp: int) -> None:
     root = Path(checkpoints)
     results = {"loading": loading_report(model, env),
                "losses": run_steps(model, env, tp, root / f"world{env.world_size}"),
-               "resumed": run_steps(model, env, tp, root / f"world{env.world_size}", resume_from=root / "world1")}
+               "resumed": run_steps(model, env, tp, root / f"world{env.world_size}", resume_from=root / "world1"),
+               "mixed_precision": mixed_precision_report(model, env, tp)}
     if env.is_main:
         Path(out).write_text(json.dumps(results))
     shutdown_distributed(env)
@@ -171,11 +211,37 @@ def check_loading(loading: dict, procs: int) -> None:
         assert rank["held"] <= rank["read"] + 1024, loading
 
 
-def test_tp2_loads_shards_and_trains_as_one_process(tiny_model_dir, one_process, free_port):
+@pytest.fixture(scope="module")
+def tp2(tiny_model_dir, one_process, tmp_path_factory):
+    """The same under torchrun: 2 processes, tp 2."""
+    import socket
+
+    checkpoints, _ = one_process
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return run_torchrun(2, 2, tiny_model_dir, checkpoints, port)
+
+
+def test_tp2_loads_only_each_ranks_shards(tp2):
+    check_loading(tp2["loading"], 2)
+
+
+def test_tp2_losses_weights_and_dcp_resumes_equal_one_process(tiny_model_dir, one_process, tp2):
     checkpoints, single = one_process
-    parallel = run_torchrun(2, 2, tiny_model_dir, checkpoints, free_port)
-    check_loading(parallel["loading"], 2)
-    check_against_one_process(parallel, 2, tiny_model_dir, checkpoints, single)
+    check_against_one_process(tp2, 2, tiny_model_dir, checkpoints, single)
+
+
+def test_tp2_mixed_precision_computes_in_bf16_and_steps_fp32_masters(tp2):
+    report = tp2["mixed_precision"]
+    assert report["float32"]["head"] == ["torch.float32", "torch.float32"]
+    assert report["bfloat16"]["head"] == ["torch.bfloat16", "torch.bfloat16"]
+    for run in report.values():
+        assert run["stepped"] == ["torch.float32"] and run["moments"] == ["torch.float32"]
+    # bf16 rounding, not another computation: the first step's loss and the second's (after an update from
+    # gradients reduced in float32) agree.
+    np.testing.assert_allclose(report["bfloat16"]["losses"], report["float32"]["losses"], rtol=0, atol=5e-3)
+    assert report["bfloat16"]["losses"] != report["float32"]["losses"]
 
 
 @pytest.mark.slow
