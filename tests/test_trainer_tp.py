@@ -100,6 +100,28 @@ def loading_report(model: str, env) -> dict:
     return report
 
 
+def tied_report(folder: Path, env) -> dict:
+    """A model whose LM head is its input embedding: both split alike, they stay one parameter, loaded once."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from rollout.model.tiny import write_tiny_model
+    from trainer.config.parallel import ParallelConfig
+    from trainer.parallel import build_policy, gather_model_state
+
+    if env.is_main:
+        write_tiny_model(folder, tie_word_embeddings=True)
+    dist.barrier()
+    policy = build_policy(folder, env, ParallelConfig(tp=env.tp_size))
+    shared = policy.lm.get_output_embeddings().weight is policy.lm.get_input_embeddings().weight
+    full = gather_model_state(policy, env)
+    if not env.is_main:
+        return {}
+    saved = load_file(folder / "model.safetensors")
+    return {"shared": shared, "head_saved": "lm_head.weight" in saved,
+            "max_diff": max(float((full[f"lm.{name}"] - t).abs().max()) for name, t in saved.items())}
+
+
 def _record_dtypes(computed: list, module, _inputs, output) -> None:
     computed.append([str(module.weight.dtype), str(output.dtype)])
 
@@ -147,7 +169,7 @@ def worker(model: str, out: str, checkpoints: str, tp: int) -> None:
 
     env = init_distributed("cpu", tp=tp)
     root = Path(checkpoints)
-    results = {"loading": loading_report(model, env),
+    results = {"loading": loading_report(model, env), "tied": tied_report(root / f"tied{env.world_size}", env),
                "losses": run_steps(model, env, tp, root / f"world{env.world_size}"),
                "resumed": run_steps(model, env, tp, root / f"world{env.world_size}", resume_from=root / "world1"),
                "mixed_precision": mixed_precision_report(model, env, tp)}
@@ -225,6 +247,7 @@ def tp2(tiny_model_dir, one_process, tmp_path_factory):
 
 def test_tp2_loads_only_each_ranks_shards(tp2):
     check_loading(tp2["loading"], 2)
+    assert tp2["tied"] == {"shared": True, "head_saved": False, "max_diff": 0.0}
 
 
 def test_tp2_losses_weights_and_dcp_resumes_equal_one_process(tiny_model_dir, one_process, tp2):
