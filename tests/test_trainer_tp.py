@@ -122,6 +122,26 @@ def tied_report(folder: Path, env) -> dict:
             "max_diff": max(float((full[f"lm.{name}"] - t).abs().max()) for name, t in saved.items())}
 
 
+def repeated_save_report(model: str, env, tp: int, root: Path) -> dict:
+    """A step saved twice, both commits queued on rank 0's background thread (as the loop saves at its end a
+    step it just saved): the checkpoint commits once and loads."""
+    from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+    from trainer.config import TrainerConfig
+    from trainer.learner import Learner
+
+    config = TrainerConfig.model_validate({"model_path": model, "parallel": {"tp": tp},
+                                           "batch": {"global_batch_size": 8, "micro_batch_size": 4}})
+    learner = Learner(config, env)
+    queued = []
+    for _ in range(2):
+        save_checkpoint(root, learner.policy, learner.optimizer, TrainState(step=5), env, submit=queued.append)
+    for call in queued:
+        call()
+    env.barrier()
+    state = load_checkpoint(latest_checkpoint(root), learner.policy, learner.optimizer, env)
+    return {"step": state.step, "folders": sorted(path.name for path in root.iterdir())}
+
+
 def _record_dtypes(computed: list, module, _inputs, output) -> None:
     computed.append([str(module.weight.dtype), str(output.dtype)])
 
@@ -172,7 +192,8 @@ def worker(model: str, out: str, checkpoints: str, tp: int) -> None:
     results = {"loading": loading_report(model, env), "tied": tied_report(root / f"tied{env.world_size}", env),
                "losses": run_steps(model, env, tp, root / f"world{env.world_size}"),
                "resumed": run_steps(model, env, tp, root / f"world{env.world_size}", resume_from=root / "world1"),
-               "mixed_precision": mixed_precision_report(model, env, tp)}
+               "mixed_precision": mixed_precision_report(model, env, tp),
+               "repeated_save": repeated_save_report(model, env, tp, root / f"repeated{env.world_size}")}
     if env.is_main:
         Path(out).write_text(json.dumps(results))
     shutdown_distributed(env)
@@ -253,6 +274,10 @@ def test_tp2_loads_only_each_ranks_shards(tp2):
 def test_tp2_losses_weights_and_dcp_resumes_equal_one_process(tiny_model_dir, one_process, tp2):
     checkpoints, single = one_process
     check_against_one_process(tp2, 2, tiny_model_dir, checkpoints, single)
+
+
+def test_tp2_a_step_saved_twice_commits_once(tp2):
+    assert tp2["repeated_save"] == {"step": 5, "folders": ["latest", "step_00000005"]}
 
 
 def test_tp2_mixed_precision_computes_in_bf16_and_steps_fp32_masters(tp2):

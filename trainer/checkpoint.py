@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,7 +101,9 @@ def save_checkpoint(
     (the writes are collective); only the commit waits on the thread."""
     root = Path(root)
     final = root / f"step_{state.step:08d}"
-    staging = root / f".tmp-{final.name}"
+    # Rank 0's name on every rank, new at each save: a save of a step saved already (the end of a run) never
+    # touches the folder an earlier save's commit, still queued on the background thread, will rename.
+    staging = root / env.broadcast_object(f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     state_json = json.dumps(dataclasses.asdict(state), indent=1).encode()
     shards = sharded_state(policy, optimizer)
     if env.distributed:
