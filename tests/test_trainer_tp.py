@@ -5,7 +5,9 @@ decoupled weights, 2 mini-batches) and DPO for 3 steps, checkpointing (DCP) afte
 runs as a script under torchrun on gloo: 2 processes as tp 2, or 4 as dp 2 x tp 2. Each rank loads only
 its shards of the safetensors file, trains the same steps on the same batch and checkpoints after step 2,
 then resumes from the one-process checkpoint and trains the steps after it. Finally this process resumes
-from the torchrun checkpoint. Every loss and the updated weights must equal the one-process run's.
+from the torchrun checkpoint. Every loss and the updated weights must equal the one-process run's. The
+torchrun run also loads a tied-embedding model, saves one step twice with both commits queued (as the
+loop's last save can repeat its periodic one), and trains PPO under FSDP2's bf16 policy forced on CPU.
 
 AdamW's eps is 1e-4 here, not 1e-8: an element whose gradient is zero up to rounding (k_proj's bias: the
 softmax ignores it) would otherwise move by a sign of rounding noise times lr, on one process as on many.
