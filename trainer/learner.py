@@ -43,27 +43,29 @@ from trainer.losses import (
     tis_weights,
 )
 from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
-from trainer.model import PolicyModel, load_policy, run_policy
+from trainer.model import PolicyModel, run_policy
 from trainer.objectives import objective
-from trainer.parallel import DistEnv, parallelize
+from trainer.parallel import DistEnv, build_policy
 
 
 class Learner:
     """Owns the (sharded) policy, the frozen reference if any, and the optimizer."""
 
     def __init__(self, config: TrainerConfig, env: DistEnv) -> None:
-        config.batch.check_divisible(env.world_size)
+        if config.parallel.tp != env.tp_size:
+            raise ValueError(f"parallel.tp={config.parallel.tp}, but the process group was made with tp={env.tp_size}")
+        config.batch.check_divisible(env.dp_size)
         self.config = config
         self.algo = config.algorithm
         self.env = env
         torch.manual_seed(config.seed)
-        policy = load_policy(config.model_path, value_head=self.algo.name == "ppo", device=env.device)
-        self.pad_id = policy.lm.config.pad_token_id or 0
-        self.policy: PolicyModel = parallelize(policy, env)
+        self.policy: PolicyModel = build_policy(config.model_path, env, config.parallel,
+                                                value_head=self.algo.name == "ppo", dtype=config.dtype)
+        self.pad_id = self.policy.lm.config.pad_token_id or 0
         self.reference: PolicyModel | None = None
         if config.ref_model_path is not None and self.algo.needs_reference:
-            reference = load_policy(config.ref_model_path, device=env.device).requires_grad_(False)
-            self.reference = parallelize(reference, env)
+            self.reference = build_policy(config.ref_model_path, env, config.parallel, trainable=False,
+                                          dtype=config.dtype)
         # One optimizer step per pulled batch: the proximal policy is the one the step starts from, so its
         # logprobs are the training forward's, detached (verl's on_policy path), not a second forward pass. Not
         # when something needs them before the step: rejection or batch-normalised weights (whole mini-batch),
@@ -104,7 +106,7 @@ class Learner:
             samples = order_preference_pairs(samples)
         batch = collate(samples, self.pad_id)
         chunks, per_step = plan_mini_batches(
-            batch.num_rows, self.config.batch.mini_batches, self.env.world_size, unit=2 if self.algo.name == "dpo" else 1
+            batch.num_rows, self.config.batch.mini_batches, self.env.dp_size, unit=2 if self.algo.name == "dpo" else 1
         )
         batch = pad_rows(batch, chunks, per_step)
         real = batch.row_weights > 0
@@ -113,14 +115,14 @@ class Learner:
         local = batch.select(rows)
         self._recompute(local)
         if self.algo.rejection and self.algo.off_policy != "bypass":
-            self._reject(local, per_step // self.env.world_size, longest)
+            self._reject(local, per_step // self.env.dp_size, longest)
         if self.algo.advantage_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
             self._sequence_advantages(local, batch, real, rows)
         elif self.algo.advantage_estimator is not None:
             self._token_advantages(local)
         if self.algo.name in ("grpo", "ppo", "distill") and not self.proximal_in_step:
             self._set_off_policy_correction(local)
-        per_rank = per_step // self.env.world_size
+        per_rank = per_step // self.env.dp_size
         return [local.select(slice(m * per_rank, (m + 1) * per_rank)) for m in range(len(chunks))]
 
     def _dynamic_sampling(self, samples: Sequence[Sample]) -> Sequence[Sample]:
@@ -177,9 +179,9 @@ class Learner:
             batch.token_weights[rows] = loss_weights(kept[rows], "token_mean", totals=(tokens, seqs, longest[m]))
 
     def _local_rows(self, steps: int, per_step: int) -> torch.Tensor:
-        """Indices of this rank's rows: its contiguous share of every mini-batch."""
-        per_rank = per_step // self.env.world_size
-        starts = [m * per_step + self.env.rank * per_rank for m in range(steps)]
+        """Indices of this rank's rows: its data-parallel group's contiguous share of every mini-batch."""
+        per_rank = per_step // self.env.dp_size
+        starts = [m * per_step + self.env.dp_rank * per_rank for m in range(steps)]
         return torch.cat([torch.arange(start, start + per_rank) for start in starts])
 
     @torch.no_grad()
@@ -297,8 +299,8 @@ class Learner:
                 micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
                 self._set_off_policy_correction(micro)
             loss, metrics = objective(self.algo, micro, out)
-            # FSDP averages gradients over ranks; every rank's loss is its share of the global sum.
-            (loss * self.env.world_size).backward()
+            # FSDP averages gradients over the data-parallel ranks; every one's loss is its share of the global sum.
+            (loss * self.env.dp_size).backward()
             metrics["tokens"] = micro.loss_mask.sum()
             if measures_mismatch:
                 mismatch, largest = mismatch_sums(out.logprobs, micro.rollout_logprobs, self._trained_mask(micro),
@@ -352,7 +354,8 @@ class Learner:
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.config.dtype == "bfloat16" and self.env.device.type == "cuda":
+        fsdp_casts = self.env.distributed and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py
+        if self.config.dtype == "bfloat16" and self.env.device.type == "cuda" and not fsdp_casts:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

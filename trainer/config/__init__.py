@@ -1,7 +1,8 @@
 """The trainer's typed configuration: one pydantic model, every field documented, checked in one place.
 
 TrainerConfig is the whole of a run's config (`python -m trainer --config FILE`); each of its sections is a
-model of its own, in a module named after it: algorithm, optim (and batch), checkpoint, buffer, publish, mismatch.
+model of its own, in a module named after it: algorithm, optim (and batch), checkpoint, buffer, publish,
+mismatch, parallel.
 """
 
 from typing import Literal
@@ -14,6 +15,7 @@ from trainer.config.buffer import BufferClientConfig
 from trainer.config.checkpoint import CheckpointConfig
 from trainer.config.mismatch import MismatchConfig
 from trainer.config.optim import BatchConfig, OptimConfig
+from trainer.config.parallel import ParallelConfig
 from trainer.config.publish import PublishConfig
 
 
@@ -37,9 +39,11 @@ class TrainerConfig(Strict):
     publish: PublishConfig = Field(default_factory=PublishConfig)
     mismatch: MismatchConfig = Field(default_factory=MismatchConfig, description="A bound on the rollout-vs-trainer "
                                      "logprob mismatch reported every step (mismatch/* in the metrics).")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Compute dtype: bfloat16 = autocast on GPU; parameters stay float32."
+        "float32", description="Compute dtype: bfloat16 on GPU = FSDP2 mixed precision under torchrun "
+        "(parallel.mixed_precision), else autocast; the optimizer's parameters stay float32."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
     num_threads: int | None = Field(1, gt=0, description="torch threads per process (1 when processes share cores).")
