@@ -30,6 +30,8 @@ from deploy.pipeline_config import (
 )
 from deploy.replicas import RolloutReplicas
 
+TRAINER_STOP_S = 120.0  # a stopped trainer's last publish and checkpoint, before it is killed
+
 
 @dataclass
 class PipelineResult:
@@ -189,8 +191,9 @@ def stop_driver_and_trainer(plan: Pipeline, supervisor, started: float) -> float
 
     spent = time.monotonic() - started
     save_rl_seconds(plan.run_dir, spent)
-    for name in ("driver", "trainer"):
-        supervisor.stop_member(name)
+    supervisor.stop_member("driver")
+    # On SIGTERM the trainer ends its step, publishes, checkpoints and exports what it ended with: time to do so.
+    supervisor.stop_member("trainer", TRAINER_STOP_S)
     return spent
 
 

@@ -236,11 +236,16 @@ class Supervisor:
     def restarts(self) -> dict[str, int]:
         return {name: record.restarts for name, record in self.records.items() if record.restarts}
 
-    def stop_member(self, name: str) -> None:
-        """Stop one member on purpose (SIGTERM): it is not restarted."""
+    def stop_member(self, name: str, timeout: float | None = None) -> None:
+        """Stop one member on purpose (SIGTERM; SIGKILL after `timeout` seconds, else its own default): it is not
+        restarted."""
         with self._lock:
             self.records[name].retired = True
-        self.members[name].stop()
+        member = self.members[name]
+        if timeout is None:
+            member.stop()
+        else:
+            member.stop(timeout)
 
     def stop(self) -> None:
         """Stop watching, then stop every member, the last added first."""
