@@ -21,7 +21,8 @@ class RLConfig(Strict):
     """Asynchronous GRPO (or another trainer.config.algorithm.AlgorithmConfig) between the services."""
 
     time_budget_s: float = Field(360.0, gt=0, description="Wall-clock budget of the RL phase.")
-    max_steps: int = Field(100_000, gt=0, description="Stop after this many optimizer steps (if sooner).")
+    max_steps: int | None = Field(None, gt=0, description="Also stop after this many optimizer steps (if sooner than "
+                                  "the budget); None = the time budget alone ends the phase.")
     group_size: int = Field(8, ge=2, description="Completions per prompt.")
     groups_per_batch: int = Field(8, ge=1, description="Prompts per optimizer step.")
     max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy; k = generation may run k versions "
