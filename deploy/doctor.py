@@ -12,7 +12,7 @@ import pathlib
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Literal
 
@@ -27,9 +27,11 @@ class Finding:
     check: str
     message: str
     fix: str = ""
+    evidence: list[str] = field(default_factory=list)  # "file:line: what it says" (a run's diagnosis)
 
     def render(self) -> str:
         text = f"{self.level.upper():5} {self.check}: {self.message}"
+        text += "".join(f"\n      evidence: {line}" for line in self.evidence)
         return text + (f"\n      fix: {self.fix}" if self.fix else "")
 
 

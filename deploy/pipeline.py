@@ -65,6 +65,7 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
 
     launcher = launcher or LocalLauncher()
     run_dir = plan.run_dir
+    supervisor.record_events(run_dir / "supervisor.jsonl")  # what died and restarted, for `relayrl doctor RUN_DIR`
     board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
     earlier = read_jsonl(run_dir / "metrics.jsonl")  # the curve of a resumed run so far
     replicas = None  # RolloutReplicas when the rollout runs as replicas behind a router
