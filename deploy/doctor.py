@@ -324,6 +324,33 @@ def check_versions(findings: list[Finding]) -> None:
                             f"vllm {vllm}"))
 
 
+def check_loggers(config: ExperimentConfig, findings: list[Finding]) -> None:
+    """W&B and MLflow, when on: their library installed; W&B online with a key to log in with."""
+    import os
+
+    for name, section, package in (("wandb", config.logging.wandb, "wandb"), ("mlflow", config.logging.mlflow,
+                                                                              "mlflow-skinny")):
+        if section is None:
+            continue
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            try:
+                version = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                findings.append(Finding("error", f"logging ({name})", f"logging.{name} is on but {name} is not "
+                                        "installed", "pip install -e '.[loggers]'"))
+                continue
+        netrc = pathlib.Path.home() / ".netrc"
+        if name == "wandb" and section.mode == "online" and not os.environ.get("WANDB_API_KEY") and not (
+                netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace")):
+            findings.append(Finding("warn", "logging (wandb)", "mode online, but no WANDB_API_KEY nor a `wandb login` "
+                                    "(~/.netrc) is found: the run cannot start its W&B run without one",
+                                    "wandb login, or set logging.wandb.mode: offline (`wandb sync` uploads it later)"))
+            continue
+        findings.append(Finding("ok", f"logging ({name})", f"{package} {version}"))
+
+
 def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> list[Finding]:
     """Every finding about the experiment file at `path`."""
     from deploy.experiment import load_experiment
@@ -340,6 +367,7 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
     check_reward(config, findings)
     check_ports(config, findings)
     check_disk(config, facts, findings)
+    check_loggers(config, findings)
     check_versions(findings)
     return findings
 

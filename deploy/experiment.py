@@ -12,6 +12,7 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
+    logging:    TensorBoard (on by default), Weights & Biases, MLflow (deploy/loggers.py)
     groups:     node groups (hosts or a Kubernetes selector, devices per node); none = everything on this machine
     services:   where each service runs (its group, replicas, resources, TLS/tokens), extra settings of each, and the
                 trainer's torchrun shape and weight-sync rendezvous (deploy/placement.py)
@@ -24,6 +25,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from deploy.loggers import LoggingSection
 from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
 from deploy.supervisor import SuperviseConfig
 from reward.judge import JudgeConfig
@@ -201,6 +203,8 @@ class ExperimentConfig(Strict):
     training: TrainingSection = Field(default_factory=TrainingSection)
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="Where the curves go besides the "
+                                    "JSONL files: TensorBoard (on), Weights & Biases, MLflow (deploy/loggers.py).")
     groups: list[NodeGroup] = Field(default_factory=list, description="Node groups services are placed on "
                                     "(deploy/placement.py); none = every service on this machine.")
     services: ServicesSection = Field(default_factory=ServicesSection)

@@ -78,6 +78,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,
         evaluate=None,  # type: ignore[arg-type]
+        logging=config.logging, params=config.model_dump(mode="json"),
     )
 
 

@@ -60,13 +60,15 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
     """Run the RL phase under `supervisor` (deploy.supervisor.Supervisor), reporting to `progress`
     (deploy.progress.Progress); the caller stops the supervisor. `launcher` starts the processes (LocalLauncher
     by default)."""
+    from deploy.loggers import writers
     from deploy.status import run_targets
     from deploy.tensorboard import RunBoard
 
     launcher = launcher or LocalLauncher()
     run_dir = plan.run_dir
     supervisor.record_events(run_dir / "supervisor.jsonl")  # what died and restarted, for `relayrl doctor RUN_DIR`
-    board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
+    board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir),
+                     writers=writers(plan.logging, run_dir, plan.params))
     earlier = read_jsonl(run_dir / "metrics.jsonl")  # the curve of a resumed run so far
     replicas = None  # RolloutReplicas when the rollout runs as replicas behind a router
     if plan.rl.rollout_replicas > 1:

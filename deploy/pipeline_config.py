@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
+from deploy.loggers import LoggingSection
 from deploy.supervisor import SuperviseConfig
 from services.config import Strict
 
@@ -81,6 +82,8 @@ class Pipeline:
     # ClientConfig fields by service (buffer, reward, rollout): how every client of the run reaches it (TLS files,
     # token file; deploy/run_security.py); none = plain text, no token
     clients: dict[str, dict] = field(default_factory=dict)
+    logging: LoggingSection = field(default_factory=LoggingSection)  # where curves go besides JSONL (deploy/loggers.py)
+    params: dict = field(default_factory=dict)  # the run's settings, as W&B and MLflow record them
 
     def client(self, name: str):
         """How the run's clients reach service `name` (services.config.ClientConfig)."""
