@@ -84,7 +84,7 @@ class WandbWriter:
         folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=section.project, entity=section.entity, name=section.name or run_dir.name,
                               mode=section.mode, tags=section.tags or None, dir=str(folder), config=config,
-                              reinit="create_new")
+                              reinit="create_new", settings=wandb.Settings(console="off"))  # the run prints its own
         self.run.define_metric("trainer/step")
         self.run.define_metric("rl_seconds")
         self.axes: set[str] = set()
