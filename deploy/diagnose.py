@@ -5,7 +5,7 @@
     restart loops          a process that kept dying (supervisor.jsonl), and how it died (exit code, log)
     out of memory          the allocators' and the kernel's words in any log
     collective timeouts    a process group, rendezvous or weight transfer that timed out
-    weight versions        publishes that never reached the rollout; a served version that stopped moving
+    weight versions        publishes that never reached the rollout, or failed; a served version that stopped moving
     rewards                all zero, or constant (GRPO's advantages are then zero: nothing is learned)
     entropy collapse       the policy's entropy gone to nothing before its reward got anywhere
     data wait              the trainer waiting for batches most of its time
@@ -17,6 +17,7 @@ fault (an error) is found, else 0.
 """
 
 import json
+import re
 import statistics
 from collections import Counter
 
@@ -164,9 +165,8 @@ def check_weight_versions(run: RunRecord, findings: list[Finding]) -> None:
     trainer_logs = [name for name in run.log_names() if name.startswith("logs/trainer")]
     rollout_logs = [name for name in run.log_names() if name.startswith("logs/rollout")]
     failures = run.grep(PUBLISH_FAILED, trainer_logs) if trainer_logs else []
-    published = run.grep(r"published weight version", trainer_logs) if trainer_logs else []
+    failed = sorted({int(m.group(1)) for line in failures if (m := re.search(r"version (\d+)", line.text))})
     switched = run.grep(r"switched to weight version", rollout_logs) if rollout_logs else []
-    served = [row for row in run.driver if "version" in row.record]
     steps = run.trainer[-1].record.get("step", len(run.trainer)) if run.trainer else 0
     if not steps and not failures:
         if run.driver or run.finished:
@@ -181,32 +181,67 @@ def check_weight_versions(run: RunRecord, findings: list[Finding]) -> None:
     evidence = [line.cite() for line in failures[:3]]
     if len(failures) > 3:
         evidence.append(f"... {len(failures)} such lines in {', '.join(trainer_logs)}")
+    served = [row for row in run.driver if "version" in row.record]
+    top = max((row.record["version"] for row in served), default=None)
+    stuck = _stuck(served)
     if served:
-        top = max(row.record["version"] for row in served)
         evidence.append(served[-1].cite("version", "samples", "elapsed_s") + f" (highest version served: {top})")
+    if stuck:
+        evidence.append(stuck)
     if rollout_logs and not switched:
         evidence.append(f"{', '.join(rollout_logs)}: no 'switched to weight version' line: it serves its first "
                         "weights (version 0)")
     if elsewhere:
         evidence.append(f"trainer.yaml: publish.receivers {receivers}, but services.json: the rollout listens at "
                         f"{rollouts}")
-    if failures and not switched:
+    if failed and not switched:
         fix = (f"the trainer publishes to {elsewhere}, where no rollout of this run listens: drop publish.receivers "
                "from services.trainer.settings (the run fills it in)" if elsewhere else
                "the rollout must be reachable from the trainer (publish.receivers) and reach back the trainer's "
                "publish.master_addr; check both addresses and any firewall, or raise publish.timeout_s")
-        findings.append(Finding("error", "weight versions", f"no weight version reached the rollout: "
-                                f"{len(failures)} publishes failed and none landed, so generation stayed on the "
-                                f"first weights and the driver admitted nothing beyond max_staleness "
+        findings.append(Finding("error", "weight versions", f"no weight version reached the rollout: the "
+                                f"publishes of versions {_ranges(failed)} failed and none landed, so generation "
+                                "stayed on the first weights and the driver admitted nothing beyond max_staleness "
                                 f"({steps} optimizer steps)", fix, evidence))
-    elif failures:
-        findings.append(Finding("warn", "weight versions", f"{len(failures)} publishes failed "
-                                f"({len(published)} succeeded, {len(switched)} versions switched to)",
-                                "see the receivers named in the evidence: each failure leaves that rollout a "
-                                "version behind until the next publish", evidence))
+    elif failed:
+        findings.append(Finding("warn", "weight versions", f"the publishes of versions {_ranges(failed)} failed "
+                                f"(the rollout still reached version {top})", "see the receivers named in the "
+                                "evidence: each failure leaves that rollout a version behind until the next publish",
+                                evidence))
+    elif stuck:
+        findings.append(Finding("warn", "weight versions", "the rollout's weight version stopped moving: "
+                                f"{stuck.split(': ', 1)[1]}", "the trainer stopped publishing: read the end of "
+                                "logs/trainer.log (waiting for batches the driver no longer makes? stuck? dead?)",
+                                evidence))
     else:
         findings.append(Finding("ok", "weight versions", f"{steps} optimizer steps, no publish failed" +
                                 (f"; the rollout served up to version {top}" if served else "")))
+
+
+def _stuck(served) -> str:
+    """'driver_stats.jsonl:a-b: ...' when the served version stayed the same over the last 30% (20 s at least) of
+    the driver's records, else ''."""
+    if len(served) < 5:
+        return ""
+    last = served[-1].record["version"]
+    since = next(row for row in served if row.record["version"] == last)
+    start, end = served[0].record.get("elapsed_s", 0.0), served[-1].record.get("elapsed_s", 0.0)
+    held = end - since.record.get("elapsed_s", 0.0)
+    if held < 20 or held < 0.3 * (end - start):
+        return ""
+    return (f"{served[-1].file}:{since.number}-{served[-1].number}: version {last} served for the last "
+            f"{held:.0f}s of the driver's {end:.0f}s")
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def _series(rows, key: str) -> list[tuple[int, float]]:

@@ -48,7 +48,7 @@ def test_a_publish_that_never_succeeds(capsys):
     errors = named(diagnose_run(RUNS / "publish_refused"), "error")
     assert list(errors) == ["weight versions"], errors
     found = errors["weight versions"]
-    assert "no weight version reached the rollout: 4 publishes failed" in found, found
+    assert "no weight version reached the rollout: the publishes of versions 1-2 failed" in found, found
     assert "logs/trainer.log:3:" in found and "Connection refused" in found
     assert "highest version served: 0" in found
     assert "publish.receivers ['127.0.0.1:50933'], but services.json: the rollout listens at ['127.0.0.1:42437']" in found
@@ -100,6 +100,15 @@ def test_mismatch_spikes_when_the_run_records_mismatch(tmp_path):
     spikes = named(findings, "warn")["mismatch spikes"]
     assert "mismatch/kl spiked at 1 steps (up to 0.9" in spikes and "trainer_metrics.jsonl:18: step 18" in spikes
     assert "mismatch/max_abs_logprob_diff: median 0.2, no spike over 30 steps" in named(findings, "ok")["mismatch"]
+
+
+def test_a_served_weight_version_that_stops_moving(tmp_path):
+    steps(tmp_path, [{"reward_mean": 0.1 * (i % 5), "weight_version": i} for i in range(1, 31)])
+    (tmp_path / "driver_stats.jsonl").write_text("".join(
+        json.dumps({"elapsed_s": 2.0 * i, "version": min(i, 10), "samples": 64 * i}) + "\n" for i in range(1, 31)))
+    warning = named(diagnose_run(tmp_path), "warn")["weight versions"]
+    assert "stopped moving: version 10 served for the last 40s of the driver's 60s" in warning, warning
+    assert "driver_stats.jsonl:10-30" in warning
 
 
 def test_doctor_takes_no_overrides_for_a_run_folder(capsys):
