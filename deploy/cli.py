@@ -76,10 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
-    doctor = sub.add_parser("doctor", help="check an experiment file before a run: config, model and tokenizer, "
-                            "data fields, reward, ports, disk, versions; exit 1 on any error")
-    doctor.add_argument("experiment", help="EXPERIMENT.yaml")
-    doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    doctor = sub.add_parser("doctor", help="an experiment file before a run (config, model and tokenizer, data "
+                            "fields, reward, ports, disk, versions), or a run folder after it: the known faults "
+                            "(restart loops, out of memory, collective timeouts, weights not reaching the rollout, "
+                            "zero or constant rewards, entropy collapse, data wait, mismatch spikes) with their "
+                            "evidence and fix; exit 1 on any error")
+    doctor.add_argument("experiment", metavar="EXPERIMENT.yaml | RUN_DIR",
+                        help="an experiment file, or a finished or failed run's folder (runs/quickstart, ...)")
+    doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field (an experiment file)")
 
     deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
                             "Kubernetes; scale a live local run's rollout replicas")
@@ -209,6 +214,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    import pathlib
+
+    if pathlib.Path(args.experiment).is_dir():
+        if args.set:
+            print("relayrl doctor: --set overrides an experiment file, not a run folder", file=sys.stderr)
+            return 2
+        from deploy.diagnose import main as diagnose_run
+
+        return diagnose_run(args.experiment)
     from deploy.doctor import main as doctor
 
     return doctor(args.experiment, args.set)

@@ -78,6 +78,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,
         evaluate=None,  # type: ignore[arg-type]
+        logging=config.logging, params=config.model_dump(mode="json"),
     )
 
 
@@ -114,17 +115,25 @@ def warm_up(config: ExperimentConfig, run_dir: pathlib.Path, tokenizer, train_ro
 
 
 def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path, progress) -> None:
-    """The latest checkpoint as a Hugging Face folder in checkpoint.export_dir (if set)."""
-    from trainer.checkpoint import export_checkpoint_hf, latest_checkpoint
+    """The weights the run ended with as a Hugging Face folder in checkpoint.export_dir (if set): the trainer's last
+    checkpoint, which a trainer stopped at the end of the budget writes at its last step (trainer/run.py)."""
+    import json
+
+    from deploy.pipeline import read_jsonl
+    from trainer.checkpoint import STATE_FILE, export_checkpoint_hf, latest_checkpoint
 
     if not config.checkpoint.export_dir:
         return
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None:
-        progress.note("no checkpoint was saved (fewer steps than checkpoint.interval): nothing exported")
-    else:
-        export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
-        progress.note(f"exported {checkpoint.name} to {config.checkpoint.export_dir}")
+        progress.note("no checkpoint was saved (the trainer took no step): nothing exported")
+        return
+    export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
+    step = json.loads((checkpoint / STATE_FILE).read_text())["step"]
+    last = max((record["step"] for record in read_jsonl(run_dir / "trainer_metrics.jsonl")), default=0)
+    behind = "" if step >= last else (f", {last - step} steps before the trainer's last ({last}): it was killed "
+                                      "before its final checkpoint")
+    progress.note(f"exported the weights of step {step} to {config.checkpoint.export_dir}{behind}")
 
 
 def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False, launcher=None):

@@ -50,6 +50,9 @@ Publisher = Callable[[dict[str, torch.Tensor], int], int | None]
 LEDGER_KEY = "unacked_samples"
 # What rank 0 hands every rank instead of a batch when a receiver fell behind while no batch came.
 RESYNC = "resync"
+# What rank 0 hands every rank instead of a batch when the trainer was asked to stop (SIGTERM): the loop ends as
+# at its last step, so the weights it ended with are published, checkpointed and exported.
+STOP = "stop"
 
 
 class Background:
@@ -90,8 +93,10 @@ class Background:
         return None if future is None else future.result(timeout_s)
 
 
-def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publish: Publisher | None = None) -> TrainState:
-    """Train until config.max_steps optimizer steps; resume from the latest checkpoint if any."""
+def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publish: Publisher | None = None,
+          stop: threading.Event | None = None) -> TrainState:
+    """Train until config.max_steps optimizer steps, or until `stop` is set (rank 0's counts: trainer/run.py sets it on
+    SIGTERM); resume from the latest checkpoint if any."""
     learner = Learner(config, env)
     state = resume(config, learner, env)
     book = None
@@ -99,14 +104,14 @@ def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publi
         book = LeaseBook(source, config.buffer.heartbeat_interval_s, ack_on_checkpoint=config.checkpoint.dir is not None,
                          ledger=state.extra.get(LEDGER_KEY))
     try:
-        return _train(config, env, learner, state, book, publish)
+        return _train(config, env, learner, state, book, publish, stop)
     finally:
         if book is not None:
             book.close()
 
 
 def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainState, book: LeaseBook | None,
-           publish: Publisher | None) -> TrainState:
+           publish: Publisher | None, stop: threading.Event | None) -> TrainState:
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
     weights = policy_weights(learner, env, publish, config.publish) if publishing else None
     publish_now = continue_versions(state, book, publish, env, config.publish.versions_above)
@@ -118,12 +123,17 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         publisher(state)
     pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack
     prefetch = Background("relayrl-prefetch")
-    while state.step < config.max_steps:
+    while not _finished(config, state):
         started = time.monotonic()
         work = None
         if env.is_main:  # the batch prefetched after the last step, else a pull now
-            work = next_work(config, book, prefetch, publisher, pull_wait_s, state.weight_version)
+            work = STOP if stop is not None and stop.is_set() else next_work(
+                config, book, prefetch, publisher, pull_wait_s, state.weight_version, stop)
         work = env.broadcast_object(work)
+        if work == STOP:
+            log.info("asked to stop at step %d: publishing, checkpointing and exporting the weights it ended with",
+                     state.step)
+            break
         if work == RESYNC:  # the same weights under the next version: every receiver takes them
             state.weight_version += 1
             publisher(state)
@@ -152,12 +162,14 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
             state.samples_trained += len(work.train)
         if env.is_main:
             book.consumed(work, state.weight_version)
-            if config.buffer.prefetch and state.step < config.max_steps:
+            if config.buffer.prefetch and not _finished(config, state) and not (stop is not None and stop.is_set()):
                 prefetch.start(book.pull, config.batch.global_batch_size, state.weight_version)
         if publishing and _due(steps_before, state.step, config.publish.interval):
             publisher(state)
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
             checkpoint(config, learner, state, env, book)
+    if publishing and env.broadcast_object(env.is_main and (publisher.published or 0) != state.weight_version):
+        publisher(state)  # steps since the last publish (publish.interval > 1): the rollout serves what it ended with
     publisher.finish(state)
     if config.checkpoint.dir:
         checkpoint(config, learner, state, env, book)
@@ -166,9 +178,14 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     return state
 
 
+def _finished(config: TrainerConfig, state: TrainState) -> bool:
+    return config.max_steps is not None and state.step >= config.max_steps
+
+
 def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publisher: "Publishing",
-              pull_wait_s: float, version: int):
-    """Rank 0: the next batch's work; RESYNC when, while no batch came, a receiver fell behind the last publish.
+              pull_wait_s: float, version: int, stop: threading.Event | None = None):
+    """Rank 0: the next batch's work; RESYNC when, while no batch came, a receiver fell behind the last publish;
+    STOP when `stop` was set meanwhile.
 
     A rollout worker that restarts serves its base weights at version 0. The trainer publishes after steps, and
     the driver admits no prompt while the worker lags the trainer by more than max_staleness: with nothing left
@@ -176,9 +193,14 @@ def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publ
     """
     if not prefetch.busy:
         prefetch.start(book.pull, config.batch.global_batch_size, version)
-    while not prefetch.done(config.publish.resync_s):
-        if publisher.receivers_behind():
-            return RESYNC
+    resync_at = time.monotonic() + config.publish.resync_s
+    while not prefetch.done(0.25):
+        if stop is not None and stop.is_set():
+            return STOP
+        if time.monotonic() >= resync_at:
+            resync_at = time.monotonic() + config.publish.resync_s
+            if publisher.receivers_behind():
+                return RESYNC
     return book.work(prefetch.wait(pull_wait_s))
 
 
@@ -362,7 +384,7 @@ def report(
             f.write(json.dumps(record) + "\n")
     if state.step % config.log_interval == 0 or state.step == config.max_steps:
         shown = " | ".join(f"{name} {value:.4g}" for name, value in sorted(metrics.items()))
-        log.info("step %d/%d | %s", state.step, config.max_steps, shown)
+        log.info("step %d/%s | %s", state.step, config.max_steps or "-", shown)
 
 
 def _due(steps_before: int, steps_after: int, every: int) -> bool:

@@ -4,6 +4,7 @@ import contextlib
 import logging
 import os
 import pathlib
+import signal
 import threading
 import uuid
 
@@ -24,7 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def run(config: TrainerConfig) -> TrainState:
-    """Run one trainer process (one rank under torchrun) to the end of training."""
+    """Run one trainer process (one rank under torchrun) to the end of training: config.max_steps, or SIGTERM, after
+    which the step under way ends and the weights it leaves are published, checkpointed and exported (rank 0's
+    signal decides for every rank)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     transformers.utils.logging.disable_progress_bar()
@@ -48,7 +53,7 @@ def run(config: TrainerConfig) -> TrainState:
             if config.publish.receivers or config.publish.receivers_from:
                 publisher = RolloutPublisher(config.publish, env.device)
                 cleanup.callback(publisher.close)
-        return train(config, env, source, publisher)
+        return train(config, env, source, publisher, stop)
 
 
 class Heartbeat:

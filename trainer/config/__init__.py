@@ -32,7 +32,8 @@ class TrainerConfig(Strict):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     buffer: BufferClientConfig = Field(default_factory=BufferClientConfig)
-    max_steps: int = Field(100, gt=0, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(100, gt=0, description="Stop after this many optimizer steps; None = until "
+                                  "stopped (SIGTERM: the step under way ends, then the last checkpoint and export).")
     max_staleness: int | None = Field(
         None, ge=0, description="Fail loudly if a batch holds a sample older than this (the buffer enforces it)."
     )
