@@ -93,3 +93,43 @@ def test_past_max_bytes_it_keeps_every_other_group_and_stays_under_the_bound(tmp
         again.offer(index, lambda spell, i=index: group_record("group", [sample(0, 0.0)], "prod", 0, 0, spell, 0.0))
     again.close()
     assert path.stat().st_size <= 8192 and read(path)[-1]["group_index"] >= 250
+
+
+def test_a_driver_against_real_services_logs_every_nth_group_spelled(tmp_path, service_factory, tiny_model_dir):
+    import asyncio
+
+    from deploy.tasks import arithmetic_tasks, write_jsonl
+    from rollout.driver.driver import Driver, DriverConfig, load_prompts
+
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir), "engine.torch_threads": 1,
+                                          "engine.max_model_len": 64})
+    reward = service_factory("reward", {})
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "max_staleness": 100})
+    path = tmp_path / "trajectories.jsonl"
+    config = DriverConfig(rollout=rollout.address, reward=reward.address, buffer=buffer.address,
+                          prompts=str(write_jsonl(arithmetic_tasks(digits=1), tmp_path / "prompts.jsonl")),
+                          tokenizer=str(tiny_model_dir), group_size=3, groups_per_batch=2, max_staleness=100,
+                          max_tokens=4, max_groups=5, trajectory_log={"path": str(path), "every_n_groups": 2})
+
+    async def run() -> Driver:
+        driver = Driver(config)
+        try:
+            await driver.run(load_prompts(config))
+        finally:
+            await driver.close()
+        return driver
+
+    driver = asyncio.run(run())
+    groups = read(path)
+    assert [g["group_index"] for g in groups] == [0, 2, 4] and driver.stats["groups"] == 5
+    assert driver.snapshot()["trajectory_log"]["written"] == 3
+    for group in groups:
+        assert group["kind"] == "group" and group["producer_id"] == driver.producer_id
+        assert group["prompt"]["text"] and group["prompt"]["metadata"]["answer"] and len(group["samples"]) == 3
+        for record in group["samples"]:
+            # the char tokenizer spells each token; the text leaves out special tokens (<pad>, <eos>)
+            assert "".join(t for t in record["tokens"] if len(t) == 1) == record["text"]
+            assert len(record["ids"]) == len(record["logprobs"]) == len(record["versions"]) == len(record["loss_mask"])
+            assert all(lp <= 0 for lp in record["logprobs"]) and record["versions"] == [0] * len(record["ids"])
+            assert record["reward"] in (0.0, 1.0) and isinstance(record["reward_details"], dict)
+            assert record["status"] in ("completed", "truncated") and record["staleness"] == 0
