@@ -22,6 +22,7 @@ async function getJSON(url) {
   return reply.json();
 }
 
+const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 const fmt = (x, digits = 2) => (x == null ? "–" : Number(x).toFixed(digits));
 const signed = (x) => (x == null ? "–" : (x > 0 ? "+" : "") + Number(x).toFixed(2));
 
@@ -189,7 +190,7 @@ class Pane {
     this.select.replaceChildren(el("option", { value: "", text: "every step" }));
     for (const s of steps) {
       this.select.append(el("option", { value: String(s.version),
-        text: `v${s.version} · ${s.groups} groups · ${s.samples} samples · mean reward ${fmt(s.reward_mean)}` }));
+        text: `v${s.version} · ${plural(s.groups, "group")} · ${plural(s.samples, "sample")} · mean reward ${fmt(s.reward_mean)}` }));
     }
     const versions = steps.map((s) => String(s.version));
     this.version = versions.includes(keep) ? keep : (steps.length ? (this.pick === "last" ? versions.at(-1) : versions[0]) : "");
@@ -211,7 +212,7 @@ class Pane {
     this.list.replaceChildren(...this.groups.map(renderGroup));
     if (!this.groups.length) this.list.append(el("div", { class: "empty", text: "no group of this step passes the filters" }));
     const samples = this.groups.reduce((n, g) => n + g.samples.length, 0);
-    this.count.textContent = `${this.total} groups match · showing ${this.groups.length} (${samples} samples)`;
+    this.count.textContent = `${plural(this.total, "group")} match${this.total === 1 ? "es" : ""} · showing ${this.groups.length} (${plural(samples, "sample")})`;
     this.more.hidden = this.groups.length >= this.total;
     renderLegend();
   }
@@ -222,8 +223,8 @@ class Pane {
 function renderRun(run) {
   document.getElementById("run-name").textContent = run.name;
   const facts = run.exists
-    ? [`${run.groups} groups`, `${run.samples} samples`, `${run.steps.length} steps`,
-       `kept: every ${run.stride ?? "?"}-th group`, `advantage: ${run.advantage}`,
+    ? [plural(run.groups, "group"), plural(run.samples, "sample"), plural(run.steps.length, "step"),
+       run.stride > 1 ? `the log keeps one group in ${run.stride}` : "the log keeps every group", `advantage: ${run.advantage}`,
        run.staleness_range ? `staleness ${run.staleness_range[0]}–${run.staleness_range[1]}` : null,
        run.log].filter(Boolean)
     : [`no trajectory log yet: ${run.log}`];
