@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field (an experiment file)")
 
+    view = sub.add_parser("view", help="a local web page over a run's trajectories (RUN_DIR/trajectories.jsonl): "
+                          "prompts, completions, rewards, advantages, tokens by logprob, version or loss mask, "
+                          "agent episodes turn by turn, filters and search, two steps side by side")
+    view.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (runs/quickstart, ...)")
+    view.add_argument("--port", type=int, default=8600, help="HTTP port (default 8600)")
+    view.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                      "only; another address shows the run to whoever reaches it)")
+
     deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
                             "Kubernetes; scale a live local run's rollout replicas")
     targets = deploy.add_subparsers(dest="target", required=True, metavar="TARGET")
@@ -228,6 +236,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return doctor(args.experiment, args.set)
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from deploy.view import main as view
+
+    return view(args.run_dir, args.host, args.port)
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     if args.target == "scale":
         from deploy.scale import main as scale
@@ -248,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayrl {_version()}")
         return 0
     commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor,
-                "deploy": cmd_deploy}
+                "view": cmd_view, "deploy": cmd_deploy}
     try:
         return commands[args.command](args)
     finally:

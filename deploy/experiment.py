@@ -16,6 +16,7 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     groups:     node groups (hosts or a Kubernetes selector, devices per node); none = everything on this machine
     services:   where each service runs (its group, replicas, resources, TLS/tokens), extra settings of each, and the
                 trainer's torchrun shape and weight-sync rendezvous (deploy/placement.py)
+    trajectory_log: how many of the scored groups RUN_DIR/trajectories.jsonl keeps for `relayrl view RUN_DIR`
 """
 
 import pathlib
@@ -187,6 +188,14 @@ class CheckpointSection(Strict):
                                    "(relative: inside run_dir); None = no export.")
 
 
+class TrajectoryLogSection(Strict):
+    """A sample of the scored groups, kept in RUN_DIR/trajectories.jsonl for `relayrl view RUN_DIR`."""
+
+    every_n_groups: int = Field(10, ge=0, description="Keep every n-th group the driver stores; 0 = no log.")
+    max_bytes: int = Field(16 << 20, ge=1 << 12, description="The file's bound: past it the log keeps every other "
+                           "group it holds and samples half as often from then on (it covers the whole run).")
+
+
 class ExperimentConfig(Strict):
     """Everything `relayrl run EXPERIMENT.yaml` needs."""
 
@@ -211,6 +220,8 @@ class ExperimentConfig(Strict):
     kubernetes: KubernetesSection = Field(default_factory=KubernetesSection, description="Image, namespace and "
                                           "project volume for `relayrl deploy k8s` (deploy/k8s.py).")
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
+    trajectory_log: TrajectoryLogSection = Field(default_factory=TrajectoryLogSection, description="What "
+                                                 "`relayrl view RUN_DIR` shows (rollout/driver/trajectory_log.py).")
 
     @model_validator(mode="after")
     def _placement(self) -> "ExperimentConfig":

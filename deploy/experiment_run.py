@@ -70,7 +70,8 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
         supervise=config.supervise,
         buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
         driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s,
-                "add_bos": config.data.add_bos and not config.data.chat_template},
+                "add_bos": config.data.add_bos and not config.data.chat_template,
+                "trajectory_log": config.trajectory_log.model_dump()},
         trainer=merged({"batch": {"mini_batches": training.mini_batches,  # a micro-batch = a rank's share of a step
                                    "micro_batch_size": training.batch_size // training.mini_batches
                                    // config.services.trainer.world_size},

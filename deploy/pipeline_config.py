@@ -111,9 +111,10 @@ def nested(overrides: dict) -> dict:
 
 
 def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
-    """The driver's config (rollout.driver.DriverConfig fields): where the services are, what to generate."""
+    """The driver's config (rollout.driver.DriverConfig fields): where the services are, what to generate, and
+    the sample of its groups kept in RUN_DIR/trajectories.jsonl for `relayrl view`; plan.driver laid over it."""
     rl = plan.rl
-    return {
+    return merged({
         "rollout": addresses.rollout, "reward": addresses.reward, "buffer": addresses.buffer,
         "prompts": str(plan.prompts_path), "tokenizer": str(plan.policy_dir), "group_size": rl.group_size,
         "groups_per_batch": rl.groups_per_batch, "max_staleness": rl.max_staleness,
@@ -122,8 +123,9 @@ def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
         "temperature": rl.temperature, "max_tokens": rl.max_tokens, "concurrency": rl.driver_concurrency,
         "seed": plan.seed, "stats_path": str(plan.run_dir / "driver_stats.jsonl"),
         "position_path": str(plan.run_dir / "driver_position.json"),
-        "clients": {name: client for name, client in plan.clients.items() if client}, **plan.driver,
-    }
+        "clients": {name: client for name, client in plan.clients.items() if client},
+        "trajectory_log": {"path": str(plan.run_dir / "trajectories.jsonl")},
+    }, plan.driver)
 
 
 def buffer_overrides(plan: Pipeline) -> dict:

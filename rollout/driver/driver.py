@@ -29,6 +29,7 @@ from protos.codec import decode_array, encode_array
 from protos.sample import Sample, SampleStatus
 from rollout.driver.call_merger import CallMerger
 from rollout.driver.producer import GroupProducer, run_producer
+from rollout.driver.trajectory_log import TrajectoryLogConfig
 from services.client import connect
 from services.config import ClientConfig, Strict
 
@@ -89,6 +90,9 @@ class DriverConfig(Strict):
         0.002, ge=0, description="Generate, Score and Put calls of groups made within this window travel as one "
         "request (GenerateMany; at most groups_per_batch groups): fewer round trips for driver, rollout, reward and "
         "buffer. 0 = one per group.")
+    trajectory_log: TrajectoryLogConfig = Field(
+        default_factory=TrajectoryLogConfig, description="A sample of the scored groups kept for `relayrl view` "
+        "(rollout/driver/trajectory_log.py); off without a path.")
 
 
 @dataclass
@@ -138,7 +142,7 @@ class Driver(GroupProducer):
             stubs[address] = rollout_pb2_grpc.RolloutStub(channels[-1])
         self.teachers = {domain: stubs[address] for domain, address in config.teachers.items()}
         self.default_teacher = stubs[config.teacher] if config.teacher else None
-        super().__init__(config, channels)
+        super().__init__(config, channels, tokenizer=config.tokenizer)
         batch_samples = config.groups_per_batch * config.group_size
         self.generator = CallMerger(self._generate, config.merge_window_s, config.groups_per_batch)
         self.scorer = CallMerger(self._score, config.merge_window_s, batch_samples)
@@ -217,6 +221,7 @@ class Driver(GroupProducer):
                 proto.status, proto.reason = int(sample.status), sample.reason
                 self.stats["failed"] += 1
         await self.storer.submit(protos)
+        self.log_group("group", group_index, lambda: samples)
         self.stats["groups"] += 1
         self.stats["samples"] += len(samples)
         self.stats["tokens"] += sum(s.response_ids.size for s in samples)
@@ -245,6 +250,7 @@ class Driver(GroupProducer):
             "completions_per_s": s["samples"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
             "mean_reward": s["reward_sum"] / s["samples"] if s["samples"] else 0.0,
+            "trajectory_log": self.trajectories.stats,
         }
 
 async def drive(config: DriverConfig) -> dict:
