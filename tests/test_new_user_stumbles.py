@@ -174,7 +174,6 @@ def test_a_stopped_trainer_checkpoints_and_exports_the_weights_it_ended_with(tin
     import signal
     import time
 
-    import torch
     from safetensors.torch import load_file
     from test_trainer_loop import BATCH, make_samples, put, records, start_trainer, trainer_overrides
 
@@ -182,7 +181,7 @@ def test_a_stopped_trainer_checkpoints_and_exports_the_weights_it_ended_with(tin
     from deploy.experiment_run import export
     from protos import rollout_pb2, rollout_pb2_grpc
     from services.client import connect_sync
-    from trainer.checkpoint import hf_state_dict
+    from trainer.checkpoint import hf_state_dict, read_model_state
 
     buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
     rollout = service_factory("rollout", {"model": str(tiny_model_dir)})
@@ -217,8 +216,7 @@ def test_a_stopped_trainer_checkpoints_and_exports_the_weights_it_ended_with(tin
     export(config, run_dir, tiny_model_dir, type("Notes", (), {"note": staticmethod(notes.append)})())
     assert notes == [f"exported the weights of step 3 to {tmp_path / 'export'}"]
     exported = load_file(tmp_path / "export" / "model.safetensors")
-    trained = hf_state_dict(torch.load(tmp_path / "checkpoints" / "step_00000003" / "model.pt", weights_only=True),
-                            tied_embeddings=False)
+    trained = hf_state_dict(read_model_state(tmp_path / "checkpoints" / "step_00000003"), tied_embeddings=False)
     start = load_file(tiny_model_dir / "model.safetensors")
     assert exported.keys() == trained.keys() == start.keys()
     assert all(exported[name].equal(trained[name]) for name in exported)

@@ -121,7 +121,7 @@ def test_a_driver_against_real_services_logs_every_nth_group_spelled(tmp_path, s
 
     driver = asyncio.run(run())
     groups = read(path)
-    assert [g["group_index"] for g in groups] == [0, 2, 4] and driver.stats["groups"] == 5
+    assert sorted(g["group_index"] for g in groups) == [0, 2, 4] and driver.stats["groups"] == 5  # in finishing order
     assert driver.snapshot()["trajectory_log"]["written"] == 3
     for group in groups:
         assert group["kind"] == "group" and group["producer_id"] == driver.producer_id
