@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 def run(config: TrainerConfig) -> TrainState:
     """Run one trainer process (one rank under torchrun) to the end of training."""
-    if config.num_threads is not None:
+    if config.deterministic:
+        from services.determinism import use_deterministic_torch
+
+        use_deterministic_torch(config.num_threads)
+    elif config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     transformers.utils.logging.disable_progress_bar()
     rank = os.environ.get("RANK", "0")
