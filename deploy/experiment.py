@@ -27,6 +27,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from deploy.loggers import LoggingSection
+from deploy.pipeline_config import deterministic_problems
 from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
 from deploy.supervisor import SuperviseConfig
 from reward.judge import JudgeConfig
@@ -201,6 +202,12 @@ class ExperimentConfig(Strict):
 
     job: Literal["experiment"] = Field("experiment", description="Marks an experiment file for `relayrl run`.")
     seed: int = Field(0, description="Seeds the eval split, sampling and training.")
+    deterministic: bool = Field(False, description="Two runs of this file train the same steps on the same numbers "
+                                "(rewards, losses, gradients): every completion seeded from `seed` and its place in "
+                                "the prompt stream, each step's groups generated together with nothing beside them "
+                                "(the held-out metric only at the start and the end of RL), batches in one canonical "
+                                "order, deterministic torch kernels on fixed threads (services/determinism.py). Needs "
+                                "training.max_staleness 0 and one rollout process.")
     run_dir: str = Field("runs/experiment", description="Where the run writes everything (replaced); relative: to "
                          "this file.")
     model: ModelSection
@@ -231,6 +238,8 @@ class ExperimentConfig(Strict):
             problems.append(f"services.trainer: {trainer.nodes} x {trainer.procs_per_node} processes do not split the "
                             f"{per_step} samples of an optimizer step (training.group_size x groups_per_batch / "
                             "mini_batches)")
+        if self.deterministic:
+            problems += deterministic_problems(self.training.max_staleness, self.services.rollout.replicas)
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -66,6 +66,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
             driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
             buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
             rollout_replicas=config.services.rollout.replicas, reward_replicas=config.services.reward.replicas,
+            deterministic=config.deterministic,
         ),
         supervise=config.supervise,
         buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
@@ -153,6 +154,10 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     from deploy.supervisor import Supervisor
 
     torch.set_num_threads(1)
+    if config.deterministic:  # the SFT warm-up runs in this process
+        from services.determinism import use_deterministic_torch
+
+        use_deterministic_torch()
     run_dir = pathlib.Path(config.run_dir)
     start_run_dir(run_dir, config.model_dump(mode="json"), config.seed, resume)
     progress = Progress(run_dir, console)

@@ -161,19 +161,24 @@ def run_rl(plan: Pipeline, supervisor, progress, board, addresses: Addresses, st
            curve: list[dict]) -> None:
     """While the driver and the trainer run: until the time budget is spent or the trainer ends (its step count),
     the served policy evaluated every eval_interval_s (or every eval_interval_steps) onto `curve`, progress shown,
-    the RL clock saved for a resume. RunFailed when a process keeps dying."""
+    the RL clock saved for a resume. RunFailed when a process keeps dying. A deterministic run evaluates only before
+    and after: greedy requests beside a step's would change how the rollout batches (and so computes) its groups."""
     from deploy.run_state import save_rl_seconds
 
     rl, run_dir = plan.rl, plan.run_dir
     metrics_path = run_dir / "trainer_metrics.jsonl"
     next_eval_at, next_eval_step = started + rl.eval_interval_s, plan.eval_interval_steps or 0
+    if rl.deterministic:
+        progress.note("deterministic run: the held-out metric is measured at the start and the end of RL only")
     while True:
         supervisor.check()  # RunFailed: something kept dying
         now = time.monotonic()
         save_rl_seconds(run_dir, now - started)
         if supervisor.done("trainer") or now - started >= rl.time_budget_s:
             return
-        if plan.eval_interval_steps:
+        if rl.deterministic:
+            due = False
+        elif plan.eval_interval_steps:
             due = _latest_step(metrics_path) >= next_eval_step
         else:
             due = now >= next_eval_at

@@ -11,7 +11,7 @@ import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from deploy.loggers import LoggingSection
 from deploy.supervisor import SuperviseConfig
@@ -50,6 +50,27 @@ class RLConfig(Strict):
     reward_replicas: int = Field(1, ge=1, description="Reward processes; more than 1 runs reward-1..N, each on its "
                                  "own free port, which the driver and the evaluation reach as one target that gRPC "
                                  "balances round-robin (services.client.replicas_target).")
+    deterministic: bool = Field(False, description="Reproduce the run step for step (deploy/experiment.py's "
+                                "`deterministic`); needs max_staleness 0 and one rollout process.")
+
+    @model_validator(mode="after")
+    def _deterministic(self) -> "RLConfig":
+        if self.deterministic and (problems := deterministic_problems(self.max_staleness, self.rollout_replicas)):
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def deterministic_problems(max_staleness: int, rollout_replicas: int) -> list[str]:
+    """Why a deterministic run cannot hold for these settings (none: it can)."""
+    problems = []
+    if max_staleness:
+        problems.append(f"deterministic: needs max_staleness 0, not {max_staleness}: generation running ahead of "
+                        "training overlaps the steps, and which weight version generates a group (and what the rollout "
+                        "batches it with) then depends on timing")
+    if rollout_replicas > 1:
+        problems.append(f"deterministic: needs one rollout process, not {rollout_replicas} replicas: the router "
+                        "spreads requests by load, which depends on timing")
+    return problems
 
 
 @dataclass
@@ -125,6 +146,7 @@ def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
         "position_path": str(plan.run_dir / "driver_position.json"),
         "clients": {name: client for name, client in plan.clients.items() if client},
         "trajectory_log": {"path": str(plan.run_dir / "trajectories.jsonl")},
+        **({"deterministic": True} if rl.deterministic else {}),
     }, plan.driver)
 
 
@@ -132,12 +154,15 @@ def buffer_overrides(plan: Pipeline) -> dict:
     """`relayrl serve buffer` --set overrides: its log in the run folder, the shared staleness bound, its capacity."""
     rl = plan.rl
     return {"data_dir": str(plan.run_dir / "buffer"), "max_staleness": rl.max_staleness,
-            "capacity": rl.buffer_capacity_batches * rl.group_size * rl.groups_per_batch, **plan.buffer}
+            "capacity": rl.buffer_capacity_batches * rl.group_size * rl.groups_per_batch,
+            **({"canonical_order": True} if rl.deterministic else {}), **plan.buffer}
 
 
 def rollout_overrides(plan: Pipeline) -> dict:
-    """`relayrl serve rollout` --set overrides: the policy folder and the run's seed."""
-    return {"model": str(plan.policy_dir), "engine.seed": plan.seed, **plan.rollout}
+    """`relayrl serve rollout` --set overrides: the policy folder and the run's seed (a deterministic run: also the
+    engine's deterministic kernels on one thread, unless the rollout's settings name a thread count)."""
+    deterministic = {"engine.deterministic": True, "engine.torch_threads": 1} if plan.rl.deterministic else {}
+    return {"model": str(plan.policy_dir), "engine.seed": plan.seed, **deterministic, **plan.rollout}
 
 
 def trainer_config(plan: Pipeline, addresses: Addresses) -> dict:
@@ -156,6 +181,7 @@ def trainer_config(plan: Pipeline, addresses: Addresses) -> dict:
                        {"receivers": [addresses.rollout]}), "overlap": rl.publish_overlap,
                     "client": plan.clients.get("rollout", {})},
         "seed": plan.seed,
+        **({"deterministic": True} if rl.deterministic else {}),
         "log_interval": 10,
         "metrics_path": str(run_dir / "trainer_metrics.jsonl"),
         "metrics_sample_ids": rl.metrics_sample_ids,

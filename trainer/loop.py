@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from protos.sample import Sample
+from services.determinism import canonical_key
 from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtype
 from trainer.checkpoint import (
     TrainState,
@@ -138,6 +139,8 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
             state.weight_version += 1
             publisher(state)
             continue
+        if config.deterministic:  # sums over the batch (losses, gradients) add up in one order in every run
+            work.train.sort(key=lambda sample: canonical_key(sample.group_id, sample.sample_id))
         steps_before = state.step
         if work.train:
             batch_stats = {

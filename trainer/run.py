@@ -30,7 +30,11 @@ def run(config: TrainerConfig) -> TrainState:
     signal decides for every rank)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    if config.num_threads is not None:
+    if config.deterministic:
+        from services.determinism import use_deterministic_torch
+
+        use_deterministic_torch(config.num_threads)
+    elif config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     transformers.utils.logging.disable_progress_bar()
     rank = os.environ.get("RANK", "0")

@@ -8,10 +8,12 @@ class CallMerger:
     """Merges the calls that concurrent groups make within `window_s` into one request.
 
     `send(items)` makes one RPC for a list of items (samples) and returns one result per item;
-    each caller gets back the results of its own items, or the call's error.
+    each caller gets back the results of its own items, or the call's error. With `window_s` None no
+    clock flushes: a request goes out at `max_items` items or when the owner calls `flush()`, so what
+    travels together depends on the owner's counts, never on timing (a deterministic run's steps).
     """
 
-    def __init__(self, send: Callable[[list], Awaitable[list]], window_s: float, max_items: int) -> None:
+    def __init__(self, send: Callable[[list], Awaitable[list]], window_s: float | None, max_items: int) -> None:
         self._send, self._window_s, self._max_items = send, window_s, max_items
         self._waiting: list[tuple[list, asyncio.Future]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -23,12 +25,15 @@ class CallMerger:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((items, future))
         if sum(len(waiting) for waiting, _ in self._waiting) >= self._max_items:
-            self._flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._window_s, self._flush)
+            self.flush()
+        elif self._timer is None and self._window_s is not None:
+            self._timer = asyncio.get_running_loop().call_later(self._window_s, self.flush)
         return await future
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what waits now, as one request (nothing waits: nothing is sent)."""
+        if not self._waiting:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -93,6 +93,11 @@ class DriverConfig(Strict):
     trajectory_log: TrajectoryLogConfig = Field(
         default_factory=TrajectoryLogConfig, description="A sample of the scored groups kept for `relayrl view` "
         "(rollout/driver/trajectory_log.py); off without a path.")
+    deterministic: bool = Field(
+        False, description="A deterministic run (deploy/experiment.py): the groups admitted together (with "
+        "max_staleness 0, one training step's) go to the rollout as one GenerateMany, in stream order, whatever the "
+        "timing, so the rollout batches and computes them the same way in every run (merge_window_s is not used "
+        "for them).")
 
 
 @dataclass
@@ -144,7 +149,8 @@ class Driver(GroupProducer):
         self.default_teacher = stubs[config.teacher] if config.teacher else None
         super().__init__(config, channels, tokenizer=config.tokenizer)
         batch_samples = config.groups_per_batch * config.group_size
-        self.generator = CallMerger(self._generate, config.merge_window_s, config.groups_per_batch)
+        self.generator = CallMerger(self._generate, None if config.deterministic else config.merge_window_s,
+                                    config.groups_per_batch)
         self.scorer = CallMerger(self._score, config.merge_window_s, batch_samples)
         self.storer = CallMerger(self._put, config.merge_window_s, batch_samples)
         self.stats = {"groups": 0, "samples": 0, "tokens": 0, "reward_sum": 0.0, "failed": 0, "retries": 0,
@@ -170,6 +176,12 @@ class Driver(GroupProducer):
                         "reused by another producer); %d duplicates so far", reply.duplicates, len(protos),
                         self.stats["duplicates"])
         return [None] * len(protos)
+
+    async def before_wait(self) -> None:
+        """A deterministic run: the groups started since the last wait go to the rollout now, as one request."""
+        if self.config.deterministic:
+            await asyncio.sleep(0)  # each group's task (started in stream order) reaches the generator first
+            self.generator.flush()
 
     async def run_group(self, prompt: Prompt, group_index: int) -> None:
         cfg = self.config

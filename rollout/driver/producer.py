@@ -75,6 +75,10 @@ class GroupProducer:
     async def run_group(self, item, group_index: int) -> None:
         raise NotImplementedError
 
+    async def before_wait(self) -> None:
+        """Called before the producer waits (for admission, for a group in flight, for the last groups): the groups
+        started since the last wait are every group it starts at once (Driver sends them as one request)."""
+
     def snapshot(self) -> dict:
         raise NotImplementedError
 
@@ -106,6 +110,7 @@ class GroupProducer:
             if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
                      cfg.max_staleness):
                 return True
+            await self.before_wait()
             await self.gauge.pause()
         return False
 
@@ -166,6 +171,7 @@ class GroupProducer:
         try:
             while not stop.is_set() and (cfg.max_groups == 0 or self.groups_started < cfg.max_groups):
                 while len(in_flight) >= cfg.concurrency:
+                    await self.before_wait()
                     done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         task.result()  # a failed group stops the producer with its error
@@ -175,6 +181,7 @@ class GroupProducer:
                 self.groups_started += 1
                 self.in_flight_samples += cfg.group_size  # counted now: the next admission reads it
                 in_flight.add(asyncio.create_task(self._run_counted(item, index)))
+            await self.before_wait()
             for task in asyncio.as_completed(in_flight):
                 await task
         finally:

@@ -8,6 +8,7 @@ between two steps, which is what makes a weight update atomic for in-flight sequ
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -148,28 +149,33 @@ class AsyncEngine:
             yield delta
 
     async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
-        """The request's n completions, in index order, once all have finished (an abort keeps partial output).
+        """The request's n completions, in index order, once all have finished (an abort keeps partial output): one
+        hand-over per request, not per step. Raises like generate(); cancelling the wait aborts the request."""
+        return (await self.generate_all_many([(request_id, prompt_ids, params)]))[0]
 
-        One hand-over per request instead of one per step, for callers that want only the result.
-        Raises like generate(); cancelling the wait (a client gone) aborts the request.
-        """
-        prompt = list(prompt_ids)
-        return await self._whole(request_id, lambda: self.engine.add_request(request_id, prompt, params))
+    async def generate_all_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+                                ) -> list[list[Completion]]:
+        """generate_all of each (request id, prompt ids, params), added by one command: they start in the same step,
+        in their order, whatever the engine thread was doing, so the same requests are batched (and computed) alike
+        every time. A refusal raises like generate_all, its `request_index` naming the request; the rest are aborted."""
+        return await self._whole([(request_id, functools.partial(self.engine.add_request, request_id, list(prompt),
+                                                                 params)) for request_id, prompt, params in requests])
 
-    async def _whole(self, request_id: str, add: Callable[[], None]) -> list[Completion]:
-        """Run `add` on the engine thread, then wait for the request's completions, all at once."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), whole=True)
-        finished = False
+    async def _whole(self, adds: list[tuple[str, Callable[[], None]]]) -> list[list[Completion]]:
+        """Run each (request id, add) on the engine thread in one command; then each request's completions at once."""
+        streams = [_Stream(asyncio.get_running_loop(), asyncio.Queue(), whole=True) for _ in adds]
+        done: list[list[Completion]] = []
         try:
-            await self._call(lambda: self._add(request_id, add, stream))
-            item = await stream.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            finished = True
-            return item
+            await self._call(lambda: self._add_all(adds, streams))
+            for stream in streams:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done.append(item)
+            return done
         finally:
-            if not finished:
-                self._submit(lambda: self._abort_stream(request_id, stream))
+            if unfinished := list(zip(adds, streams))[len(done):]:
+                self._submit(lambda: [self._abort_stream(request_id, stream) for (request_id, _), stream in unfinished])
 
     async def compute_logprobs(
         self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float = 1.0
@@ -212,7 +218,7 @@ class AsyncEngine:
             self.engine.add_session_request(request_id, session_id, params)
 
         if whole:
-            yield (await self._whole(request_id, add))[0]
+            yield (await self._whole([(request_id, add)]))[0][0]
             return
         async for delta in self._stream(request_id, 1, add):
             yield delta
@@ -295,6 +301,14 @@ class AsyncEngine:
             stream.seqs = self.engine.requests[request_id]
         if outputs:
             self._deliver(outputs)
+
+    def _add_all(self, adds: list[tuple[str, Callable[[], None]]], streams: list[_Stream]) -> None:
+        for index, ((request_id, add), stream) in enumerate(zip(adds, streams, strict=True)):
+            try:
+                self._add(request_id, add, stream)
+            except Exception as exc:
+                exc.request_index = index  # which of a GenerateMany's requests was refused
+                raise
 
     def _abort(self, request_id: str | None) -> bool:
         if request_id is None:

@@ -15,7 +15,11 @@ def start_engine(model: str, settings: "EngineChoice") -> "RolloutEngine":
     values = settings.model_dump()
     kind = values.pop("type")
     threads = values.pop("torch_threads", None)
-    if threads is not None:
+    if values.pop("deterministic", False):
+        from services.determinism import use_deterministic_torch
+
+        use_deterministic_torch(threads)
+    elif threads is not None:
         import torch
 
         torch.set_num_threads(threads)

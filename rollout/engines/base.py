@@ -11,6 +11,7 @@ errors of rollout/engine/errors.py (InvalidRequest, QueueFull, DuplicateRequest,
 service maps to status codes; an engine that stopped raises rollout.engine.errors.EngineDead.
 """
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -49,6 +50,12 @@ class RolloutEngine(Protocol):
 
     async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
         """The n completions, in index order, once all have finished (an abort keeps partial output)."""
+        ...
+
+    async def generate_all_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+                                ) -> list[list[Completion]]:
+        """generate_all of each (request id, prompt ids, params), started together where the engine can (the native
+        engine: in one step, in order). A refusal raises like generate_all, `request_index` naming the request."""
         ...
 
     async def abort(self, request_id: str) -> bool:
@@ -130,6 +137,23 @@ class ReceivesFromGroup(Protocol):
     async def leave_weight_group(self, group_name: str) -> None:
         """Forget the group (after a failure, or when the trainer forms a new one)."""
         ...
+
+
+async def generate_each(engine: RolloutEngine, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+                        ) -> list[list[Completion]]:
+    """generate_all_many as concurrent generate_all calls, for an engine that cannot add requests together. A
+    refusal's `request_index` names its request; the other calls are cancelled (each aborts its request)."""
+    tasks = [asyncio.ensure_future(engine.generate_all(*request)) for request in requests]
+    try:
+        return await asyncio.gather(*tasks)
+    except Exception as exc:
+        exc.request_index = next(i for i, task in enumerate(tasks)
+                                 if task.done() and not task.cancelled() and task.exception() is exc)
+        raise
+    finally:  # a refusal, or the caller gone: the other requests are aborted (each wait aborts its own)
+        for task in tasks:
+            task.cancel()
+            task.add_done_callback(lambda task: task.cancelled() or task.exception())  # outcome seen: no warning
 
 
 def checkpoint_layout(model: str, dtype: torch.dtype) -> Layout:

@@ -55,7 +55,7 @@ from rollout.engine.sessions import (
     open_checked,
     turn_params,
 )
-from rollout.engines.base import checkpoint_layout
+from rollout.engines.base import checkpoint_layout, generate_each
 from rollout.engines.settings import SglangSettings
 from services.weights import GroupSpec, Manifest
 
@@ -194,6 +194,10 @@ class SglangEngine:
         async for delta in self.generate(request_id, prompt_ids, params):
             _extend(done[delta.index], delta)
         return done
+
+    async def generate_all_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+                                ) -> list[list[Completion]]:
+        return await generate_each(self, requests)  # SGLang's scheduler batches them as they arrive
 
     async def abort(self, request_id: str) -> bool:
         rids = self._running.get(request_id)

@@ -6,7 +6,6 @@ the shared runtime with the WeightSync receiver. Heavy imports (torch, the engin
 after the config has been parsed.
 """
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -88,17 +87,11 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         ids = [request_id for request_id, _, _ in parsed]
         if len(set(ids)) < len(ids):
             raise CodecError("requests: request_ids must be distinct")
-        tasks = [asyncio.ensure_future(self.engine.generate_all(*one)) for one in parsed]
-        try:
-            results = await asyncio.gather(*tasks)
+        try:  # together: the same requests are batched alike whatever the engine was doing (deterministic runs)
+            results = await self.engine.generate_all_many(parsed)
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
-            failed = next(i for i, task in enumerate(tasks)
-                          if task.done() and not task.cancelled() and task.exception() is exc)
-            await _abort_with_status(context, exc, f"requests[{failed}].")
-        finally:  # a refusal, or the caller gone: the other requests are aborted (each wait aborts its own)
-            for task in tasks:
-                task.cancel()
-                task.add_done_callback(_retrieved)
+            failed = getattr(exc, "request_index", None)  # None: the engine stopped while they ran
+            await _abort_with_status(context, exc, "" if failed is None else f"requests[{failed}].")
         return rollout_pb2.GenerateManyResponse(responses=[
             self._response(one, *parsed_one, done) for one, parsed_one, done in zip(request.requests, parsed, results)])
 
@@ -220,12 +213,6 @@ def _text_decoder(tokenizer) -> Callable[[list[int]], str]:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    """Mark a task's outcome as seen (a request refused after another already failed the call)."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def _abort_with_status(context, exc: Exception, where: str = "") -> None:

@@ -77,7 +77,8 @@ class ReplayBuffer(Intake, Handout, Recovery, Compaction):
         self.config = config
         self.log = segment_log
         self.clock = clock
-        self.store = SampleStore(config.capacity, config.max_staleness, config.seed, self._group_done)
+        self.store = SampleStore(config.capacity, config.max_staleness, config.seed, self._group_done,
+                                 config.canonical_order)
         self.retired = RetiredIds()
         self.durability = Durability(
             segment_log, FsyncPolicy(config.fsync), config.fsync_window_ms / 1000, metrics.FSYNC_SECONDS.observe

@@ -43,3 +43,7 @@ class BufferConfig(Strict):
         "client stream) until room frees up or block_timeout_s passes.")
     block_timeout_s: float = Field(30.0, gt=0, description="Longest a blocked Put waits for room.")
     seed: int | None = Field(None, description="Seed of uniform replay's random picks (None: from the OS).")
+    canonical_order: bool = Field(
+        False, description="Hand out ready groups in an order that does not depend on when they arrived: groups "
+        "trained before first, then by oldest weight version, then by group id, each group's samples by id "
+        "(a deterministic run, deploy/experiment.py). False: in order of arrival.")

@@ -15,7 +15,7 @@ import random
 import uuid
 from collections.abc import Callable, Iterable
 
-from services.buffer.entries import Entry, EntryState, GroupKey, Lease, LeaseNotFound, Policy, PullSpec
+from services.buffer.entries import Entry, EntryState, Group, GroupKey, Lease, LeaseNotFound, Policy, PullSpec
 from services.buffer.index import SampleIndex
 
 
@@ -28,11 +28,13 @@ class SampleStore(SampleIndex):
         max_staleness: int | None,
         seed: int | None = None,
         on_group_done: Callable[[str], None] | None = None,
+        canonical_order: bool = False,
     ):
         super().__init__(capacity, max_staleness, on_group_done)
         self._leases: dict[str, Lease] = {}
         self._rng = random.Random(seed)
         self._consumed = 0  # samples in consumed leases
+        self.canonical_order = canonical_order  # hand out by _canonical_key, not by arrival (deterministic runs)
 
     # --- leases -------------------------------------------------------------------------------
 
@@ -62,22 +64,27 @@ class SampleStore(SampleIndex):
         next group does not fit, and a group larger than the batch goes out alone.
         """
         queue = self._whole_ready if spec.whole_groups else self._partial_ready
-        if spec.policy is Policy.FIFO:
-            keys: Iterable[GroupKey] = queue.oldest_first()
+        keys: Iterable[GroupKey]
+        if self.canonical_order:
+            ready = sorted(queue.oldest_first(), key=self._canonical_key)
+            keys = ready if spec.policy is Policy.FIFO else self._rng.sample(ready, min(spec.batch_size, len(ready)))
+        elif spec.policy is Policy.FIFO:
+            keys = queue.oldest_first()
         else:
             keys = queue.random(self._rng, spec.batch_size)
         chosen: list[Entry] = []
         for key in keys:
             group = self._groups[key]
             room = spec.batch_size - len(chosen)
+            members = self._members(group)
             if spec.whole_groups:
                 if group.pending > room:
                     if not chosen:
-                        chosen.extend(group.members.values())
+                        chosen.extend(members)
                     break
-                chosen.extend(group.members.values())
+                chosen.extend(members)
             else:
-                pending = (e for e in group.members.values() if e.state is EntryState.PENDING)
+                pending = (e for e in members if e.state is EntryState.PENDING)
                 chosen.extend(itertools.islice(pending, room))
             if len(chosen) >= spec.batch_size:
                 break
@@ -91,6 +98,17 @@ class SampleStore(SampleIndex):
         lease = Lease(uuid.uuid4().hex, chosen, now + spec.lease_timeout_s, max_reuse, consumer=spec.consumer)
         self._leases[lease.lease_id] = lease
         return lease
+
+    def _canonical_key(self, key: GroupKey) -> tuple:
+        """Hand-out order of a canonical buffer: groups trained before first (as arrival order puts them), then the
+        oldest weight version, then the group's id: the same order whatever order the groups arrived in."""
+        members = self._groups[key].members.values()
+        return (not any(e.trained for e in members), min((e.oldest_version for e in members), default=-1), key)
+
+    def _members(self, group: Group) -> list[Entry]:
+        """A group's members in hand-out order: arrival, or by sample id in a canonical buffer."""
+        members = list(group.members.values())
+        return sorted(members, key=lambda e: e.sample_id) if self.canonical_order else members
 
     def ack(self, lease_id: str) -> tuple[list[str], list[str]]:
         """Close a lease: returns (ids used up and removed for good, ids pending again for reuse)."""
