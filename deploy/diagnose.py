@@ -16,12 +16,11 @@ The folder is read by deploy/run_record.py; findings print as `relayrl doctor EX
 fault (an error) is found, else 0.
 """
 
-import json
 import re
 import statistics
 from collections import Counter
 
-from deploy.doctor import Finding
+from deploy.doctor import Finding, report
 from deploy.run_record import Line, RunRecord
 
 # Words of a process that ran out of memory (PyTorch, CUDA, the allocator, the kernel, Python).
@@ -51,12 +50,7 @@ def main(run_dir: str) -> int:
     except FileNotFoundError as exc:
         print(f"relayrl doctor: {exc}")
         return 2
-    for finding in findings:
-        print(finding.render())
-    errors = sum(f.level == "error" for f in findings)
-    warnings = sum(f.level == "warn" for f in findings)
-    print(json.dumps({"errors": errors, "warnings": warnings}))
-    return 1 if errors else 0
+    return report(findings)
 
 
 # ---------------------------------------------------------------- how it ended, and what kept dying

@@ -373,7 +373,11 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
 
 
 def main(path: str, overrides: list[str] | None = None) -> int:
-    findings = diagnose(path, overrides)
+    return report(diagnose(path, overrides))
+
+
+def report(findings: list[Finding]) -> int:
+    """Print each finding and the counts; 1 when any is an error (the doctor's exit code), else 0."""
     for finding in findings:
         print(finding.render())
     errors = sum(f.level == "error" for f in findings)
