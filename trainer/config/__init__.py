@@ -1,7 +1,7 @@
 """The trainer's typed configuration: one pydantic model, every field documented, checked in one place.
 
 TrainerConfig is the whole of a run's config (`python -m trainer --config FILE`); each of its sections is a
-model of its own, in a module named after it: algorithm, optim (and batch), checkpoint, buffer, publish.
+model of its own, in a module named after it: model, algorithm, optim (and batch), checkpoint, buffer, publish.
 """
 
 from typing import Literal
@@ -12,6 +12,7 @@ from services.config import Strict
 from trainer.config.algorithm import AlgorithmConfig
 from trainer.config.buffer import BufferClientConfig
 from trainer.config.checkpoint import CheckpointConfig
+from trainer.config.model import ModelConfig
 from trainer.config.optim import BatchConfig, OptimConfig
 from trainer.config.publish import PublishConfig
 
@@ -24,6 +25,7 @@ class TrainerConfig(Strict):
         None,
         description="Frozen reference (KL, DPO) or teacher (distill) model, used when samples carry no ref_logprobs.",
     )
+    model: ModelConfig = Field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
