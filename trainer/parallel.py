@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from trainer.model import PolicyModel
+from trainer.model import PolicyModel, checkpoint_layers
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -101,8 +101,11 @@ def shutdown_distributed(env: DistEnv) -> None:
         dist.destroy_process_group()
 
 
-def parallelize(model: PolicyModel, env: DistEnv) -> PolicyModel:
-    """FSDP2: each decoder layer, then the root (embeddings, final norm, head, value head)."""
+def parallelize(model: PolicyModel, env: DistEnv, activation_checkpointing: bool = False) -> PolicyModel:
+    """The model's wrappers, in order: activation checkpointing per decoder layer (if asked), then FSDP2: each
+    decoder layer, then the root (embeddings, final norm, head, value head)."""
+    if activation_checkpointing:
+        checkpoint_layers(model)
     if not env.distributed:
         return model
     for layer in model.decoder_layers:
