@@ -138,7 +138,7 @@ def sft_warmup(config: AgenticConfig, samples, init_dir: pathlib.Path, out_dir: 
         "checkpoint": {"export_dir": str(out_dir)},
         "metrics_path": str(out_dir.parent / "sft_metrics.jsonl"),
     })
-    train(cfg, init_distributed("cpu"), DatasetSource(samples, seed=config.seed))
+    train(cfg, init_distributed(cfg.device, cfg.dist_timeout_s), DatasetSource(samples, seed=config.seed))
 
 
 def _write_yaml(path: pathlib.Path, data: dict) -> pathlib.Path:

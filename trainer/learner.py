@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from protos.sample import Sample
+from services.device import autocast, fused_optimizer
 from trainer.advantages import (
     discounted_returns,
     gae,
@@ -87,7 +88,7 @@ class Learner:
         # step on one CPU thread); the same update up to float rounding.
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
-            fused=env.device.type in ("cpu", "cuda"),
+            fused=fused_optimizer(env.device),
         )
 
     # -- preparing a pulled batch -------------------------------------------------------------
@@ -361,9 +362,7 @@ class Learner:
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.config.dtype == "bfloat16" and self.env.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast(self.env.device, self.config.dtype)
 
 
 def _masked(per_token: torch.Tensor, micro: TrainBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from services.device import collective_backend, resolve_device, set_current
 from trainer.model import PolicyModel, checkpoint_layers
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -67,7 +68,7 @@ class DistEnv:
         if not self.distributed:
             return obj
         payload = [obj if self.is_main else None]
-        dist.broadcast_object_list(payload, src=0, device=self.device if self.device.type == "cuda" else None)
+        dist.broadcast_object_list(payload, src=0, device=self.device if self.device.type != "cpu" else None)
         return payload[0]
 
     def barrier(self) -> None:
@@ -76,18 +77,15 @@ class DistEnv:
 
 
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
-    """Join the torchrun process group if there is one; otherwise a world of one."""
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    """Join the torchrun process group if there is one; otherwise a world of one. `device` as services/device.py
+    resolves it (auto = the machine's accelerator, else the CPU)."""
     if "WORLD_SIZE" not in os.environ:
         # With its index: the weight broadcast's NCCL group is made on exactly this device.
-        return DistEnv(rank=0, world_size=1,
-                       device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    torch_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        return DistEnv(rank=0, world_size=1, device=resolve_device(device))
+    torch_device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    set_current(torch_device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(collective_backend(torch_device), timeout=timedelta(seconds=timeout_s))
     world_size = dist.get_world_size()
     mesh = init_device_mesh(torch_device.type, (world_size,), mesh_dim_names=("dp",))
     return DistEnv(rank=dist.get_rank(), world_size=world_size, device=torch_device, mesh=mesh)

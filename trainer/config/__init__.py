@@ -38,9 +38,11 @@ class TrainerConfig(Strict):
     publish: PublishConfig = Field(default_factory=PublishConfig)
     seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Compute dtype: bfloat16 = autocast on GPU; parameters stay float32."
+        "float32", description="Compute dtype: bfloat16 = autocast on an accelerator; parameters stay float32."
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    device: Literal["auto", "cpu", "cuda", "xpu", "npu"] = Field(
+        "auto", description="Where the trainer computes (services/device.py): auto = the machine's accelerator "
+        "(CUDA, XPU, or Ascend NPU with torch_npu installed) when there is one, else the CPU.")
     num_threads: int | None = Field(1, gt=0, description="torch threads per process (1 when processes share cores).")
     dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of torch.distributed collectives.")
     log_interval: int = Field(1, gt=0, description="Log metrics every this many steps.")
