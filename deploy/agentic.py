@@ -6,7 +6,8 @@
     -> held-out success rate (greedy episodes through sessions) over time, a summary table, metrics JSONL
 
 The reward comes from the environment, so no reward service runs. A YAML file with `job: agentic` selects
-this job; everything else about running it (supervision, restarts, the model) is the quickstart's.
+this job; everything else about running it (supervision, restarts, the model: deploy/tiny_model.py, the warm-up:
+deploy/warmup.py) is the quickstart's.
 """
 
 import asyncio
@@ -22,8 +23,8 @@ from typing import Literal
 import yaml
 from pydantic import Field
 
-from deploy.quickstart import ModelConfig
 from deploy.supervisor import SuperviseConfig
+from deploy.tiny_model import ModelConfig
 from services.config import Strict, load_config
 
 
@@ -58,7 +59,7 @@ class AgenticRLConfig(Strict):
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
     algorithm: dict = Field(default_factory=lambda: {"name": "grpo"},
-                            description="trainer.config.AlgorithmConfig fields; off_policy defaults to bypass when "
+                            description="trainer.config.algorithm.AlgorithmConfig fields; off_policy defaults to bypass when "
                             "max_staleness > 0 (the PPO ratio against the rollout's logprobs, clipped: the stale "
                             "samples' importance ratio with a trust region), else none. tis/decoupled take the ratio "
                             "against the step's own start, which one optimizer step per batch never clips: on the "
@@ -120,27 +121,6 @@ def selects(config_path: str | None) -> bool:
     return isinstance(data, dict) and data.get("job") == "agentic"
 
 
-def sft_warmup(config: AgenticConfig, samples, init_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
-    """Supervised warm-up on the transcripts through the training loop RL uses (loss on the player's tokens)."""
-    from trainer.config import TrainerConfig
-    from trainer.dataset import DatasetSource
-    from trainer.loop import train
-    from trainer.parallel import init_distributed
-
-    cfg = TrainerConfig.model_validate({
-        "model_path": str(init_dir),
-        "algorithm": {"name": "sft"},
-        "optim": {"lr": config.sft.lr, "max_grad_norm": 1.0},
-        "batch": {"global_batch_size": config.sft.batch_size, "micro_batch_size": config.sft.batch_size},
-        "max_steps": config.sft.steps,
-        "seed": config.seed,
-        "log_interval": 25,
-        "checkpoint": {"export_dir": str(out_dir)},
-        "metrics_path": str(out_dir.parent / "sft_metrics.jsonl"),
-    })
-    train(cfg, init_distributed(cfg.device, cfg.dist_timeout_s), DatasetSource(samples, seed=config.seed))
-
-
 def _write_yaml(path: pathlib.Path, data: dict) -> pathlib.Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -164,9 +144,9 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     from deploy.status import run_targets
     from deploy.supervisor import Supervisor
     from deploy.tensorboard import RunBoard
+    from deploy.warmup import supervised_warmup
     from rollout.envs.runner import env_spec, evaluate
     from rollout.envs.transcripts import transcripts
-    from rollout.model.tiny import write_tiny_model
 
     torch.set_num_threads(1)
     began = time.monotonic()
@@ -186,17 +166,16 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
     if config.start_checkpoint:
         policy_dir = pathlib.Path(config.start_checkpoint).resolve()
     else:
-        m = config.model
-        init_dir = write_tiny_model(run_dir / "model-init", seed=config.seed, arch=m.arch, hidden_size=m.hidden_size,
-                                    num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                                    head_dim=m.head_dim)
+        init_dir = config.model.write(run_dir / "model-init", config.seed)
         policy_dir = run_dir / "model-sft" if config.sft.steps else init_dir
         if config.sft.steps:
             with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size} "
                                 f"{config.env.name} transcripts"):
                 samples = transcripts(AutoTokenizer.from_pretrained(init_dir), config.env.name, config.env.config,
                                       train_tasks, config.sft.transcripts, config.sft.skill, config.seed)
-                sft_warmup(config, samples, init_dir, policy_dir)
+                # the loss on the player's tokens (the transcripts' loss masks)
+                supervised_warmup(init_dir, policy_dir, samples, config.sft.steps, config.sft.batch_size,
+                                  config.sft.lr, config.seed, log_interval=25)
     sft_seconds = time.monotonic() - sft_started
     rl = config.rl
     batch_size = rl.group_size * rl.groups_per_batch

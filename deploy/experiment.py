@@ -8,7 +8,7 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     model:      a Hugging Face folder (config.json, *.safetensors, tokenizer)
     data:       JSONL / Parquet / a `datasets` folder; which fields hold prompt, answer, metadata; chat template
     reward:     a built-in by name, an operator function by dotted path, a reward model folder, or a served LLM judge
-    algorithm:  trainer.config.AlgorithmConfig (grpo, ppo, ... and their variants)
+    algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants)
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
@@ -187,7 +187,7 @@ class ExperimentConfig(Strict):
     data: DataSection
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="What is optimised "
-                                       "(trainer.config.AlgorithmConfig; docs/algorithms.md).")
+                                       "(trainer.config.algorithm.AlgorithmConfig; docs/algorithms.md).")
     sft: SFTSection = Field(default_factory=SFTSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)

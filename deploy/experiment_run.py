@@ -1,6 +1,6 @@
-"""`relayrl run EXPERIMENT.yaml`: a user's model folder, data and reward through the quickstart's machinery.
+"""`relayrl run EXPERIMENT.yaml`: a user's model folder, data and reward, trained by the shared RL phase.
 
-    read + map the data (deploy/experiment_data.py) -> optional SFT warm-up on (prompt, answer) pairs
+    read + map the data (deploy/experiment_data.py) -> optional SFT warm-up on (prompt, answer) pairs (deploy/warmup.py)
     -> the shared RL phase (deploy/pipeline.py: buffer, reward, rollout, driver, trainer, supervised)
        with the held-out metric = mean reward of greedy completions, by the run's reward
     -> the latest checkpoint exported as a Hugging Face folder, a summary table, a plot and metrics JSONL
@@ -46,9 +46,9 @@ def _placement(config: ExperimentConfig, name: str) -> dict:
 
 def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path,
                   prompts_path: pathlib.Path):
-    """The RL phase of `config` as deploy.pipeline.Pipeline: what each service, the driver and the trainer are told.
+    """The RL phase of `config` as deploy.pipeline_config.Pipeline: what each service, the driver and the trainer are told.
     Its `evaluate` is left for the caller to set (a run measures the served policy; deploy/k8s.py renders the rest)."""
-    from deploy.pipeline import Pipeline, RLConfig, merged, nested
+    from deploy.pipeline_config import Pipeline, RLConfig, merged, nested
 
     training, evaluation = config.training, config.evaluation
     reward_overrides, reward_env, function = reward_service(config)
@@ -82,27 +82,55 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
 
 
 def _sft_samples(rows, tokenizer, add_bos: bool):
-    import numpy as np
-
+    """The warm-up's samples: each row's prompt, as the driver tokenizes it, and its `answer` field."""
     from deploy.experiment_data import prompt_ids
-    from protos.sample import Sample
+    from deploy.warmup import sft_sample
 
-    samples = []
-    for row in rows:
-        answer = [*tokenizer.encode(str(row.metadata["answer"]), add_special_tokens=False), tokenizer.eos_token_id]
-        samples.append(Sample(
-            sample_id=f"sft/{row.prompt_id}", prompt_id=row.prompt_id,
-            prompt_ids=np.asarray(prompt_ids(row, tokenizer, add_bos), np.int32),
-            response_ids=np.asarray(answer, np.int32), loss_mask=np.ones(len(answer), np.uint8),
-            rollout_logprobs=np.zeros(len(answer), np.float32), weight_versions=np.zeros(len(answer), np.int64),
-        ))
-    return samples
+    return [sft_sample(row.prompt_id, prompt_ids(row, tokenizer, add_bos),
+                       [*tokenizer.encode(str(row.metadata["answer"]), add_special_tokens=False),
+                        tokenizer.eos_token_id])
+            for row in rows]
+
+
+def warm_up(config: ExperimentConfig, run_dir: pathlib.Path, tokenizer, train_rows, progress,
+            resume: bool) -> pathlib.Path:
+    """The policy RL starts from: the model folder, or with sft.steps its supervised warm-up on the training rows'
+    answers (deploy/warmup.py) in RUN_DIR/model-sft, which a resumed run keeps once whole."""
+    from deploy.run_state import whole_model
+    from deploy.warmup import supervised_warmup
+
+    model_dir, sft = pathlib.Path(config.model.path), config.sft
+    if not sft.steps:
+        return model_dir
+    policy_dir = run_dir / "model-sft"
+    if resume and whole_model(policy_dir):
+        progress.note(f"resuming: {policy_dir} is whole, so SFT is not run again")
+        return policy_dir
+    add_bos = config.data.add_bos and not config.data.chat_template
+    with progress.phase(f"SFT warm-up: {sft.steps} steps of {sft.batch_size}"):
+        supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos), sft.steps,
+                          sft.batch_size, sft.lr, config.seed)
+    return policy_dir
+
+
+def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path, progress) -> None:
+    """The latest checkpoint as a Hugging Face folder in checkpoint.export_dir (if set)."""
+    from trainer.checkpoint import export_checkpoint_hf, latest_checkpoint
+
+    if not config.checkpoint.export_dir:
+        return
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        progress.note("no checkpoint was saved (fewer steps than checkpoint.interval): nothing exported")
+    else:
+        export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
+        progress.note(f"exported {checkpoint.name} to {config.checkpoint.export_dir}")
 
 
 def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False, launcher=None):
-    """The whole run; returns deploy.quickstart.Summary (its accuracy fields hold the held-out mean reward). With
+    """The whole run; returns deploy.run_state.Summary (its accuracy fields hold the held-out mean reward). With
     `resume`, the run in config.run_dir goes on from where it stopped (deploy/run_state.py). `launcher` starts the
-    RL phase's processes (deploy.pipeline.LocalLauncher by default; deploy.ray_launcher.RayLauncher)."""
+    RL phase's processes (deploy.local_launcher.LocalLauncher by default; deploy.ray_launcher.RayLauncher)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -110,32 +138,21 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     from deploy.evaluation import mean_reward
     from deploy.pipeline import run_pipeline
     from deploy.progress import Progress
-    from deploy.quickstart import Summary, supervised_warmup
     from deploy.run_security import secure
-    from deploy.run_state import start_run_dir, whole_model
+    from deploy.run_state import start_run_dir
     from deploy.supervisor import Supervisor
-    from trainer.checkpoint import export_checkpoint_hf, latest_checkpoint
 
     torch.set_num_threads(1)
     run_dir = pathlib.Path(config.run_dir)
     start_run_dir(run_dir, config.model_dump(mode="json"), config.seed, resume)
     progress = Progress(run_dir, console)
 
-    model_dir = pathlib.Path(config.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pathlib.Path(config.model.path))
     train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
-    add_bos = config.data.add_bos and not config.data.chat_template
     prompts_path = experiment_data.write_prompts(train_rows, run_dir / "prompts.jsonl")
-    policy_dir = model_dir
-    if config.sft.steps and resume and whole_model(run_dir / "model-sft"):
-        policy_dir = run_dir / "model-sft"
-        progress.note(f"resuming: {policy_dir} is whole, so SFT is not run again")
-    elif config.sft.steps:
-        policy_dir = run_dir / "model-sft"
-        with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size}"):
-            supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos), config.sft.steps,
-                              config.sft.batch_size, config.sft.lr, config.seed)
+    policy_dir = warm_up(config, run_dir, tokenizer, train_rows, progress, resume)
 
+    add_bos = config.data.add_bos and not config.data.chat_template
     eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos), row.prompt, row.metadata)
                     for row in eval_rows]
     eval_tokens = config.evaluation.max_tokens or config.training.max_tokens
@@ -151,18 +168,8 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     finally:
         supervisor.stop()
         progress.close()
-    if config.checkpoint.export_dir:
-        checkpoint = latest_checkpoint(run_dir / "checkpoints")
-        if checkpoint is None:
-            progress.note("no checkpoint was saved (fewer steps than checkpoint.interval): nothing exported")
-        else:
-            export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
-            progress.note(f"exported {checkpoint.name} to {config.checkpoint.export_dir}")
-    summary = Summary(
-        seed=config.seed, sft_accuracy=result.start_metric, final_accuracy=result.final_metric,
-        best_accuracy=max(p["accuracy"] for p in result.curve), steps=result.steps, completions=result.completions,
-        rl_seconds=result.rl_seconds, curve=result.curve, run_dir=str(run_dir), restarts=result.restarts,
-    )
+    export(config, run_dir, policy_dir, progress)
+    summary = result.summary(config.seed, run_dir)
     progress.finish(summary)
     return summary
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from deploy.run_state import write_summary
+from deploy.run_state import Summary, write_summary
 
 
 class JsonlTail:
@@ -136,7 +136,7 @@ class Progress:
             self.live.stop()
             self.live = None
 
-    def finish(self, summary) -> None:
+    def finish(self, summary: Summary) -> None:
         self.close()
         table = Table(title="relayrl quickstart: summary", show_header=False)
         table.add_column("", style="bold")

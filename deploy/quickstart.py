@@ -14,27 +14,17 @@ import asyncio
 import logging
 import pathlib
 import sys
-from dataclasses import dataclass, field
 
 from pydantic import Field
 
-from deploy.pipeline import RLConfig
+from deploy.pipeline_config import RLConfig
+from deploy.run_state import Summary
 from deploy.supervisor import SuperviseConfig
+from deploy.tiny_model import ModelConfig
 from services.config import Strict, load_config
 
 log = logging.getLogger("relayrl.quickstart")
 DEFAULT_CONFIG = pathlib.Path(__file__).with_name("quickstart.yaml")
-
-
-class ModelConfig(Strict):
-    """The tiny decoder built in code (rollout.model.tiny.write_tiny_model)."""
-
-    arch: str = Field("qwen2", description="qwen2, qwen3 or llama.")
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = Field(32, ge=32, description="Per-head width (vLLM's CPU attention needs >= 32).")
 
 
 class TaskConfig(Strict):
@@ -67,74 +57,26 @@ class QuickstartConfig(Strict):
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
 
 
-@dataclass
-class Summary:
-    seed: int
-    sft_accuracy: float
-    final_accuracy: float
-    best_accuracy: float
-    steps: int
-    completions: int
-    rl_seconds: float
-    curve: list[dict] = field(default_factory=list)
-    restarts: dict[str, int] = field(default_factory=dict)
-    run_dir: str = ""
-
-
 # ---------------------------------------------------------------- data
 
 
 def _sft_samples(tasks, tokenizer):
-    import numpy as np
+    from deploy.warmup import sft_sample
 
-    from protos.sample import Sample
-
-    samples = []
-    for task in tasks:
-        prompt = [tokenizer.bos_token_id, *tokenizer.encode(task.prompt, add_special_tokens=False)]
-        answer = [*tokenizer.encode(task.answer, add_special_tokens=False), tokenizer.eos_token_id]
-        n = len(answer)
-        samples.append(Sample(
-            sample_id=f"sft/{task.prompt_id}", prompt_id=task.prompt_id,
-            prompt_ids=np.asarray(prompt, np.int32), response_ids=np.asarray(answer, np.int32),
-            loss_mask=np.ones(n, np.uint8), rollout_logprobs=np.zeros(n, np.float32),
-            weight_versions=np.zeros(n, np.int64),
-        ))
-    return samples
+    return [sft_sample(task.prompt_id,
+                       [tokenizer.bos_token_id, *tokenizer.encode(task.prompt, add_special_tokens=False)],
+                       [*tokenizer.encode(task.answer, add_special_tokens=False), tokenizer.eos_token_id])
+            for task in tasks]
 
 
 def sft_warmup(config: QuickstartConfig, init_dir: pathlib.Path, out_dir: pathlib.Path, train_tasks) -> None:
-    """Supervised warm-up through the same training loop RL uses, fed from the task list."""
+    """Supervised warm-up (deploy/warmup.py) on the task list's answers."""
     from transformers import AutoTokenizer
+
+    from deploy.warmup import supervised_warmup
 
     samples = _sft_samples(train_tasks, AutoTokenizer.from_pretrained(init_dir))
     supervised_warmup(init_dir, out_dir, samples, config.sft.steps, config.sft.batch_size, config.sft.lr, config.seed)
-
-
-def supervised_warmup(init_dir: pathlib.Path, out_dir: pathlib.Path, samples, steps: int, batch_size: int, lr: float,
-                      seed: int) -> None:
-    """`steps` SFT steps on `samples` (protos.sample.Sample) from `init_dir`, the result written to `out_dir` as a
-    Hugging Face folder; metrics to sft_metrics.jsonl beside it (replaced: a resumed run that redoes an SFT
-    cut short keeps only the whole one's)."""
-    from trainer.config import TrainerConfig
-    from trainer.dataset import DatasetSource
-    from trainer.loop import train
-    from trainer.parallel import init_distributed
-
-    metrics_path = out_dir.parent / "sft_metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
-    cfg = TrainerConfig.model_validate({
-        "model_path": str(init_dir),
-        "algorithm": {"name": "sft"},
-        "optim": {"lr": lr, "max_grad_norm": 1.0},
-        "batch": {"global_batch_size": batch_size, "micro_batch_size": batch_size},
-        "max_steps": steps,
-        "seed": seed,
-        "log_interval": 50,
-        "checkpoint": {"export_dir": str(out_dir)},
-        "metrics_path": str(metrics_path),
-    })
-    train(cfg, init_distributed(cfg.device, cfg.dist_timeout_s), DatasetSource(samples, seed=seed))
 
 
 # ---------------------------------------------------------------- evaluation
@@ -167,12 +109,12 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None, resu
     import torch
     from transformers import AutoTokenizer
 
-    from deploy.pipeline import Pipeline, run_pipeline
+    from deploy.pipeline import run_pipeline
+    from deploy.pipeline_config import Pipeline
     from deploy.progress import Progress
     from deploy.run_state import start_run_dir, whole_model
     from deploy.supervisor import Supervisor
     from deploy.tasks import arithmetic_tasks, split_tasks, write_jsonl
-    from rollout.model.tiny import write_tiny_model
 
     torch.set_num_threads(1)
     run_dir = pathlib.Path(config.run_dir).resolve()
@@ -187,10 +129,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None, resu
         policy_dir = run_dir / "model-sft"
         progress.note(f"resuming: {policy_dir} is whole, so the model is not built and SFT not run again")
     else:
-        init_dir = write_tiny_model(run_dir / "model-init", seed=config.seed, arch=config.model.arch,
-                                    hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
-                                    num_heads=config.model.num_heads, num_kv_heads=config.model.num_kv_heads,
-                                    head_dim=config.model.head_dim)
+        init_dir = config.model.write(run_dir / "model-init", config.seed)
         policy_dir = run_dir / "model-sft" if config.sft.steps else init_dir
         if config.sft.steps:
             with progress.phase(f"SFT warm-up: {config.sft.steps} steps of {config.sft.batch_size}"):
@@ -210,12 +149,7 @@ def run_quickstart(config: QuickstartConfig, console=None, supervisor=None, resu
     finally:
         supervisor.stop()
         progress.close()
-    summary = Summary(
-        seed=config.seed, sft_accuracy=result.start_metric, final_accuracy=result.final_metric,
-        best_accuracy=max(p["accuracy"] for p in result.curve), steps=result.steps,
-        completions=result.completions, rl_seconds=result.rl_seconds, curve=result.curve, run_dir=str(run_dir),
-        restarts=result.restarts,
-    )
+    summary = result.summary(config.seed, run_dir)
     progress.finish(summary)
     return summary
 

@@ -26,7 +26,7 @@ def write_project(folder: pathlib.Path, seed: int = 0, num_eval: int = 200) -> p
     if not (folder / "model" / "config.json").is_file():
         staging = folder / ".model-staging"
         shutil.rmtree(staging, ignore_errors=True)
-        write_tiny_model(staging, seed=seed)  # deploy.quickstart.ModelConfig's defaults
+        write_tiny_model(staging, seed=seed)  # deploy.tiny_model.ModelConfig's defaults
         staging.rename(folder / "model")
     train, held_out = split_tasks(arithmetic_tasks(2, "+"), num_eval, seed)
     for name, tasks in (("train.jsonl", train), ("eval.jsonl", held_out)):

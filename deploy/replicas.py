@@ -9,8 +9,8 @@ reaches the process that supervises the run:
     RUN_DIR/scale/rollout.json          asked: {"id": ..., "replicas": N}
     RUN_DIR/scale/rollout.result.json   done:  {"id": ..., "replicas": [names], "added": [...], "removed": {...}}
 
-The processes start through the run's launcher: on this machine (deploy.pipeline.LocalLauncher), or each replica
-and the router on a node of the rollout's group of a Ray cluster (deploy/ray_launcher.py, one agent each).
+The processes start through the run's launcher: on this machine (deploy.local_launcher.LocalLauncher), or each
+replica and the router on a node of the rollout's group of a Ray cluster (deploy/ray_launcher.py, one agent each).
 
 Up: a new replica process starts, is supervised and recorded, and is added to the router as JOINING; it takes
 traffic once it serves the weight version the others serve (the trainer's next publish reaches it). Down: the
@@ -30,6 +30,7 @@ import grpc
 
 from deploy import service_registry
 from deploy.launcher import ServiceProcess
+from deploy.local_launcher import LocalLauncher
 from protos import router_pb2, router_pb2_grpc
 from services.client import connect_sync
 
@@ -71,10 +72,8 @@ class RolloutReplicas:
                  join_wait_s: float = 120.0, drain_timeout_s: float = 120.0, client=None):
         """`overrides`: the rollout service's --set overrides; a fixed `server.address` is the router's (the
         replicas take free ports), its other `server` settings (TLS, auth) are the router's too. `launcher` starts
-        the processes (deploy.pipeline.LocalLauncher by default). `client` (services.config.ClientConfig): how the
+        the processes (deploy.local_launcher.LocalLauncher by default). `client` (services.config.ClientConfig): how the
         run reaches the rollout, so how the router reaches its replicas and this object the router."""
-        from deploy.pipeline import LocalLauncher
-
         self.supervisor, self.logs, self.run_dir = supervisor, logs, run_dir
         self.launcher = launcher or LocalLauncher()
         self.client = client

@@ -112,7 +112,7 @@ def write_private(path: pathlib.Path, text: str, private_folder: bool = True) ->
 
 
 def secure(plan, services: ServicesSection) -> None:
-    """Lay a run's TLS and tokens over `plan` (deploy.pipeline.Pipeline): each server's overrides and every client's
+    """Lay a run's TLS and tokens over `plan` (deploy.pipeline_config.Pipeline): each server's overrides and every client's
     settings; the files they name are written in plan.run_dir."""
     servers, plan.clients = run_security(services, plan.run_dir)
     write_secrets(services, plan.run_dir)

@@ -16,10 +16,28 @@ import json
 import os
 import pathlib
 import shutil
+from dataclasses import dataclass, field
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 RL_CLOCK_FILE = "rl_clock.json"
+
+
+@dataclass
+class Summary:
+    """What a run reached (summary.json): the held-out metric (an experiment's: mean reward) at the start of RL,
+    after SFT, at its end and at its best, and the work done."""
+
+    seed: int
+    sft_accuracy: float
+    final_accuracy: float
+    best_accuracy: float
+    steps: int
+    completions: int
+    rl_seconds: float
+    curve: list[dict] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+    run_dir: str = ""
 
 
 def start_run_dir(run_dir: pathlib.Path, config: dict, seed: int, resume: bool) -> None:
@@ -58,8 +76,8 @@ def save_rl_seconds(run_dir: pathlib.Path, seconds: float) -> None:
     os.replace(staging, run_dir / RL_CLOCK_FILE)
 
 
-def write_summary(run_dir: pathlib.Path, summary) -> None:
-    """The run's summary (a dataclass): its presence says the run finished."""
+def write_summary(run_dir: pathlib.Path, summary: Summary) -> None:
+    """The run's summary: its presence says the run finished."""
     (run_dir / SUMMARY_FILE).write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
 
 

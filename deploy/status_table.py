@@ -36,8 +36,37 @@ def _cells(row: ServiceStatus) -> tuple[str, ...]:
             _pairs(row.throughput, "{:.1f}"), errors)
 
 
-def table(rows: Sequence[ServiceStatus], title: str) -> Table:
-    view = Table(title=title, header_style="bold")
+def trainer_summary(run_dir: pathlib.Path | None) -> dict | None:
+    """The trainer's last step in a run folder (trainer_metrics.jsonl's last line): step, version and the
+    rollout-vs-trainer logprob mismatch (trainer/mismatch.py); None without one."""
+    path = run_dir / "trainer_metrics.jsonl" if run_dir is not None else None
+    if path is None or not path.exists() or path.stat().st_size == 0:
+        return None
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 65536))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the seek, or still being written
+        return {key: value for key, value in record.items()
+                if key in ("step", "weight_version") or key.startswith("mismatch/")}
+    return None
+
+
+def _caption(trainer: dict | None) -> str | None:
+    if trainer is None:
+        return None
+    text = f"trainer: step {trainer.get('step')}, weight version {trainer.get('weight_version')}"
+    if "mismatch/abs_mean" in trainer:
+        text += (f"; rollout-vs-trainer logprob mismatch mean {trainer['mismatch/abs_mean']:.3g}, max "
+                 f"{trainer['mismatch/abs_max']:.3g}, k3 {trainer['mismatch/k3']:.3g}")
+    return text
+
+
+def table(rows: Sequence[ServiceStatus], title: str, trainer: dict | None = None) -> Table:
+    view = Table(title=title, header_style="bold", caption=_caption(trainer))
     for column in COLUMNS:
         view.add_column(column)
     for row in rows:
@@ -45,39 +74,43 @@ def table(rows: Sequence[ServiceStatus], title: str) -> Table:
     return view
 
 
-def report(rows: Sequence[ServiceStatus]) -> dict:
-    """The JSON object `relayrl status --json` prints."""
-    return {"time": time.time(), "services": [row.to_dict() for row in rows],
-            "down": [row.name for row in rows if not row.up]}
+def report(rows: Sequence[ServiceStatus], trainer: dict | None = None) -> dict:
+    """The JSON object `relayrl status --json` prints (with a run folder, the trainer's last step too)."""
+    out = {"time": time.time(), "services": [row.to_dict() for row in rows],
+           "down": [row.name for row in rows if not row.up]}
+    if trainer is not None:
+        out["trainer"] = trainer
+    return out
 
 
-def targets_of(sources: Sequence[str]) -> tuple[Callable[[], list[Target]], str]:
-    """A run folder (its services.json, read again on every refresh) or addresses; and a title."""
+def targets_of(sources: Sequence[str]) -> tuple[Callable[[], list[Target]], str, pathlib.Path | None]:
+    """A run folder (its services.json, read again on every refresh) or addresses; a title; the run folder."""
     if len(sources) == 1 and pathlib.Path(sources[0]).is_dir():
         run_dir = pathlib.Path(sources[0])
-        return lambda: run_targets(run_dir), f"relayrl status: {run_dir}"
+        return lambda: run_targets(run_dir), f"relayrl status: {run_dir}", run_dir
     fixed = [parse_address(text) for text in sources]
-    return lambda: fixed, "relayrl status"
+    return lambda: fixed, "relayrl status", None
 
 
 class Display:
     """Where each refresh goes: a JSON line, a table updated in place (`live`, on a terminal), or the table
     printed again (a file or a pipe, where a live table would show nothing until the end)."""
 
-    def __init__(self, console: Console, title: str, as_json: bool, live: bool):
-        self.console, self.title, self.as_json, self.live = console, title, as_json, live
+    def __init__(self, console: Console, title: str, as_json: bool, live: bool, run_dir: pathlib.Path | None = None):
+        self.console, self.title, self.as_json, self.live, self.run_dir = console, title, as_json, live, run_dir
         self.view: Live | None = None
 
     def show(self, rows: Sequence[ServiceStatus]) -> None:
+        trainer = trainer_summary(self.run_dir)
         if self.as_json:
-            print(json.dumps(report(rows)), flush=True)
+            print(json.dumps(report(rows, trainer)), flush=True)
         elif not self.live:
-            self.console.print(table(rows, self.title))
+            self.console.print(table(rows, self.title, trainer))
         elif self.view is None:
-            self.view = Live(table(rows, self.title), console=self.console, refresh_per_second=4)
+            self.view = Live(table(rows, self.title, trainer), console=self.console, refresh_per_second=4)
             self.view.start()
         else:
-            self.view.update(table(rows, self.title))
+            self.view.update(table(rows, self.title, trainer))
 
     def close(self) -> None:
         if self.view is not None:
@@ -93,12 +126,12 @@ def status(sources: Sequence[str], *, watch: bool, as_json: bool, interval: floa
     console = console or Console()
     if not console.is_terminal:
         console.width = max(console.width, 180)
-    targets, title = targets_of(sources)
+    targets, title, run_dir = targets_of(sources)
     poller = StatusPoller(targets, client, timeout)
     poller.refresh()
     time.sleep(interval)
     rows = poller.refresh()
-    display = Display(console, title, as_json, live=watch and console.is_terminal)
+    display = Display(console, title, as_json, live=watch and console.is_terminal, run_dir=run_dir)
     display.show(rows)
     if watch:
         try:

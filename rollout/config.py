@@ -156,6 +156,9 @@ class EngineConfig:
     max_n: int = 16  # largest n (completions per prompt) a request may ask for
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     logprobs_mode: Literal["tempered", "raw", "processed"] = "tempered"  # see rollout/engine/sampler.py
+    # The LM head (and so logits, sampling and logprobs) in float32 when dtype is bfloat16/float16: the trainer's
+    # `lm_head_fp32` twin; together they narrow the rollout-vs-trainer mismatch (trainer/mismatch.py)
+    lm_head_fp32: bool = False
     max_sessions: int = 256  # open multi-turn sessions (rollout/engine/sessions.py); beyond it OpenSession is refused
     session_idle_timeout_s: float = 600.0  # a session idle this long is closed and its blocks freed
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder

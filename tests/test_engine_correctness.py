@@ -219,3 +219,26 @@ def test_compute_logprobs_refuses_bad_ids_and_lengths(tiny_model_dir):
         engine.compute_logprobs([1, 5], [[3] * 38])
     with pytest.raises(InvalidRequest, match=r"^prompt_ids: must not be empty"):
         engine.compute_logprobs([], [[3]])
+
+
+def test_a_float32_lm_head_in_a_bf16_engine_gives_float32_logits_and_follows_weight_updates(tiny_model_dir):
+    """engine.lm_head_fp32: the head's matmul in float32 over bf16 hidden states (its logits equal a float32 matmul
+    of the same bf16 weight), re-made after a weight update."""
+    import torch
+
+    from rollout.config import EngineConfig
+    from rollout.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", lm_head_fp32=True))
+    model = engine.runner.model
+    hidden = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    weight = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+    logits = model.logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ weight.float().T)
+    name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    doubled = weight.detach() * 2
+    engine.load_weights({name: doubled}, version=1)
+    torch.testing.assert_close(model.logits(hidden), hidden.float() @ doubled.float().T)
+    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16"))
+    assert plain.runner.model.logits(hidden).dtype == torch.bfloat16

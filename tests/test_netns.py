@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from deploy.pipeline import Addresses, Pipeline, RLConfig, driver_config, trainer_config, write_yaml
+from deploy.pipeline import write_yaml
+from deploy.pipeline_config import Addresses, Pipeline, RLConfig, driver_config, trainer_config
 from deploy.supervisor import SuperviseConfig
 from deploy.tasks import arithmetic_tasks, write_jsonl
 from rollout.driver.producer import WATCH_S

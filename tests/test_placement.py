@@ -125,7 +125,7 @@ def test_a_local_run_takes_rollout_replicas_behind_a_router(tmp_path):
     """services.rollout.replicas on this machine: not refused; the plan starts that many behind a router and the
     trainer publishes to the router's replicas (deploy/replicas.py)."""
     from deploy.experiment_run import pipeline_plan
-    from deploy.pipeline import Addresses, trainer_config
+    from deploy.pipeline_config import Addresses, trainer_config
     from deploy.placement import local_problems
 
     local = {"model": {"path": "model"}, "data": {"train": {"path": "train.jsonl"}},

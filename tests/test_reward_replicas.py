@@ -20,7 +20,9 @@ from live_run_kit import wait_for
 from rich.console import Console
 
 from deploy import service_registry
-from deploy.pipeline import LocalLauncher, Pipeline, RLConfig, start_reward
+from deploy.local_launcher import LocalLauncher
+from deploy.pipeline import start_reward
+from deploy.pipeline_config import Pipeline, RLConfig
 from deploy.supervisor import SuperviseConfig, Supervisor
 from protos import common_pb2
 from protos.sample import Sample

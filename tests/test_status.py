@@ -86,7 +86,7 @@ def test_status_reads_every_field_of_every_service(run):
     rollout = rows["rollout"]
     assert rollout.weight_version == 0 and rollout.queue == {"running": 0, "waiting": 0}
     assert rollout.throughput["tokens"] > 0 and rollout.throughput["rpcs"] > 0
-    assert rollout.engine.errors == {"total": 1, "by_code": {"INVALID_ARGUMENT": 1}}
+    assert rollout.errors == {"total": 1, "by_code": {"INVALID_ARGUMENT": 1}}
     assert rollout.staleness is None
 
     reward = rows["reward"]

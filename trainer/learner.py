@@ -45,6 +45,7 @@ from trainer.losses import (
     normalize_is_weights,
     tis_weights,
 )
+from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
 from trainer.model import Packing, PolicyModel, PolicyOutput, load_policy, run_policy
 from trainer.objectives import objective
 from trainer.packing import pack_by_token_sum
@@ -294,11 +295,14 @@ class Learner:
 
     # -- one optimizer step -------------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        """Forward/backward every micro-batch, clip, step. Metrics are summed over all ranks."""
+    def train_step(self, batch: TrainBatch, step: int, version: int = 0) -> dict[str, float]:
+        """Forward/backward every micro-batch, clip, step. Metrics are summed over all ranks; RL objectives also
+        report how far the rollout's logprobs are from the trainer's (trainer/mismatch.py), by lag to `version`."""
         lr = self._set_learning_rate(step)
         micro_batches = list(self._micro_batches(batch))
         sums: dict[str, torch.Tensor] = {}
+        largest_mismatch = torch.zeros((), dtype=torch.float64)
+        measures_mismatch = self.algo.name in ("grpo", "ppo", "distill")
         for index, (_, micro) in enumerate(micro_batches):
             self._sync_gradients(index == len(micro_batches) - 1)
             with self._autocast():
@@ -310,6 +314,11 @@ class Learner:
             # FSDP averages gradients over ranks; every rank's loss is its share of the global sum.
             (loss * self.env.world_size).backward()
             metrics["tokens"] = micro.loss_mask.sum()
+            if measures_mismatch:
+                mismatch, largest = mismatch_sums(out.logprobs, micro.rollout_logprobs, self._trained_mask(micro),
+                                                  micro.versions[:, : out.logprobs.shape[1]], version)
+                metrics.update(mismatch)
+                largest_mismatch = torch.maximum(largest_mismatch, largest.detach().double().cpu())
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().double().cpu()
         grad_norm = self._clip_gradients()
@@ -319,6 +328,7 @@ class Learner:
         names = sorted(sums)
         totals = self.env.all_reduce_sum(torch.stack([sums[name] for name in names]))
         result = dict(zip(names, totals.tolist(), strict=True))
+        result.update(mismatch_metrics(result, largest_over_ranks(self.env, largest_mismatch)))
         result.update(grad_norm=grad_norm, lr=lr, **self.batch_metrics)
         return result
 

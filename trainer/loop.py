@@ -36,6 +36,7 @@ from trainer.config import TrainerConfig
 from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
+from trainer.mismatch import check_mismatch
 from trainer.parallel import DistEnv, gather_model_state
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
             }
             mini_batches = learner.prepare(work.train)
             for index, mini_batch in enumerate(mini_batches):
-                metrics = learner.train_step(mini_batch, state.step)
+                metrics = learner.train_step(mini_batch, state.step, state.weight_version)
+                check_mismatch(config.mismatch, metrics, state.step)
                 state.step += 1
                 state.weight_version += 1
                 last = index == len(mini_batches) - 1

@@ -10,6 +10,7 @@ import uuid
 import torch
 import transformers
 
+from services.metrics import start_metrics_endpoint
 from services.runtime import Sparse
 from trainer.buffer_client import BufferClient
 from trainer.checkpoint import TrainState
@@ -37,6 +38,8 @@ def run(config: TrainerConfig) -> TrainState:
         if env.is_main:
             if config.heartbeat_path:
                 cleanup.callback(Heartbeat(pathlib.Path(config.heartbeat_path), config.heartbeat_interval_s).close)
+            if config.metrics_port is not None:
+                log.info("metrics on 127.0.0.1:%d", start_metrics_endpoint(config.metrics_port))
             # A name of this process's own: the buffer tells a restarted trainer from the one it replaces.
             consumer = f"{config.buffer.consumer}/{uuid.uuid4().hex[:12]}"
             source = BufferClient(config.buffer.model_copy(update={"consumer": consumer}))

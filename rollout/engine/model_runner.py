@@ -22,7 +22,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.vocab_size = model_config.vocab_size
-        self.model = CausalLM(model_config, config.max_model_len, config.torch_dtype, self.device)
+        self.model = CausalLM(model_config, config.max_model_len, config.torch_dtype, self.device, config.lm_head_fp32)
         with torch.no_grad():
             self.model.load_checkpoint(config.model)
         self.cache = make_kv_cache(config, self.device)  # in the model dtype, or quantized (kv_cache_dtype)

@@ -51,6 +51,9 @@ class NativeSettings(Strict):
         "tempered", description="'tempered': logprobs of softmax(logits / temperature), before top-k/top-p (what "
         "the trainer recomputes, at Sample.temperature); 'raw': at temperature 1; 'processed': of the distribution "
         "sampled from, after top-k/top-p (rollout/engine/sampler.py).")
+    lm_head_fp32: bool = Field(False, description="The LM head (logits, sampling, logprobs) in float32 when dtype is "
+                               "bfloat16/float16: set it with the trainer's lm_head_fp32 to narrow the rollout-vs-"
+                               "trainer logprob mismatch (mismatch/* in the trainer's metrics).")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
     max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions; beyond it OpenSession is "
                               "RESOURCE_EXHAUSTED.")

@@ -96,9 +96,15 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """The decoder plus its LM head. forward() runs the new tokens of a batch; logits() projects rows."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                 head_fp32: bool = False):
         super().__init__()
         self.config = config
+        # The LM head in float32 even when the model computes in bf16/fp16 (the trainer's `lm_head_fp32` twin): a
+        # low-precision head alone moves logprobs by tenths of a nat at a large vocabulary. Its float32 weight is
+        # kept beside the served one and made again after every weight update.
+        self.head_fp32 = head_fp32 and dtype != torch.float32
+        self._head32: torch.Tensor | None = None
         self.model = Backbone(config, max_positions, dtype, device)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
@@ -117,7 +123,11 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if not self.head_fp32:
+            return F.linear(hidden, weight)
+        if self._head32 is None:
+            self._head32 = weight.float()
+        return F.linear(hidden.float(), self._head32)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy tensors into the parameters of the same name, in place; returns the names loaded.
@@ -131,6 +141,7 @@ class CausalLM(nn.Module):
                    if not name.endswith(_IGNORED_SUFFIXES)]
         for _, param, tensor in targets:
             param.copy_(tensor)
+        self._head32 = None
         return {name for name, _, _ in targets}
 
     def adopt_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -158,6 +169,7 @@ class CausalLM(nn.Module):
             rebind_merged(owner, prefix, kind, tensor)
         for param, tensor in singles:
             param.data = tensor
+        self._head32 = None
 
     def _adoption_index(self) -> tuple[dict[str, nn.Parameter], list[tuple[nn.Module, str, str, list[str]]]]:
         """The parameters by name, and (owner, prefix, kind, part parameter names) of every merged matrix.
@@ -181,6 +193,7 @@ class CausalLM(nn.Module):
                 target, param = self._parameter_for(name, tensor, params)
                 param.copy_(tensor)
                 loaded.add(target)
+        self._head32 = None
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint {folder} lacks {len(missing)} parameters, e.g. {missing[:3]}")

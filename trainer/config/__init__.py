@@ -1,7 +1,8 @@
 """The trainer's typed configuration: one pydantic model, every field documented, checked in one place.
 
 TrainerConfig is the whole of a run's config (`python -m trainer --config FILE`); each of its sections is a
-model of its own, in a module named after it: model, algorithm, optim (and batch), checkpoint, buffer, publish.
+model of its own, in a module named after it: model, algorithm, optim (and batch), checkpoint, buffer, publish,
+mismatch.
 """
 
 from typing import Literal
@@ -12,6 +13,7 @@ from services.config import Strict
 from trainer.config.algorithm import AlgorithmConfig
 from trainer.config.buffer import BufferClientConfig
 from trainer.config.checkpoint import CheckpointConfig
+from trainer.config.mismatch import MismatchConfig
 from trainer.config.model import ModelConfig
 from trainer.config.optim import BatchConfig, OptimConfig
 from trainer.config.publish import PublishConfig
@@ -36,6 +38,8 @@ class TrainerConfig(Strict):
         None, ge=0, description="Fail loudly if a batch holds a sample older than this (the buffer enforces it)."
     )
     publish: PublishConfig = Field(default_factory=PublishConfig)
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig, description="A bound on the rollout-vs-trainer "
+                                     "logprob mismatch reported every step (mismatch/* in the metrics).")
     seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype: bfloat16 = autocast on an accelerator; parameters stay float32."
@@ -50,6 +54,8 @@ class TrainerConfig(Strict):
     metrics_sample_ids: bool = Field(
         False, description="Also record each step's lease and sample ids in the metrics file (audits resumes)."
     )
+    metrics_port: int | None = Field(None, ge=0, description="Serve Prometheus /metrics on 127.0.0.1:PORT from rank 0 "
+                                     "(0 = any free port): step, weight version, logprob mismatch. None = off.")
     heartbeat_path: str | None = Field(
         None, description="Touch this file every heartbeat_interval_s from a daemon thread of rank 0 (from start-up "
         "on): a supervisor that finds it untouched knows the process is frozen, not merely busy. None = off."
