@@ -82,11 +82,18 @@ class _ChunkedHead(torch.autograd.Function):
                 end = min(start + chunk_tokens, rows)
                 z = _chunk_logits(hidden[start:end].to(dtype), cast_weight, cast_bias,
                                   scale[start:end] if scale is not None else None, stat_dtype)
-                lse[start:end] = torch.logsumexp(z, -1)
-                log_p = z.sub_(lse[start:end, None])  # in place: one [C, V] buffer
+                # log-softmax in two [C, V] buffers (torch.logsumexp would take two more): shift by the row max,
+                # exponentiate once, normalise both in place.
+                shift = z.amax(-1, keepdim=True)
+                z.sub_(shift)
+                p = z.exp()
+                total = p.sum(-1, keepdim=True)
+                lse[start:end] = (shift + total.log())[:, 0]
+                log_p = z.sub_(total.log())
                 logprobs[start:end] = log_p.gather(1, targets[start:end, None])[:, 0]
                 if want_entropy:
-                    entropy[start:end] = -log_p.exp().mul_(log_p).sum(-1)
+                    entropy[start:end] = -p.div_(total).mul_(log_p).sum(-1)
+                del z, p, log_p  # before the next chunk's
         ctx.save_for_backward(hidden, weight, bias, targets, scale, lse, entropy)
         ctx.chunk_tokens, ctx.dtype, ctx.want_entropy = chunk_tokens, dtype, want_entropy
         ctx.set_materialize_grads(False)
@@ -133,6 +140,7 @@ class _ChunkedHead(torch.autograd.Function):
                     grad_weight.add_((grad_z.T @ chunk_hidden).to(accumulate))
                 if want_bias:
                     grad_bias.add_(grad_z.sum(0).to(accumulate))
+                del log_p, p, coeff, grad_z  # before the next chunk's: two [C, V] buffers live, not four
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if want_weight else None,
