@@ -50,7 +50,7 @@ from trainer.model import Packing, PolicyModel, PolicyOutput, load_policy, run_p
 from trainer.objectives import objective
 from trainer.packing import pack_by_token_sum
 from trainer.parallel import DistEnv, parallelize
-from trainer.varlen import packed_attention, use_varlen
+from trainer.varlen import use_varlen
 
 
 class Learner:
@@ -71,7 +71,7 @@ class Learner:
         if config.ref_model_path is not None and self.algo.needs_reference:
             reference = load_policy(config.ref_model_path, device=env.device, **head).requires_grad_(False)
             self.reference = parallelize(reference, env)
-        if self.packing is not None and packed_attention(config.batch.packed_attention, env.device, config.dtype):
+        if self.packing is not None and config.batch.packed_attention == "varlen":
             for model in filter(None, (self.policy, self.reference)):
                 use_varlen(model.lm)
         # One optimizer step per pulled batch: the proximal policy is the one the step starts from, so its

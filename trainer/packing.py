@@ -2,9 +2,10 @@
 
 A micro-batch of n samples padded to [n, T] wastes every padding column in every layer. Packed, the samples
 fill rows of about `row_tokens` tokens ([R, L], R * L close to the sum of their lengths), their position ids
-restart at 0 for each sample, and attention stays inside each sample: through varlen attention with the
-samples' cumulative lengths (`cu_seqlens`, trainer/varlen.py) on GPU, or a block-diagonal causal mask
-(transformers builds it from the restarting position ids) elsewhere. The model's per-token outputs come back
+restart at 0 for each sample, and attention stays inside each sample: by the samples' cumulative lengths
+(`cu_seqlens`, trainer/varlen.py: torch's flash varlen kernel on CUDA, one attention per sample elsewhere), or
+through a block-diagonal causal mask (transformers builds it from the restarting position ids; it costs a row's
+length squared). The model's per-token outputs come back
 as [n, T - 1], column for column what the padded forward gives, so the objectives do not know the difference.
 
     padded  [a a a . .]      packed  [a a a b b c c c c d]   positions [0 1 2 0 1 0 1 2 3 0]

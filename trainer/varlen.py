@@ -30,14 +30,6 @@ def flash_varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def packed_attention(mode: str, device: torch.device, dtype: str) -> bool:
-    """Whether packed rows attend through this implementation (`batch.packed_attention`; `dtype` the trainer's
-    compute dtype): varlen, or auto where the flash kernel runs; mask = transformers' block mask instead."""
-    if mode == "auto":
-        return flash_varlen_available(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    return mode == "varlen"
-
-
 def use_varlen(lm: torch.nn.Module) -> None:
     """Make `lm` (a transformers model) attend through this implementation."""
     AttentionInterface.register(VARLEN, varlen_attention)

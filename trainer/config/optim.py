@@ -34,14 +34,16 @@ class BatchConfig(Strict):
     packing: bool = Field(
         False, description="Run each micro-batch's samples packed end to end in rows (trainer/packing.py): position "
         "ids restart per sample, attention stays within each sample, no padding columns; the losses are the padded "
-        "path's. Off by default: on CPU the block mask costs more than padding short samples does.")
+        "path's. Worth it where lengths vary (64 samples of 8-508 tokens: 1.6x faster on CPU); off by default, as "
+        "the quickstart's samples are short and alike (there padding costs less than the packing: 1.08x slower).")
     pack_row_tokens: int | None = Field(
         None, gt=0, description="With packing, the tokens one packed row holds (a longer sample gets a row alone); "
         "None = one row per micro-batch (the best with varlen attention; a block mask costs row length squared).")
-    packed_attention: Literal["auto", "varlen", "mask"] = Field(
-        "auto", description="With packing, how attention stays within each sample: varlen = the samples' cumulative "
-        "lengths to torch's flash varlen kernel (CUDA, bf16), one attention per sample elsewhere; mask = a "
-        "block-diagonal causal mask; auto = varlen where the flash kernel runs, mask elsewhere.")
+    packed_attention: Literal["varlen", "mask"] = Field(
+        "varlen", description="With packing, how attention stays within each sample: varlen = by the samples' "
+        "cumulative lengths (trainer/varlen.py): torch's flash varlen kernel on CUDA in bf16, one causal attention "
+        "per sample elsewhere; mask = transformers' block-diagonal causal mask over each row (cost row length "
+        "squared: use it with pack_row_tokens).")
     mini_batches: int = Field(
         1, gt=0, description="Optimizer steps per pulled batch (PPO mini-batches); the batch is split in this many."
     )
