@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test test-slow test-ray test-families test-gpu test-vllm bench protos lint clean
+.PHONY: run test test-slow browser test-ray test-families test-gpu test-vllm bench protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,8 +38,16 @@ run: $(STAMP)
 test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m "not families and not slow and not vllm" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-test-slow: $(STAMP) $(NODE_STAMP)
+test-slow: $(STAMP) $(NODE_STAMP) browser
 	$(BIN)/python -m pytest -q -m "slow and not families and not vllm" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# Debian's Chromium and ChromeDriver for `relayrl view` in a real browser (tests/test_view_browser.py; no browser is
+# downloaded at run time). These machines run as root and reach Debian's packages; where apt-get cannot install
+# them, the browser tests skip and say why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+		|| echo "could not install chromium and chromium-driver: the browser tests skip"; fi
 
 # `relayrl run --ray` on a five-node ray.cluster_utils.Cluster on this machine (tests/test_ray_launcher.py, a few
 # minutes): it needs the `ray` extra, installed here (make test-slow skips it without Ray).

@@ -7,12 +7,14 @@ takes) and 1, 2 and 4 receiver processes, one run measures:
             `publish.bind`): WeightBroadcaster.publish of parameters bound to one buffer laid out as a
             single bucket (WeightBroadcaster.bind) — BeginUpdate over gRPC, one broadcast straight from
             their memory over the kept-alive gloo group, CommitUpdate (each receiver's native engine
-            switches to the received tensors between two steps). Receivers are real rollout engines
+            switches to the received tensors between two steps; its CommitUpdate reply says how long it paused
+            generating for it). Receivers are real rollout engines
             (AsyncEngine + WeightReceiver gRPC servers) in their own processes.
   snapshot  what an overlapped publish (`publish.overlap`) adds to the trainer's step instead of the
             whole publish: WeightBroadcaster.snapshot, one memcpy of the bound buffer, then the same send.
-  packed    the same publish of a gathered state dict (each tensor in its own memory, as a data-parallel
-            FSDP trainer gathers it): the broadcaster packs it into 32 MiB buckets while sending.
+  packed    the same publish filled bucket by bucket as the buckets go out (ShardedWeights, what a trainer
+            that does not bind sends: a sharded one gathers each tensor on its device into its slot; in
+            this world of one, each tensor is copied into its slot of a 32 MiB bucket).
   raw gloo  ProcessGroupGloo.broadcast of one flat buffer of the same bytes to the same number of
             plain processes, then a barrier (so the time covers arrival everywhere). Each kind of publish
             alternates with its own raw rounds.
@@ -159,6 +161,7 @@ async def measure_pair(model: pathlib.Path, tensors: dict, receivers: int, repea
     import torch.distributed as dist
 
     from trainer.broadcast.broadcaster import PublishReport, WeightBroadcaster
+    from trainer.broadcast.gather import ShardedWeights
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -180,33 +183,40 @@ async def measure_pair(model: pathlib.Path, tensors: dict, receivers: int, repea
             raw_pg.barrier().wait()
             return time.perf_counter() - started
 
-        async def rounds(publish_tensors: dict, bind: bool) -> tuple[list, list, PublishReport, list]:
-            """Warm-up publishes, then `repeats` (raw round, publish) pairs on one kept group."""
+        async def rounds(publish_tensors, bind: bool) -> tuple[list, list, PublishReport, list]:
+            """Warm-up publishes, then `repeats` (raw round, publish) pairs on one kept group. `publish_tensors`: a
+            dict, or a callable that makes what each publish sends."""
+            if isinstance(publish_tensors, dict):
+                held = publish_tensors
+                publish_tensors = lambda: held
             measured, snapshots = [], []
             async with WeightBroadcaster(addresses, config) as broadcaster:
                 if bind:
-                    broadcaster.bind(publish_tensors)
+                    broadcaster.bind(publish_tensors())
                     broadcaster.snapshot()  # allocates its buffer
                     for _ in range(repeats):
                         started = time.perf_counter()
                         broadcaster.snapshot()
                         snapshots.append(time.perf_counter() - started)
-                first = await broadcaster.publish(publish_tensors, next(versions))  # forms the group
+                first = await broadcaster.publish(publish_tensors(), next(versions))  # forms the group
                 assert first.ok, first.failed
                 # The second publish allocates the second set of staging buffers (the engine serves the first).
-                second = await broadcaster.publish(publish_tensors, next(versions))
+                second = await broadcaster.publish(publish_tensors(), next(versions))
                 assert second.ok, second.failed
                 raw_round()
                 for _ in range(repeats):
                     raw = await asyncio.to_thread(raw_round)
-                    measured.append((raw, await broadcaster.publish(publish_tensors, next(versions))))
+                    measured.append((raw, await broadcaster.publish(publish_tensors(), next(versions))))
                     assert measured[-1][1].ok and measured[-1][1].group_reused, measured[-1][1].failed
             return [raw for raw, _ in measured], [report for _, report in measured], first, snapshots
 
         versions = itertools.count(1)
         raw, reports, first, snapshots = await rounds({name: t.clone() for name, t in tensors.items()}, bind=True)
-        packed_raw, packed_reports, _, _ = await rounds(tensors, bind=False)
+        # What a trainer that does not bind sends: each tensor gathered (here: a world of one, copied) into its
+        # bucket as the bucket goes out (trainer/broadcast/gather.py).
+        packed_raw, packed_reports, _, _ = await rounds(lambda: ShardedWeights(tensors, "cpu"), bind=False)
         publish = [report.total_s for report in reports]
+        pauses = [report.pause_s for report in reports]
         parts = []
         for report in reports:
             switch_s = max(r.switch_s for r in report.results)
@@ -217,7 +227,7 @@ async def measure_pair(model: pathlib.Path, tensors: dict, receivers: int, repea
         return {
             "bytes": nbytes, "raw": statistics.median(raw), "publish": statistics.median(publish),
             "first": first.total_s, "parts": [statistics.median(p) for p in zip(*parts)],
-            "snapshot": statistics.median(snapshots),
+            "snapshot": statistics.median(snapshots), "pause": statistics.median(pauses),
             # Ratios of adjacent rounds share the machine's load of the moment: their median is steadier
             # than a ratio of medians on a shared machine.
             "ratio": statistics.median(r / p for r, p in zip(raw, publish)),
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{config.bucket_mb if config.solo_mb is None else config.solo_mb:g} MiB sent alone), median of {args.repeats}",
           flush=True)
     header = (f"{'model':>7} {'recv':>4} {'copy s':>7} {'raw gloo s':>10} {'publish s':>9} {'GB/s':>6} "
-              f"{'begin':>6} {'xfer':>6} {'commit':>6} {'switch':>6} {'1st s':>6} {'raw/pub':>7} {'raw/(pub-sw)':>12} "
+              f"{'begin':>6} {'xfer':>6} {'commit':>6} {'switch':>6} {'pause':>6} {'1st s':>6} {'raw/pub':>7} {'raw/(pub-sw)':>12} "
               f"{'copy/pub':>8} {'snapshot':>8} {'packed s':>8} {'raw/packed':>10}")
     print(header, flush=True)
     results = []
@@ -282,22 +292,27 @@ def main(argv: list[str] | None = None) -> None:
                 begin, transfer, commit, switch, _ = row["parts"]
                 print(f"{row['bytes'] / 1e6:>5.0f}MB {receivers:>4} {copy_s:>7.3f} {row['raw']:>10.3f} "
                       f"{row['publish']:>9.3f} {row['bytes'] / row['publish'] / 1e9:>6.2f} {begin:>6.3f} "
-                      f"{transfer:>6.3f} {commit:>6.3f} {switch:>6.3f} {row['first']:>6.2f} {ratio:>7.2f} "
+                      f"{transfer:>6.3f} {commit:>6.3f} {switch:>6.3f} {row['pause']:>6.3f} {row['first']:>6.2f} {ratio:>7.2f} "
                       f"{row['ratio_without_switch']:>12.2f} {copy_s / row['publish']:>8.2f} {row['snapshot']:>8.3f} "
                       f"{row['packed']:>8.3f} {row['packed_ratio']:>10.2f}", flush=True)
-                results.append((size_mb, receivers, ratio, row["packed_ratio"]))
+                results.append((size_mb, receivers, ratio, row["packed_ratio"], row["pause"], row["publish"]))
     print("raw/pub = median over rounds of raw gloo time / publish time of the adjacent round (1.0: publishing "
           "costs no more than the bare broadcast); "
           "raw/(pub-sw) = the same without the receivers' switch (the engine taking the staged tensors as its "
           "parameters, part of commit, which a raw broadcast does not do); 1st s = the first publish, which "
-          "forms the group and allocates the staging buffers; snapshot = the memcpy an overlapped publish puts "
-          "on the trainer's step; packed s = a publish of a gathered state dict (packed into buckets while "
-          "sending; the data-parallel trainer's path), raw/packed its ratio")
-    for size_mb, receivers, ratio, packed_ratio in results:
+          "forms the group and allocates the staging buffers; pause = how long the engines generated nothing for "
+          "the update (CommitUpdate's pause_s, the receivers' own measure, the longest of them), apart from the "
+          "sync time (publish s), through which they generate; snapshot = the memcpy an overlapped publish puts "
+          "on the trainer's step; packed s = a publish that fills each bucket as it goes out (ShardedWeights: the "
+          "path of a sharded or casting trainer, which gathers each tensor into its slot; here a world of one, so "
+          "a copy), raw/packed its ratio")
+    for size_mb, receivers, ratio, packed_ratio, pause, sync in results:
         print(f"result: publish_vs_raw_gloo_{size_mb}mb_{receivers}recv = {ratio:.2f} "
               f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
         print(f"result: publish_packed_vs_raw_gloo_{size_mb}mb_{receivers}recv = {packed_ratio:.2f} "
               f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
+        print(f"result: engine_pause_s_{size_mb}mb_{receivers}recv = {pause:.4f} (baseline the sync time, "
+              f"{sync:.3f} s, through which the engines generate; target: a small share of it)")
 
 
 if __name__ == "__main__":

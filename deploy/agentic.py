@@ -211,6 +211,8 @@ def run_agentic(config: AgenticConfig, console=None, supervisor=None) -> Agentic
             "env_config": config.env.config, "group_size": rl.group_size, "groups_per_batch": rl.groups_per_batch,
             "max_staleness": rl.max_staleness, "temperature": rl.temperature, "max_tokens": config.env.max_tokens,
             "concurrency": concurrency, "seed": config.seed, "stats_path": str(run_dir / "runner_stats.jsonl"),
+            # a sample of the groups of episodes, turn by turn, for `relayrl view RUN_DIR`
+            "trajectory_log": {"path": str(run_dir / "trajectories.jsonl"), "tokenizer": str(policy_dir)},
         })
         trainer_cfg = _write_yaml(run_dir / "trainer.yaml", {
             "model_path": str(policy_dir),

@@ -76,10 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
-    doctor = sub.add_parser("doctor", help="check an experiment file before a run: config, model and tokenizer, "
-                            "data fields, reward, ports, disk, versions; exit 1 on any error")
-    doctor.add_argument("experiment", help="EXPERIMENT.yaml")
-    doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    doctor = sub.add_parser("doctor", help="an experiment file before a run (config, model and tokenizer, data "
+                            "fields, reward, ports, disk, versions), or a run folder after it: the known faults "
+                            "(restart loops, out of memory, collective timeouts, weights not reaching the rollout, "
+                            "zero or constant rewards, entropy collapse, data wait, mismatch spikes) with their "
+                            "evidence and fix; exit 1 on any error")
+    doctor.add_argument("experiment", metavar="EXPERIMENT.yaml | RUN_DIR",
+                        help="an experiment file, or a finished or failed run's folder (runs/quickstart, ...)")
+    doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field (an experiment file)")
+
+    view = sub.add_parser("view", help="a local web page over a run's trajectories (RUN_DIR/trajectories.jsonl): "
+                          "prompts, completions, rewards, advantages, tokens by logprob, version or loss mask, "
+                          "agent episodes turn by turn, filters and search, two steps side by side")
+    view.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (runs/quickstart, ...)")
+    view.add_argument("--port", type=int, default=8600, help="HTTP port (default 8600)")
+    view.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                      "only; another address shows the run to whoever reaches it)")
 
     deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
                             "Kubernetes; scale a live local run's rollout replicas")
@@ -209,9 +222,24 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    import pathlib
+
+    if pathlib.Path(args.experiment).is_dir():
+        if args.set:
+            print("relayrl doctor: --set overrides an experiment file, not a run folder", file=sys.stderr)
+            return 2
+        from deploy.diagnose import main as diagnose_run
+
+        return diagnose_run(args.experiment)
     from deploy.doctor import main as doctor
 
     return doctor(args.experiment, args.set)
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from deploy.view import main as view
+
+    return view(args.run_dir, args.host, args.port)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -234,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayrl {_version()}")
         return 0
     commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor,
-                "deploy": cmd_deploy}
+                "view": cmd_view, "deploy": cmd_deploy}
     try:
         return commands[args.command](args)
     finally:

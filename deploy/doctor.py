@@ -12,7 +12,7 @@ import pathlib
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Literal
 
@@ -27,9 +27,11 @@ class Finding:
     check: str
     message: str
     fix: str = ""
+    evidence: list[str] = field(default_factory=list)  # "file:line: what it says" (a run's diagnosis)
 
     def render(self) -> str:
         text = f"{self.level.upper():5} {self.check}: {self.message}"
+        text += "".join(f"\n      evidence: {line}" for line in self.evidence)
         return text + (f"\n      fix: {self.fix}" if self.fix else "")
 
 
@@ -76,10 +78,10 @@ def _model_facts(path: pathlib.Path, role: str, findings: list[Finding]) -> Mode
         special={name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "pad_token")},
         chat_template=tokenizer.chat_template, weight_bytes=sum(w.stat().st_size for w in weights))
     if facts.tokenizer_size > facts.vocab_size:
+        beyond, fix = _beyond_embedding(tokenizer, path, facts.vocab_size)
         findings.append(Finding("error", check, f"the tokenizer has {facts.tokenizer_size} tokens but the model's "
-                                f"embedding has {facts.vocab_size} rows: token ids past it cannot be embedded",
-                                "use the tokenizer the model was trained with, or resize the embeddings "
-                                "(model.resize_token_embeddings(len(tokenizer))) and save again"))
+                                f"embedding has {facts.vocab_size} rows: token ids past it cannot be embedded "
+                                f"({beyond})", fix))
         return facts
     if tokenizer.eos_token_id is None:
         findings.append(Finding("warn", check, "the tokenizer has no eos token: completions end only at max_tokens",
@@ -87,6 +89,44 @@ def _model_facts(path: pathlib.Path, role: str, findings: list[Finding]) -> Mode
     findings.append(Finding("ok", check, f"{path.name}: {config.model_type}, vocabulary {facts.tokenizer_size} of "
                             f"{facts.vocab_size} embedding rows, {facts.weight_bytes / 1e6:.1f} MB of weights"))
     return facts
+
+
+def _beyond_embedding(tokenizer, path: pathlib.Path, rows: int) -> tuple[str, str]:
+    """(Which tokens lie past the embedding's `rows` and where they came from, the fix). transformers gives a
+    tokenizer class's default special tokens to a folder that names none: Qwen2Tokenizer adds "<|endoftext|>" as
+    the unk token of a word-level tokenizer saved without one, one id past a model trained without it."""
+    declared: dict = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            declared.update(json.loads((path / name).read_text()))
+    vocab = tokenizer.get_vocab()
+    parts, defaulted = [], []
+    for token_id in range(rows, len(tokenizer)):
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        roles = [name for name in ("unk_token", "eos_token", "pad_token", "bos_token")
+                 if getattr(tokenizer, name, None) == token]
+        undeclared = [name for name in roles if declared.get(name) is None]
+        if undeclared:
+            defaulted.append(undeclared[0])
+            parts.append(f"{token!r} (id {token_id}) is {type(tokenizer).__name__}'s default {undeclared[0]}, added "
+                         f"by transformers because {path.name}/tokenizer_config.json names no {undeclared[0]}")
+        else:
+            parts.append(f"{token!r} (id {token_id}) is an added token of the tokenizer files")
+    if len(defaulted) == len(tokenizer) - rows:
+        in_range = [token for token, token_id in sorted(vocab.items(), key=lambda item: item[1]) if token_id < rows]
+        fixes = []
+        for role in defaulted:
+            word = role.removesuffix("_token")
+            candidate = next((t for t in in_range if word in t.lower()), None)
+            if candidate is None:
+                candidate = tokenizer.pad_token if tokenizer.pad_token in in_range else in_range[-1]
+            fixes.append(f'"{role}": "{candidate}"')
+        fix = (f"keep the model and its tokenizer: set {', '.join(fixes)} (a token the vocabulary already has) in "
+               f"{path / 'tokenizer_config.json'}; the tokenizer then loads with {rows} tokens")
+    else:
+        fix = ("use the tokenizer the model was trained with, or resize the embeddings "
+               "(model.resize_token_embeddings(len(tokenizer))) and save again")
+    return "; ".join(parts), fix
 
 
 def check_models(config: ExperimentConfig, findings: list[Finding]) -> ModelFacts | None:
@@ -151,11 +191,35 @@ def check_data(config: ExperimentConfig, facts: ModelFacts | None, findings: lis
         if name == "train":
             train_rows = len(rows)
         if not missing:
-            findings.append(Finding("ok", check, f"{len(rows)} rows with every named field"))
-    if data.eval is None and train_rows and train_rows <= data.num_eval:
-        findings.append(Finding("error", "data (eval)", f"data.num_eval={data.num_eval} would hold out all "
+            findings.append(Finding("ok", check, f"{len(rows)} rows with every named field{_use(data, name, len(rows))}"))
+    held_out = data.eval_count(train_rows)
+    if data.eval is None and train_rows and train_rows <= held_out:
+        findings.append(Finding("error", "data (eval)", f"data.num_eval={held_out} would hold out all "
                                 f"{train_rows} train rows", "lower data.num_eval or give data.eval"))
     return train_rows
+
+
+def _use(data, name: str, rows: int) -> str:
+    """What the run makes of a source's `rows`: how many it evaluates on and trains on."""
+    count = data.eval_count(rows)
+    if name == "eval":
+        return (f"; all {rows} evaluated" if count == rows else
+                f"; only the first {count} evaluated (data.num_eval={data.num_eval}; unset it to use all {rows})")
+    if data.eval is None:
+        return f"; {count} held out for evaluation (data.num_eval), {max(rows - count, 0)} trained on"
+    return ""
+
+
+def check_stop(config: ExperimentConfig, findings: list[Finding]) -> None:
+    """What ends RL: the time budget, and training.max_steps when set (a small model can make 1,000 steps a minute)."""
+    training = config.training
+    if training.max_steps is None:
+        findings.append(Finding("ok", "training", f"RL ends when its time budget of {training.time_budget_s:g}s is "
+                                "spent (training.max_steps unset)"))
+    else:
+        findings.append(Finding("ok", "training", f"RL ends after {training.time_budget_s:g}s or at optimizer step "
+                                f"{training.max_steps}, whichever comes first (unset training.max_steps to let the "
+                                "budget alone end it)"))
 
 
 def check_reward(config: ExperimentConfig, findings: list[Finding]) -> None:
@@ -260,6 +324,33 @@ def check_versions(findings: list[Finding]) -> None:
                             f"vllm {vllm}"))
 
 
+def check_loggers(config: ExperimentConfig, findings: list[Finding]) -> None:
+    """W&B and MLflow, when on: their library installed; W&B online with a key to log in with."""
+    import os
+
+    for name, section, package in (("wandb", config.logging.wandb, "wandb"), ("mlflow", config.logging.mlflow,
+                                                                              "mlflow-skinny")):
+        if section is None:
+            continue
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            try:
+                version = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                findings.append(Finding("error", f"logging ({name})", f"logging.{name} is on but {name} is not "
+                                        "installed", "pip install -e '.[loggers]'"))
+                continue
+        netrc = pathlib.Path.home() / ".netrc"
+        if name == "wandb" and section.mode == "online" and not os.environ.get("WANDB_API_KEY") and not (
+                netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace")):
+            findings.append(Finding("warn", "logging (wandb)", "mode online, but no WANDB_API_KEY nor a `wandb login` "
+                                    "(~/.netrc) is found: the run cannot start its W&B run without one",
+                                    "wandb login, or set logging.wandb.mode: offline (`wandb sync` uploads it later)"))
+            continue
+        findings.append(Finding("ok", f"logging ({name})", f"{package} {version}"))
+
+
 def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> list[Finding]:
     """Every finding about the experiment file at `path`."""
     from deploy.experiment import load_experiment
@@ -272,9 +363,11 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
     findings = [Finding("ok", "config", f"{path} is a valid experiment file")]
     facts = check_models(config, findings)
     check_data(config, facts, findings)
+    check_stop(config, findings)
     check_reward(config, findings)
     check_ports(config, findings)
     check_disk(config, facts, findings)
+    check_loggers(config, findings)
     check_versions(findings)
     return findings
 

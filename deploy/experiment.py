@@ -12,9 +12,11 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
+    logging:    TensorBoard (on by default), Weights & Biases, MLflow (deploy/loggers.py)
     groups:     node groups (hosts or a Kubernetes selector, devices per node); none = everything on this machine
     services:   where each service runs (its group, replicas, resources, TLS/tokens), extra settings of each, and the
                 trainer's torchrun shape and weight-sync rendezvous (deploy/placement.py)
+    trajectory_log: how many of the scored groups RUN_DIR/trajectories.jsonl keeps for `relayrl view RUN_DIR`
 """
 
 import pathlib
@@ -24,6 +26,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from deploy.loggers import LoggingSection
 from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
 from deploy.supervisor import SuperviseConfig
 from reward.judge import JudgeConfig
@@ -32,6 +35,7 @@ from services.config import Strict, load_config
 from trainer.config.algorithm import AlgorithmConfig
 
 DataFormat = Literal["auto", "jsonl", "parquet", "datasets"]
+HELD_OUT_DEFAULT = 64  # rows held out of train without an eval file or data.num_eval
 
 
 class ModelSection(Strict):
@@ -57,10 +61,10 @@ class DataSection(Strict):
     """Prompts (and reference answers) to train and evaluate on."""
 
     train: DataSource = Field(description="The training prompts.")
-    eval: DataSource | None = Field(None, description="Held-out prompts; None = `num_eval` rows held out of train "
-                                    "(a seeded shuffle; never trained on).")
-    num_eval: int = Field(64, gt=0, description="Held-out rows taken from train when `eval` is not given, and the "
-                          "most rows of `eval` used.")
+    eval: DataSource | None = Field(None, description="Held-out prompts, every row evaluated (unless num_eval says "
+                                    "fewer); None = rows held out of train (a seeded shuffle; never trained on).")
+    num_eval: int | None = Field(None, gt=0, description="With `eval`: evaluate only its first this many rows (None = "
+                                 "all). Without: hold this many rows out of train (None = 64).")
     prompt_field: str = Field("prompt", description="The field holding the prompt text.")
     answer_field: str | None = Field("answer", description="The field holding the reference answer; it reaches the "
                                      "reward as metadata['answer']. None = no answer (a reward model, a judge).")
@@ -71,6 +75,13 @@ class DataSection(Strict):
                                 "chat template (with the generation prompt); the tokenizer must have one.")
     system_prompt: str | None = Field(None, description="With chat_template: a system message before the prompt.")
     add_bos: bool = Field(True, description="Without chat_template: prepend the tokenizer's bos token to each prompt.")
+
+    def eval_count(self, rows: int) -> int:
+        """How many held-out prompts a run evaluates: of an eval file's `rows`, all or the first num_eval; without
+        one, num_eval (64 unless set) held out of train's `rows`."""
+        if self.eval is not None:
+            return rows if self.num_eval is None else min(rows, self.num_eval)
+        return self.num_eval or HELD_OUT_DEFAULT
 
 
 class RewardSection(Strict):
@@ -137,7 +148,8 @@ class TrainingSection(Strict):
                               "a weight version, so the driver counts this many versions per batch.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
-    max_steps: int = Field(1000, gt=0, description="Stop after this many optimizer steps (if sooner than the budget).")
+    max_steps: int | None = Field(None, gt=0, description="Also stop after this many optimizer steps, if sooner than "
+                                  "the budget; None = the time budget alone ends RL.")
     time_budget_s: float = Field(600.0, gt=0, description="Wall-clock budget of the RL phase.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of training completions.")
     max_tokens: int = Field(64, gt=0, description="Longest completion generated.")
@@ -176,6 +188,14 @@ class CheckpointSection(Strict):
                                    "(relative: inside run_dir); None = no export.")
 
 
+class TrajectoryLogSection(Strict):
+    """A sample of the scored groups, kept in RUN_DIR/trajectories.jsonl for `relayrl view RUN_DIR`."""
+
+    every_n_groups: int = Field(10, ge=0, description="Keep every n-th group the driver stores; 0 = no log.")
+    max_bytes: int = Field(16 << 20, ge=1 << 12, description="The file's bound: past it the log keeps every other "
+                           "group it holds and samples half as often from then on (it covers the whole run).")
+
+
 class ExperimentConfig(Strict):
     """Everything `relayrl run EXPERIMENT.yaml` needs."""
 
@@ -192,12 +212,16 @@ class ExperimentConfig(Strict):
     training: TrainingSection = Field(default_factory=TrainingSection)
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="Where the curves go besides the "
+                                    "JSONL files: TensorBoard (on), Weights & Biases, MLflow (deploy/loggers.py).")
     groups: list[NodeGroup] = Field(default_factory=list, description="Node groups services are placed on "
                                     "(deploy/placement.py); none = every service on this machine.")
     services: ServicesSection = Field(default_factory=ServicesSection)
     kubernetes: KubernetesSection = Field(default_factory=KubernetesSection, description="Image, namespace and "
                                           "project volume for `relayrl deploy k8s` (deploy/k8s.py).")
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
+    trajectory_log: TrajectoryLogSection = Field(default_factory=TrajectoryLogSection, description="What "
+                                                 "`relayrl view RUN_DIR` shows (rollout/driver/trajectory_log.py).")
 
     @model_validator(mode="after")
     def _placement(self) -> "ExperimentConfig":

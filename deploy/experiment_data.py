@@ -102,16 +102,19 @@ def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str) -> li
 
 
 def split(data: DataSection, tokenizer, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
-    """(train, held-out eval) prompts; without an eval source, num_eval rows of train held out by a seeded shuffle."""
+    """(train, held-out eval) prompts: every row of an eval source (its first num_eval when set); without one,
+    num_eval rows (64 unless set) of train held out by a seeded shuffle."""
     train = to_prompts(read_rows(data.train), data, tokenizer, "train")
     if data.eval is not None:
-        return train, to_prompts(read_rows(data.eval), data, tokenizer, "eval")[:data.num_eval]
-    if len(train) <= data.num_eval:
-        raise DataError(f"data.num_eval={data.num_eval} holds out every one of the {len(train)} train rows: "
+        held_out = to_prompts(read_rows(data.eval), data, tokenizer, "eval")
+        return train, held_out[:data.eval_count(len(held_out))]
+    count = data.eval_count(len(train))
+    if len(train) <= count:
+        raise DataError(f"data.num_eval={count} holds out every one of the {len(train)} train rows: "
                         "lower it or give data.eval")
     order = list(train)
     random.Random(seed).shuffle(order)
-    return order[data.num_eval:], order[:data.num_eval]
+    return order[count:], order[:count]
 
 
 def write_prompts(prompts: list[PromptRow], path: pathlib.Path) -> pathlib.Path:

@@ -70,7 +70,8 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
         supervise=config.supervise,
         buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
         driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s,
-                "add_bos": config.data.add_bos and not config.data.chat_template},
+                "add_bos": config.data.add_bos and not config.data.chat_template,
+                "trajectory_log": config.trajectory_log.model_dump()},
         trainer=merged({"batch": {"mini_batches": training.mini_batches,  # a micro-batch = a rank's share of a step
                                    "micro_batch_size": training.batch_size // training.mini_batches
                                    // config.services.trainer.world_size},
@@ -78,6 +79,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,
         evaluate=None,  # type: ignore[arg-type]
+        logging=config.logging, params=config.model_dump(mode="json"),
     )
 
 
@@ -114,17 +116,25 @@ def warm_up(config: ExperimentConfig, run_dir: pathlib.Path, tokenizer, train_ro
 
 
 def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path, progress) -> None:
-    """The latest checkpoint as a Hugging Face folder in checkpoint.export_dir (if set)."""
-    from trainer.checkpoint import export_checkpoint_hf, latest_checkpoint
+    """The weights the run ended with as a Hugging Face folder in checkpoint.export_dir (if set): the trainer's last
+    checkpoint, which a trainer stopped at the end of the budget writes at its last step (trainer/run.py)."""
+    import json
+
+    from deploy.pipeline import read_jsonl
+    from trainer.checkpoint import STATE_FILE, export_checkpoint_hf, latest_checkpoint
 
     if not config.checkpoint.export_dir:
         return
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None:
-        progress.note("no checkpoint was saved (fewer steps than checkpoint.interval): nothing exported")
-    else:
-        export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
-        progress.note(f"exported {checkpoint.name} to {config.checkpoint.export_dir}")
+        progress.note("no checkpoint was saved (the trainer took no step): nothing exported")
+        return
+    export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
+    step = json.loads((checkpoint / STATE_FILE).read_text())["step"]
+    last = max((record["step"] for record in read_jsonl(run_dir / "trainer_metrics.jsonl")), default=0)
+    behind = "" if step >= last else (f", {last - step} steps before the trainer's last ({last}): it was killed "
+                                      "before its final checkpoint")
+    progress.note(f"exported the weights of step {step} to {config.checkpoint.export_dir}{behind}")
 
 
 def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False, launcher=None):

@@ -30,6 +30,8 @@ from deploy.pipeline_config import (
 )
 from deploy.replicas import RolloutReplicas
 
+TRAINER_STOP_S = 120.0  # a stopped trainer's last publish and checkpoint, before it is killed
+
 
 @dataclass
 class PipelineResult:
@@ -58,12 +60,15 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
     """Run the RL phase under `supervisor` (deploy.supervisor.Supervisor), reporting to `progress`
     (deploy.progress.Progress); the caller stops the supervisor. `launcher` starts the processes (LocalLauncher
     by default)."""
+    from deploy.loggers import writers
     from deploy.status import run_targets
     from deploy.tensorboard import RunBoard
 
     launcher = launcher or LocalLauncher()
     run_dir = plan.run_dir
-    board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir))
+    supervisor.record_events(run_dir / "supervisor.jsonl")  # what died and restarted, for `relayrl doctor RUN_DIR`
+    board = RunBoard(run_dir, "driver", lambda: run_targets(run_dir),
+                     writers=writers(plan.logging, run_dir, plan.params))
     earlier = read_jsonl(run_dir / "metrics.jsonl")  # the curve of a resumed run so far
     replicas = None  # RolloutReplicas when the rollout runs as replicas behind a router
     if plan.rl.rollout_replicas > 1:
@@ -189,8 +194,9 @@ def stop_driver_and_trainer(plan: Pipeline, supervisor, started: float) -> float
 
     spent = time.monotonic() - started
     save_rl_seconds(plan.run_dir, spent)
-    for name in ("driver", "trainer"):
-        supervisor.stop_member(name)
+    supervisor.stop_member("driver")
+    # On SIGTERM the trainer ends its step, publishes, checkpoints and exports what it ended with: time to do so.
+    supervisor.stop_member("trainer", TRAINER_STOP_S)
     return spent
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
+from deploy.loggers import LoggingSection
 from deploy.supervisor import SuperviseConfig
 from services.config import Strict
 
@@ -21,7 +22,8 @@ class RLConfig(Strict):
     """Asynchronous GRPO (or another trainer.config.algorithm.AlgorithmConfig) between the services."""
 
     time_budget_s: float = Field(360.0, gt=0, description="Wall-clock budget of the RL phase.")
-    max_steps: int = Field(100_000, gt=0, description="Stop after this many optimizer steps (if sooner).")
+    max_steps: int | None = Field(None, gt=0, description="Also stop after this many optimizer steps (if sooner than "
+                                  "the budget); None = the time budget alone ends the phase.")
     group_size: int = Field(8, ge=2, description="Completions per prompt.")
     groups_per_batch: int = Field(8, ge=1, description="Prompts per optimizer step.")
     max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy; k = generation may run k versions "
@@ -80,6 +82,8 @@ class Pipeline:
     # ClientConfig fields by service (buffer, reward, rollout): how every client of the run reaches it (TLS files,
     # token file; deploy/run_security.py); none = plain text, no token
     clients: dict[str, dict] = field(default_factory=dict)
+    logging: LoggingSection = field(default_factory=LoggingSection)  # where curves go besides JSONL (deploy/loggers.py)
+    params: dict = field(default_factory=dict)  # the run's settings, as W&B and MLflow record them
 
     def client(self, name: str):
         """How the run's clients reach service `name` (services.config.ClientConfig)."""
@@ -107,9 +111,10 @@ def nested(overrides: dict) -> dict:
 
 
 def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
-    """The driver's config (rollout.driver.DriverConfig fields): where the services are, what to generate."""
+    """The driver's config (rollout.driver.DriverConfig fields): where the services are, what to generate, and
+    the sample of its groups kept in RUN_DIR/trajectories.jsonl for `relayrl view`; plan.driver laid over it."""
     rl = plan.rl
-    return {
+    return merged({
         "rollout": addresses.rollout, "reward": addresses.reward, "buffer": addresses.buffer,
         "prompts": str(plan.prompts_path), "tokenizer": str(plan.policy_dir), "group_size": rl.group_size,
         "groups_per_batch": rl.groups_per_batch, "max_staleness": rl.max_staleness,
@@ -118,8 +123,9 @@ def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
         "temperature": rl.temperature, "max_tokens": rl.max_tokens, "concurrency": rl.driver_concurrency,
         "seed": plan.seed, "stats_path": str(plan.run_dir / "driver_stats.jsonl"),
         "position_path": str(plan.run_dir / "driver_position.json"),
-        "clients": {name: client for name, client in plan.clients.items() if client}, **plan.driver,
-    }
+        "clients": {name: client for name, client in plan.clients.items() if client},
+        "trajectory_log": {"path": str(plan.run_dir / "trajectories.jsonl")},
+    }, plan.driver)
 
 
 def buffer_overrides(plan: Pipeline) -> dict:

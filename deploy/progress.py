@@ -42,10 +42,13 @@ class JsonlTail:
 
 class Progress:
     """The run's progress on `console`: a live table on a terminal; without one (output to a file or a
-    pipe, where a live table shows nothing until the end) one plain line every `line_interval_s`."""
+    pipe, where a live table shows nothing until the end) one plain line every `line_interval_s`. The summary and
+    the plot are titled by the run (`title`; default: its folder's name)."""
 
-    def __init__(self, run_dir: pathlib.Path, console: Console | None = None, line_interval_s: float = 10.0):
+    def __init__(self, run_dir: pathlib.Path, console: Console | None = None, line_interval_s: float = 10.0,
+                 title: str | None = None):
         self.run_dir = run_dir
+        self.title = title or f"relayrl run {run_dir.name}"
         self.console = console or Console()
         self.metrics_path = run_dir / "metrics.jsonl"
         self.trainer = JsonlTail(run_dir / "trainer_metrics.jsonl")
@@ -138,7 +141,7 @@ class Progress:
 
     def finish(self, summary: Summary) -> None:
         self.close()
-        table = Table(title="relayrl quickstart: summary", show_header=False)
+        table = Table(title=f"{self.title}: summary", show_header=False)
         table.add_column("", style="bold")
         table.add_column("", justify="right")
         for name, value in (
@@ -156,11 +159,11 @@ class Progress:
         ):
             table.add_row(name, str(value))
         self.console.print(table)
-        plot(summary.curve, self.run_dir / "progress.png")
+        plot(summary.curve, self.run_dir / "progress.png", self.title)
         write_summary(self.run_dir, summary)  # last: the run is finished (deploy/run_state.py)
 
 
-def plot(curve: list[dict], path: pathlib.Path) -> None:
+def plot(curve: list[dict], path: pathlib.Path, title: str) -> None:
     """Held-out accuracy and mean training reward against wall-clock time."""
     import matplotlib
 
@@ -177,7 +180,7 @@ def plot(curve: list[dict], path: pathlib.Path) -> None:
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title("relayrl quickstart: asynchronous GRPO on 2-digit addition")
+    ax.set_title(f"{title}: held-out metric and training reward")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

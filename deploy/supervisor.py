@@ -12,8 +12,13 @@ raises RunFailed naming it, with the tail of its log.
 A member whose host is gone (MemberLost: a Ray node lost, deploy/ray_launcher.py) cannot be started again where
 it was. One added with a `replace` callback (a rollout replica behind the router, deploy/replicas.py) is replaced by
 whatever that callback starts elsewhere; any other fails the run at once, naming the member and the host lost.
+
+With an events file (`record_events`: a run's supervisor.jsonl) each of these is a JSON line there (member, event:
+down | restarted | failed, problem, pid), so a finished or failed run's folder tells what died and how often
+(`relayrl doctor RUN_DIR`, deploy/diagnose.py).
 """
 
+import json
 import logging
 import os
 import pathlib
@@ -189,6 +194,19 @@ class Supervisor:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # a restart and stop() never run at once
+        self.events_path: pathlib.Path | None = None
+        self._events_lock = threading.Lock()
+
+    def record_events(self, path: pathlib.Path) -> None:
+        """Append each death, restart and failure to `path` as a JSON line from now on."""
+        self.events_path = path
+
+    def _event(self, member: str, event: str, **fields) -> None:
+        if self.events_path is None:
+            return
+        line = json.dumps({"time": round(time.time(), 3), "member": member, "event": event, **fields})
+        with self._events_lock, open(self.events_path, "a") as out:
+            out.write(line + "\n")
 
     def add_service(self, service: ServiceProcess,
                     replace: Callable[[str], None] | None = None) -> ServiceProcess:
@@ -236,11 +254,16 @@ class Supervisor:
     def restarts(self) -> dict[str, int]:
         return {name: record.restarts for name, record in self.records.items() if record.restarts}
 
-    def stop_member(self, name: str) -> None:
-        """Stop one member on purpose (SIGTERM): it is not restarted."""
+    def stop_member(self, name: str, timeout: float | None = None) -> None:
+        """Stop one member on purpose (SIGTERM; SIGKILL after `timeout` seconds, else its own default): it is not
+        restarted."""
         with self._lock:
             self.records[name].retired = True
-        self.members[name].stop()
+        member = self.members[name]
+        if timeout is None:
+            member.stop()
+        else:
+            member.stop(timeout)
 
     def stop(self) -> None:
         """Stop watching, then stop every member, the last added first."""
@@ -285,6 +308,7 @@ class Supervisor:
         problem = f"lost {lost.where}" + (f" (its part {lost.name})" if lost.name != member.name else "")
         record.deaths.append((time.monotonic(), problem))
         log.error("%s", lost)
+        self._event(member.name, "down", problem=problem)
         replace = self.replacers.get(member.name)
         with self._lock:
             if self._stopping.is_set() or record.retired:
@@ -294,6 +318,7 @@ class Supervisor:
                 self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, tail_of(member.log_path),
                                          why="it cannot be started elsewhere (the others hold its address)")
                 log.error("%s", self.failure)
+                self._event(member.name, "failed", problem=problem, why="it cannot be started elsewhere")
                 return
             del self.members[member.name]  # not stopped at the end: its host is gone
         try:  # not under the lock: the replacer adds its member here (_watch takes the lock)
@@ -302,6 +327,7 @@ class Supervisor:
             self.failure = RunFailed(member.name, f"{problem}: {lost.cause}", member.log_path, tail_of(member.log_path),
                                      why=f"no replacement could be started ({str(exc).splitlines()[0]})")
             log.error("%s", self.failure)
+            self._event(member.name, "failed", problem=problem, why="no replacement could be started")
 
     def _problem(self, member: Process | Service) -> str | None:
         code = member.exit_code()
@@ -330,10 +356,13 @@ class Supervisor:
             record.deaths.append((now, problem))
             recent = [t for t, _ in record.deaths if now - t <= cfg.restart_window_s]
             log.warning("%s (pid %d) %s", member.name, member.pid, problem)
+            self._event(member.name, "down", problem=problem, pid=member.pid)
             if len(recent) > cfg.max_restarts:
                 self.failure = RunFailed(member.name, f"{problem} ({len(recent)} times in "
                                          f"{cfg.restart_window_s:.0f}s)", member.log_path, member.log_tail())
                 log.error("%s", self.failure)
+                self._event(member.name, "failed", problem=problem, why="its restarts are exhausted",
+                            deaths=len(recent), window_s=cfg.restart_window_s, max_restarts=cfg.max_restarts)
                 return False
             member.kill()
             if self._stopping.wait(min(cfg.backoff_s * 2**attempt, 30.0)):
@@ -348,5 +377,6 @@ class Supervisor:
                     continue
             record.restarts += 1
             log.warning("%s restarted (pid %d, restart %d)", member.name, member.pid, record.restarts)
+            self._event(member.name, "restarted", pid=member.pid, restarts=record.restarts)
             return True
         return False

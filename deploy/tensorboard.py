@@ -1,4 +1,5 @@
-"""TensorBoard event files of a run (runs/<name>/tensorboard/), beside its JSONL metrics and plot.
+"""TensorBoard event files of a run (runs/<name>/tensorboard/), beside its JSONL metrics and plot; the same scalars
+go to Weights & Biases and MLflow when the run asks (deploy/loggers.py).
 
 One scalar namespace per member of the run: trainer/... (each line of trainer_metrics.jsonl, at its
 optimizer step), driver/... or runner/... (the producer's stats lines), eval/... (the held-out points of
@@ -68,7 +69,8 @@ class ScalarWriter:
 
 
 class RunBoard:
-    """Mirrors a run's metrics into runs/<name>/tensorboard/ as they appear.
+    """Mirrors a run's metrics into runs/<name>/tensorboard/ (and the other loggers of `writers`, deploy/loggers.py)
+    as they appear.
 
     `tick(elapsed)` (the run's main loop calls it) copies the new JSONL lines of the trainer and the
     producer, and every `service_interval_s` polls the services in `targets`; `eval(point)` writes a
@@ -76,18 +78,23 @@ class RunBoard:
     """
 
     def __init__(self, run_dir: pathlib.Path, producer: str, targets: Callable[[], list[Target]],
-                 service_interval_s: float = 5.0):
-        self.writer = ScalarWriter(run_dir / "tensorboard")
+                 service_interval_s: float = 5.0, writers: list | None = None):
+        self.writers = [ScalarWriter(run_dir / "tensorboard")] if writers is None else writers
         self.trainer = JsonlTail(run_dir / "trainer_metrics.jsonl")
         self.producer_name, self.producer = producer, JsonlTail(run_dir / f"{producer}_stats.jsonl")
         self.poller = StatusPoller(targets, timeout=2.0)
         self.service_interval_s, self.next_poll, self.elapsed = service_interval_s, 0.0, 0.0
 
+    def write(self, values: dict[str, float], step: int, wall_time: float | None = None) -> None:
+        if values:
+            for writer in self.writers:
+                writer.write(values, step, wall_time)
+
     def _copy_jsonl(self) -> None:
         for record in self.trainer.drain():
-            self.writer.write(scalars(record, "trainer"), int(record.get("step", 0)))
+            self.write(scalars(record, "trainer"), int(record.get("step", 0)))
         for record in self.producer.drain():
-            self.writer.write(scalars(record, self.producer_name), int(self.elapsed), record.get("time"))
+            self.write(scalars(record, self.producer_name), int(self.elapsed), record.get("time"))
 
     def tick(self, elapsed: float) -> None:
         self.elapsed = elapsed
@@ -95,12 +102,13 @@ class RunBoard:
         if elapsed >= self.next_poll:
             self.next_poll = elapsed + self.service_interval_s
             for row in self.poller.refresh():
-                self.writer.write(service_scalars(row), int(elapsed))
+                self.write(service_scalars(row), int(elapsed))
 
     def eval(self, point: dict) -> None:
-        self.writer.write(scalars(point, "eval"), int(point["elapsed_s"]))
+        self.write(scalars(point, "eval"), int(point["elapsed_s"]))
 
     def close(self) -> None:
-        """Copy the last JSONL lines (what the trainer wrote as it stopped), then flush the event file."""
+        """Copy the last JSONL lines (what the trainer wrote as it stopped), then flush and close every writer."""
         self._copy_jsonl()
-        self.writer.close()
+        for writer in self.writers:
+            writer.close()

@@ -50,7 +50,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "prompt_id", "group_id", "group_size", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "reward_details", "turn_rewards", "status", "reason", "prompt_text", "response_text", "metadata", "ref_logprobs", "values", "advantages", "temperature")
+    __slots__ = ("sample_id", "prompt_id", "group_id", "group_size", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "reward_details", "turn_rewards", "status", "reason", "prompt_text", "response_text", "metadata", "ref_logprobs", "values", "advantages", "temperature", "kv_version")
     class RewardDetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class Sample(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    KV_VERSION_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     prompt_id: str
     group_id: str
@@ -100,4 +101,5 @@ class Sample(_message.Message):
     values: Array
     advantages: Array
     temperature: float
-    def __init__(self, sample_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Union[Array, _Mapping]] = ..., response_ids: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., weight_versions: _Optional[_Union[Array, _Mapping]] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., turn_rewards: _Optional[_Union[Array, _Mapping]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reason: _Optional[str] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., metadata: _Optional[bytes] = ..., ref_logprobs: _Optional[_Union[Array, _Mapping]] = ..., values: _Optional[_Union[Array, _Mapping]] = ..., advantages: _Optional[_Union[Array, _Mapping]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    kv_version: int
+    def __init__(self, sample_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Union[Array, _Mapping]] = ..., response_ids: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., weight_versions: _Optional[_Union[Array, _Mapping]] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., turn_rewards: _Optional[_Union[Array, _Mapping]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reason: _Optional[str] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., metadata: _Optional[bytes] = ..., ref_logprobs: _Optional[_Union[Array, _Mapping]] = ..., values: _Optional[_Union[Array, _Mapping]] = ..., advantages: _Optional[_Union[Array, _Mapping]] = ..., temperature: _Optional[float] = ..., kv_version: _Optional[int] = ...) -> None: ...

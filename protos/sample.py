@@ -51,6 +51,9 @@ class Sample:
     advantages: np.ndarray = field(default_factory=lambda: _empty("float32"))
     # rollout_logprobs are of softmax(logits / temperature); 0 = unset, the raw distribution (1.0)
     temperature: float = 0.0
+    # The oldest weight version of the KV its tokens were sampled on (common.proto says exactly what it bounds: a
+    # token of version w attended to KV of versions in [min(w, kv_version), w]); None: the producer does not know
+    kv_version: int | None = None
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -102,6 +105,7 @@ class Sample:
             values=encode_array(self.values, "float32"),
             advantages=encode_array(self.advantages, "float32"),
             temperature=self.temperature,
+            kv_version=self.kv_version,
         )
 
     @classmethod
@@ -135,6 +139,7 @@ class Sample:
             values=arr("values", "float32"),
             advantages=arr("advantages", "float32"),
             temperature=msg.temperature,
+            kv_version=msg.kv_version if msg.HasField("kv_version") else None,
         )
         sample.validate()
         return sample

@@ -72,14 +72,16 @@ class CommitUpdateRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., reset_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class CommitUpdateResponse(_message.Message):
-    __slots__ = ("current_version", "receive_s", "switch_s")
+    __slots__ = ("current_version", "receive_s", "switch_s", "pause_s")
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_S_FIELD_NUMBER: _ClassVar[int]
     SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     current_version: int
     receive_s: float
     switch_s: float
-    def __init__(self, current_version: _Optional[int] = ..., receive_s: _Optional[float] = ..., switch_s: _Optional[float] = ...) -> None: ...
+    pause_s: float
+    def __init__(self, current_version: _Optional[int] = ..., receive_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., pause_s: _Optional[float] = ...) -> None: ...
 
 class AbortUpdateRequest(_message.Message):
     __slots__ = ("version",)

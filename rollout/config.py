@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -15,16 +16,25 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 KV_CACHE_DTYPES = ("auto", "int8", "int4")
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # FlashInfer's paged kernel (rollout/model/attention_flashinfer.py): the dtypes and head sizes it is built for
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's prefill kernels are built for
 
 
 def choose_attention(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> str:
-    """'flashinfer' or 'torch' for an engine's `backend` setting ('auto', 'torch' or 'flashinfer').
+    """'triton', 'flashinfer' or 'torch' for an engine's `backend` setting (one of ATTENTION_BACKENDS).
 
-    'auto' takes FlashInfer wherever it can run; asked for by name where it cannot, ValueError says why."""
+    'auto' takes the Triton kernel on CUDA when triton is importable, plain torch elsewhere; FlashInfer runs when
+    asked for by name. A kernel asked for by name where it cannot run: ValueError says why."""
     if backend == "torch":
+        return "torch"
+    if backend in ("auto", "triton"):
+        reasons = triton_reasons(device)
+        if not reasons:
+            return "triton" if device.type == "cuda" or backend == "triton" else "torch"
+        if backend == "triton":
+            raise ValueError(f"attention_backend 'triton': {'; '.join(reasons)}")
         return "torch"
     reasons = []
     if device.type != "cuda":
@@ -37,11 +47,39 @@ def choose_attention(backend: str, device: torch.device, dtype: torch.dtype, hea
         reasons.append(f"it reads a cache in the model dtype, not kv_cache_dtype {kv_cache_dtype!r}")
     if importlib.util.find_spec("flashinfer") is None:
         reasons.append("flashinfer is not installed (pip install 'relayrl[gpu]': flashinfer-python)")
-    if not reasons:
-        return "flashinfer"
-    if backend == "flashinfer":
+    if reasons:
         raise ValueError(f"attention_backend 'flashinfer': {'; '.join(reasons)}")
-    return "torch"
+    return "flashinfer"
+
+
+def triton_reasons(device: torch.device) -> list[str]:
+    """Why the Triton kernel (rollout/model/attention_triton.py) cannot run on `device`; [] when it can. On CPU it runs
+    in Triton's interpreter, which must be on (TRITON_INTERPRET=1) before triton is first imported: for tests."""
+    reasons = []
+    if importlib.util.find_spec("triton") is None:
+        reasons.append("triton is not installed (it comes with torch's CUDA wheels; pip install triton)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        reasons.append(f"it runs on CUDA devices (on CPU in Triton's interpreter: TRITON_INTERPRET=1), the engine is on "
+                       f"{device}")
+    return reasons
+
+
+def choose_cuda_graphs(setting: bool | None, device: torch.device, attention_kernel: str, kv_cache_dtype: str) -> bool:
+    """Whether decode steps run on static buffers, replayed from CUDA graphs on CUDA (rollout/engine/cuda_graphs.py).
+
+    None: on where it can run on CUDA. True on CPU runs the same static-buffer path with a plain call instead of a
+    replay (tests). Asked for where it cannot run: ValueError says why."""
+    reasons = []
+    if device.type == "cuda" and attention_kernel != "triton":
+        reasons.append(f"a replayed decode needs attention over fixed shapes, the Triton kernel (attention_backend "
+                       f"'triton' or 'auto' with triton installed), not {attention_kernel!r}")
+    if kv_cache_dtype != "auto":
+        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r}: the quantized cache plans its writes on the host each step")
+    if setting is None:
+        return device.type == "cuda" and not reasons
+    if setting and reasons:
+        raise ValueError(f"cuda_graphs: {'; '.join(reasons)}")
+    return setting
 
 
 @dataclass(frozen=True)
@@ -142,10 +180,15 @@ class EngineConfig:
     # Attention reads each length class of a step's sequences apart (rollout/model/attention.py); False: all in one
     # call padded to the longest context (the path before classes; bench/rollout_throughput.py compares them).
     attention_length_classes: bool = True
-    # Who computes paged attention (rollout/model/attention_flashinfer.py): "torch" (any device, any dtype), "flashinfer"
-    # (FlashInfer's paged kernel: CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto), "auto": flashinfer
-    # wherever it can run.
-    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    # Who computes paged attention (rollout/model/attention.py): "torch" (any device, any dtype), "triton" (the Triton
+    # kernel of rollout/model/attention_triton.py: CUDA, any dtype, quantized caches; on CPU only in Triton's
+    # interpreter), "flashinfer" (FlashInfer's paged kernel: CUDA, float16/bfloat16, head_dim 64/128/256,
+    # kv_cache_dtype auto), "auto": triton on CUDA when triton is importable, else torch.
+    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
+    # Decode steps on static buffers replayed from CUDA graphs, one per batch-size bucket (rollout/engine/cuda_graphs.py);
+    # prefill and chunked steps stay eager. None: on for CUDA with the Triton kernel and kv_cache_dtype auto. True on
+    # CPU runs the static-buffer path with plain calls (tests).
+    cuda_graphs: bool | None = None
     # KV eviction for long contexts (rollout/engine/kv_eviction.py): a sequence keeps at most kv_budget_tokens cache slots.
     kv_eviction: Literal["none", "window", "snapkv"] = "none"  # window: sinks + most recent; snapkv: + most attended
     kv_budget_tokens: int = 1024  # cache slots a sequence keeps when kv_eviction is on
@@ -161,11 +204,15 @@ class EngineConfig:
     lm_head_fp32: bool = False
     max_sessions: int = 256  # open multi-turn sessions (rollout/engine/sessions.py); beyond it OpenSession is refused
     session_idle_timeout_s: float = 600.0  # a session idle this long is closed and its blocks freed
+    # What a weight update does to KV computed with the old weights (docs/sessions.md, "KV across weight updates"):
+    # "keep": running sequences and idle sessions go on over it (each completion says so in its kv_version);
+    # "recompute": it is dropped, and each context is recomputed with the new weights before its next token.
+    kv_on_update: Literal["keep", "recompute"] = "keep"
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)
     kv_open_blocks: int = field(init=False)
     torch_dtype: torch.dtype = field(init=False)  # derived from dtype
-    attention_kernel: str = field(init=False)  # derived: "torch" or "flashinfer", what attention_backend resolves to
+    attention_kernel: str = field(init=False)  # derived: "torch", "triton" or "flashinfer": what attention_backend chose
 
     def __post_init__(self) -> None:
         self.model_config = ModelConfig.from_pretrained(self.model)
@@ -195,10 +242,14 @@ class EngineConfig:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of auto, torch, flashinfer")
-        self.attention_kernel = choose_attention(self.attention_backend, torch.device(self.device), self.torch_dtype,
+        if self.kv_on_update not in ("keep", "recompute"):
+            raise ValueError(f"kv_on_update: {self.kv_on_update!r} is not one of keep, recompute")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+        device = torch.device(self.device)
+        self.attention_kernel = choose_attention(self.attention_backend, device, self.torch_dtype,
                                                  self.model_config.head_dim, self.kv_cache_dtype)
+        self.cuda_graphs = choose_cuda_graphs(self.cuda_graphs, device, self.attention_kernel, self.kv_cache_dtype)
         self.kv_open_blocks = 0 if self.kv_cache_dtype == "auto" else self.max_num_seqs
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.num_blocks is None:

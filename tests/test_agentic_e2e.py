@@ -45,6 +45,11 @@ def test_relayrl_run_agentic_smoke(tmp_path):
     assert trainer["algorithm"]["off_policy"] == "bypass"  # max_staleness 1: the clipped ratio is the correction
     runner = json.loads((run_dir / "runner_stats.jsonl").read_text().splitlines()[-1])
     assert runner["episodes"] > 0 and runner["submitted"] == runner["episodes"] and runner["put_here"] == 0
+    # What `relayrl view RUN_DIR` shows: a sample of the groups of episodes, turn by turn, each token spelled.
+    logged = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert logged and logged[0]["group_index"] == 0 and all(g["kind"] == "episodes" for g in logged)
+    episode = logged[0]["samples"][0]
+    assert episode["turns"][0]["role"] == "assistant" and len(episode["tokens"]) == len(episode["ids"]) > 0
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(curve) >= 3 and all(0 <= p["success_rate"] <= 1 for p in curve)
     # Where it ran, beside the resolved config: versions, the source revision, the seed.

@@ -108,3 +108,13 @@ def test_oldest_version_counts_trained_tokens_only():
     sample.loss_mask = np.array([0, 1, 1], np.uint8)
     sample.weight_versions = np.array([1, 5, 7], np.int64)
     assert sample.oldest_version == 5
+
+
+@pytest.mark.parametrize("kv_version", [None, 0, 7])
+def test_kv_version_travels_and_unset_stays_unknown(kv_version):
+    """Sample.kv_version is optional on the wire: 0 is a version, unset (a producer that does not know) is None."""
+    sample = _sample(2, 3, 0)
+    sample.kv_version = kv_version
+    msg = common_pb2.Sample.FromString(sample.to_proto().SerializeToString())
+    assert msg.HasField("kv_version") == (kv_version is not None)
+    assert Sample.from_proto(msg).kv_version == kv_version

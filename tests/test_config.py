@@ -61,3 +61,22 @@ def test_the_engine_is_a_tagged_choice():
         load_config(Config, None, ["model=m", "engine.type=tgi"])
     with pytest.raises(ConfigError, match=r"engine\.vllm\.block_size: Extra inputs are not permitted"):
         load_config(Config, None, ["model=m", "engine={type: vllm, block_size: 16}"])
+
+
+def test_kv_on_update_is_each_engines_and_vllm_refuses_keep():
+    """engine.kv_on_update: keep by default for the native engine and SGLang, which also take recompute; the vLLM
+    adapter's prefix-cache reset recomputes the requests in flight, so it is recompute only and says so when the
+    config is loaded (docs/engine.md)."""
+    from rollout.main import Config
+
+    def engine(*settings: str):
+        return load_config(Config, None, ["model=m", *settings]).engine
+
+    assert engine().kv_on_update == engine("engine.type=sglang").kv_on_update == "keep"
+    assert engine("engine.type=vllm").kv_on_update == "recompute"
+    assert engine("engine.kv_on_update=recompute").kv_on_update == "recompute"
+    assert engine("engine.type=sglang", "engine.kv_on_update=recompute").kv_on_update == "recompute"
+    with pytest.raises(ConfigError, match=r"engine\.vllm\.kv_on_update: .*'keep' is not supported by the vLLM"):
+        engine("engine={type: vllm, kv_on_update: keep}")
+    with pytest.raises(ConfigError, match=r"engine\.native\.kv_on_update"):
+        engine("engine.kv_on_update=later")

@@ -12,6 +12,7 @@ import torch
 from rollout.config import EngineConfig, choose_attention
 from rollout.engine.llm_engine import LLMEngine
 from rollout.engine.sampling_params import SamplingParams
+from rollout.kv.cache import KVCache
 from rollout.model.attention_flashinfer import FlashInferAttention
 
 
@@ -53,7 +54,9 @@ def test_the_kernel_equals_float32_attention_over_the_same_blocks(dtype):
     q = torch.randn(sum(n for n, _ in shapes), heads, head_dim, generator=gen, device=device).to(dtype)
     kernel = FlashInferAttention(heads, kv_heads, head_dim, block_size, dtype, device)
     kernel.plan(tables, [n for n, _ in shapes], [kv for _, kv in shapes])
-    out = kernel.attend(q, keys, values)
+    cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    cache.keys[0], cache.values[0] = keys, values
+    out = kernel.attend(q, 0, cache)
     assert out.shape == (q.shape[0], heads * head_dim) and out.dtype == dtype
     row = 0
     tolerance = 1e-2 if dtype == torch.float16 else 3e-2
@@ -106,12 +109,14 @@ def test_an_engine_on_the_kernel_decodes_as_the_torch_path(wide_sharp_model_dir)
     assert kernel_engine.block_manager.num_free_blocks == kernel_engine.block_manager.num_blocks
 
 
-def test_auto_takes_the_kernel_only_where_it_can_run_and_a_named_kernel_says_why_not(tiny_model_dir):
+def test_flashinfer_runs_only_when_named_and_a_named_kernel_says_why_not(tiny_model_dir, monkeypatch):
+    """'auto' never takes FlashInfer (the Triton kernel is the default on CUDA, tests/test_engine_attention_triton.py)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert choose_attention("torch", cuda, torch.bfloat16, 128, "auto") == "torch"
     for device, dtype, head_dim, kv in ((cpu, torch.bfloat16, 128, "auto"), (cuda, torch.float32, 128, "auto"),
                                         (cuda, torch.bfloat16, 32, "auto"), (cuda, torch.bfloat16, 128, "int8")):
-        assert choose_attention("auto", device, dtype, head_dim, kv) == "torch"
+        assert choose_attention("auto", device, dtype, head_dim, kv) in ("torch", "triton")
     with pytest.raises(ValueError, match="runs on CUDA devices.*float16 and bfloat16.*head_dim 64, 128, 256"):
         choose_attention("flashinfer", cpu, torch.float32, 32, "auto")
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8'"):

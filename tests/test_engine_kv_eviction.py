@@ -10,6 +10,7 @@ from rollout.engine.kv_eviction import KVEvictor, compact
 from rollout.engine.llm_engine import LLMEngine
 from rollout.engine.sampling_params import SamplingParams
 from rollout.kv.cache import KVCache
+from rollout.kv.quantized import QuantizedKVCache, block_codec
 from rollout.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
@@ -126,3 +127,20 @@ def test_eviction_settings_are_checked(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir), kv_eviction="window", kv_budget_tokens=10, kv_sink_tokens=4,
                      kv_observation_window=8)
     assert isinstance(LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_eviction="window")).evictor, KVEvictor)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_snapkv_selects_and_compacts_on_the_cache_device(tiny_model_dir, kv_cache_dtype):
+    """On CUDA, select concatenated CPU index tensors with the device's attention scores ("Expected all tensors to
+    be on the same device", issue 28). The meta device has the same checks and no data: selection and compaction
+    run there with every index tensor on the cache's device, and nothing is read back to the host."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4, max_model_len=128, kv_eviction="snapkv",
+                                    kv_budget_tokens=12, kv_sink_tokens=2, kv_observation_window=3))
+    meta = torch.device("meta")
+    evictor = engine.evictor
+    evictor.cache = (KVCache(2, 12, 4, 2, 8, torch.float32, meta) if kv_cache_dtype == "auto" else
+                     QuantizedKVCache(2, 12, 4, 2, 8, torch.float32, meta, block_codec(kv_cache_dtype, 4), 2))
+    keep = evictor.select(20, [torch.rand(2, 20, device=meta) for _ in range(2)])
+    assert keep.device == meta and keep.shape == (2, 2, 12)
+    assert evictor.select(20, None).device == meta  # nothing observed: the window's choice
+    compact(evictor.cache, [5, 2, 9, 1, 3], [7, 0, 4], keep)

@@ -1,6 +1,9 @@
 """The sampler alone: Gumbel-max draws follow softmax, top-k/top-p masks, seeds, logprob modes."""
 
+import math
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout.engine.sampler import Sampler, SamplingTensors, row_key
 
@@ -67,3 +70,46 @@ def test_batched_row_keys_equal_row_key():
     expected = [row_key(s, i, p) for s, i, p in zip(seeds, indices, positions)]
     keys = row_keys([completion_key(s, i) for s, i in zip(seeds, indices)], positions, torch.device("cpu"))
     assert keys.tolist() == expected
+
+
+class DtypeRecorder(TorchDispatchMode):
+    """Records (op, dtype, shape) of every tensor an op returns while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.outputs.append((str(func), t.dtype, tuple(t.shape)))
+        return out
+
+
+def test_no_float64_and_no_batch_by_vocab_int64_temporaries():
+    """At B = 256, V = 151,936 a [B, V] int64 or float64 temporary is 311 MB: the noise and the top-k/top-p sort
+    take a few rows at a time (int64 at most Sampler.chunk_elements), and nothing is float64."""
+    rows, vocab = 256, 32_768  # B * V = 8M elements, twice the default chunk
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    params = tensors(rows, top_p=0.9, top_k=50, vocab=vocab)
+    sampler = Sampler("processed")
+    with DtypeRecorder() as recorder:
+        tokens, logprobs = sampler(logits, params)
+    assert not [o for o in recorder.outputs if o[1] == torch.float64]
+    big_int64 = [o for o in recorder.outputs if o[1] == torch.int64 and math.prod(o[2]) > sampler.chunk_elements]
+    assert not big_int64, big_int64[:5]
+    assert tokens.shape == logprobs.shape == (rows,) and logprobs.dtype == torch.float32
+
+
+def test_the_rows_a_chunk_takes_do_not_change_any_draw():
+    logits = torch.randn(37, 300, generator=torch.Generator().manual_seed(1))
+    seeds = [7 * i + 3 for i in range(37)]
+    for top_k, top_p in ((0, 1.0), (20, 0.8)):
+        params = tensors(37, top_k=top_k, top_p=top_p, vocab=300, seeds=seeds)
+        whole, whole_lp = Sampler("processed")(logits, params)
+        for chunk in (1, 300, 5 * 300 + 7):
+            part, part_lp = Sampler("processed", chunk_elements=chunk)(logits, params)
+            assert torch.equal(part, whole) and torch.equal(part_lp, whole_lp)
+        alone, _ = Sampler("processed")(logits[5:6], tensors(1, top_k=top_k, top_p=top_p, vocab=300, seeds=seeds[5:6]))
+        assert alone.item() == whole[5].item()  # a row draws the same token whatever it is batched with

@@ -149,9 +149,11 @@ def test_abort_keeps_partial_output_and_in_flight_tokens_carry_the_new_version(t
             [aborted] = await task
             assert aborted.finish_reason.value == "abort" and 0 < len(aborted.token_ids) < 200
 
+            state = _new_weights(tiny_model_dir, seed=2)  # before the request: building it can outlast 200 tokens
             task = asyncio.ensure_future(engine.generate_all("switch", PROMPTS[2], params))
-            await asyncio.sleep(0.3)
-            state = _new_weights(tiny_model_dir, seed=2)
+            while engine.stats["running"] == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
             await engine.update_weights(state, version=5)
             [done] = await task
             versions = done.weight_versions
@@ -160,6 +162,103 @@ def test_abort_keeps_partial_output_and_in_flight_tokens_carry_the_new_version(t
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_weight_update_with_requests_in_flight_really_resets_the_prefix_cache(tiny_model_dir):
+    """An update lands while a request holds the blocks of a prompt (vLLM's plain reset_prefix_cache() then
+    resets nothing): a later request with the same prompt is computed with the new weights, its logprobs those
+    of a fresh engine that has them, and the request in flight goes on, its later tokens at the new version."""
+    prompt = [(7 * i) % 97 + 2 for i in range(70)]  # two full blocks of 32
+    state = _new_weights(tiny_model_dir, seed=3)
+
+    async def main():
+        vllm = start_vllm(str(tiny_model_dir), VllmSettings(type="vllm", max_model_len=256, max_num_seqs=4,
+                                                            engine_args={"block_size": 32}))
+        fresh = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=256)))
+        try:
+            await fresh.update_weights(state, 1)
+            stream = vllm.generate("in-flight", prompt, SamplingParams(temperature=1.0, max_tokens=150,
+                                                                       ignore_eos=True, seed=1))
+            versions = list((await anext(stream)).weight_versions)
+            await vllm.update_weights(state, 1)
+            params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=2)
+            [later] = await vllm.generate_all("later", prompt, params)
+            assert set(later.weight_versions) == {1}
+            [expected], _ = await fresh.compute_logprobs(prompt, [later.token_ids], 1.0)
+            assert max(abs(a - b) for a, b in zip(later.logprobs, expected)) < 1e-4
+            async for delta in stream:
+                versions += delta.weight_versions
+            assert len(versions) == 150 and versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+        finally:
+            vllm.shutdown()
+            fresh.shutdown()
+
+    asyncio.run(main())
+
+
+def test_scoring_at_a_temperature_asks_vllm_for_the_given_tokens_only(sharp_model_dir):
+    """compute_logprobs and top_logprobs at T = 0.7, two responses scored in one step beside a running request:
+    the native engine's values within 1e-4, and every scoring request asks vLLM for the given token's prompt
+    logprob (or the top few), never the whole vocabulary's (prompt_logprobs=-1)."""
+
+    async def main():
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), max_model_len=128)))
+        vllm = start_vllm(str(sharp_model_dir), VllmSettings(type="vllm", max_model_len=128, max_num_seqs=8))
+        asked = []
+        add_request = vllm.engine.llm.add_request
+
+        def spy(request_id, prompt, params, *args, **kwargs):
+            asked.append(params.prompt_logprobs)
+            return add_request(request_id, prompt, params, *args, **kwargs)
+
+        vllm.engine.llm.add_request = spy
+        try:
+            running = asyncio.ensure_future(vllm.generate_all("beside", PROMPTS[3], SamplingParams(
+                temperature=1.0, max_tokens=60, ignore_eos=True, seed=4)))
+            while vllm.stats["running"] == 0:
+                await asyncio.sleep(0.01)
+            responses = [[12, 40, 7, 7, 88, 3, 51], [90, 1, 33, 60, 2, 2, 18, 75, 4, 30, 66]]
+            mine, _ = await native.compute_logprobs(PROMPTS[0], responses, 0.7)
+            theirs, _ = await vllm.compute_logprobs(PROMPTS[0], responses, 0.7)
+            for a, b in zip(mine, theirs):
+                assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+            top_mine = await native.top_logprobs(PROMPTS[1], responses[1], 0.7, 5)
+            top_theirs = await vllm.top_logprobs(PROMPTS[1], responses[1], 0.7, 5)
+            for a, b in zip(top_mine, top_theirs):
+                assert [i for i, _ in a] == [i for i, _ in b]
+                assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-4
+            await running
+            assert asked == [None, 0, 0, 5]  # the running request, the two responses, the top logprobs
+        finally:
+            vllm.shutdown()
+            native.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_vllm_floor_is_the_first_release_with_the_apis_the_adapter_calls():
+    """pyproject's `vllm` extra admits 0.28.0 and nothing older (0.27.1 lacks the trainer-side weight-transfer
+    engine the TP > 1 path drives; 0.15 and older lack reload_weights(weights_iterator=)); the installed vLLM has
+    each API with the arguments the adapter passes."""
+    import inspect
+    import pathlib
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from vllm import LLMEngine
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    [requirement] = [Requirement(r) for r in pyproject["project"]["optional-dependencies"]["vllm"]]
+    assert requirement.specifier.contains("0.28.0") and not requirement.specifier.contains("0.27.1")
+    assert "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert "reset_running_requests" in inspect.signature(LLMEngine.reset_prefix_cache).parameters
+    assert {"client", "source"} <= set(inspect.signature(NCCLTrainerWeightTransferEngine.trainer_init).parameters)
+    assert "rank" in NCCLTrainerInitInfo.__dataclass_fields__
 
 
 def test_the_rollout_service_serves_vllm(tiny_model_dir, service_factory):
@@ -227,6 +326,37 @@ def test_on_a_gpu_vllm_with_an_fp8_kv_cache_follows_the_native_engine(sharp_mode
                     same += a == b
                     total += 1
             assert same / total >= 0.9
+        finally:
+            vllm.shutdown()
+            native.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+def test_on_three_gpus_a_tp2_vllm_takes_updates_over_vllms_nccl_weight_transfer(sharp_model_dir):
+    """tensor_parallel_size 2 (GPUs 0 and 1), the service's relay on GPU 2: two updates go to the workers over
+    vLLM's NCCL weight transfer (rollout/engines/vllm_transfer.py; the group formed at the first, kept for the
+    second); then greedy tokens equal the native engine's with the same weights (float32), logprobs within 1e-3,
+    every token at version 2. Not run yet: these machines have no GPU."""
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs 3 GPUs: 2 for the TP workers, 1 for the relay (NCCL refuses two ranks on one GPU)")
+    states = [_new_weights(sharp_model_dir, seed=seed) for seed in (1, 2)]
+
+    async def main():
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda:2", max_model_len=128)))
+        vllm = start_vllm(str(sharp_model_dir), VllmSettings(type="vllm", max_model_len=128, tensor_parallel_size=2,
+                                                             weight_relay_device="cuda:2", gpu_memory_utilization=0.3))
+        try:
+            assert vllm.device == torch.device("cuda:2")
+            for version, state in enumerate(states, start=1):
+                await native.update_weights({name: t.to("cuda:2") for name, t in state.items()}, version)
+                await vllm.update_weights(state, version)
+            greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            ours, theirs = await _completions(native, greedy), await _completions(vllm, greedy)
+            for mine, other in zip(ours, theirs):
+                assert other[0].token_ids == mine[0].token_ids and set(other[0].weight_versions) == {2}
+                assert max(abs(a - b) for a, b in zip(mine[0].logprobs, other[0].logprobs)) < 1e-3
         finally:
             vllm.shutdown()
             native.shutdown()

@@ -55,16 +55,19 @@ def policy_turns(response: list[int], mask: list[int]) -> list[list[int]]:
     return turns
 
 
-def test_runner_process_submits_whole_groups_token_exact(services, tmp_path):
+def test_runner_process_submits_whole_groups_token_exact(services, tmp_path, tiny_model_dir):
     buffer, rollout = services
     config = tmp_path / "runner.yaml"
     config.write_text(yaml.safe_dump({
         "rollout": rollout.address, "buffer": buffer.address, "env": "guess_number", "env_config": ENV,
         "group_size": 3, "groups_per_batch": 2, "max_staleness": 2, "max_tokens": 6, "max_groups": 2,
-        "producer_id": "p0", "seed": 1, "stats_path": str(tmp_path / "stats.jsonl")}))
+        "producer_id": "p0", "seed": 1, "stats_path": str(tmp_path / "stats.jsonl"),
+        "trajectory_log": {"path": str(tmp_path / "trajectories.jsonl"), "every_n_groups": 1,
+                           "tokenizer": str(tiny_model_dir)}}))
     done = subprocess.run([sys.executable, "-m", "rollout.envs.runner", "--config", str(config)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
+    logged = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     stats = json.loads((tmp_path / "stats.jsonl").read_text().splitlines()[-1])
     assert stats["groups"] == 2 and stats["episodes"] == 6 and stats["submitted"] == 6
     assert stats["turns_sum"] >= 6 and 0 <= stats["success_rate"] <= 1
@@ -101,6 +104,24 @@ def test_runner_process_submits_whole_groups_token_exact(services, tmp_path):
         assert response == expected
         assert sample.reward == pytest.approx(reward)
         assert unpack_metadata(sample.metadata)["turns"] == env.turns == len(turns)
+    check_trajectory_log(logged, {s.sample_id: s for s in samples}, tokenizer)
+
+
+def check_trajectory_log(groups: list[dict], samples: dict, tokenizer) -> None:
+    """The runner's trajectory log holds both groups, each episode turn by turn as the buffer got it."""
+    assert sorted(g["group_index"] for g in groups) == [0, 1] and {g["kind"] for g in groups} == {"episodes"}
+    for group in groups:
+        assert group["prompt"]["messages"] == [{"role": "user", "content": "guess 1-15"}]
+        for record in group["samples"]:
+            stored = samples[record["sample_id"]]
+            assert record["ids"] == decode_array(stored.response_ids, expect="int32").tolist()
+            assert record["loss_mask"] == decode_array(stored.loss_mask, expect="uint8").tolist()
+            assert record["tokens"] == [tokenizer.decode([i]) for i in record["ids"]]
+            policy = [t for t in record["turns"] if t["role"] == "assistant"]
+            answers = [t for t in record["turns"] if t["role"] == "environment"]
+            assert len(policy) == len(answers) == record["metadata"]["turns"] and answers[-1]["done"]
+            assert all(m["content"] in ("higher", "lower", "1-15") for a in answers[:-1] for m in a["messages"])
+            assert record["reward"] == pytest.approx(sum(a["reward"] for a in answers))
 
 
 def test_admission_holds_groups_until_the_trainer_consumes(services, tmp_path):

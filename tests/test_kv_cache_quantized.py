@@ -200,3 +200,43 @@ def test_a_quantized_decode_worker_imports_a_prefilled_prompt(sharp_model_dir):
             tokens_of[out.index].append(out.token_id)
     assert tokens_of[0][:11] == alone[0][0].token_ids[1:] and tokens_of[1] == tokens_of[0]
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_a_read_dequantizes_only_the_blocks_asked_for_in_the_model_dtype(bits):
+    """read_blocks decoded into float32 and copied into the workspace (issue 28): in a bfloat16 cache a read makes
+    no float32 tensor, and no temporary larger than the blocks it returns; the values are the codec's decode."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        """The tensors ops allocate (not views, not in-place results): (op, dtype, numel)."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[str, torch.dtype, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor)}
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    self.seen.append((str(func), t.dtype, t.numel()))
+            return out
+
+    cache = QuantizedKVCache(LAYERS, 64, BLOCK, HEADS, DIM, torch.bfloat16, torch.device("cpu"),
+                             block_codec(bits, BLOCK), num_open_blocks=4)
+    keys, values = tokens(8 * BLOCK + 2, 3)  # blocks 0-7 closed, block 8 open
+    write(cache, list(range(8 * BLOCK + 2)), keys.bfloat16(), values.bfloat16())
+    asked = torch.tensor([1, 8, 5])
+    cache.read_blocks(0, asked)  # the workspace, once
+    with Outputs() as recorder:
+        k, v = cache.read_blocks(1, asked)
+    assert k.dtype == torch.bfloat16
+    assert not [o for o in recorder.seen if o[1] == torch.float32], recorder.seen
+    assert max(n for _, _, n in recorder.seen) <= asked.numel() * BLOCK * HEADS * DIM
+    codec = block_codec(bits, BLOCK)
+    expected = codec.decode(codec.encode(*(t[1, BLOCK : 2 * BLOCK].bfloat16()[None] for t in (keys, values))))
+    assert torch.equal(k[0], expected[0][0]) and torch.equal(v[0], expected[1][0])
+    assert torch.equal(k[1, :2], keys[1, 8 * BLOCK :].bfloat16())  # the open block, as written

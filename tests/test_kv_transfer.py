@@ -1,13 +1,16 @@
 """The KV transfer format (rollout/pd/transfer.py): a round trip, and every refusal with its typed error."""
 
+import contextlib
+
 import pytest
 import torch
 
 from protos import kv_pb2, rollout_pb2
 from protos.codec import encode_array
 from rollout.engine.errors import KVTransferCorrupt, KVTransferInvalid, KVWeightVersionMismatch
+from rollout.kv.codecs import make_codec
 from rollout.kv.prefilled import PrefilledPrompt, ServedLayout
-from rollout.pd.transfer import pack, unpack
+from rollout.pd.transfer import encode_payload, pack, unpack
 
 SERVED = ServedLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, vocab_size=101, weight_version=3)
 
@@ -109,3 +112,83 @@ def test_flipped_or_missing_payload_bytes_are_data_loss():
 def test_other_weight_version_is_refused():
     with pytest.raises(KVWeightVersionMismatch, match="version 2"):
         unpack(chunks(version=2), SERVED)
+
+
+@contextlib.contextmanager
+def numpy_only_after_cpu():
+    """Tensor.numpy() refuses, as it does for a tensor on a GPU, every tensor that no explicit .cpu() made."""
+    moved: dict[int, torch.Tensor] = {}  # id -> the tensor (kept alive, so its id is not reused)
+    cpu, numpy = torch.Tensor.cpu, torch.Tensor.numpy
+
+    def tracked_cpu(self, *args, **kwargs):
+        out = cpu(self, *args, **kwargs)
+        moved[id(out)] = out
+        return out
+
+    def guarded_numpy(self, *args, **kwargs):
+        if id(self) not in moved:
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                            "to host memory first.")
+        return numpy(self, *args, **kwargs)
+
+    torch.Tensor.cpu, torch.Tensor.numpy = tracked_cpu, guarded_numpy
+    try:
+        yield
+    finally:
+        torch.Tensor.cpu, torch.Tensor.numpy = cpu, numpy
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+def test_the_payload_goes_to_the_host_explicitly_before_it_becomes_bytes(codec):
+    """A prefill worker on CUDA failed every transfer (issue 28): to_bytes called .numpy() on the KV where the
+    engine left it, on the GPU. The encoded payload is one buffer on the KV's device, copied to the host once."""
+    sent = prefilled()
+    with numpy_only_after_cpu():
+        stream = list(pack(request(), sent, codec, chunk_bytes=1000))
+        data = make_codec(codec).encode(sent.keys, sent.values).to_bytes()
+    assert sum(len(c.payload) for c in stream) == len(data) == stream[0].header.payload_bytes
+    got = unpack(stream, SERVED)
+    expected = make_codec(codec).decode(make_codec(codec).encode(sent.keys, sent.values))
+    assert torch.equal(got.prefilled.keys, expected[0]) and torch.equal(got.prefilled.values, expected[1])
+
+
+def test_a_group_payload_is_decoded_where_it_arrived_and_travels_as_it_is():
+    """A header for a KV group payload carries no chunks; unpack decodes the tensor the group delivered, in place."""
+    sent = prefilled()
+    payload = encode_payload(sent, "none")
+    (header,) = pack(request(), sent, "none", payload=payload, payload_from_rank=0)
+    assert header.header.payload_bytes == payload.numel() and header.header.payload_from_rank == 0
+    got = unpack([header], SERVED, payload)
+    assert torch.equal(got.prefilled.keys, sent.keys)
+    assert got.prefilled.keys.untyped_storage().data_ptr() == payload.untyped_storage().data_ptr()
+    with pytest.raises(KVTransferCorrupt, match="CRC-32"):
+        unpack([header], SERVED, payload.clone().index_fill_(0, torch.tensor([5]), 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_prefill_on_cuda_packs_and_its_kv_decodes_on_either_side(sharp_model_dir, codec):
+    """The fault as it was seen: KV exported from an engine on CUDA. Over gRPC it decodes on the host; as a group
+    payload (an NCCL group's) it stays on the GPU and decodes there, without a CRC-32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from rollout.config import EngineConfig
+    from rollout.engine.kv_handoff import prefill_for_transfer, served_layout
+    from rollout.engine.llm_engine import LLMEngine
+    from rollout.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, n=2)
+    engines = {device: LLMEngine(EngineConfig(model=str(sharp_model_dir), device=device, max_model_len=128))
+               for device in ("cuda", "cpu")}
+    made = {device: prefill_for_transfer(e, "r", list(range(3, 40)), params) for device, e in engines.items()}
+    assert made["cuda"].keys.is_cuda
+    ask = rollout_pb2.GenerateRequest(request_id="r", params=rollout_pb2.SamplingParams(n=2))
+    over_grpc = unpack(pack(ask, made["cuda"], codec), served_layout(engines["cpu"]))
+    reference = unpack(pack(ask, made["cpu"], codec), served_layout(engines["cpu"]))
+    torch.testing.assert_close(over_grpc.prefilled.keys, reference.prefilled.keys, atol=2e-2, rtol=0)
+    payload = encode_payload(made["cuda"], codec)
+    (header,) = pack(ask, made["cuda"], codec, payload=payload, payload_from_rank=0)
+    assert payload.is_cuda and header.header.checksum == 0
+    on_gpu = unpack([header], served_layout(engines["cuda"]), payload)
+    assert on_gpu.prefilled.keys.is_cuda
+    torch.testing.assert_close(on_gpu.prefilled.keys.cpu(), over_grpc.prefilled.keys)

@@ -5,6 +5,7 @@ two workers on one GPU refused by the group (by name, in their logs) while trans
 
 import asyncio
 import contextlib
+import threading
 import time
 import urllib.request
 
@@ -105,3 +106,42 @@ def test_an_nccl_group_needs_the_engine_on_a_cuda_device():
     for device in (None, torch.device("cpu"), torch.device("cuda")):
         with pytest.raises(ValueError, match="backend 'nccl' moves KV between GPUs"):
             KVGroup(config, device)
+
+
+def test_the_group_sends_the_encoded_buffer_itself_and_the_kv_decodes_from_what_arrived(free_port, monkeypatch):
+    """Over NCCL the group moved host bytes (encoded on the host, copied to the GPU, sent, copied back, decoded on the
+    host, copied to the GPU again: issue 28). Now the buffer encode_payload makes on the engine's device is what the
+    group sends, and the KV is decoded from the buffer recv fills, in place: on GPUs it never leaves them. gloo stands
+    in for NCCL here: the same calls, on the host (NCCL needs two GPUs)."""
+    from protos import rollout_pb2
+    from rollout.kv.prefilled import PrefilledPrompt, ServedLayout
+    from rollout.pd.transfer import encode_payload, pack, unpack
+
+    config = {"master": f"127.0.0.1:{free_port}", "world_size": 2, "timeout_s": 30.0}
+    sender, receiver = (KVGroup(KVGroupConfig(rank=rank, **config)) for rank in (0, 1))
+    assert sender.wait_ready(30) and receiver.wait_ready(30)
+    gen = torch.Generator().manual_seed(0)
+    prefilled = PrefilledPrompt(prompt_ids=list(range(3, 23)), keys=torch.randn(2, 20, 2, 32, generator=gen),
+                                values=torch.randn(2, 20, 2, 32, generator=gen), first_token_ids=[5],
+                                first_logprobs=[-1.0], seed=7, weight_version=0)
+    payload = encode_payload(prefilled, "none")
+    sent, group = [], sender._group()
+
+    class Spy:
+        def send(self, tensors, dst, tag):
+            sent.append(tensors[0])
+            return group.send(tensors, dst, tag)
+
+    monkeypatch.setattr(sender, "_group", Spy)
+    thread = threading.Thread(target=sender.send, args=(payload, 1, 7))
+    thread.start()
+    received = receiver.recv(payload.numel(), 0, 7)
+    thread.join(30)
+    assert sent[0] is payload and isinstance(received, torch.Tensor) and received.dtype == torch.uint8
+    (header,) = pack(rollout_pb2.GenerateRequest(request_id="r"), prefilled, "none", payload=payload,
+                     payload_from_rank=0)
+    served = ServedLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, vocab_size=101,
+                          weight_version=0)
+    got = unpack([header], served, received)
+    assert torch.equal(got.prefilled.keys, prefilled.keys) and torch.equal(got.prefilled.values, prefilled.values)
+    assert got.prefilled.keys.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()

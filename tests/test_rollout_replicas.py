@@ -328,3 +328,17 @@ def test_a_resumed_run_starts_as_many_replicas_as_it_was_scaled_to(tmp_path):
     write_json(result_path(tmp_path, "rollout"), {"id": "b", "replicas": ["rollout-1", "rollout-2", "rollout-4",
                                                                           "rollout-5"], "error": "rollout-6 failed"})
     assert scaled_replicas(tmp_path, "rollout") == 4
+
+
+def test_a_re_run_chunk_cut_by_the_router_keeps_its_kv_version():
+    from rollout.router.service import _tail
+
+    chunk = rollout_pb2.GenerateChunk(request_id="r", index=0, token_ids=encode_array([5, 6, 7], "int32"),
+                                      logprobs=encode_array([-1.0, -2.0, -3.0], "float32"),
+                                      weight_versions=encode_array([2, 2, 3], "int64"),
+                                      finish_reason=rollout_pb2.FINISH_REASON_STOP, kv_version=2)
+    cut = _tail(chunk, 2)
+    assert decode_array(cut.token_ids).tolist() == [7] and decode_array(cut.weight_versions).tolist() == [3]
+    assert cut.HasField("kv_version") and cut.kv_version == 2
+    chunk.ClearField("kv_version")
+    assert not _tail(chunk, 1).HasField("kv_version")

@@ -115,3 +115,44 @@ def test_a_crashed_runs_folder_that_never_became_latest_is_replaced(tiny_model_d
     save_checkpoint(tmp_path, learner.policy, learner.optimizer, TrainState(step=2, weight_version=2), ENV)
     assert latest_checkpoint(tmp_path) == stale
     assert load_checkpoint(stale, learner.policy, learner.optimizer, ENV).weight_version == 2
+
+
+def test_a_checkpoint_is_sharded_and_exports_to_hugging_face(tiny_model_dir, tmp_path):
+    """The folder is a torch.distributed.checkpoint (shards + .metadata); export_checkpoint_hf reads it alone."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import MODEL_FILE, export_checkpoint_hf
+
+    learner, state = learner_for(tiny_model_dir, "ppo"), TrainState()
+    step(learner, state)
+    path = save_checkpoint(tmp_path / "ckpt", learner.policy, learner.optimizer, state, ENV)
+    assert (path / ".metadata").exists() and list(path.glob("*.distcp")) and not (path / MODEL_FILE).exists()
+    out = export_checkpoint_hf(path, tiny_model_dir, tmp_path / "export")
+    exported = load_file(out / "model.safetensors")
+    trained = {name.removeprefix("lm."): t for name, t in learner.policy.state_dict().items() if name.startswith("lm.")}
+    assert sorted(exported) == sorted(trained)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_checkpoint_of_the_format_before_dcp_still_resumes(tiny_model_dir, tmp_path):
+    """Folders written before DCP (rank 0's whole state dicts in model.pt and optimizer.pt) load as they did."""
+    from trainer.checkpoint import LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE
+    from trainer.parallel import gather_model_state, gather_optimizer_state
+
+    learner, state = learner_for(tiny_model_dir, "ppo"), TrainState()
+    step(learner, state)
+    path = tmp_path / "step_00000001"
+    path.mkdir()
+    torch.save(gather_model_state(learner.policy, ENV), path / MODEL_FILE)
+    torch.save(gather_optimizer_state(learner.policy, learner.optimizer, ENV), path / OPTIMIZER_FILE)
+    (path / STATE_FILE).write_text(json.dumps({"step": 1, "weight_version": 1, "samples_trained": 4, "extra": {}}))
+    (tmp_path / LATEST_FILE).write_text(path.name)
+    expected_next = step(learner, state)
+
+    resumed = learner_for(tiny_model_dir, "ppo")
+    restored = load_checkpoint(latest_checkpoint(tmp_path), resumed.policy, resumed.optimizer, ENV)
+    assert restored.step == 1
+    assert step(resumed, restored) == pytest.approx(expected_next, abs=1e-6)
+    for (name, mine), theirs in zip(resumed.policy.state_dict().items(), learner.policy.state_dict().values(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6, msg=name)  # the optimizer's moments came back too

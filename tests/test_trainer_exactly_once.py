@@ -284,14 +284,17 @@ def test_a_trainer_killed_between_checkpoints_trains_every_acked_sample_exactly_
     first_metrics, second_metrics = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     first = start_trainer([*overrides, "--set", f"metrics_path={first_metrics}"], tmp_path / "first.log")
     deadline = time.monotonic() + 180
-    # Two steps past the checkpoint at step 4: before, both were acked already and lost with the crash.
-    while len(records(first_metrics)) < interval + 2:
+    # Two steps past the checkpoint at step 4: before, both were acked already and lost with the crash. The
+    # checkpoint is written off the training thread: wait for it too (a DCP save of the tiny model takes ~0.15 s,
+    # longer than two of its steps on a busy machine).
+    latest = tmp_path / "checkpoints" / "latest"
+    while len(records(first_metrics)) < interval + 2 or not latest.exists():
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "the first trainer did not reach step 6 within 180 s"
         time.sleep(0.01)
     first.send_signal(signal.SIGKILL)
     first.wait(10)
-    assert (tmp_path / "checkpoints" / "latest").read_text() == f"step_{interval:08d}"
+    assert latest.read_text() == f"step_{interval:08d}"
 
     second = start_trainer([*overrides, "--set", f"metrics_path={second_metrics}"], tmp_path / "second.log")
     assert second.wait(240) == 0, (tmp_path / "second.log").read_text()[-3000:]

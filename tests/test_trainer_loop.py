@@ -83,8 +83,8 @@ def records(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("overlap", "bind"), [(False, True), (True, True), (True, False)],
-    ids=["publish-bound", "overlapped-publish-of-snapshots", "overlapped-publish-gathered"],
+    ("overlap", "bind"), [(False, True), (True, True), (True, False), (False, False)],
+    ids=["publish-bound", "overlapped-publish-of-snapshots", "overlapped-publish-gathered", "publish-gathered-per-bucket"],
 )
 def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_path, service_factory, overlap, bind):
     from transformers import AutoModelForCausalLM
@@ -128,7 +128,12 @@ def test_trains_from_the_buffer_acks_publishes_and_exports(tiny_model_dir, tmp_p
     assert (state.step, state.weight_version, state.samples_trained) == (2, 2, 2 * BATCH)
     after = stats(buffer.address)
     assert (after.acked, after.pending, after.leased, after.trainer_version) == (2 * BATCH, BATCH, 0, 2)
-    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
+    steps = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in steps] == [1, 2]
+    # Each step reports the last publish that ended: its sync time and, apart from it, how long the engine paused.
+    assert steps[0]["sync_s"] == steps[0]["pause_s"] == 0.0  # nothing published before the first step
+    if not overlap:  # (an overlapped publish may still be on its way when the next step reports)
+        assert 0 < steps[1]["pause_s"] <= steps[1]["sync_s"] and steps[1]["sync_s"] <= steps[1]["publish_s"]
     assert (tmp_path / "checkpoints" / "step_00000002").is_dir()
 
     # The rollout worker now serves the trained weights: its logprobs are the exported model's.

@@ -3,7 +3,8 @@ bindings (services/weights/cupy_nccl.py).
 
 The `gpu` tests run each member as a process of its own on the GPU it names (the receiver is spawned), as a
 trainer and a rollout worker are: buckets land bit-exact on another GPU, a silent sender times a receive out
-at its deadline, two members on one GPU are refused by name before NCCL is touched, and a publish reaches a
+at its deadline, two members on one GPU are refused by name before NCCL is touched (when the trainer turned CUDA
+IPC off; on, they get IPC handles: tests/test_weight_sync_ipc.py), and a publish reaches a
 rollout service on another GPU. The others run anywhere: the explicit device choice, the check-in that comes
 before NCCL (on a real TCP store), and the trainer's and receiver's refusals of a backend they cannot carry.
 """
@@ -13,7 +14,6 @@ import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,18 +102,24 @@ def _finish(process) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_buckets_reach_a_process_on_another_gpu_bit_exact(backend):
     _needs(backend, 2)
+    _send_twice(backend, f"two-gpus-{backend}", "cuda:1")
+
+
+def _send_twice(backend: str, name: str, receiver_device: str) -> type:
+    """Two updates from cuda:0 to a receiving process on `receiver_device`, each bucket checked bit-exact there
+    (the group carries several updates; the packing buffers are reused); the sender's transfer type."""
     store = host_store("127.0.0.1", timeout_s=30)
-    name = f"two-gpus-{backend}"
-    process, out = _spawn(backend, store.port, name, "cuda:1", 2, 30.0)
+    process, out = _spawn(backend, store.port, name, receiver_device, 2, 30.0)
     try:
         sender = make_group(GroupSpec(backend, "127.0.0.1", store.port, 2, 0, name), timeout_s=30, store=store,
                             device="cuda:0")
         assert sender.device == torch.device("cuda:0")
         weights = _weights("cuda:0")
-        for _ in range(2):  # the group carries several updates
+        for _ in range(2):
             send_buckets(sender, _manifest(), weights, deadline_after(30))
         assert out.get(timeout=60) == ("ok", [[], []])
         sender.close(wait_s=5)
+        return type(sender)
     finally:
         _finish(process)
 
@@ -140,7 +146,8 @@ def test_a_receive_from_a_silent_sender_times_out_at_its_deadline(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_trainer_and_a_receiver_on_one_gpu_are_refused_by_name(backend):
-    """NCCL needs one GPU per member: both sides learn it from the check-in, within the rendezvous."""
+    """NCCL needs one GPU per member: both sides learn it from the check-in, within the rendezvous (with CUDA IPC
+    turned off by the trainer; on, such a group carries IPC handles: tests/test_weight_sync_ipc.py)."""
     _needs(backend, 1)
     store = host_store("127.0.0.1", timeout_s=30)
     name = f"one-gpu-{backend}"
@@ -148,7 +155,7 @@ def test_a_trainer_and_a_receiver_on_one_gpu_are_refused_by_name(backend):
     try:
         with pytest.raises(TransferError, match="ranks 0 and 1 are both on GPU"):
             make_group(GroupSpec(backend, "127.0.0.1", store.port, 2, 0, name), timeout_s=30, store=store,
-                       device="cuda:0")
+                       device="cuda:0", cuda_ipc=False)
         kind, message = out.get(timeout=60)
         assert kind == "TransferError" and "ranks 0 and 1 are both on GPU" in message
     finally:
@@ -164,9 +171,7 @@ def test_a_publish_reaches_a_rollout_service_on_another_gpu(backend, tiny_model_
     from transformers import AutoModelForCausalLM
 
     from deploy.launcher import start_service
-    from protos import rollout_pb2, rollout_pb2_grpc
-    from protos.codec import decode_array, encode_array
-    from services.client import connect_sync
+    from tests.serve_check_kit import assert_served, greedy_completion
     from trainer.broadcast.broadcaster import WeightBroadcaster
     from trainer.broadcast.config import BroadcastConfig
 
@@ -182,21 +187,10 @@ def test_a_publish_reaches_a_rollout_service_on_another_gpu(backend, tiny_model_
 
         report = asyncio.run(publish())
         assert report.ok, report.failed
-        prompt = [1, *range(10, 30)]
-        request = rollout_pb2.GenerateRequest(prompt_ids=encode_array(prompt, "int32"), params=rollout_pb2.SamplingParams(
-            temperature=0.0, max_tokens=16, logprobs=True, ignore_eos=True))
-        with connect_sync(service.address) as channel:
-            completion = rollout_pb2_grpc.RolloutStub(channel).Generate(request, timeout=60).completions[0]
+        completion = greedy_completion(service.address)
     finally:
         service.stop(timeout=10)
-    tokens = decode_array(completion.token_ids, expect="int32").tolist()
-    assert set(decode_array(completion.weight_versions, expect="int64").tolist()) == {1}
-    model.load_state_dict(weights)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens], device="cuda:0")).logits[0].float()
-    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(tokens, device="cuda:0")[:, None])
-    np.testing.assert_allclose(decode_array(completion.logprobs, expect="float32"), expected[:, 0].cpu().numpy(),
-                               atol=1e-4)
+    assert_served(completion, model, weights, version=1)
 
 
 def test_the_nccl_backends_run_on_the_cuda_device_named_with_its_index():

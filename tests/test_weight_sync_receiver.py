@@ -2,6 +2,7 @@
 model), driven by a real WeightBroadcaster and raw WeightSync calls; the protocol's refusals."""
 
 import asyncio
+import itertools
 
 import grpc
 import pytest
@@ -224,3 +225,38 @@ def test_a_bound_model_is_published_from_its_own_memory_and_lands_bit_exact(tied
     for name, param in served_3.items():
         assert torch.equal(served_2[name], expected_2[name]), name
         assert torch.equal(param, expected_3[name]), name
+
+
+def test_the_engines_pause_is_reported_apart_from_the_sync(tied_model_dir):
+    """CommitUpdate says how long the engine generated nothing for the update (its own measure, from its last step
+    to the switch's end): positive, within the publish's sync time, and at least the switch, while the engine
+    generates all along."""
+    async def scenario(engine, address):
+        model = engine.engine.runner.model
+        base = {name: param.clone() for name, param in model.named_parameters()}
+        params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)
+        published, seen = asyncio.Event(), set()
+
+        async def generate():  # until the publishes are done, and once more
+            for turn in itertools.count():
+                seen.update((await engine.generate_all(f"g{turn}", [5, 6, 7], params))[0].weight_versions)
+                if published.is_set():
+                    return
+
+        generating = asyncio.create_task(generate())
+        await asyncio.sleep(0.1)  # the engine is stepping when the updates come
+        reports = []
+        async with WeightBroadcaster([address], BroadcastConfig(bucket_mb=0.05, timeout_s=20)) as broadcaster:
+            for version in (1, 2):
+                reports.append(await broadcaster.publish({n: t + 0.01 * version for n, t in base.items()}, version))
+        published.set()
+        await generating
+        return reports, seen
+
+    reports, seen = _run(tied_model_dir, scenario)
+    for report in reports:
+        assert report.ok, report.failed
+        [result] = report.results
+        assert 0 < report.pause_s == result.pause_s <= report.total_s
+        assert result.pause_s >= result.switch_s > 0
+    assert {0, 2} <= seen

@@ -35,6 +35,29 @@ def write_model(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
                        num_kv_heads=1)
 
 
+def write_qwen2_without_unk(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A tiny Qwen2 with a 15-token word-level tokenizer that names no unk token (pad, bos, eos and 12 words), as a
+    user trained it: transformers 5 loads it as Qwen2Tokenizer, whose default unk "<|endoftext|>" becomes id 15."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    words = ["<pad>", "<bos>", "<eos>", *LABELS, "cat", "dog", "apple", "pear", "saw", "drill", "kind", "is", "?"]
+    backend = Tokenizer(models.WordLevel(vocab={word: i for i, word in enumerate(words)}, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>")
+    assert len(tokenizer) == 15
+    config = Qwen2Config(vocab_size=15, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_data(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """Rows {question, label, id}: 'NOUN FILLER FILLER kind ?' -> the noun's class."""
     rows = [{"id": f"{noun}-{a}-{b}", "question": f"{noun} {a} {b} kind ?", "label": label}

@@ -1,34 +1,46 @@
 """Checkpoints (model, optimizer, step, weight version, extra state) and Hugging Face export.
 
-A checkpoint is a folder `step_00000042/` holding model.pt and optimizer.pt (full, unsharded
-state dicts keyed by parameter name, so a run resumes on any number of ranks) and state.json.
-It is written under a temporary name and renamed, then the `latest` file is replaced
-atomically: a crash mid-save leaves the previous checkpoint as the latest.
+A checkpoint is a folder `step_00000042/` holding a torch.distributed.checkpoint (DCP) of the model
+and optimizer state, keyed by parameter name: each rank writes its own shards (`__R_0.distcp`) and
+`.metadata` maps them onto the whole tensors, so a run resumes on any number of ranks and any (dp,
+tp) layout, each rank reading only the slices it needs. state.json holds the step, weight version
+and extra state. The folder is written under a temporary name and renamed, then the `latest` file
+is replaced atomically: a crash mid-save leaves the previous checkpoint as the latest. Folders of
+the format before DCP (rank 0's whole state dicts in model.pt and optimizer.pt) still load.
 """
 
 import dataclasses
 import json
 import os
 import shutil
+import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoTokenizer
 
 from trainer.model import LM_PREFIX, PolicyModel
 from trainer.parallel import (
     DistEnv,
     gather_model_state,
-    gather_optimizer_state,
     load_model_state,
     load_optimizer_state,
+    load_sharded_state,
+    sharded_state,
 )
 
-MODEL_FILE = "model.pt"
+# DCP warns on every save and load without a process group (a world of one), which is this trainer's plain case.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+MODEL_FILE = "model.pt"  # the format before DCP
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "state.json"
 LATEST_FILE = "latest"
@@ -72,12 +84,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _torch_save(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def save_checkpoint(
     root: str | Path,
     policy: PolicyModel,
@@ -89,21 +95,29 @@ def save_checkpoint(
 ) -> Path:
     """Save a checkpoint of `state.step` under `root`; collective (every rank calls it).
 
-    With `submit` (rank 0's ordered background calls, trainer.leases.LeaseCalls), rank 0 copies the state and
-    writes the files on that thread: the step does not wait for the disk, and calls submitted after this one (the
-    checkpoint's acks) run only once it is durable."""
+    With `submit` (rank 0's ordered background calls, trainer.leases.LeaseCalls), rank 0 commits the checkpoint
+    (in a world of one: copies the state and writes it too) on that thread, so calls submitted after this one (the
+    checkpoint's acks) run only once it is durable. Under torchrun every rank writes its shards before returning
+    (the writes are collective); only the commit waits on the thread."""
     root = Path(root)
     final = root / f"step_{state.step:08d}"
-    model_state = gather_model_state(policy, env)
-    optimizer_state = gather_optimizer_state(policy, optimizer, env)
+    # Rank 0's name on every rank, new at each save: a save of a step saved already (the end of a run) never
+    # touches the folder an earlier save's commit, still queued on the background thread, will rename.
+    staging = root / env.broadcast_object(f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    state_json = json.dumps(dataclasses.asdict(state), indent=1).encode()
+    shards = sharded_state(policy, optimizer)
+    if env.distributed:
+        if env.is_main:
+            _fresh_dir(staging)
+        env.barrier()
+        dcp.save(shards, checkpoint_id=staging)
+        write = partial(_commit, root, final, staging, state_json, keep_last)
+    else:
+        # The live tensors: the training goes on changing them while the thread writes.
+        shards = _copied(shards) if submit is not None else shards
+        write = partial(_write_and_commit, shards, root, final, staging, state_json, keep_last)
     if env.is_main:
-        state_json = json.dumps(dataclasses.asdict(state), indent=1).encode()
-        if submit is None:
-            _write_checkpoint(root, final, model_state, optimizer_state, state_json, keep_last)
-        else:
-            # gather_model_state returns copies already; one process's optimizer state is the live one.
-            optimizer_copy = _copied(optimizer_state)
-            submit(lambda: _write_checkpoint(root, final, model_state, optimizer_copy, state_json, keep_last))
+        write() if submit is None else submit(write)
     env.barrier()
     return final
 
@@ -119,17 +133,27 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def _write_checkpoint(root: Path, final: Path, model_state: dict, optimizer_state: dict, state_json: bytes,
-                      keep_last: int) -> None:
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _write_and_commit(shards: dict, root: Path, final: Path, staging: Path, state_json: bytes, keep_last: int) -> None:
+    _fresh_dir(staging)
+    dcp.save(shards, checkpoint_id=staging, no_dist=True)
+    _commit(root, final, staging, state_json, keep_last)
+
+
+def _commit(root: Path, final: Path, staging: Path, state_json: bytes, keep_last: int) -> None:
+    """Make the written `staging` folder the checkpoint `final` and the latest: durable first, then renamed, then
+    named by `latest` (atomically replaced)."""
     if latest_checkpoint(root) == final:  # saved already (at this step, by this run)
+        shutil.rmtree(staging)
         return
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    _torch_save(model_state, staging / MODEL_FILE)
-    _torch_save(optimizer_state, staging / OPTIMIZER_FILE)
     _fsync_write(staging / STATE_FILE, state_json)
+    for file in staging.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
     _fsync_dir(staging)
     # A folder of this step that `latest` does not name is a crashed run's, which never became the latest
     # (and whose acks never went out): this run's state replaces it.
@@ -157,8 +181,19 @@ def latest_checkpoint(root: str | Path | None) -> Path | None:
 
 
 def load_checkpoint(path: str | Path, policy: PolicyModel, optimizer: torch.optim.Optimizer, env: DistEnv) -> TrainState:
-    """Restore model and optimizer from `path` (read on rank 0, scattered to all); collective."""
+    """Restore model and optimizer from `path`, whatever the world size and layout it was saved with (each rank
+    reads the slices of the saved shards its own shards need); collective."""
     path = Path(path)
+    if (path / MODEL_FILE).exists():
+        return _load_full_checkpoint(path, policy, optimizer, env)
+    shards = sharded_state(policy, optimizer)
+    dcp.load(shards, checkpoint_id=path, no_dist=not env.distributed)
+    load_sharded_state(policy, optimizer, shards)
+    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
+def _load_full_checkpoint(path: Path, policy: PolicyModel, optimizer: torch.optim.Optimizer, env: DistEnv) -> TrainState:
+    """The format before DCP (rank 0's full state dicts, model.pt and optimizer.pt): read on rank 0, scattered."""
     model_state: dict[str, Any] = {}
     optimizer_state: dict[str, Any] = {}
     state = None
@@ -169,6 +204,19 @@ def load_checkpoint(path: str | Path, policy: PolicyModel, optimizer: torch.opti
     load_model_state(policy, model_state, env)
     load_optimizer_state(policy, optimizer, optimizer_state, env)
     return env.broadcast_object(state)
+
+
+def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's whole model state dict, read in this process alone (no process group)."""
+    path = Path(path)
+    if (path / MODEL_FILE).exists():
+        return torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = {name.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for name, meta in saved.items() if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    state = {"model": model}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["model"]
 
 
 def export_hf(out_dir: str | Path, policy: PolicyModel, tokenizer_dir: str | Path, env: DistEnv) -> Path:
@@ -196,7 +244,7 @@ def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir
 
     out_dir = Path(out_dir)
     config = AutoConfig.from_pretrained(model_path)
-    full_state = torch.load(Path(checkpoint) / MODEL_FILE, map_location="cpu", weights_only=True)
+    full_state = read_model_state(checkpoint)
     tensors = hf_state_dict(full_state, bool(getattr(config, "tie_word_embeddings", False)))
     staging = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -46,10 +46,10 @@ from trainer.losses import (
     tis_weights,
 )
 from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
-from trainer.model import Packing, PolicyModel, PolicyOutput, load_policy, run_policy
+from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
 from trainer.objectives import objective
 from trainer.packing import pack_by_token_sum
-from trainer.parallel import DistEnv, parallelize
+from trainer.parallel import DistEnv, build_policy
 from trainer.varlen import use_varlen
 
 
@@ -57,20 +57,21 @@ class Learner:
     """Owns the (sharded) policy, the frozen reference if any, and the optimizer."""
 
     def __init__(self, config: TrainerConfig, env: DistEnv) -> None:
-        config.batch.check_divisible(env.world_size)
+        if config.parallel.tp != env.tp_size:
+            raise ValueError(f"parallel.tp={config.parallel.tp}, but the process group was made with tp={env.tp_size}")
+        config.batch.check_divisible(env.dp_size)
         self.config = config
         self.algo = config.algorithm
         self.env = env
         torch.manual_seed(config.seed)
-        head = {"chunk_tokens": config.model.logprob_chunk_tokens, "lm_head_fp32": config.model.lm_head_fp32}
-        policy = load_policy(config.model_path, value_head=self.algo.name == "ppo", device=env.device, **head)
-        self.pad_id = policy.lm.config.pad_token_id or 0
+        self.policy: PolicyModel = build_policy(config.model_path, env, config.parallel, config.model,
+                                                value_head=self.algo.name == "ppo", dtype=config.dtype)
+        self.pad_id = self.policy.lm.config.pad_token_id or 0
         self.packing = Packing(config.batch.pack_row_tokens, self.pad_id) if config.batch.packing else None
-        self.policy: PolicyModel = parallelize(policy, env, config.model.activation_checkpointing)
         self.reference: PolicyModel | None = None
         if config.ref_model_path is not None and self.algo.needs_reference:
-            reference = load_policy(config.ref_model_path, device=env.device, **head).requires_grad_(False)
-            self.reference = parallelize(reference, env)
+            self.reference = build_policy(config.ref_model_path, env, config.parallel, config.model, trainable=False,
+                                          dtype=config.dtype)
         if self.packing is not None and config.batch.packed_attention == "varlen":
             for model in filter(None, (self.policy, self.reference)):
                 use_varlen(model.lm)
@@ -114,7 +115,7 @@ class Learner:
             samples = order_preference_pairs(samples)
         batch = collate(samples, self.pad_id)
         chunks, per_step = plan_mini_batches(
-            batch.num_rows, self.config.batch.mini_batches, self.env.world_size, unit=2 if self.algo.name == "dpo" else 1
+            batch.num_rows, self.config.batch.mini_batches, self.env.dp_size, unit=2 if self.algo.name == "dpo" else 1
         )
         batch = pad_rows(batch, chunks, per_step)
         real = batch.row_weights > 0
@@ -123,14 +124,14 @@ class Learner:
         local = batch.select(rows)
         self._recompute(local)
         if self.algo.rejection and self.algo.off_policy != "bypass":
-            self._reject(local, per_step // self.env.world_size, longest)
+            self._reject(local, per_step // self.env.dp_size, longest)
         if self.algo.advantage_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
             self._sequence_advantages(local, batch, real, rows)
         elif self.algo.advantage_estimator is not None:
             self._token_advantages(local)
         if self.algo.name in ("grpo", "ppo", "distill") and not self.proximal_in_step:
             self._set_off_policy_correction(local)
-        per_rank = per_step // self.env.world_size
+        per_rank = per_step // self.env.dp_size
         return [local.select(slice(m * per_rank, (m + 1) * per_rank)) for m in range(len(chunks))]
 
     def _dynamic_sampling(self, samples: Sequence[Sample]) -> Sequence[Sample]:
@@ -187,9 +188,9 @@ class Learner:
             batch.token_weights[rows] = loss_weights(kept[rows], "token_mean", totals=(tokens, seqs, longest[m]))
 
     def _local_rows(self, steps: int, per_step: int) -> torch.Tensor:
-        """Indices of this rank's rows: its contiguous share of every mini-batch."""
-        per_rank = per_step // self.env.world_size
-        starts = [m * per_step + self.env.rank * per_rank for m in range(steps)]
+        """Indices of this rank's rows: its data-parallel group's contiguous share of every mini-batch."""
+        per_rank = per_step // self.env.dp_size
+        starts = [m * per_step + self.env.dp_rank * per_rank for m in range(steps)]
         return torch.cat([torch.arange(start, start + per_rank) for start in starts])
 
     @torch.no_grad()
@@ -311,8 +312,8 @@ class Learner:
                 micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
                 self._set_off_policy_correction(micro)
             loss, metrics = objective(self.algo, micro, out)
-            # FSDP averages gradients over ranks; every rank's loss is its share of the global sum.
-            (loss * self.env.world_size).backward()
+            # FSDP averages gradients over the data-parallel ranks; every one's loss is its share of the global sum.
+            (loss * self.env.dp_size).backward()
             metrics["tokens"] = micro.loss_mask.sum()
             if measures_mismatch:
                 mismatch, largest = mismatch_sums(out.logprobs, micro.rollout_logprobs, self._trained_mask(micro),
@@ -372,7 +373,8 @@ class Learner:
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.env.device, self.config.dtype)
+        fsdp_casts = self.env.distributed and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py
+        return contextlib.nullcontext() if fsdp_casts else autocast(self.env.device, self.config.dtype)
 
 
 def _masked(per_token: torch.Tensor, micro: TrainBatch) -> torch.Tensor:

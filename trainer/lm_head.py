@@ -11,6 +11,8 @@ and bench/trainer_memory.py compare against.
 """
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def compute_dtype(hidden: torch.Tensor, fp32: bool) -> torch.dtype:
@@ -33,6 +35,8 @@ def token_stats(
     chunk_tokens: int = 1024,
     fp32: bool = False,
     entropy: bool = True,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs, entropy or None), each shaped like `targets`, of the next tokens `targets` given `hidden`.
 
@@ -40,14 +44,37 @@ def token_stats(
     inv_temperatures [...] (1 / the sampling temperature of each position; None = 1). Both outputs are float32
     (float64 for float64 inputs) and carry gradients to hidden, weight and bias; detach the entropy if its
     gradient is not wanted (its backward terms are then skipped).
+
+    Vocabulary-parallel (tensor parallel): with `group`, weight and bias are this rank's rows of the head, from
+    vocabulary id `vocab_start` on, and `hidden` is the same on every rank of the group; the softmax's max and sum,
+    the target's logit and the entropy are summed over the group (Megatron's vocab-parallel cross-entropy), so
+    each rank returns the whole-vocabulary numbers and the hidden states' whole gradient.
     """
     shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_scale = inv_temperatures.reshape(-1) if inv_temperatures is not None else None
     dtype = compute_dtype(hidden, fp32)
     logprobs, entropies = _ChunkedHead.apply(flat_hidden, weight, bias, targets.reshape(-1), flat_scale,
-                                             chunk_tokens, dtype, entropy)
+                                             chunk_tokens, dtype, entropy, group, vocab_start)
     return logprobs.view(shape), entropies.view(shape) if entropy else None
+
+
+def head_token_stats(
+    hidden: torch.Tensor, head: torch.nn.Module, input_ids: torch.Tensor, inv_temperatures: torch.Tensor | None,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_stats of the next tokens of `input_ids` [B, T] from the decoder's last hidden states [B, T, H] through
+    the LM head module: [B, T - 1] each. A tensor-parallel head (its weight a DTensor split by vocabulary row, its
+    input split by sequence: trainer/parallel/tp.py) runs vocabulary-parallel on each rank's rows."""
+    weight, bias = head.weight, head.bias
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        if isinstance(hidden, DTensor):
+            hidden = hidden.redistribute(mesh, (Replicate(),)).to_local()
+        rows = -(-weight.shape[0] // mesh.size())  # Shard(0) splits as torch.chunk does
+        options |= {"group": mesh.get_group(), "vocab_start": min(mesh.get_local_rank() * rows, weight.shape[0])}
+        weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+    return token_stats(hidden[:, :-1], weight, bias, input_ids[:, 1:], inv_temperatures, **options)
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
@@ -69,9 +96,10 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, chunk_tokens, dtype, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_tokens, dtype, want_entropy, group, vocab_start):
         stat_dtype = torch.promote_types(dtype, torch.float32)
         rows = hidden.shape[0]
+        local = _LocalTargets(targets, vocab_start, weight.shape[0])
         logprobs = hidden.new_empty(rows, dtype=stat_dtype)
         entropy = hidden.new_empty(rows if want_entropy else 0, dtype=stat_dtype)
         lse = hidden.new_empty(rows, dtype=stat_dtype)
@@ -84,28 +112,31 @@ class _ChunkedHead(torch.autograd.Function):
                                   scale[start:end] if scale is not None else None, stat_dtype)
                 # log-softmax in two [C, V] buffers (torch.logsumexp would take two more): shift by the row max,
                 # exponentiate once, normalise both in place.
-                shift = z.amax(-1, keepdim=True)
+                shift = _all_reduce(z.amax(-1, keepdim=True), group, dist.ReduceOp.MAX)
                 z.sub_(shift)
                 p = z.exp()
-                total = p.sum(-1, keepdim=True)
+                total = _all_reduce(p.sum(-1, keepdim=True), group)
                 lse[start:end] = (shift + total.log())[:, 0]
                 log_p = z.sub_(total.log())
-                logprobs[start:end] = log_p.gather(1, targets[start:end, None])[:, 0]
+                logprobs[start:end] = _all_reduce(local.pick(log_p, start, end), group)
                 if want_entropy:
-                    entropy[start:end] = -p.div_(total).mul_(log_p).sum(-1)
+                    entropy[start:end] = _all_reduce(-p.div_(total).mul_(log_p).sum(-1), group)
                 del z, p, log_p  # before the next chunk's
-        ctx.save_for_backward(hidden, weight, bias, targets, scale, lse, entropy)
-        ctx.chunk_tokens, ctx.dtype, ctx.want_entropy = chunk_tokens, dtype, want_entropy
+        ctx.save_for_backward(hidden, weight, bias, scale, lse, entropy)
+        ctx.chunk_tokens, ctx.dtype, ctx.group, ctx.local = chunk_tokens, dtype, group, local  # local: the targets
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, targets, scale, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, scale, lse, entropy = ctx.saved_tensors
         dtype, chunk_tokens = ctx.dtype, ctx.chunk_tokens
         stat_dtype = lse.dtype
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        group, local = ctx.group, ctx.local
+        # Vocabulary-parallel ranks each hold a partial sum of the hidden states' gradient: summed in >= float32.
+        hidden_grad_dtype = hidden.dtype if group is None else torch.promote_types(hidden.dtype, torch.float32)
+        grad_hidden = torch.zeros_like(hidden, dtype=hidden_grad_dtype) if want_hidden else None
         accumulate = torch.promote_types(weight.dtype, torch.float32)  # the head's gradient summed in >= float32
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if want_bias else None
@@ -129,24 +160,50 @@ class _ChunkedHead(torch.autograd.Function):
                     coeff.add_(grad_logprobs[start:end, None].to(stat_dtype))
                 grad_z = p.mul_(coeff).neg_()
                 if grad_logprobs is not None:
-                    index = targets[start:end, None]
-                    grad_z.scatter_add_(1, index, grad_logprobs[start:end, None].to(stat_dtype))
+                    local.add_at(grad_z, grad_logprobs[start:end].to(stat_dtype), start, end)
                 if chunk_scale is not None:
                     grad_z.mul_(chunk_scale[:, None].to(stat_dtype))
                 grad_z = grad_z.to(dtype)
                 if want_hidden:
-                    grad_hidden[start:end] = (grad_z @ cast_weight).to(hidden.dtype)
+                    grad_hidden[start:end] = (grad_z @ cast_weight).to(hidden_grad_dtype)
                 if want_weight:
                     grad_weight.add_((grad_z.T @ chunk_hidden).to(accumulate))
                 if want_bias:
                     grad_bias.add_(grad_z.sum(0).to(accumulate))
                 del log_p, p, coeff, grad_z  # before the next chunk's: two [C, V] buffers live, not four
+        if want_hidden and group is not None:
+            grad_hidden = _all_reduce(grad_hidden, group).to(hidden.dtype)
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if want_weight else None,
             grad_bias.to(bias.dtype) if want_bias else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
+
+
+class _LocalTargets:
+    """Where each target token falls in this rank's rows of the head (all of them without vocabulary parallelism)."""
+
+    def __init__(self, targets: torch.Tensor, vocab_start: int, rows: int) -> None:
+        local = targets - vocab_start
+        self.inside = (local >= 0) & (local < rows)
+        self.index = local.clamp(0, max(rows - 1, 0))[:, None]
+
+    def pick(self, log_p: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The targets' entries of a chunk's [C, rows] log-probabilities; 0 where another rank holds the target."""
+        picked = log_p.gather(1, self.index[start:end])[:, 0]
+        return torch.where(self.inside[start:end], picked, torch.zeros_like(picked))
+
+    def add_at(self, grad: torch.Tensor, values: torch.Tensor, start: int, end: int) -> None:
+        """grad[row, target] += value where this rank holds the target."""
+        grad.scatter_add_(1, self.index[start:end], (values * self.inside[start:end])[:, None])
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
 
 
 def full_token_stats(

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from protos.sample import Sample
+from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtype
 from trainer.checkpoint import (
     TrainState,
     export_hf,
@@ -37,7 +38,7 @@ from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
-from trainer.parallel import DistEnv, gather_model_state
+from trainer.parallel import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ Publisher = Callable[[dict[str, torch.Tensor], int], int | None]
 LEDGER_KEY = "unacked_samples"
 # What rank 0 hands every rank instead of a batch when a receiver fell behind while no batch came.
 RESYNC = "resync"
+# What rank 0 hands every rank instead of a batch when the trainer was asked to stop (SIGTERM): the loop ends as
+# at its last step, so the weights it ended with are published, checkpointed and exported.
+STOP = "stop"
 
 
 class Background:
@@ -89,8 +93,10 @@ class Background:
         return None if future is None else future.result(timeout_s)
 
 
-def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publish: Publisher | None = None) -> TrainState:
-    """Train until config.max_steps optimizer steps; resume from the latest checkpoint if any."""
+def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publish: Publisher | None = None,
+          stop: threading.Event | None = None) -> TrainState:
+    """Train until config.max_steps optimizer steps, or until `stop` is set (rank 0's counts: trainer/run.py sets it on
+    SIGTERM); resume from the latest checkpoint if any."""
     learner = Learner(config, env)
     state = resume(config, learner, env)
     book = None
@@ -98,14 +104,14 @@ def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publi
         book = LeaseBook(source, config.buffer.heartbeat_interval_s, ack_on_checkpoint=config.checkpoint.dir is not None,
                          ledger=state.extra.get(LEDGER_KEY))
     try:
-        return _train(config, env, learner, state, book, publish)
+        return _train(config, env, learner, state, book, publish, stop)
     finally:
         if book is not None:
             book.close()
 
 
 def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainState, book: LeaseBook | None,
-           publish: Publisher | None) -> TrainState:
+           publish: Publisher | None, stop: threading.Event | None) -> TrainState:
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
     weights = policy_weights(learner, env, publish, config.publish) if publishing else None
     publish_now = continue_versions(state, book, publish, env, config.publish.versions_above)
@@ -117,12 +123,17 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         publisher(state)
     pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack
     prefetch = Background("relayrl-prefetch")
-    while state.step < config.max_steps:
+    while not _finished(config, state):
         started = time.monotonic()
         work = None
         if env.is_main:  # the batch prefetched after the last step, else a pull now
-            work = next_work(config, book, prefetch, publisher, pull_wait_s, state.weight_version)
+            work = STOP if stop is not None and stop.is_set() else next_work(
+                config, book, prefetch, publisher, pull_wait_s, state.weight_version, stop)
         work = env.broadcast_object(work)
+        if work == STOP:
+            log.info("asked to stop at step %d: publishing, checkpointing and exporting the weights it ended with",
+                     state.step)
+            break
         if work == RESYNC:  # the same weights under the next version: every receiver takes them
             state.weight_version += 1
             publisher(state)
@@ -136,6 +147,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 "already_trained": float(len(work.already_trained)),
                 "pull_s": time.monotonic() - started,
                 "publish_s": publisher.seconds,
+                **publisher.timings(),
             }
             mini_batches = learner.prepare(work.train)
             for index, mini_batch in enumerate(mini_batches):
@@ -150,12 +162,14 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
             state.samples_trained += len(work.train)
         if env.is_main:
             book.consumed(work, state.weight_version)
-            if config.buffer.prefetch and state.step < config.max_steps:
+            if config.buffer.prefetch and not _finished(config, state) and not (stop is not None and stop.is_set()):
                 prefetch.start(book.pull, config.batch.global_batch_size, state.weight_version)
         if publishing and _due(steps_before, state.step, config.publish.interval):
             publisher(state)
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
             checkpoint(config, learner, state, env, book)
+    if publishing and env.broadcast_object(env.is_main and (publisher.published or 0) != state.weight_version):
+        publisher(state)  # steps since the last publish (publish.interval > 1): the rollout serves what it ended with
     publisher.finish(state)
     if config.checkpoint.dir:
         checkpoint(config, learner, state, env, book)
@@ -164,9 +178,14 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     return state
 
 
+def _finished(config: TrainerConfig, state: TrainState) -> bool:
+    return config.max_steps is not None and state.step >= config.max_steps
+
+
 def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publisher: "Publishing",
-              pull_wait_s: float, version: int):
-    """Rank 0: the next batch's work; RESYNC when, while no batch came, a receiver fell behind the last publish.
+              pull_wait_s: float, version: int, stop: threading.Event | None = None):
+    """Rank 0: the next batch's work; RESYNC when, while no batch came, a receiver fell behind the last publish;
+    STOP when `stop` was set meanwhile.
 
     A rollout worker that restarts serves its base weights at version 0. The trainer publishes after steps, and
     the driver admits no prompt while the worker lags the trainer by more than max_staleness: with nothing left
@@ -174,9 +193,14 @@ def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publ
     """
     if not prefetch.busy:
         prefetch.start(book.pull, config.batch.global_batch_size, version)
-    while not prefetch.done(config.publish.resync_s):
-        if publisher.receivers_behind():
-            return RESYNC
+    resync_at = time.monotonic() + config.publish.resync_s
+    while not prefetch.done(0.25):
+        if stop is not None and stop.is_set():
+            return STOP
+        if time.monotonic() >= resync_at:
+            resync_at = time.monotonic() + config.publish.resync_s
+            if publisher.receivers_behind():
+                return RESYNC
     return book.work(prefetch.wait(pull_wait_s))
 
 
@@ -221,7 +245,7 @@ class Publishing:
     trainer's counter by as much, on every rank.
     """
 
-    def __init__(self, weights: Callable[[], dict[str, torch.Tensor]] | None, publish: Publisher | None,
+    def __init__(self, weights: Callable[[], dict[str, torch.Tensor] | ShardedWeights] | None, publish: Publisher | None,
                  overlap: bool, env: DistEnv, wait_s: float) -> None:
         self.weights, self.publish, self.env, self.wait_s = weights, publish, env, wait_s
         self.sending = Background("relayrl-publish") if overlap and env.is_main else None
@@ -233,15 +257,24 @@ class Publishing:
         started = time.monotonic()
         self._wait(state)  # the previous overlapped publish, if any
         tensors = self.weights()
-        if self.env.is_main:
-            if self.sending is not None:
-                self._requested = state.weight_version
-                self.sending.start(self.publish, tensors, state.weight_version)
-            else:
-                self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
-            self.published = state.weight_version
+        try:
+            if self.env.is_main:
+                if self.sending is not None:
+                    self._requested = state.weight_version
+                    self.sending.start(self.publish, tensors, state.weight_version)
+                else:
+                    self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
+                self.published = state.weight_version
+        finally:  # sharded weights: the other ranks gather every tensor now, rank 0 what its publish did not reach
+            finish_gather(tensors)
         state.weight_version = self.env.broadcast_object(state.weight_version)
         self.seconds = time.monotonic() - started
+
+    def timings(self) -> dict[str, float]:
+        """Rank 0: the last publish that ended: sync_s, from BeginUpdate until every receiver switched, and pause_s,
+        the longest an engine generated nothing for it (zeros before the first, or from a publisher that does not
+        say). publish_s is what the publish cost this loop: all of sync_s, or with `overlap` the gather alone."""
+        return {"sync_s": 0.0, "pause_s": 0.0, **getattr(self.publish, "timings", {})}
 
     def receivers_behind(self) -> bool:
         """Rank 0, no publish in flight: whether a receiver serves an older version than the last publish.
@@ -290,13 +323,16 @@ def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
 
 def policy_weights(
     learner: Learner, env: DistEnv, publish: Publisher | None, config: PublishConfig
-) -> Callable[[], dict[str, torch.Tensor]]:
-    """What each publish sends: the policy under Hugging Face names on rank 0, {} elsewhere (collective).
+) -> Callable[[], dict[str, torch.Tensor] | ShardedWeights]:
+    """What each publish sends: the policy under Hugging Face names (collective).
 
     A trainer that holds its policy whole (one process) and sends it uncast binds the parameters to the
     broadcast's layout (`publish.bind`, see PublishConfig.bind): each publish then goes straight from their
-    memory, or, overlapped with the next step, from a one-copy snapshot of it. Otherwise every publish
-    gathers a full state dict, which the broadcaster packs into buckets.
+    memory, or, overlapped with the next step, from a one-copy snapshot of it. Otherwise each publish sends
+    ShardedWeights over the policy's state as this rank holds it (FSDP2 shards): every tensor is gathered on the
+    trainer's device straight into its bucket as the bucket goes out (trainer/broadcast/gather.py), never into
+    a state dict in host memory. Overlapped with the next step, the publish cannot gather while that step runs
+    its own collectives: every tensor is gathered first, on the device, into a copy (the model's size, on rank 0).
     """
     tied = ties_embeddings(learner.policy)
     can_bind = not env.distributed and config.bind and config.dtype is None
@@ -306,7 +342,14 @@ def policy_weights(
             publish.bind(parameters)
             return publish.snapshot if config.overlap else lambda: parameters
         log.info("publishing gathered state dicts: the policy's state holds tensors that are not parameters")
-    return lambda: hf_state_dict(gather_model_state(learner.policy, env), tied)
+    dtype = publish_dtype(config.dtype)
+
+    def sharded() -> ShardedWeights:
+        return ShardedWeights(hf_state_dict(learner.policy.state_dict(), tied), env.device, dtype)
+
+    if config.overlap:
+        return lambda: sharded().gathered_copy(keep=env.is_main)
+    return sharded
 
 
 def measure_staleness(samples: Sequence[Sample], trainer_version: int, max_staleness: int | None) -> dict[str, float]:
@@ -341,7 +384,7 @@ def report(
             f.write(json.dumps(record) + "\n")
     if state.step % config.log_interval == 0 or state.step == config.max_steps:
         shown = " | ".join(f"{name} {value:.4g}" for name, value in sorted(metrics.items()))
-        log.info("step %d/%d | %s", state.step, config.max_steps, shown)
+        log.info("step %d/%s | %s", state.step, config.max_steps or "-", shown)
 
 
 def _due(steps_before: int, steps_after: int, every: int) -> bool:

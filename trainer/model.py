@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from trainer.lm_head import token_stats
+from trainer.lm_head import head_token_stats
 from trainer.packing import pack_rows
 
 # Names of the value head's parameters in the policy's state dict (never exported to HF).
@@ -56,11 +56,8 @@ class PolicyModel(nn.Module):
         # No KV cache: it would hold every layer's keys and values, and with one transformers ignores packed rows.
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, **attention_kwargs).last_hidden_state
-        head = self.lm.get_output_embeddings()
-        logprobs, entropies = token_stats(
-            hidden[:, :-1], head.weight, head.bias, input_ids[:, 1:], inv_temperatures,
-            chunk_tokens=self.chunk_tokens, fp32=self.lm_head_fp32, entropy=entropy,
-        )
+        logprobs, entropies = head_token_stats(hidden, self.lm.get_output_embeddings(), input_ids, inv_temperatures,
+                                               chunk_tokens=self.chunk_tokens, fp32=self.lm_head_fp32, entropy=entropy)
         values = self.value_head(hidden) if self.value_head is not None else None
         return logprobs, entropies, values
 

@@ -4,6 +4,7 @@ import contextlib
 import logging
 import os
 import pathlib
+import signal
 import threading
 import uuid
 
@@ -24,14 +25,19 @@ log = logging.getLogger(__name__)
 
 
 def run(config: TrainerConfig) -> TrainState:
-    """Run one trainer process (one rank under torchrun) to the end of training."""
+    """Run one trainer process (one rank under torchrun) to the end of training: config.max_steps, or SIGTERM, after
+    which the step under way ends and the weights it leaves are published, checkpointed and exported (rank 0's
+    signal decides for every rank)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     transformers.utils.logging.disable_progress_bar()
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
-    env = init_distributed(config.device, config.dist_timeout_s)
-    log.info("rank %d of %d on %s (pid %d)", env.rank, env.world_size, env.device, os.getpid())  # where it landed
+    env = init_distributed(config.device, config.dist_timeout_s, config.parallel.tp)
+    log.info("rank %d of %d (dp %d x tp %d) on %s (pid %d)", env.rank, env.world_size, env.dp_size, env.tp_size,
+             env.device, os.getpid())  # where it landed
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(shutdown_distributed, env)
         source = publisher = None
@@ -47,7 +53,7 @@ def run(config: TrainerConfig) -> TrainState:
             if config.publish.receivers or config.publish.receivers_from:
                 publisher = RolloutPublisher(config.publish, env.device)
                 cleanup.callback(publisher.close)
-        return train(config, env, source, publisher)
+        return train(config, env, source, publisher, stop)
 
 
 class Heartbeat:
@@ -94,11 +100,14 @@ class RolloutPublisher:
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
             BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
-                            control_timeout_s=config.control_timeout_s, dtype=config.dtype,
+                            control_timeout_s=config.control_timeout_s, dtype=config.dtype, cuda_ipc=config.cuda_ipc,
                             master_addr=config.master_addr, master_port=config.master_port, client=config.client),
             device if config.backend != "gloo" else None,
         )
         self._router = RouterReceivers(config.receivers_from, config.client) if config.receivers_from else None
+        # The last publish's sync time (from BeginUpdate until every receiver switched) and the longest time an
+        # engine stopped generating for it: what the loop reports as sync_s and pause_s.
+        self.timings: dict[str, float] = {}
 
     def _follow_router(self) -> None:
         """With a router, publish to the replicas it lists now (trainer/receivers.py)."""
@@ -108,21 +117,24 @@ class RolloutPublisher:
     def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
         self._follow_router()
         report = self._broadcaster.publish(named_tensors, version)
+        sync_s = report.total_s
         if report.not_newer:
             served = self._broadcaster.served_versions()
             retry = max([version, *(v for v in served.values() if v is not None)]) + 1
             log.warning("weight version %d refused as not newer by %s (serving %s): publishing it as version %d",
                         version, report.not_newer, served, retry)
             report = self._broadcaster.publish(named_tensors, retry)
+            sync_s += report.total_s
             if report.not_newer:
                 raise WeightVersionConflict(
                     f"weight version {retry} refused as not newer by {report.not_newer} right after they served "
                     f"{served}: is another trainer publishing to them?"
                 )
             version = retry
+        self.timings = {"sync_s": sync_s, "pause_s": report.pause_s}
         if report.ok:
-            log.log(self._log_level.level(), "published weight version %d (%.1f MB) in %.2fs", version,
-                    report.bytes / 1e6, report.total_s)
+            log.log(self._log_level.level(), "published weight version %d (%.1f MB) in %.2fs (engines paused %.3fs)",
+                    version, report.bytes / 1e6, report.total_s, report.pause_s)
         else:
             log.warning("weight version %d not taken by %s", version, report.failed)
         return version

@@ -12,7 +12,6 @@ driver never reuses an id the buffer holds; with position_path it also goes on w
 counted in the stats and logged.
 """
 
-import argparse
 import asyncio
 import json
 import logging
@@ -29,10 +28,10 @@ from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rol
 from protos.codec import decode_array, encode_array
 from protos.sample import Sample, SampleStatus
 from rollout.driver.call_merger import CallMerger
-from rollout.driver.producer import GroupProducer
+from rollout.driver.producer import GroupProducer, run_producer
+from rollout.driver.trajectory_log import TrajectoryLogConfig
 from services.client import connect
-from services.config import ClientConfig, Strict, load_config
-from services.teardown import skip_final_collection
+from services.config import ClientConfig, Strict
 
 log = logging.getLogger("relayrl.driver")
 
@@ -91,6 +90,9 @@ class DriverConfig(Strict):
         0.002, ge=0, description="Generate, Score and Put calls of groups made within this window travel as one "
         "request (GenerateMany; at most groups_per_batch groups): fewer round trips for driver, rollout, reward and "
         "buffer. 0 = one per group.")
+    trajectory_log: TrajectoryLogConfig = Field(
+        default_factory=TrajectoryLogConfig, description="A sample of the scored groups kept for `relayrl view` "
+        "(rollout/driver/trajectory_log.py); off without a path.")
 
 
 @dataclass
@@ -140,7 +142,7 @@ class Driver(GroupProducer):
             stubs[address] = rollout_pb2_grpc.RolloutStub(channels[-1])
         self.teachers = {domain: stubs[address] for domain, address in config.teachers.items()}
         self.default_teacher = stubs[config.teacher] if config.teacher else None
-        super().__init__(config, channels)
+        super().__init__(config, channels, tokenizer=config.tokenizer)
         batch_samples = config.groups_per_batch * config.group_size
         self.generator = CallMerger(self._generate, config.merge_window_s, config.groups_per_batch)
         self.scorer = CallMerger(self._score, config.merge_window_s, batch_samples)
@@ -196,6 +198,7 @@ class Driver(GroupProducer):
                 rollout_logprobs=decode_array(completion.logprobs, "logprobs", "float32"),
                 weight_versions=versions,
                 temperature=completion.logprobs_temperature,
+                kv_version=completion.kv_version if completion.HasField("kv_version") else None,
                 status=_STATUS.get(completion.finish_reason, SampleStatus.FAILED),
                 reason=rollout_pb2.FinishReason.Name(completion.finish_reason),
                 prompt_text=prompt.text,
@@ -218,6 +221,7 @@ class Driver(GroupProducer):
                 proto.status, proto.reason = int(sample.status), sample.reason
                 self.stats["failed"] += 1
         await self.storer.submit(protos)
+        self.log_group("group", group_index, lambda: samples)
         self.stats["groups"] += 1
         self.stats["samples"] += len(samples)
         self.stats["tokens"] += sum(s.response_ids.size for s in samples)
@@ -246,31 +250,16 @@ class Driver(GroupProducer):
             "completions_per_s": s["samples"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
             "mean_reward": s["reward_sum"] / s["samples"] if s["samples"] else 0.0,
+            "trajectory_log": self.trajectories.stats,
         }
 
 async def drive(config: DriverConfig) -> dict:
     prompts = load_prompts(config)
-    driver = Driver(config)
-    try:
-        await driver.run_until_signalled(prompts)
-    finally:
-        await driver.close()
-    return driver.snapshot()
+    return await Driver(config).run_to_end(prompts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Feed the replay buffer with scored groups of completions.")
-    parser.add_argument("--config", help="YAML DriverConfig")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    config = load_config(DriverConfig, args.config, args.set)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [driver] %(message)s")
-    try:
-        summary = asyncio.run(drive(config))
-    finally:
-        skip_final_collection()
-    log.info("driver done: %s", json.dumps(summary))
-    return 0
+    return run_producer("driver", "Feed the replay buffer with scored groups of completions.", DriverConfig, drive, argv)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ rollout/driver/admission.py, a bounded number in flight, stats written to a JSON
 
 A subclass sets `rollout`, `buffer` (stubs) and `stats` (with a "retries" count) and implements
 `run_group(item, group_index)` and `snapshot()`. With `position_path` set, where the producer stands in its
-stream is kept there (rollout/driver/position.py): a producer started again goes on from it.
+stream is kept there (rollout/driver/position.py): a producer started again goes on from it. A sample of its
+scored groups goes to the trajectory log (rollout/driver/trajectory_log.py) through `log_group`.
 """
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -13,14 +15,17 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import grpc
 
 from protos import buffer_pb2, rollout_pb2
 from rollout.driver.admission import Gauge, Pipeline, admit
 from rollout.driver.position import Position
+from rollout.driver.trajectory_log import TrajectoryLog, group_record
+from services.config import load_config
 from services.runtime import Sparse
+from services.teardown import skip_final_collection
 
 log = logging.getLogger("relayrl.producer")
 WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
@@ -47,13 +52,13 @@ def unstored_items(items: list, seed: int, position: Position) -> Iterator[tuple
 class GroupProducer:
     """The admission loop over groups. `config` needs group_size, groups_per_batch, versions_per_batch,
     max_staleness, concurrency, max_groups, seed, stats_path, rpc_timeout_s, admission_poll_s, producer_id,
-    position_path."""
+    position_path, trajectory_log; `tokenizer` spells the logged tokens unless trajectory_log names one."""
 
     stats: dict
     rollout: object
     buffer: object
 
-    def __init__(self, config, channels: list):
+    def __init__(self, config, channels: list, tokenizer: str | None = None):
         self.config = config
         self.channels = channels
         self.position = Position.load(config.position_path)
@@ -65,6 +70,7 @@ class GroupProducer:
         self.stored_samples = 0  # of groups stored (Put returned, or every episode closed)
         self.started_at = time.monotonic()
         self._retry_log = Sparse(10.0)
+        self.trajectories = TrajectoryLog(config.trajectory_log, tokenizer)
 
     async def run_group(self, item, group_index: int) -> None:
         raise NotImplementedError
@@ -72,7 +78,20 @@ class GroupProducer:
     def snapshot(self) -> dict:
         raise NotImplementedError
 
+    def log_group(self, kind: str, group_index: int, samples: Callable[[], Sequence], prompt: dict | None = None,
+                  extra: Callable[[], Sequence[dict]] = tuple) -> None:
+        """Hand a stored group to the trajectory log when it samples this one: `samples()` (protos.sample.Sample),
+        `extra()` (more fields of each sample's record) and the record are made on its writer thread, with the
+        versions known now (trajectory_log.group_record)."""
+        if not self.trajectories.wants(group_index):
+            return
+        reading, served, producer, now = self.gauge.reading, self.version, self.producer_id, time.time()
+        trainer = reading.trainer_version if reading is not None else 0
+        self.trajectories.offer(group_index, lambda spell: group_record(
+            kind, samples(), producer, trainer, served, spell, now, prompt, extra()))
+
     async def close(self) -> None:
+        self.trajectories.close()
         self.gauge.close()
         for channel in self.channels:
             await channel.close()
@@ -165,6 +184,14 @@ class GroupProducer:
                 reporter.cancel()
                 self._write_stats()
 
+    async def run_to_end(self, items: list) -> dict:
+        """run_until_signalled, then close; the final snapshot (what a producer process logs when it ends)."""
+        try:
+            await self.run_until_signalled(items)
+        finally:
+            await self.close()
+        return self.snapshot()
+
     async def run_until_signalled(self, items: list) -> None:
         """run() until it ends or SIGTERM/SIGINT; then the groups in flight get STOP_GRACE_S to be stored and the
         rest are abandoned (not stored: a producer started again generates them again). Ctrl-C reaches every
@@ -196,3 +223,21 @@ class GroupProducer:
         while not stop.is_set():
             await asyncio.sleep(2.0)
             self._write_stats()
+
+
+def run_producer(name: str, description: str, config_type: type, run: Callable[..., Awaitable[dict]],
+                 argv: list[str] | None = None) -> int:
+    """A producer as a process (`python -m rollout.driver`, `python -m rollout.envs.runner`): its config from
+    --config / --set, `run(config)` until it is signalled, then its summary logged."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help=f"YAML {config_type.__name__}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_config(config_type, args.config, args.set)
+    logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
+    try:
+        summary = asyncio.run(run(config))
+    finally:
+        skip_final_collection()
+    log.info("%s done: %s", name, json.dumps(summary))
+    return 0

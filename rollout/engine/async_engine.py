@@ -56,6 +56,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._error: BaseException | None = None
         self._version_changed: asyncio.Event | None = None  # made in the caller's loop at the first watch
+        self._step_ended = 0.0  # perf_counter at the end of the last step (engine thread)
+        self.last_pause_s = 0.0  # how long the last weight update kept the engine from stepping
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -224,8 +226,11 @@ class AsyncEngine:
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
         """Copy `weights` (name -> tensor) into the model between two steps, or with `adopt` serve them
-        as they are (LLMEngine.load_weights); returns the seconds it took."""
-        seconds = await self._call(lambda: self._switch_weights(weights, version, adopt))
+        as they are (LLMEngine.load_weights); returns the seconds it took. `last_pause_s` says afterwards how
+        long the engine ran no step for it: from the end of its last step (or the update's arrival, when that
+        came later: it was idle) until the switch was done."""
+        submitted = time.perf_counter()
+        seconds = await self._call(lambda: self._switch_weights(weights, version, adopt, submitted))
         if self._version_changed is not None:  # wake the watchers; the next watch waits on a fresh event
             self._version_changed.set()
             self._version_changed = None
@@ -260,6 +265,7 @@ class AsyncEngine:
                 self.engine.expire_sessions()
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                    self._step_ended = time.perf_counter()
         except BaseException as exc:  # the thread must not die silently: every waiter learns why
             log.exception("rollout engine thread crashed")
             self._error = exc
@@ -308,10 +314,12 @@ class AsyncEngine:
             self._abort(request_id)  # its stream hears the abort
         return self.engine.close_session(session_id)
 
-    def _switch_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool) -> float:
+    def _switch_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool, submitted: float) -> float:
         start = time.perf_counter()
         self.engine.load_weights(weights, version, adopt=adopt)
-        return time.perf_counter() - start
+        done = time.perf_counter()
+        self.last_pause_s = done - max(submitted, self._step_ended)
+        return done - start
 
     def _deliver(self, outputs: list[TokenOutput]) -> None:
         """Hand each request's outputs to its queue, waking each event loop once per step, not once per request."""
@@ -365,7 +373,8 @@ class AsyncEngine:
 
 
 def _completion(seq: EngineSequence) -> Completion:
-    return Completion(seq.index, seq.output_ids, list(seq.logprobs), list(seq.weight_versions), seq.finish_reason)
+    return Completion(seq.index, seq.output_ids, list(seq.logprobs), list(seq.weight_versions), seq.finish_reason,
+                      seq.kv_version)
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, list[TokenOutput]]]) -> None:

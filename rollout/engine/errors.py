@@ -47,4 +47,9 @@ class KVTransferCorrupt(ValueError):
 
 class KVWeightVersionMismatch(RuntimeError):
     """A KV transfer was computed with other weights than the receiving engine serves (FAILED_PRECONDITION);
-    prefill again under the served version."""
+    prefill again under the served version. `kv_version`, `served_version`: the two versions, when known."""
+
+    def __init__(self, message: str, kv_version: int | None = None, served_version: int | None = None):
+        super().__init__(message)
+        self.kv_version = kv_version
+        self.served_version = served_version

@@ -22,7 +22,7 @@ from rollout.config import EngineConfig
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.scheduler import Batch
 from rollout.engine.sequence import Sequence
-from rollout.kv.cache import KVCache
+from rollout.kv.cache import KVCache, device_ids
 from rollout.kv.quantized import QuantizedKVCache
 
 
@@ -72,13 +72,13 @@ class KVEvictor:
 
     def select(self, slots: int, importance: list[torch.Tensor] | None) -> torch.Tensor:
         """Slots to keep, [num_layers, kv_heads, budget] in increasing order (one set for every layer and head when
-        the method scores nothing)."""
-        layers, heads = self.cache.num_layers, self.cache.num_kv_heads
-        sinks = torch.arange(self.sinks)
+        the method scores nothing), on the cache's device (where the scores are)."""
+        layers, heads, device = self.cache.num_layers, self.cache.num_kv_heads, self.cache.device
+        sinks = torch.arange(self.sinks, device=device)
         if self.method == "window" or importance is None:
-            keep = torch.cat([sinks, torch.arange(slots - (self.budget - self.sinks), slots)])
+            keep = torch.cat([sinks, torch.arange(slots - (self.budget - self.sinks), slots, device=device)])
             return keep.expand(layers, heads, -1)
-        recent = torch.arange(slots - self.window, slots)
+        recent = torch.arange(slots - self.window, slots, device=device)
         middle = torch.stack([layer[:, self.sinks : slots - self.window] for layer in importance])  # [L, H, candidates]
         chosen = middle.topk(self.budget - self.sinks - self.window, dim=-1).indices + self.sinks
         fixed = torch.cat([sinks, recent]).expand(layers, heads, -1)
@@ -91,13 +91,14 @@ def compact(cache: KVCache | QuantizedKVCache, old_table: list[int], new_table: 
     kv head by kv head."""
     block_size = cache.block_size
     count = keep.shape[-1]
-    old_ids = torch.tensor(old_table, device=cache.device)
-    targets = torch.tensor([new_table[s // block_size] * block_size + s % block_size for s in range(count)],
-                           device=cache.device)
+    target_slots = [new_table[s // block_size] * block_size + s % block_size for s in range(count)]
+    old_ids, targets = device_ids(cache.device, old_table, target_slots)
     heads = torch.arange(cache.num_kv_heads, device=cache.device)
     for layer in range(cache.num_layers):
         keys, values = cache.read_blocks(layer, old_ids)
         rows = keep[layer].T.to(cache.device)  # [count, heads]
         kept_keys = keys.view(-1, cache.num_kv_heads, cache.head_dim)[rows, heads]
         kept_values = values.view(-1, cache.num_kv_heads, cache.head_dim)[rows, heads]
+        if layer == 0:
+            cache.plan_write(target_slots, targets)
         cache.write(layer, targets, kept_keys, kept_values)

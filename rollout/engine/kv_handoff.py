@@ -146,7 +146,8 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
                                 f"tokens do not fit the request (seed {params.seed}, n={params.n})")
     if prefilled.weight_version != engine.weight_version:
         raise KVWeightVersionMismatch(f"weight_version: the KV was computed with weights version "
-                                      f"{prefilled.weight_version}, this worker serves {engine.weight_version}")
+                                      f"{prefilled.weight_version}, this worker serves {engine.weight_version}",
+                                      prefilled.weight_version, engine.weight_version)
     layout = served_layout(engine)
     expected = (layout.num_layers, len(prompt), layout.num_kv_heads, layout.head_dim)
     if tuple(prefilled.keys.shape) != expected or tuple(prefilled.values.shape) != expected:
@@ -168,6 +169,7 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
         manager.fork(head, child)
     for seq in seqs:
         seq.num_cached_tokens = len(prompt)
+        seq.context_version = prefilled.weight_version
     engine.requests[request_id] = seqs
     outputs = engine._postprocess(seqs, prefilled.first_token_ids, prefilled.first_logprobs)
     for seq in reversed(seqs):  # the children first: completion 0 then holds its last block alone

@@ -118,6 +118,7 @@ class LLMEngine(SessionSteps):
             return []
         due = self.evictor.plan(batch) if self.evictor is not None else []
         self._count_prefill(batch)
+        self._stamp_kv_versions(batch)
         token_ids, logprobs = self.runner.run(batch)
         self.scheduler.update(batch)
         outputs = self._postprocess(batch.sampled, token_ids, logprobs)
@@ -136,6 +137,14 @@ class LLMEngine(SessionSteps):
                 seq.session.prefill_tokens += computed
                 seq.session.turn_prefill_tokens[-1] += computed
 
+    def _stamp_kv_versions(self, batch: Batch) -> None:
+        """A sequence that computes its first KV (a new prompt, a recompute) computes it with the weights served now;
+        a fork shares its sibling's."""
+        for seq in batch.seqs:
+            if seq.context_version is None:
+                source = seq.prefill_from
+                seq.context_version = self.weight_version if source is None else source.context_version
+
     def abort(self, request_id: str) -> list[TokenOutput]:
         """End a request's unfinished completions (reason abort, partial output kept) and free their blocks."""
         outputs = []
@@ -143,7 +152,7 @@ class LLMEngine(SessionSteps):
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
                 self._finish(seq)
-                outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT))
+                outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT, seq.kv_version))
         return outputs
 
     def compute_logprobs(
@@ -226,17 +235,25 @@ class LLMEngine(SessionSteps):
         """Copy tensors into the parameters of the same name, in place, and serve them as `version`.
 
         With `adopt`, the model serves the given tensors themselves instead (a complete update whose
-        memory the caller hands over, see CausalLM.adopt_weights). Sequences in flight keep their KV
-        and continue; their later tokens carry the new version. The prefix cache forgets every prefix:
-        KV computed with the old weights is never reused by a new request.
+        memory the caller hands over, see CausalLM.adopt_weights). Sequences in flight continue; their later
+        tokens carry the new version. KV computed with the old weights (config.kv_on_update): with "keep"
+        in-flight sequences and idle sessions keep theirs (their kv_version stays the old version); with
+        "recompute" it is dropped, and each sequence recomputes its context with the new weights before its
+        next token (the scheduler's preemption), each session at its next turn. Either way the prefix cache
+        forgets every prefix: KV computed with the old weights is never reused by a new request.
         """
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         with torch.no_grad():
             if adopt:
                 self.runner.model.adopt_weights(items)
+                if self.runner.graphs is not None:  # the graphs hold the old weights' addresses
+                    self.runner.graphs.reset()
             else:
                 self.runner.model.load_weights(items)
         self.weight_version = version
+        if self.config.kv_on_update == "recompute":
+            self.scheduler.drop_kv()
+            self.sessions.drop_kv()
         self.block_manager.reset_prefix_cache()
 
     def generate(
@@ -283,12 +300,15 @@ class LLMEngine(SessionSteps):
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             seq.append(token_id, logprob, self.weight_version)
             reason = self._finish_reason(seq, token_id)
+            kv_version = None
             if reason is not None:
+                kv_version = seq.kv_version
                 seq.finish_reason = reason
                 self._finish(seq)
                 if all(s.is_finished for s in self.requests[seq.request_id]):
                     del self.requests[seq.request_id]
-            outputs.append(TokenOutput(seq.request_id, seq.index, token_id, logprob, self.weight_version, reason))
+            outputs.append(TokenOutput(seq.request_id, seq.index, token_id, logprob, self.weight_version, reason,
+                                       kv_version))
         return outputs
 
     def _finish(self, seq: Sequence) -> None:

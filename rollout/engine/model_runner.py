@@ -6,12 +6,20 @@ from collections.abc import Collection
 import torch
 
 from rollout.config import EngineConfig
+from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.sampler import Sampler, SamplingTensors, completion_key, row_keys
 from rollout.engine.scheduler import Batch
 from rollout.engine.sequence import Sequence
 from rollout.kv.cache import KVCache
 from rollout.kv.quantized import QuantizedKVCache, block_codec
-from rollout.model.attention import AttentionGroup, AttentionMetadata, LengthClass, Observation
+from rollout.model.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    FixedShapeAttention,
+    LengthClass,
+    Observation,
+    PagedKernel,
+)
 from rollout.model.attention_flashinfer import FlashInferAttention
 from rollout.model.decoder import CausalLM
 
@@ -25,15 +33,23 @@ class ModelRunner:
         self.model = CausalLM(model_config, config.max_model_len, config.torch_dtype, self.device, config.lm_head_fp32)
         with torch.no_grad():
             self.model.load_checkpoint(config.model)
-        self.cache = make_kv_cache(config, self.device)  # in the model dtype, or quantized (kv_cache_dtype)
-        # FlashInfer's paged kernel where config.attention_backend chose it; None: plain torch (rollout/model/attention.py)
-        self.kernel = None
+        # In the model dtype, or quantized (kv_cache_dtype); with CUDA graphs one more block: the padding rows' scratch
+        self.cache = make_kv_cache(config, self.device)
+        self.attention_kernel = config.attention_kernel  # "torch", "triton" or "flashinfer" (rollout/model/attention.py)
+        self.scale = model_config.head_dim**-0.5  # the model's attention scale (rollout/model/decoder.py)
+        self.kernel = None  # FlashInfer's wrapper, planned each step
         if config.attention_kernel == "flashinfer":
             self.kernel = FlashInferAttention(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
                                               config.block_size, config.torch_dtype, self.device)
         self.sampler = Sampler(config.logprobs_mode)
         # Built once, read every step: key positions of the widest block table and the two mask values.
         max_blocks = -(-config.max_model_len // config.block_size)
+        self.graphs = None  # decode steps on static buffers, replayed from CUDA graphs (rollout/engine/cuda_graphs.py)
+        if config.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.cache, self._fixed_shape_attention, config.max_num_seqs,
+                                       max_blocks, config.num_blocks, self.device)
+            if self.graphs.capture:
+                self.graphs.capture_all()
         self._key_positions = torch.arange(max_blocks * config.block_size, device=self.device)
         self.length_classes = config.attention_length_classes
         self.observation_window = config.kv_observation_window
@@ -50,10 +66,15 @@ class ModelRunner:
         computed = [seq for seq in batch.seqs if seq.prefill_from is None]
         if batch.is_prefill:  # one-token rows first: they attend as a group of their own (see _prepare)
             computed.sort(key=lambda seq: batch.num_new_tokens[seq.seq_id] > 1)
-        query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
-        input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens, batch.observe)
-        hidden = self.model(input_ids, positions, self.cache, meta)
-        self.observations = meta.observations
+        if self.graphs is not None and not batch.is_prefill and not batch.observe:
+            hidden = self.graphs.run(self._decode_rows(computed))
+            last_rows = list(range(len(computed)))
+            self.observations = {}
+        else:
+            query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
+            input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens, batch.observe)
+            hidden = self.model(input_ids, positions, self.cache, meta)
+            self.observations = meta.observations
         if not batch.sampled:  # every sequence is mid-prefill
             return [], []
         row_of = {id(seq): row for seq, row in zip(computed, last_rows)}
@@ -128,11 +149,11 @@ class ModelRunner:
         slot_mapping = [seq.block_table[s // block_size] * block_size + s % block_size for seq, s in zip(owners, slots)]
         # One host-to-tensor copy for the three per-token lists (each torch.tensor call costs several ops).
         input_ids_t, positions_t, slot_mapping_t = self._tensor([*input_ids, *positions, *slot_mapping]).view(3, -1)
-        if self.kernel is not None and not observe:  # the kernel reads the block tables itself; no classes to build
+        self.cache.plan_write(slot_mapping, slot_mapping_t)  # a quantized cache plans its write on the host
+        if self.attention_kernel != "torch" and not observe:  # a kernel reads the block tables; no classes to build
             row_lens = query_lens if query_lens is not None else [1] * len(seqs)
-            self.kernel.plan([seq.block_table for seq in seqs], row_lens,
-                             [start + n for start, n in zip(starts, row_lens)])
-            return input_ids_t, positions_t, AttentionMetadata(slot_mapping_t, [], kernel=self.kernel), last_rows
+            kernel = self._plan_kernel(seqs, row_lens, [start + n for start, n in zip(starts, row_lens)])
+            return input_ids_t, positions_t, AttentionMetadata(slot_mapping_t, [], kernel=kernel), last_rows
         groups = []
         if split:  # one new token each: rows 0..split-1, at their slots
             decode_slots = self._tensor(starts[:split]) if any(shifts) else positions_t[:split]
@@ -147,6 +168,35 @@ class ModelRunner:
             groups.append(self._group(seqs[split:], slice(split, len(input_ids)), query_positions, query_slots, longest,
                                       [s + n for s, n in zip(starts[split:], lens)], observe, lens))
         return input_ids_t, positions_t, AttentionMetadata(slot_mapping=slot_mapping_t, groups=groups), last_rows
+
+    def _plan_kernel(self, seqs: list[Sequence], query_lens: list[int], kv_lens: list[int]) -> PagedKernel:
+        tables = [seq.block_table for seq in seqs]
+        if self.attention_kernel == "flashinfer":
+            self.kernel.plan(tables, query_lens, kv_lens)
+            return self.kernel
+        from rollout.model.attention_triton import TritonAttention  # imports triton: only where it was chosen
+
+        return TritonAttention.plan(tables, query_lens, kv_lens, self.block_size, self.scale, self.device)
+
+    def _decode_rows(self, seqs: list[Sequence]) -> list[list[int]]:
+        """A decode step's rows for DecodeGraphs.run: token, position, slot, context length, block table."""
+        rows = []
+        for seq in seqs:
+            position = len(seq) - 1
+            slot = position - seq.num_evicted_tokens
+            block_slot = seq.block_table[slot // self.block_size] * self.block_size + slot % self.block_size
+            rows.append([seq.token_ids[-1], position, block_slot, slot + 1, *seq.block_table])
+        return rows
+
+    def _fixed_shape_attention(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               query_starts: torch.Tensor) -> PagedKernel:
+        """The attention of a CUDA-graph bucket (one query per row): the Triton kernel, or on CPU with the torch
+        backend attention.FixedShapeAttention."""
+        if self.attention_kernel == "triton":
+            from rollout.model.attention_triton import TritonAttention
+
+            return TritonAttention(block_tables, query_starts, context_lens, 1, self.scale)
+        return FixedShapeAttention(block_tables, context_lens, self.scale)
 
     def _group(self, seqs: list[Sequence], rows: slice, query_positions: torch.Tensor, query_slots: torch.Tensor | None,
                max_query_len: int, kv_lens: list[int], observe: Collection[int] = (),
@@ -210,10 +260,12 @@ class ModelRunner:
 
 
 def make_kv_cache(config: EngineConfig, device: torch.device) -> KVCache | QuantizedKVCache:
-    """The cache `config.kv_cache_dtype` names: KVCache in the model dtype ("auto") or a QuantizedKVCache."""
+    """The cache `config.kv_cache_dtype` names: KVCache in the model dtype ("auto") or a QuantizedKVCache. With
+    config.cuda_graphs a KVCache holds one block more than the block manager hands out: the padding rows' scratch."""
     m = config.model_config
     shape = (m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim)
     if config.kv_cache_dtype == "auto":
-        return KVCache(*shape, config.torch_dtype, device)
+        scratch = 1 if config.cuda_graphs else 0  # block num_blocks: never handed out (rollout/engine/cuda_graphs.py)
+        return KVCache(shape[0], config.num_blocks + scratch, *shape[2:], config.torch_dtype, device)
     return QuantizedKVCache(*shape, config.torch_dtype, device, block_codec(config.kv_cache_dtype, config.block_size),
                             config.kv_open_blocks)

@@ -19,6 +19,7 @@ class TokenOutput(NamedTuple):
     logprob: float | None
     weight_version: int | None  # policy version that produced the token
     finish_reason: FinishReason | None  # None while the completion continues
+    kv_version: int | None = None  # on a completion's last output: Sequence.kv_version (None: unknown)
 
 
 @dataclass
@@ -30,6 +31,9 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # Once finished: the oldest weight version of the KV its tokens were sampled on (Sequence.kv_version);
+    # None: unknown (the engine does not say, or no KV was computed)
+    kv_version: int | None = None
 
     def add(self, output: TokenOutput) -> None:
         if output.token_id is not None:
@@ -37,6 +41,7 @@ class Completion:
             self.logprobs.append(output.logprob)
             self.weight_versions.append(output.weight_version)
         self.finish_reason = output.finish_reason
+        self.kv_version = output.kv_version
 
 
 @dataclass

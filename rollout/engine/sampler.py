@@ -5,6 +5,11 @@ masked) + Gumbel noise). The noise comes from a counter-based hash of (seed, com
 position, token id) (splitmix64), so one batched op serves every request, each with its own seed, and a
 completion is reproducible whatever it was batched with and even after preemption.
 
+The [B, V] work that needs int64 (the hash, top-k/top-p's sort indices) runs on a few rows at a time, at most
+`chunk_elements` elements (32 MB of int64 by default), and the noise is float32 from 23 bits of the hash: at
+B = 256 and Qwen's V = 151,936 a [B, V] int64 or float64 temporary alone is 311 MB. The rows a chunk takes
+do not change any row's draw (the noise is a pure function of its row key and token id).
+
 Logprobs (`logprobs_mode`):
 - "tempered" (default): log_softmax(logits / T) at the row's temperature T, before top-k/top-p: the
   distribution the token was drawn from, up to the truncation. The trainer recomputes exactly this
@@ -73,21 +78,34 @@ class SamplingTensors:
     any_filtered: bool  # some sampled row uses top-k or top-p
 
 
+CHUNK_ELEMENTS = 1 << 22  # elements of the [rows, V] int64 temporaries a chunk of rows may hold
+
+
 class Sampler:
-    def __init__(self, logprobs_mode: str = "tempered"):
+    def __init__(self, logprobs_mode: str = "tempered", chunk_elements: int = CHUNK_ELEMENTS):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: expected one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
+        self.chunk_elements = chunk_elements
         self._token_offsets: torch.Tensor | None = None  # token id * golden ratio, per vocabulary
 
-    def _gumbel(self, row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
-        """Gumbel(0, 1) noise [B, V], a pure function of (row key, token id)."""
+    def _chunks(self, batch: int, vocab: int) -> list[slice]:
+        """Row ranges of at most chunk_elements elements of [batch, vocab] (one row at the least)."""
+        step = max(1, self.chunk_elements // vocab)
+        return [slice(start, start + step) for start in range(0, batch, step)]
+
+    def _noisy_argmax(self, scores: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+        """argmax(scores + Gumbel(0, 1) noise) of each row of scores [B, V]; the noise, a pure function of (row key,
+        token id), is made a chunk of rows at a time."""
+        batch, vocab = scores.shape
         if self._token_offsets is None or self._token_offsets.shape[1] != vocab:
-            ids = torch.arange(vocab, dtype=torch.int64, device=row_keys.device)
+            ids = torch.arange(vocab, dtype=torch.int64, device=scores.device)
             self._token_offsets = (ids * as_int64(_GOLDEN)).unsqueeze(0)
-        bits = _splitmix64(row_keys.unsqueeze(1) + self._token_offsets)
-        uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)  # in (0, 1)
-        return uniform.log_().neg_().log_().neg_().float()
+        tokens = torch.empty(batch, dtype=torch.int64, device=scores.device)
+        for rows in self._chunks(batch, vocab):
+            noise = _gumbel(_splitmix64_(row_keys[rows].unsqueeze(1) + self._token_offsets))
+            tokens[rows] = noise.add_(scores[rows]).argmax(dim=-1)
+        return tokens
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] -> (token ids [B] int64, logprobs [B] float32)."""
@@ -99,9 +117,12 @@ class Sampler:
             return tokens, self._logprobs(logits, tokens)
         sampled = params.temperatures > 0
         tempered = logits / torch.where(sampled, params.temperatures, 1.0).unsqueeze(1)
-        processed = _top_k_top_p(tempered, params.top_ks, params.top_ps) if params.any_filtered else tempered
-        noise = self._gumbel(params.row_keys, logits.shape[1])
-        tokens = torch.where(sampled, (processed + noise).argmax(dim=-1), tokens)
+        processed = tempered
+        if params.any_filtered:
+            processed = torch.empty_like(tempered)
+            for rows in self._chunks(*tempered.shape):
+                processed[rows] = _top_k_top_p(tempered[rows], params.top_ks[rows], params.top_ps[rows])
+        tokens = torch.where(sampled, self._noisy_argmax(processed, params.row_keys), tokens)
         if self.logprobs_mode == "raw":
             return tokens, self._logprobs(logits, tokens)
         if self.logprobs_mode == "tempered":  # greedy rows were divided by 1: their raw logprob
@@ -124,10 +145,21 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tenso
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def _gumbel(bits: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise, float32, from the top 23 bits of each int64 of `bits` (uniform in (0, 1) exactly)."""
+    uniform = bits.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1).to(torch.float32)
+    return uniform.add_(0.5).mul_(2.0**-23).log_().neg_().log_().neg_()
+
+
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser on int64 tensors; masks turn the arithmetic shifts into logical ones."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * as_int64(_MIX1)
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * as_int64(_MIX2)
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
+    return _splitmix64_(x.clone())
+
+
+def _splitmix64_(x: torch.Tensor) -> torch.Tensor:
+    """_splitmix64 in place (one temporary of x's size at a time)."""
+    x.bitwise_xor_((x >> 30).bitwise_and_((1 << 34) - 1))
+    x.mul_(as_int64(_MIX1))
+    x.bitwise_xor_((x >> 27).bitwise_and_((1 << 37) - 1))
+    x.mul_(as_int64(_MIX2))
+    return x.bitwise_xor_((x >> 31).bitwise_and_((1 << 33) - 1))

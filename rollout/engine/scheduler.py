@@ -7,7 +7,8 @@ steps while the running sequences keep decoding, and prompts that arrive one by 
 decode instead of each costing a step of its own. A sequence samples in the step that computes its last
 token; the other completions of its request fork its blocks in that step and sample from its logits.
 When a decode cannot get a block, the most recently started sequence is preempted: its blocks are freed
-and it waits to be recomputed (prompt + output so far, from whatever prefix the cache still holds).
+and it waits to be recomputed (prompt + output so far, from whatever prefix the cache still holds). A weight
+update with kv_on_update recompute preempts every running sequence so (drop_kv).
 """
 
 from collections import deque
@@ -152,16 +153,31 @@ class Scheduler:
         when nothing runs that would free blocks; that turn recomputes them. Whether one was freed."""
         for seq in reversed(list(self.waiting)[1:]):
             if seq.block_table:
-                self.block_manager.deallocate(seq)
+                self._drop(seq)
                 return True
         return False
+
+    def drop_kv(self) -> None:
+        """Drop the KV of every sequence (new weights, kv_on_update recompute): the running ones are preempted, in
+        their order ahead of the waiting ones, and waiting session turns give back the blocks they brought. Each
+        recomputes its context (from whatever prefix the cache holds) before its next token."""
+        while self.running:
+            self._preempt(self.running.pop())
+        for seq in self.waiting:
+            if seq.block_table:
+                self._drop(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.prefilling = False
-        self.block_manager.deallocate(seq)
+        self._drop(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _drop(self, seq: Sequence) -> None:
+        """Free the blocks of a sequence that will recompute them (its next KV is of the weights it runs with then)."""
+        self.block_manager.deallocate(seq)
+        seq.context_version = None
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks (a session's turn keeps

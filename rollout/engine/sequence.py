@@ -17,6 +17,12 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # aborted; the partial output is kept
 
 
+def oldest(*versions: int | None) -> int | None:
+    """The smallest of the versions that are not None (None if all are)."""
+    known = [v for v in versions if v is not None]
+    return min(known) if known else None
+
+
 class Sequence:
     """Completion `index` of request `request_id`.
 
@@ -54,6 +60,11 @@ class Sequence:
         self.prefill_from: Sequence | None = None
         # A session's turn (rollout/engine/sessions.py): its blocks go back to the session when it finishes.
         self.session = None
+        # The weight versions of its KV (kv_version below). `context_version`: the version its oldest KV was
+        # computed with; None while it holds none (the engine step that computes its first KV sets it).
+        # `stale_kv_version`: the oldest context_version a token was sampled on with newer weights, if one was.
+        self.context_version: int | None = None
+        self.stale_kv_version: int | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -79,8 +90,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def kv_version(self) -> int | None:
+        """The oldest weight version of the KV its tokens were sampled on, where that KV is older than the token's
+        own weights, or else of the KV it holds: a token of weight version w was sampled on KV computed with
+        versions in [min(w, kv_version), w]. None: it computed no KV."""
+        return oldest(self.context_version, self.stale_kv_version)
+
     def append(self, token_id: int, logprob: float, weight_version: int) -> None:
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         self.weight_versions.append(weight_version)
+        if self.context_version != weight_version:  # sampled on KV of older weights (kv_on_update keep)
+            self.stale_kv_version = oldest(self.stale_kv_version, self.context_version)
 

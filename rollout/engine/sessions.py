@@ -4,7 +4,9 @@ A session holds the exact token ids generation saw and produced (token in, token
 tokens, then policy turns (loss mask 1, each token with its logprob and weight version) and
 observation tokens (loss mask 0). Between turns the session owns the KV blocks of its context, so the
 next turn prefills only the tokens added since. When the cache runs short the blocks of the idle
-session used least recently are dropped (`evict_idle`); its next turn recomputes them from its tokens.
+session used least recently are dropped (`evict_idle`); its next turn recomputes them from its tokens. A weight
+update with kv_on_update recompute drops every idle session's blocks so (`drop_kv`); with keep, the next turn
+reuses them, and its kv_version says how old they are (rollout/engine/sequence.py).
 
 The table is engine state: only the engine thread touches it (see LLMEngine).
 """
@@ -26,7 +28,7 @@ from rollout.engine.errors import (
     SessionNotFound,
 )
 from rollout.engine.sampling_params import SamplingParams, validate_prompt
-from rollout.engine.sequence import FinishReason, Sequence
+from rollout.engine.sequence import FinishReason, Sequence, oldest
 
 _EXPIRED_IDS_KEPT = 10_000  # ids remembered after expiry, so a late call hears "expired", not "unknown"
 
@@ -50,6 +52,8 @@ class Session:
     prefill_tokens: int = 0
     turn_prefill_tokens: list[int] = field(default_factory=list)
     kv_recomputes: int = 0
+    context_version: int | None = None  # of the KV the last turn left (Sequence.context_version)
+    stale_kv_version: int | None = None  # the oldest of its turns' (Sequence.stale_kv_version)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ class SessionRecord:
     prefill_tokens: int
     turn_prefill_tokens: list[int]
     kv_recomputes: int
+    # Sequence.kv_version over the episode: a token of weight version w was sampled on KV computed with versions
+    # in [min(w, kv_version), w]. None: no KV was computed (no policy turn, or an engine that does not say: vLLM,
+    # SGLang).
+    kv_version: int | None = None
 
 
 class SessionTable:
@@ -149,6 +157,7 @@ class SessionTable:
         seq.session = session
         seq.block_table, session.block_table = session.block_table, []
         seq.num_cached_tokens = session.num_cached_tokens
+        seq.context_version = session.context_version if session.num_cached_tokens else None
         session.turn = seq
         session.turn_prefill_tokens.append(0)
 
@@ -162,6 +171,9 @@ class SessionTable:
         session.weight_versions += seq.weight_versions
         session.block_table, seq.block_table = seq.block_table, []
         session.num_cached_tokens = min(seq.num_cached_tokens, len(session.token_ids))
+        if seq.context_version is not None:  # (a turn aborted before it computed any KV leaves the last one)
+            session.context_version = seq.context_version
+        session.stale_kv_version = oldest(session.stale_kv_version, seq.stale_kv_version)
         session.finish_reason = seq.finish_reason
         session.turn = None
         session.turns += 1
@@ -179,6 +191,7 @@ class SessionTable:
             turn_rewards=session.turn_rewards, finish_reason=session.finish_reason,
             temperature=session.temperature or 0.0, turns=session.turns, prefill_tokens=session.prefill_tokens,
             turn_prefill_tokens=session.turn_prefill_tokens, kv_recomputes=session.kv_recomputes,
+            kv_version=oldest(session.context_version, session.stale_kv_version),
         )
 
     def state(self, session_id: str, weight_version: int) -> SessionState:
@@ -193,6 +206,13 @@ class SessionTable:
         self._free(min(holders, key=lambda s: s.last_used))
         self.num_evictions += 1
         return True
+
+    def drop_kv(self) -> None:
+        """Drop every idle session's KV (new weights, kv_on_update recompute): each recomputes its context with the
+        weights of its next turn. A running turn's KV is the scheduler's to drop."""
+        for session in self.sessions.values():
+            if session.turn is None:
+                self._free(session)
 
     def expire(self) -> list[str]:
         """Close the sessions idle for longer than idle_timeout_s (not those running a turn); their ids."""

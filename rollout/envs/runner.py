@@ -15,27 +15,27 @@ sample id (the buffer drops a second copy of one it stored). A context that fill
 the episode where it is.
 """
 
-import argparse
 import asyncio
-import json
 import logging
 import random
 import secrets
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 from protos.codec import pack_metadata
-from rollout.driver.producer import RETRYABLE, GroupProducer
+from protos.sample import Sample
+from rollout.driver.producer import RETRYABLE, GroupProducer, run_producer
+from rollout.driver.trajectory_log import TrajectoryLogConfig
 from rollout.envs.base import Environment, Message, Task, environment_class
+from rollout.serve.tool_calls import split_tool_calls
 from services.client import connect
-from services.config import Strict, load_config
-from services.teardown import skip_final_collection
+from services.config import Strict
 
 log = logging.getLogger("relayrl.runner")
 
@@ -71,6 +71,9 @@ class RunnerConfig(Strict):
     seed: int = 0
     stats_path: str | None = Field(None, description="Append a JSON line of runner stats here every 2 s.")
     rpc_timeout_s: float = Field(120.0, gt=0, description="Deadline of each rollout/buffer call.")
+    trajectory_log: TrajectoryLogConfig = Field(
+        default_factory=TrajectoryLogConfig, description="A sample of the groups of episodes, turn by turn, kept for "
+        "`relayrl view` (rollout/driver/trajectory_log.py); off without a path.")
 
 
 @dataclass
@@ -84,6 +87,9 @@ class Episode:
     truncated: bool  # the context filled up before the environment was done
     submitted: bool  # the rollout put it into the buffer
     sample: common_pb2.Sample  # the episode as the session closed it
+    opening: list[Message] = field(default_factory=list)  # the environment's first messages
+    # turn by turn: {"role": "assistant", "text"} for the policy's, then the environment's messages and reward
+    transcript: list[dict] = field(default_factory=list)
 
 
 def env_spec(name: str, env_config: dict) -> tuple[type[Environment], Strict]:
@@ -102,9 +108,11 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
     """One episode on one session, closed with `close`'s fields (its reward filled in here).
 
     Raises grpc.aio.AioRpcError for what the caller must decide (a lost session, a bad request)."""
-    await stub.OpenSession(rollout_pb2.OpenSessionRequest(session_id=session_id, messages=_messages(env.reset())),
+    opening = env.reset()
+    await stub.OpenSession(rollout_pb2.OpenSessionRequest(session_id=session_id, messages=_messages(opening)),
                            timeout=timeout_s)
     reward, tokens, done, truncated = 0.0, 0, False, False
+    transcript: list[dict] = []
     while not done:
         params.seed = (params.seed * 1_000_003 + 1) % 2**63  # a fresh seed each turn, reproducible
         text = []
@@ -119,7 +127,9 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
                 raise
             truncated = True
             break
-        observation, step_reward, done = await env.astep("".join(text))
+        transcript.append({"role": "assistant", "text": "".join(text)})
+        observation, step_reward, done = await env.astep(transcript[-1]["text"])
+        transcript.append({"role": "environment", "messages": list(observation), "reward": step_reward, "done": done})
         reward += step_reward
         if not done:
             try:
@@ -134,7 +144,8 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
     close.session_id, close.reward = session_id, reward
     close.metadata = pack_metadata({"solved": env.solved, "turns": env.turns, "truncated": truncated})
     reply = await stub.CloseSession(close, timeout=timeout_s)
-    return Episode(reward, env.solved, env.turns, tokens, truncated, reply.submitted, reply.sample)
+    return Episode(reward, env.solved, env.turns, tokens, truncated, reply.submitted, reply.sample, opening,
+                   transcript)
 
 
 class Runner(GroupProducer):
@@ -189,6 +200,9 @@ class Runner(GroupProducer):
         group_id = f"{task.task_id}#{self.producer_id}.{group_index}"
         episodes = await asyncio.gather(*(self.run_episode(task, group_id, i, group_index)
                                           for i in range(cfg.group_size)))
+        self.log_group("episodes", group_index, lambda: [Sample.from_proto(e.sample) for e in episodes],
+                       prompt={"messages": episodes[0].opening, "metadata": {}},
+                       extra=lambda: [episode_turns(e) for e in episodes])
         s = self.stats
         s["groups"] += 1
         for episode in episodes:
@@ -211,8 +225,22 @@ class Runner(GroupProducer):
             "mean_turns": s["turns_sum"] / episodes,
             # the driver's names, which deploy/progress.py shows
             "samples": s["episodes"], "completions_per_s": s["episodes"] / elapsed if elapsed else 0.0,
-            "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
+            "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0, "trajectory_log": self.trajectories.stats,
         }
+
+def episode_turns(episode: Episode) -> dict:
+    """An episode's turns for the trajectory log: each policy turn's text and tool calls, each answer of the
+    environment; and how the episode ended."""
+    turns = []
+    for turn in episode.transcript:
+        if turn["role"] == "assistant":
+            content, calls = split_tool_calls(turn["text"])
+            turn = {**turn, "content": content, "tool_calls": [{"name": c.name, "arguments": c.arguments}
+                                                                for c in calls]}
+        turns.append(turn)
+    return {"turns": turns, "metadata": {"solved": episode.solved, "turns": episode.turns,
+                                         "truncated": episode.truncated}}
+
 
 async def evaluate(address: str, env_name: str, env_config: dict, tasks: Sequence[Task], max_tokens: int,
                    concurrency: int = 32, retry_for_s: float = 300.0) -> dict:
@@ -251,27 +279,12 @@ async def evaluate(address: str, env_name: str, env_config: dict, tasks: Sequenc
 async def run_runner(config: RunnerConfig) -> dict:
     cls, env_config = env_spec(config.env, config.env_config)
     train_tasks, _ = cls.tasks(env_config, config.seed)
-    runner = Runner(config)
-    try:
-        await runner.run_until_signalled(train_tasks)
-    finally:
-        await runner.close()
-    return runner.snapshot()
+    return await Runner(config).run_to_end(train_tasks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Play environment episodes against the rollout service's sessions.")
-    parser.add_argument("--config", help="YAML RunnerConfig")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    config = load_config(RunnerConfig, args.config, args.set)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [runner] %(message)s")
-    try:
-        summary = asyncio.run(run_runner(config))
-    finally:
-        skip_final_collection()
-    log.info("runner done: %s", json.dumps(summary))
-    return 0
+    return run_producer("runner", "Play environment episodes against the rollout service's sessions.", RunnerConfig,
+                        run_runner, argv)
 
 
 if __name__ == "__main__":

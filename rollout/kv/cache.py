@@ -9,6 +9,21 @@ imported as whole tensors (the hook for shipping KV between prefill and decode w
 import torch
 
 
+def device_ids(device: torch.device, *lists: list[int]) -> list[torch.Tensor | None]:
+    """Each list as an int64 tensor on `device` (None when empty), all in one copy that does not make the host wait
+    for the device: from pinned memory on CUDA (a copy from pageable memory synchronizes the stream)."""
+    flat = [value for values in lists for value in values]
+    if not flat:
+        return [None] * len(lists)
+    host = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda")
+    on_device = host.to(device, non_blocking=True)
+    out, start = [], 0
+    for values in lists:
+        out.append(on_device[start : start + len(values)] if values else None)
+        start += len(values)
+    return out
+
+
 class KVCache:
     def __init__(
         self,
@@ -39,6 +54,9 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.keys.shape[1]
 
+    def plan_write(self, slots: list[int], slot_mapping: torch.Tensor) -> None:
+        """Nothing to plan: write indexes by the slot tensor alone (QuantizedKVCache plans from the host list)."""
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, num_kv_heads, head_dim]) at token slots `slot_mapping` ([T])."""
         self._slot_keys[layer].index_copy_(0, slot_mapping, k)
@@ -63,8 +81,7 @@ class KVCache:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer."""
-        src_ids = torch.tensor(src, device=self.keys.device)
-        dst_ids = torch.tensor(dst, device=self.keys.device)
+        src_ids, dst_ids = device_ids(self.keys.device, src, dst)
         self.keys[:, dst_ids] = self.keys[:, src_ids]
         self.values[:, dst_ids] = self.values[:, src_ids]
 

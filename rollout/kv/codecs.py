@@ -38,9 +38,14 @@ class EncodedKV:
     def nbytes(self) -> int:
         return sum(part.numel() * part.element_size() for part in self.parts.values())
 
+    def to_buffer(self) -> torch.Tensor:
+        """The parts' raw bytes, one after the other in part order (machine byte order: little-endian here), as one
+        uint8 tensor on the parts' device."""
+        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self.parts.values()])
+
     def to_bytes(self) -> bytes:
-        """The parts' raw bytes, one after the other in part order (machine byte order: little-endian here)."""
-        return b"".join(part.contiguous().view(torch.uint8).numpy().tobytes() for part in self.parts.values())
+        """to_buffer()'s bytes on the host (copied there when the parts are on a device)."""
+        return self.to_buffer().cpu().numpy().tobytes()
 
 
 class KVCodec(ABC):
@@ -63,16 +68,21 @@ class KVCodec(ABC):
 
     def from_bytes(self, shape: tuple[int, int, int, int], dtype: torch.dtype, data: bytes | bytearray) -> EncodedKV:
         """The EncodedKV whose to_bytes() is `data`; raises ValueError when its length is not the layout's."""
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return self.from_buffer(shape, dtype, raw)
+
+    def from_buffer(self, shape: tuple[int, int, int, int], dtype: torch.dtype, buffer: torch.Tensor) -> EncodedKV:
+        """The EncodedKV whose to_buffer() is `buffer` (uint8, 1-D, on any device), its parts views of it; raises
+        ValueError when its length is not the layout's."""
         layout = self.part_layout(shape, dtype)
         expected = sum(math.prod(s) * d.itemsize for s, d in layout.values())
-        if len(data) != expected:
-            raise ValueError(f"payload: {len(data)} bytes, the {self.name} encoding of {list(shape)} {dtype} is "
+        if buffer.numel() != expected:
+            raise ValueError(f"payload: {buffer.numel()} bytes, the {self.name} encoding of {list(shape)} {dtype} is "
                              f"{expected} bytes")
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
         parts, offset = {}, 0
         for name, (part_shape, part_dtype) in layout.items():
             size = math.prod(part_shape) * part_dtype.itemsize
-            parts[name] = raw[offset : offset + size].view(part_dtype).reshape(part_shape)
+            parts[name] = buffer[offset : offset + size].view(part_dtype).reshape(part_shape)
             offset += size
         return EncodedKV(self.name, tuple(shape), dtype, parts)
 
@@ -146,21 +156,30 @@ class Quantized(KVCodec):
         })
 
     def decode(self, encoded):
+        keys = torch.empty(encoded.shape, dtype=encoded.dtype, device=encoded.parts["key_codes"].device)
+        values = torch.empty_like(keys)
+        self.decode_into(encoded, keys, values)
+        return keys, values
+
+    def decode_into(self, encoded: EncodedKV, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """decode(encoded), written into keys and values (contiguous, shaped encoded.shape, in any float dtype, on the
+        parts' device): each value is min + code * scale of its group, worked out per element in float32 and rounded
+        once to the outputs' dtype, with no float32 copy of the whole (the resident cache reads into its workspace)."""
         layers, tokens, heads, head_dim = encoded.shape
         p = encoded.parts
-        groups = p["key_mins"].shape[1]
-        k = self._unpack(p["key_codes"], head_dim).float()
-        padded = groups * self.key_group_size
-        if padded > tokens:
-            k = torch.cat([k, k.new_zeros(layers, padded - tokens, heads, head_dim)], dim=1)
-        k = k.view(layers, groups, self.key_group_size, heads, head_dim)
-        k = k * p["key_scales"].float().unsqueeze(2) + p["key_mins"].float().unsqueeze(2)
-        keys = k.view(layers, padded, heads, head_dim)[:, :tokens]
+        size = self.key_group_size
+        keys.copy_(self._unpack(p["key_codes"], head_dim))  # codes are exact in every float dtype
+        full = tokens // size
+        if full:
+            k = keys[:, : full * size].view(layers, full, size, heads, head_dim)
+            torch.addcmul(p["key_mins"][:, :full].unsqueeze(2), k, p["key_scales"][:, :full].unsqueeze(2), out=k)
+        if tokens > full * size:  # the last group, of fewer tokens
+            k = keys[:, full * size :]
+            torch.addcmul(p["key_mins"][:, full:], k, p["key_scales"][:, full:], out=k)
         group = self._value_group(head_dim)
-        v = self._unpack(p["value_codes"], head_dim).float().view(layers, tokens, heads, head_dim // group, group)
-        v = v * p["value_scales"].float().unsqueeze(4) + p["value_mins"].float().unsqueeze(4)
-        values = v.view(layers, tokens, heads, head_dim)
-        return keys.to(encoded.dtype).contiguous(), values.to(encoded.dtype).contiguous()
+        v = values.view(layers, tokens, heads, head_dim // group, group)
+        v.copy_(self._unpack(p["value_codes"], head_dim).view(v.shape))
+        torch.addcmul(p["value_mins"].unsqueeze(4), v, p["value_scales"].unsqueeze(4), out=v)
 
     def _quantize(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Codes (uint8, unpacked) of x over groups along `dim`, and each group's float16 min and scale."""

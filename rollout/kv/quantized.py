@@ -7,7 +7,12 @@ over groups of channels, so the wire and the resident cache are one interface.
 Keys per channel need every token of their group, and decode writes a block's tokens one step at a time. So a block
 being filled stays in the model dtype in a small pool of open blocks (KIVI's full-precision residual) and is quantized
 when its last slot is written; a write that brings a whole block (prefill) quantizes it at once. read_blocks
-dequantizes the closed blocks asked for and takes the open ones from the pool.
+dequantizes the blocks asked for, and only those, straight into its workspace in the model dtype (no float32 copy),
+and takes the open ones from the pool.
+
+Nothing in a step reads the device from the host: the model runner hands the cache the host list of the step's
+slots with the slot tensor (`plan_write`), the write is planned from that list, its index tensors go to the device
+in one non-blocking copy, and reads pick open blocks from the pool on the device.
 
 The cache is not told when the block manager frees a block, so the pool is kept by recency: when it is full, the
 least recently written open block is closed as it is (quantized with its unwritten slots padded by its last written
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.kv.cache import device_ids
 from rollout.kv.codecs import EncodedKV, Quantized
 
 _BITS = {"int8": 8, "int4": 4}
@@ -72,6 +78,7 @@ class QuantizedKVCache:
         self._filled = [0] * num_blocks  # tokens written into each block: its highest written offset + 1
         self._tick = 0
         self._plan: _WritePlan | None = None
+        self._planned: tuple[torch.Tensor, list[int]] | None = None  # plan_write's (slot_mapping, its host list)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -83,10 +90,17 @@ class QuantizedKVCache:
         """Blocks held in the float pool now."""
         return len(self._slot_of)
 
+    def plan_write(self, slots: list[int], slot_mapping: torch.Tensor) -> None:
+        """`slot_mapping`, which the next forward pass writes, holds `slots`: its write is planned from this host list
+        (without it, write reads slot_mapping back from the device: a host sync)."""
+        self._planned = (slot_mapping, slots)
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, num_kv_heads, head_dim]) at token slots `slot_mapping` ([T]); layers are written in order."""
         if layer == 0:
-            self._plan = self._plan_write(slot_mapping.tolist())
+            planned, self._planned = self._planned, None
+            slots = planned[1] if planned is not None and planned[0] is slot_mapping else slot_mapping.tolist()
+            self._plan = self._plan_write(slots)
         plan = self._plan
         if plan.pool_rows is not None:
             rows = (-1, self.num_kv_heads, self.head_dim)
@@ -113,16 +127,13 @@ class QuantizedKVCache:
             self._workspace = (torch.empty(shape, dtype=self.dtype, device=self.device),
                                torch.empty(shape, dtype=self.dtype, device=self.device))
         k_out, v_out = (buf[:count] for buf in self._workspace)
-        keys, values = self._load(layer, block_ids)
-        k_out.copy_(keys)
-        v_out.copy_(values)
+        self._load(layer, block_ids, (k_out, v_out))
         self._overlay_open(layer, block_ids, k_out, v_out)
         return k_out, v_out
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer (an open block's copy is open too)."""
-        src_ids = torch.tensor(src, device=self.device)
-        dst_ids = torch.tensor(dst, device=self.device)
+        src_ids, dst_ids = self._ids(src, dst)
         for part in self.parts.values():
             part[:, dst_ids] = part[:, src_ids]
         for target in dst:
@@ -163,15 +174,15 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ internals
 
     def _overlay_open(self, layer: int, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace the rows of keys, values ([len(block_ids), ...]) whose block is open by the pool's float copy."""
+        """Replace the rows of keys, values ([len(block_ids), ...]) whose block is open by the pool's float copy: chosen
+        on the device (which rows are open is not known on the host without a sync)."""
         if not self._slot_of:
             return
         slots = self.open_slot.index_select(0, block_ids)
-        rows = (slots >= 0).nonzero().squeeze(1)
-        if rows.numel():
-            open_slots = slots.index_select(0, rows)
-            keys.index_copy_(0, rows, self.open_keys[layer].index_select(0, open_slots))
-            values.index_copy_(0, rows, self.open_values[layer].index_select(0, open_slots))
+        is_open = (slots >= 0).view(-1, 1, 1, 1)
+        slots = slots.clamp_(min=0)
+        torch.where(is_open, self.open_keys[layer].index_select(0, slots), keys, out=keys)
+        torch.where(is_open, self.open_values[layer].index_select(0, slots), values, out=values)
 
     def _plan_write(self, slots: list[int]) -> _WritePlan:
         self._tick += 1
@@ -204,10 +215,11 @@ class QuantizedKVCache:
             pool_positions += [slot * block_size + offset for offset, _ in written]
             if last == block_size - 1 or slot >= self.num_open_blocks:
                 closing.append((block, slot))
-        return _WritePlan(
-            whole_ids=self._ids(whole_ids), whole_rows=self._ids(whole_rows),
-            pool_rows=self._ids(pool_rows), pool_positions=self._ids(pool_positions), closing=closing,
-            closing_ids=self._ids([block for block, _ in closing]), closing_slots=self._ids([s for _, s in closing]))
+        whole_ids, whole_rows, pool_rows, pool_positions, closing_ids, closing_slots = self._ids(
+            whole_ids, whole_rows, pool_rows, pool_positions, [block for block, _ in closing], [s for _, s in closing])
+        return _WritePlan(whole_ids=whole_ids, whole_rows=whole_rows, pool_rows=pool_rows,
+                          pool_positions=pool_positions, closing=closing, closing_ids=closing_ids,
+                          closing_slots=closing_slots)
 
     def _open(self, block: int, busy: set[int], reopen: bool) -> int:
         """A pool slot for `block`: a free one, else the least recently written one not in `busy` (closed first),
@@ -224,7 +236,7 @@ class QuantizedKVCache:
         self._block_in[slot] = block
         self.open_slot[block] = slot
         if reopen:
-            ids = self._ids([block])
+            (ids,) = self._ids([block])
             for layer in range(self.num_layers):
                 keys, values = self._load(layer, ids)
                 self.open_keys[layer, slot] = keys[0]
@@ -234,7 +246,7 @@ class QuantizedKVCache:
     def _close_now(self, block: int) -> None:
         """Quantize an open block as it is, in every layer, and free its slot."""
         closing = [(block, self._slot_of[block])]
-        ids = self._ids([block])
+        (ids,) = self._ids([block])
         for layer in range(self.num_layers):
             self._store(layer, ids, *self._padded_open(layer, closing))
         self._free_slot(block)
@@ -272,7 +284,7 @@ class QuantizedKVCache:
     def _padded_open(self, layer: int, closing: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the open blocks `closing` ((block, slot) pairs) of one layer; the slots of a partly
         filled block past its last written token repeat that token, so they do not change its quantization ranges."""
-        slots = self._ids([slot for _, slot in closing])
+        (slots,) = self._ids([slot for _, slot in closing])
         keys = self.open_keys[layer].index_select(0, slots)
         values = self.open_values[layer].index_select(0, slots)
         for i, (block, _) in enumerate(closing):
@@ -288,11 +300,17 @@ class QuantizedKVCache:
         for name, part in encoded.parts.items():
             self.parts[name][layer].index_copy_(0, block_ids, part)
 
-    def _load(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized keys and values of blocks `block_ids` of one layer, each [n, block_size, heads, head_dim]."""
+    def _load(self, layer: int, block_ids: torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of blocks `block_ids` of one layer, each [n, block_size, heads, head_dim] in the
+        model dtype, into `out` when given: only those blocks' codes and parameters are read."""
         shape = (block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim)
+        if out is None:
+            out = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                   torch.empty(shape, dtype=self.dtype, device=self.device))
         parts = {name: part[layer].index_select(0, block_ids) for name, part in self.parts.items()}
-        return self.codec.decode(EncodedKV(self.codec.name, shape, self.dtype, parts))
+        self.codec.decode_into(EncodedKV(self.codec.name, shape, self.dtype, parts), *out)
+        return out
 
-    def _ids(self, values: list[int]) -> torch.Tensor | None:
-        return torch.tensor(values, dtype=torch.int64, device=self.device) if values else None
+    def _ids(self, *lists: list[int]) -> list[torch.Tensor | None]:
+        return device_ids(self.device, *lists)

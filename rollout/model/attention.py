@@ -13,21 +13,27 @@ A step's sequences also attend apart by query length: those with one new token (
 those with several (prefill) in another, so a prefill mixed into a decode step does not pad every decode
 row to its query length.
 
-On CUDA, for a float16/bfloat16 cache, the same call can run FlashInfer's paged kernel instead
-(rollout/model/attention_flashinfer.py, EngineConfig.attention_backend): the metadata then carries the planned kernel
-and no length classes.
+A kernel can attend instead (EngineConfig.attention_backend): the Triton kernel (rollout/model/attention_triton.py,
+the default on CUDA: any dtype, quantized caches too) or FlashInfer's (rollout/model/attention_flashinfer.py). Both
+read every sequence's blocks in place through its block table; the metadata then carries the planned kernel and no
+length classes. A CUDA-graph decode (rollout/engine/cuda_graphs.py) needs attention over fixed shapes: the Triton
+kernel on CUDA; on CPU, where its "replay" is a plain call, `attend_fixed` below.
 """
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from rollout.kv.cache import KVCache
 
-if TYPE_CHECKING:
-    from rollout.model.attention_flashinfer import FlashInferAttention
+
+class PagedKernel(Protocol):
+    """A kernel planned for one forward pass (or one CUDA-graph bucket) that reads the cache's blocks in place."""
+
+    def attend(self, q: torch.Tensor, layer: int, cache: KVCache) -> torch.Tensor:
+        """q: [T, Hq, D] of the planned rows. Returns [T, Hq * D]."""
 
 
 @dataclass
@@ -75,7 +81,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     observations: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # see Observation
-    kernel: "FlashInferAttention | None" = None  # planned for this pass: it attends instead of `groups`
+    kernel: PagedKernel | None = None  # planned for this pass: it attends instead of `groups`
 
 
 def paged_attention(
@@ -89,8 +95,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq * D]."""
     cache.write(layer, meta.slot_mapping, k, v)
+    return attend(q, layer, cache, meta, scale)
+
+
+def attend(q: torch.Tensor, layer: int, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of q ([T, Hq, D]) over the cache as it is (the new tokens' KV already written)."""
     if meta.kernel is not None:
-        return meta.kernel.attend(q, cache.keys[layer], cache.values[layer])
+        return meta.kernel.attend(q, layer, cache)
     if len(meta.groups) == 1:
         return _attend(q, layer, cache, meta.groups[0], scale, meta.observations)
     return torch.cat([_attend(q[group.rows], layer, cache, group, scale, meta.observations) for group in meta.groups])
@@ -146,3 +157,25 @@ def _observe(queries: torch.Tensor, keys: torch.Tensor, length_class: LengthClas
     weighted = (probs * seen.query_weights.view(n, 1, 1, query_len, 1)).sum(dim=3).mean(dim=2)
     for seq_id, row in zip(seen.seq_ids, weighted):
         observations.setdefault(seq_id, []).append(row)
+
+
+@dataclass
+class FixedShapeAttention:
+    """Decode attention over fixed shapes in plain torch: every row reads all `block_tables` columns ([B, W]) and
+    masks the slots past its context length. What a CUDA-graph bucket runs on CPU, where a "replay" is a plain call
+    (rollout/engine/cuda_graphs.py); it pads every row to W blocks, so it is for tests, not speed."""
+
+    block_tables: torch.Tensor  # [B, W] int64
+    context_lens: torch.Tensor  # [B]
+    scale: float
+
+    def attend(self, q: torch.Tensor, layer: int, cache: KVCache) -> torch.Tensor:
+        batch, num_heads, head_dim = q.shape
+        width = self.block_tables.shape[1] * cache.block_size
+        keys, values = cache.read_blocks(layer, self.block_tables.reshape(-1))
+        shape = (batch, width, cache.num_kv_heads, head_dim)
+        keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+        visible = torch.arange(width, device=q.device) < self.context_lens.unsqueeze(1)  # [B, width]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+                                             scale=self.scale, enable_gqa=num_heads != cache.num_kv_heads)
+        return out.reshape(batch, num_heads * head_dim)

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rollout.kv.cache import KVCache
+
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (its examples' size)
 class FlashInferAttention:
     """One wrapper and workspace per engine: `plan` once per forward pass, then `attend` in every layer."""
@@ -48,6 +50,6 @@ class FlashInferAttention:
             causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
         )
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D] of the planned rows; keys, values: one layer's blocks. Returns [T, Hq * D]."""
-        return self._wrapper.run(q.contiguous(), (keys, values)).reshape(q.shape[0], -1)
+    def attend(self, q: torch.Tensor, layer: int, cache: KVCache) -> torch.Tensor:
+        """q: [T, Hq, D] of the planned rows. Returns [T, Hq * D]."""
+        return self._wrapper.run(q.contiguous(), (cache.keys[layer], cache.values[layer])).reshape(q.shape[0], -1)

@@ -6,8 +6,12 @@ GenerateMany, ComputeLogprobs and the session rpcs run on this worker alone, pre
 KV stays on the worker its key is routed to). DecodeWorker.Continue decodes a transfer the caller brings.
 
 A transfer that does not fit is refused (INVALID_ARGUMENT, DATA_LOSS, FAILED_PRECONDITION) and the worker
-goes on serving. KV computed with other weights than served is never imported: a pulled prefill is pulled
-again (weight updates reach prefill and decode workers a moment apart) until `import_wait_s` runs out.
+goes on serving. KV computed with other weights than served is never imported (weight updates reach prefill and
+decode workers a moment apart). KV of newer weights than this worker's waits, unpulled again, until this worker
+serves them; KV of older weights is pulled again after a pause that doubles from 20 ms up to 2 s, at most
+`max_repulls` times (each pull ships the whole prefill again), all within `import_wait_s`; then the request fails
+with FAILED_PRECONDITION, saying how many pulls and bytes it took. Decoding a transfer and its CRC-32 run off the
+event loop.
 """
 
 import asyncio
@@ -39,6 +43,8 @@ from rollout.serve.wire import FINISH_REASONS, REFUSAL_CODES
 from services.config import ClientConfig, ServerConfig, Strict
 
 if TYPE_CHECKING:
+    import torch
+
     from rollout.engine.async_engine import AsyncEngine
     from rollout.pd.transfer import ReceivedTransfer
 
@@ -48,7 +54,8 @@ KV_BYTES = Counter("relayrl_decode_kv_transfer_bytes_total", "Encoded KV payload
 KV_GROUP_BYTES = Counter("relayrl_decode_kv_group_bytes_total", "Encoded KV payload bytes received over the KV "
                          "group (rollout/pd/kv_group.py), a part of relayrl_decode_kv_transfer_bytes_total")
 KV_REFUSED = Counter("relayrl_decode_kv_transfers_refused_total", "KV transfers refused", ["reason"])
-_RETRY_S = 0.02  # pause before asking again for blocks or a prefill under the served weights
+_RETRY_S = 0.02  # pause before asking again for blocks, or (doubling) for a prefill under the served weights
+_RETRY_MAX_S = 2.0  # the longest pause between two pulls of one prefill
 
 _CODES = (
     (KVTransferInvalid, grpc.StatusCode.INVALID_ARGUMENT),
@@ -72,6 +79,9 @@ class Config(Strict):
                                                           "None: each prefill worker's own setting.")
     import_wait_s: float = Field(30.0, gt=0, description="How long a request waits for KV blocks, or for a prefill "
                                  "under the weights served here, before RESOURCE_EXHAUSTED / FAILED_PRECONDITION.")
+    max_repulls: int = Field(10, ge=0, description="How many times a request pulls its prefill again while the "
+                             "prefill workers send KV of older weights than served here (pauses doubling from 20 ms "
+                             "to 2 s); then FAILED_PRECONDITION. Bounds the bytes shipped again per request.")
     prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one Prefill call.")
     kv_group: KVGroupConfig | None = Field(None, description="A torch.distributed group shared with prefill "
                                            "workers: their payloads come by recv, not gRPC chunks, once the group "
@@ -91,7 +101,7 @@ def params_proto(params: SamplingParams) -> rollout_pb2.SamplingParams:
 class DecodeServicer(RolloutServicer):
     def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, prefill_channels: list[grpc.aio.Channel],
                  codec: str | None = None, import_wait_s: float = 30.0, prefill_timeout_s: float = 60.0,
-                 group: KVGroup | None = None):
+                 group: KVGroup | None = None, max_repulls: int = 10):
         super().__init__(engine, model_name, tokenizer)
         self.group = group
         self._tags = itertools.count(1)
@@ -102,6 +112,7 @@ class DecodeServicer(RolloutServicer):
         self.codec = codec or ""
         self.import_wait_s = import_wait_s
         self.prefill_timeout_s = prefill_timeout_s
+        self.max_repulls = max_repulls
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                         context) -> AsyncIterator[Completion]:
@@ -110,18 +121,33 @@ class DecodeServicer(RolloutServicer):
 
         request = rollout_pb2.GenerateRequest(request_id=request_id, prompt_ids=encode_array(prompt, "int32"),
                                               params=params_proto(params))
-        deadline = time.monotonic() + self.import_wait_s
+        started = time.monotonic()
+        deadline = started + self.import_wait_s
+        pulls, shipped, pause, pulled = 0, 0, _RETRY_S, None
         try:
             while True:
-                transfer = await self._pull(request, context)
+                if pulled is None:
+                    pulled = await self._pull(request, context)
+                    pulls += 1
+                    shipped += sum(c.header.payload_bytes if c.HasField("header") else 0 for c in pulled[0][:1])
                 try:
+                    transfer = await asyncio.to_thread(self._unpack, *pulled)
                     async for delta in self._import(transfer, deadline):
                         yield delta
                     return
-                except KVWeightVersionMismatch:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(_RETRY_S)  # the prefill worker's weights are not these yet: pull again
+                except KVWeightVersionMismatch as exc:
+                    served, left = self.engine.weight_version, deadline - time.monotonic()
+                    if exc.kv_version is not None and exc.kv_version > served and left > 0:
+                        await self.engine.watch_version(served, left)  # this worker's weights are the older ones
+                        continue  # the same transfer, not pulled again
+                    if pulls > self.max_repulls or left < pause:
+                        raise KVWeightVersionMismatch(
+                            f"weight_version: {pulls} pulls of the prefill ({shipped} bytes) in "
+                            f"{time.monotonic() - started:.1f}s brought KV of weights version {exc.kv_version}, this "
+                            f"worker serves {served} (max_repulls {self.max_repulls}, import_wait_s "
+                            f"{self.import_wait_s})", exc.kv_version, served) from exc
+                    await asyncio.sleep(pause)  # the prefill worker's weights are older: pull again
+                    pause, pulled = min(2 * pause, _RETRY_MAX_S), None
         except (*_REFUSALS, EngineDead) as exc:  # EngineDead: UNAVAILABLE
             await self._refuse(context, exc)
 
@@ -141,7 +167,7 @@ class DecodeServicer(RolloutServicer):
 
         chunks = [chunk async for chunk in request_iterator]
         try:
-            transfer = self._unpack(chunks)
+            transfer = await asyncio.to_thread(self._unpack, chunks)
             request = transfer.request
             async for delta in self._import(transfer, time.monotonic() + self.import_wait_s):
                 yield rollout_pb2.GenerateChunk(
@@ -153,21 +179,24 @@ class DecodeServicer(RolloutServicer):
         except (*_REFUSALS, EngineDead) as exc:  # EngineDead: UNAVAILABLE
             await self._refuse(context, exc)
 
-    def _unpack(self, chunks: list[kv_pb2.KVTransferChunk]) -> "ReceivedTransfer":
+    def _unpack(self, chunks: list[kv_pb2.KVTransferChunk], payload: "torch.Tensor | None" = None) -> "ReceivedTransfer":
+        """The checked, decoded transfer (rollout/pd/transfer.py's unpack); seconds for a large one: run it in a thread."""
         from rollout.engine.kv_handoff import served_layout
         from rollout.pd.transfer import unpack
 
-        transfer = unpack(chunks, served_layout(self.engine.engine))
+        transfer = unpack(chunks, served_layout(self.engine.engine), payload)
         KV_BYTES.inc(transfer.payload_bytes)
         return transfer
 
-    async def _pull(self, request: rollout_pb2.GenerateRequest, context) -> "ReceivedTransfer":
-        """The request's prefill from the next prefill worker that answers (UNAVAILABLE when none does)."""
+    async def _pull(self, request: rollout_pb2.GenerateRequest,
+                    context) -> tuple[list[kv_pb2.KVTransferChunk], "torch.Tensor | None"]:
+        """The request's prefill from the next prefill worker that answers (UNAVAILABLE when none does): its chunks,
+        and the payload when it came over the KV group (a uint8 tensor on the group's device)."""
         last_error = None
         for _ in range(len(self.prefill_stubs)):
             stub = self.prefill_stubs[next(self._next_prefill)]
             try:
-                chunks = await self._prefill_chunks(stub, request)
+                pulled = await self._prefill_chunks(stub, request)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     await context.abort(exc.code(), f"prefill: {exc.details()}")
@@ -175,11 +204,12 @@ class DecodeServicer(RolloutServicer):
                 continue
             except KVGroupError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill: {exc}")
-            return self._unpack(chunks)
+            return pulled
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no prefill worker answers: {last_error.details()}")
 
-    async def _prefill_chunks(self, stub, request: rollout_pb2.GenerateRequest) -> list[kv_pb2.KVTransferChunk]:
-        """One Prefill call's transfer; with the KV group up, its payload comes by recv (as one payload chunk)."""
+    async def _prefill_chunks(self, stub, request: rollout_pb2.GenerateRequest
+                              ) -> tuple[list[kv_pb2.KVTransferChunk], "torch.Tensor | None"]:
+        """One Prefill call's transfer; with the KV group up, its payload comes by recv."""
         ask = kv_pb2.PrefillRequest(request=request, codec=self.codec)
         if self.group is not None and self.group.ready:
             ask.kv_group_rank = self.group.rank
@@ -189,8 +219,9 @@ class DecodeServicer(RolloutServicer):
                     return await self._stream_prefill(stub, ask)
         return await self._stream_prefill(stub, ask)
 
-    async def _stream_prefill(self, stub, ask: kv_pb2.PrefillRequest) -> list[kv_pb2.KVTransferChunk]:
-        """The chunks of `ask`'s Prefill call, the payload received over the group when the header says so."""
+    async def _stream_prefill(self, stub, ask: kv_pb2.PrefillRequest
+                              ) -> tuple[list[kv_pb2.KVTransferChunk], "torch.Tensor | None"]:
+        """The chunks of `ask`'s Prefill call, and the payload received over the group when the header says so."""
         from rollout.engine.kv_handoff import served_layout
         from rollout.pd.transfer import check_header
 
@@ -205,11 +236,11 @@ class DecodeServicer(RolloutServicer):
                 check_header(header, served_layout(self.engine.engine))  # before allocating payload_bytes
                 received = asyncio.create_task(asyncio.to_thread(
                     self.group.recv, header.payload_bytes, header.payload_from_rank, ask.kv_group_tag))
-        if received is not None:
-            payload = await received
-            KV_GROUP_BYTES.inc(len(payload))
-            chunks.append(kv_pb2.KVTransferChunk(payload=payload))
-        return chunks
+        if received is None:
+            return chunks, None
+        payload = await received
+        KV_GROUP_BYTES.inc(payload.numel())
+        return chunks, payload
 
     async def _import(self, transfer: "ReceivedTransfer", deadline: float) -> AsyncIterator[Completion]:
         """The deltas of the imported request; waits (until `deadline`) while its KV blocks are not free."""
@@ -263,7 +294,8 @@ async def serve(config: Config) -> None:
     channels = [connect(address, config.prefill_client) for address in config.prefill]
     servicer = DecodeServicer(engine, config.model, engine.tokenizer, channels, config.codec,
                               config.import_wait_s, config.prefill_timeout_s,
-                              KVGroup(config.kv_group, engine.device) if config.kv_group else None)
+                              KVGroup(config.kv_group, engine.device) if config.kv_group else None,
+                              config.max_repulls)
 
     async def on_stop() -> None:
         engine.shutdown()

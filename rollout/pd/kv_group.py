@@ -5,17 +5,18 @@ transfer's payload by point-to-point send/recv instead of gRPC payload chunks.
            <--header (payload_from_rank=p)------------  (gRPC: the header alone, checks as ever)
            <==payload bytes: send(dst=r, tag=t)========  (the group: gloo on CPU, or NCCL between GPUs)
 
-The header still carries the payload's length and CRC-32, so the decode worker checks what the group
-delivered exactly as it checks gRPC chunks (rollout/pd/transfer.py). Each worker joins the group on a
+The header still carries the payload's length (and its CRC-32 when the payload is on the host), so the decode
+worker checks what the group delivered as it checks gRPC chunks (rollout/pd/transfer.py). Each worker joins the group on a
 background thread when it starts: a prefill worker must answer health checks before its decode workers
 exist, and until the group is up (or if it never comes up) transfers go over gRPC as before.
 
 The group is its own ProcessGroup on a TCP store (rank 0 hosts the store), apart from the weight-sync
-groups; every send and recv times out after `timeout_s`. With `backend: gloo` (the default) the payload goes
-as host bytes over TCP. With `backend: nccl`, for workers whose engines are on GPUs, each worker's group lives
-on its engine's CUDA device (named explicitly, never the thread's current one): the payload is copied to that
-device, moved by NCCL send/recv and copied back to the host, where the header's length and CRC-32 are checked
-as ever (the payload is still encoded on the host: the GPU-resident KV is not sent in place). NCCL ignores tags,
+groups; every send and recv times out after `timeout_s`. The payload is a uint8 tensor (the encoded KV,
+rollout/pd/transfer.py's encode_payload), sent as it is when it is on the group's device. With `backend: gloo`
+(the default) it goes as host memory over TCP, and its CRC-32 is checked. With `backend: nccl`, for workers whose
+engines are on GPUs, each worker's group lives on its engine's CUDA device (named explicitly, never the thread's
+current one): the prefill worker encodes the KV on its GPU and sends that buffer, the decode worker receives it into
+a buffer on its GPU and decodes it there; the payload never touches the host (no CRC-32: checksum 0). NCCL ignores tags,
 so a decode worker keeps one grouped transfer in flight per prefill worker (rollout/pd/decode.py), and the
 members check in with their GPUs first (services/weights/nccl_rendezvous.py: two workers on one GPU are refused
 by name). A failed or timed-out NCCL send or recv leaves the group unusable: it is dropped and transfers go over
@@ -125,16 +126,18 @@ class KVGroup:
                lambda: pg.eager_connect_single_device(self.device))
         return pg
 
-    def send(self, payload: bytes, dst: int, tag: int) -> None:
-        """Send `payload` to rank `dst` under `tag`; blocks until it is delivered (run it off the event loop)."""
-        tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        self._wait(lambda: self._group().send([tensor], dst, tag), f"send of {len(payload)} bytes to rank {dst}")
+    def send(self, payload: torch.Tensor, dst: int, tag: int) -> None:
+        """Send `payload` (uint8, 1-D; in place when it is on the group's device, else copied there) to rank `dst`
+        under `tag`; blocks until it is delivered (run it off the event loop)."""
+        tensor = payload.to(self.device)
+        self._wait(lambda: self._group().send([tensor], dst, tag), f"send of {tensor.numel()} bytes to rank {dst}")
 
-    def recv(self, nbytes: int, src: int, tag: int) -> bytes:
-        """Receive `nbytes` from rank `src` under `tag`; blocks (run it off the event loop)."""
+    def recv(self, nbytes: int, src: int, tag: int) -> torch.Tensor:
+        """Receive `nbytes` from rank `src` under `tag` into a uint8 tensor on the group's device, returned; blocks
+        (run it off the event loop)."""
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._wait(lambda: self._group().recv([tensor], src, tag), f"recv of {nbytes} bytes from rank {src}")
-        return tensor.cpu().numpy().tobytes()
+        return tensor
 
     def _group(self) -> "dist.ProcessGroupGloo | dist.ProcessGroupNCCL":
         if self._pg is None:

@@ -37,7 +37,11 @@ from rollout.serve.service import RolloutServicer
 from services.config import ServerConfig, Strict
 
 if TYPE_CHECKING:
+    import torch
+
+    from protos import rollout_pb2
     from rollout.engine.async_engine import AsyncEngine
+    from rollout.kv.prefilled import PrefilledPrompt
 
 SERVICE_NAME = "relayrl.kv.v1.PrefillWorker"
 _CHUNK_BYTES = 1 << 20  # rollout.pd.transfer.DEFAULT_CHUNK_BYTES (not imported here: it pulls in torch)
@@ -68,7 +72,6 @@ class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: kv_pb2.PrefillRequest, context):
         from rollout.engine.errors import EngineDead
-        from rollout.pd.transfer import encode_payload, pack
 
         generate = request.request
         codec = request.codec or self.codec
@@ -84,17 +87,29 @@ class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
             prefilled = await self.engine.prefill_for_transfer(request_id, prompt, params)
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
             await context.abort(_code(exc), str(exc))
-        payload = encode_payload(prefilled, codec)
         grouped = request.HasField("kv_group_rank") and self.group is not None and self.group.ready
         to_rank = request.kv_group_rank if grouped else None
-        for chunk in pack(generate, prefilled, codec, self.chunk_bytes, payload,
-                          None if to_rank is None else self.group.rank):
+        # encoding, the copy to the host and the CRC-32 take milliseconds per megabyte: not on the event loop
+        chunks, payload = await asyncio.to_thread(self._transfer, generate, prefilled, codec, to_rank is not None)
+        for chunk in chunks:
             yield chunk
         if to_rank is not None:  # the decode worker posts its recv when the header arrives
             try:
                 await asyncio.to_thread(self.group.send, payload, to_rank, request.kv_group_tag)
             except KVGroupError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def _transfer(self, request: "rollout_pb2.GenerateRequest", prefilled: "PrefilledPrompt", codec: str,
+                  grouped: bool) -> tuple[list[kv_pb2.KVTransferChunk], "torch.Tensor | None"]:
+        """The transfer's chunks, and with `grouped` the payload the group sends (encoded on the engine's device, moved
+        to the group's: a gloo group's is on the host, an NCCL group's stays on the GPU)."""
+        from rollout.pd.transfer import encode_payload, pack
+
+        payload = encode_payload(prefilled, codec)
+        if not grouped:
+            return list(pack(request, prefilled, codec, self.chunk_bytes, payload)), None
+        payload = payload.to(self.group.device)
+        return list(pack(request, prefilled, codec, self.chunk_bytes, payload, self.group.rank)), payload
 
 
 def _code(exc: Exception) -> grpc.StatusCode:

@@ -5,11 +5,19 @@ first tokens were sampled with, the KV layout and dtype, the codec, the weight v
 count and CRC-32, and the first token of each completion with its logprob), then the encoded KV payload
 in pieces of at most `chunk_bytes`. `unpack` checks everything against what the receiving engine serves
 and raises the typed errors of rollout/engine/errors.py, which the servicer maps to status codes.
+
+The payload is encoded where the KV is (the engine's device) into one uint8 buffer (`encode_payload`); it goes to
+the host only for gRPC chunks (one copy), or as the buffer it is over a KV group (rollout/pd/kv_group.py). The
+CRC-32 is of the payload's host bytes: a payload that stays on a GPU (an NCCL group) carries none (checksum 0, not
+checked: NCCL delivers a buffer whole or fails the op). Encoding, decoding and checksums cost milliseconds per
+megabyte: the workers run them off their event loop (rollout/pd/prefill.py, rollout/pd/decode.py).
 """
 
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from protos import kv_pb2, rollout_pb2
 from protos.codec import CodecError, decode_array, encode_array
@@ -30,17 +38,29 @@ class ReceivedTransfer:
     payload_bytes: int  # bytes of the encoded KV as they travelled
 
 
-def encode_payload(prefilled: PrefilledPrompt, codec: str) -> bytes:
-    """The KV of `prefilled` encoded by `codec`, as a transfer carries it."""
-    return make_codec(codec).encode(prefilled.keys, prefilled.values).to_bytes()
+def encode_payload(prefilled: PrefilledPrompt, codec: str) -> torch.Tensor:
+    """The KV of `prefilled` encoded by `codec`, as a transfer carries it: one uint8 tensor on the KV's device."""
+    return make_codec(codec).encode(prefilled.keys, prefilled.values).to_buffer()
+
+
+def checksum(payload: bytes | torch.Tensor) -> int:
+    """CRC-32 of a payload on the host (a tensor's memory read in place); 0 for one on a device (never copied)."""
+    if isinstance(payload, torch.Tensor):
+        return zlib.crc32(payload.numpy()) if payload.device.type == "cpu" else 0
+    return zlib.crc32(payload)
 
 
 def pack(request: rollout_pb2.GenerateRequest, prefilled: PrefilledPrompt, codec: str,
-         chunk_bytes: int = DEFAULT_CHUNK_BYTES, payload: bytes | None = None,
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, payload: bytes | torch.Tensor | None = None,
          payload_from_rank: int | None = None) -> Iterator[kv_pb2.KVTransferChunk]:
     """The chunks of a transfer of `prefilled` for `request` (its prompt and seed are taken from `prefilled`).
-    With `payload_from_rank` the header alone: the payload goes over the KV group (rollout/pd/kv_group.py)."""
-    payload = encode_payload(prefilled, codec) if payload is None else payload
+    `payload`: encode_payload's buffer or its host bytes (None: encoded here). With `payload_from_rank` the header
+    alone: the payload goes over the KV group as the buffer it is (rollout/pd/kv_group.py)."""
+    if payload is None:
+        payload = encode_payload(prefilled, codec)
+    if isinstance(payload, torch.Tensor) and payload_from_rank is None:
+        payload = payload.cpu().numpy().tobytes()
+    nbytes = payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
     layers, tokens, heads, head_dim = prefilled.keys.shape
     sent = rollout_pb2.GenerateRequest()
     sent.CopyFrom(request)
@@ -53,8 +73,8 @@ def pack(request: rollout_pb2.GenerateRequest, prefilled: PrefilledPrompt, codec
                                dtype=_DTYPE_NAMES[prefilled.keys.dtype]),
         codec=codec,
         weight_version=prefilled.weight_version,
-        payload_bytes=len(payload),
-        checksum=zlib.crc32(payload),
+        payload_bytes=nbytes,
+        checksum=checksum(payload),
         first_token_ids=encode_array(prefilled.first_token_ids, "int32"),
         first_logprobs=encode_array(prefilled.first_logprobs, "float32"),
         payload_from_rank=payload_from_rank,
@@ -67,9 +87,12 @@ def pack(request: rollout_pb2.GenerateRequest, prefilled: PrefilledPrompt, codec
         yield kv_pb2.KVTransferChunk(payload=bytes(view[start : start + chunk_bytes]))
 
 
-def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout) -> ReceivedTransfer:
-    """Check a whole transfer against `served` and decode it. Raises KVTransferInvalid (layout, shape, dtype,
-    codec, chunk order), KVTransferCorrupt (length, checksum), KVWeightVersionMismatch."""
+def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout,
+           payload: torch.Tensor | None = None) -> ReceivedTransfer:
+    """Check a whole transfer against `served` and decode it. `payload`: what came over the KV group for a header
+    with payload_from_rank (a uint8 tensor; the KV is decoded on its device), else None (payload chunks). Raises
+    KVTransferInvalid (layout, shape, dtype, codec, chunk order), KVTransferCorrupt (length, checksum),
+    KVWeightVersionMismatch."""
     header: kv_pb2.KVTransferHeader | None = None
     pieces: list[bytes] = []
     for i, chunk in enumerate(chunks):
@@ -83,17 +106,22 @@ def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout) -> Re
     if header is None:
         raise KVTransferInvalid("the transfer is empty: it has no header")
     layout = check_header(header, served)
-    payload = b"".join(pieces)
-    if len(payload) != header.payload_bytes:
-        raise KVTransferCorrupt(f"payload: {len(payload)} bytes arrived, the header announced {header.payload_bytes}")
-    if zlib.crc32(payload) != header.checksum:
-        raise KVTransferCorrupt(f"payload: CRC-32 {zlib.crc32(payload):#010x} does not match the header's "
-                                f"{header.checksum:#010x}")
+    if payload is None:
+        payload = torch.frombuffer(bytearray().join(pieces), dtype=torch.uint8) if any(pieces) else torch.empty(
+            0, dtype=torch.uint8)
+    elif pieces:
+        raise KVTransferInvalid("payload: the transfer has payload chunks and a payload from the KV group")
+    if payload.numel() != header.payload_bytes:
+        raise KVTransferCorrupt(f"payload: {payload.numel()} bytes arrived, the header announced {header.payload_bytes}")
+    crc = checksum(payload)
+    if payload.device.type == "cpu" and crc != header.checksum:
+        raise KVTransferCorrupt(f"payload: CRC-32 {crc:#010x} does not match the header's {header.checksum:#010x}")
     if header.weight_version != served.weight_version:
         raise KVWeightVersionMismatch(f"weight_version: the KV was computed with weights version "
-                                      f"{header.weight_version}, this worker serves {served.weight_version}")
+                                      f"{header.weight_version}, this worker serves {served.weight_version}",
+                                      header.weight_version, served.weight_version)
     codec = make_codec(header.codec)
-    keys, values = codec.decode(codec.from_bytes(layout, served.dtype, payload))
+    keys, values = codec.decode(codec.from_buffer(layout, served.dtype, payload))
     request = header.request
     prompt = decode_array(request.prompt_ids, field="header.request.prompt_ids", expect="int32").tolist()
     prefilled = PrefilledPrompt(
@@ -102,7 +130,7 @@ def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout) -> Re
         first_logprobs=decode_array(header.first_logprobs, expect="float32").tolist(),
         seed=request.params.seed, weight_version=header.weight_version,
     )
-    return ReceivedTransfer(request, prefilled, header.codec, len(payload))
+    return ReceivedTransfer(request, prefilled, header.codec, payload.numel())
 
 
 def check_header(header: kv_pb2.KVTransferHeader, served: ServedLayout) -> tuple[int, int, int, int]:

@@ -291,6 +291,8 @@ def _tail(chunk: rollout_pb2.GenerateChunk, skip: int) -> rollout_pb2.GenerateCh
     else:
         out.logprobs.CopyFrom(encode_array([], "float32"))
     out.weight_versions.CopyFrom(encode_array(decode_array(chunk.weight_versions, expect="int64")[skip:], "int64"))
+    if chunk.HasField("kv_version"):
+        out.kv_version = chunk.kv_version
     return out
 
 

@@ -175,7 +175,7 @@ class _Endpoint:
         return {
             "session_id": session_id, "reward": reward, "submitted": submitted,
             "prompt_ids": record.prompt_ids, "response_ids": record.response_ids, "loss_mask": record.loss_mask,
-            "logprobs": record.logprobs, "weight_versions": record.weight_versions,
+            "logprobs": record.logprobs, "weight_versions": record.weight_versions, "kv_version": record.kv_version,
             "turn_rewards": record.turn_rewards, "temperature": record.temperature,
             "finish_reason": FINISH_REASONS.get(record.finish_reason),
             "stats": {"turns": record.turns, "prefill_tokens": record.prefill_tokens,

@@ -20,7 +20,7 @@ from rollout.engine.errors import DuplicateRequest, EngineDead, InvalidRequest, 
 from rollout.engine.sampling_params import SamplingParams, logprobs_temperature
 from rollout.serve.config import ReplicaConfig
 from rollout.serve.session_service import SessionRPCs
-from rollout.serve.wire import FINISH_REASONS, REFUSAL_CODES, SERVICE_NAME, TOKENS_GENERATED
+from rollout.serve.wire import FINISH_REASONS, REFUSAL_CODES, SERVICE_NAME, TOKENS_GENERATED, generate_chunk
 
 if TYPE_CHECKING:
     from rollout.engine.outputs import Completion
@@ -117,21 +117,14 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
                 finish_reason=FINISH_REASONS[completion.finish_reason],
                 text=self.decode_text(completion.token_ids),
                 logprobs_temperature=logprobs_t,
+                kv_version=completion.kv_version,
             ))
         return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
 
     async def GenerateStream(self, request: rollout_pb2.GenerateRequest, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
         request_id, prompt, params = self._parse(request)
         async for delta in self._generate(request_id, prompt, params, context):
-            yield rollout_pb2.GenerateChunk(
-                request_id=request_id,
-                index=delta.index,
-                token_ids=encode_array(delta.token_ids, "int32"),
-                logprobs=encode_array(delta.logprobs if request.params.logprobs else [], "float32"),
-                weight_versions=encode_array(delta.weight_versions, "int64"),
-                finish_reason=FINISH_REASONS[delta.finish_reason],
-                text=self.decode_text(delta.token_ids),
-            )
+            yield generate_chunk(request_id, delta, request.params.logprobs, self.decode_text(delta.token_ids))
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:
         return rollout_pb2.AbortResponse(found=await self.engine.abort(request.request_id))

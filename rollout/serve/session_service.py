@@ -29,7 +29,7 @@ from rollout.engine.errors import (
 from rollout.engine.sequence import FinishReason
 from rollout.engine.sessions import SessionRecord
 from rollout.serve.chat import NoChatTemplate, render_continuation, render_prompt
-from rollout.serve.wire import FINISH_REASONS, TOKENS_GENERATED
+from rollout.serve.wire import TOKENS_GENERATED, generate_chunk
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,8 @@ class SessionRPCs:
         async with _refusals(context):
             async for delta in self.engine.generate_in_session(request.session_id, params, whole=request.whole_turn):
                 TOKENS_GENERATED.inc(len(delta.token_ids))
-                yield rollout_pb2.GenerateChunk(
-                    request_id=request.session_id,
-                    index=0,
-                    token_ids=encode_array(delta.token_ids, "int32"),
-                    logprobs=encode_array(delta.logprobs if request.params.logprobs else [], "float32"),
-                    weight_versions=encode_array(delta.weight_versions, "int64"),
-                    finish_reason=FINISH_REASONS[delta.finish_reason],
-                    text=self.decode_text(delta.token_ids),
-                )
+                yield generate_chunk(request.session_id, delta, request.params.logprobs,
+                                     self.decode_text(delta.token_ids))
 
     async def CloseSession(self, request: rollout_pb2.CloseSessionRequest, context) -> rollout_pb2.CloseSessionResponse:
         metadata = unpack_metadata(request.metadata)  # CodecError (INVALID_ARGUMENT) before the session is gone
@@ -161,6 +154,7 @@ class SessionRPCs:
             response_text=self.decode_text(record.response_ids),
             metadata={**metadata, "session_id": record.session_id, "turns": record.turns},
             temperature=record.temperature,
+            kv_version=record.kv_version,
         )
 
     async def submit_episode(self, record: SessionRecord, reward: float, group_id: str, group_size: int) -> bool:

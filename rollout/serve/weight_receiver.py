@@ -1,9 +1,11 @@
 """The rollout worker's side of weight sync: the relayrl.weights.v1.WeightSync servicer.
 
 BeginUpdate validates the manifest against the engine's parameters, then a background thread joins
-(or reuses) the update group and receives every bucket into staging buffers. CommitUpdate waits for
+(or reuses) the update group and receives every bucket into staging buffers (on the engine's GPU when the group
+was formed as CUDA IPC: the trainer shares that GPU, services/weights/cuda_ipc.py). CommitUpdate waits for
 that thread (with its timeout) and hands views of the staged tensors to
-`AsyncEngine.update_weights`, which switches between two decode steps. On any failure the worker keeps
+`AsyncEngine.update_weights`, which switches between two decode steps; its reply says how long the engine
+generated nothing for the update (pause_s: the engine's own measure). On any failure the worker keeps
 serving its old version and the call says why; nothing here can block the engine or the trainer past
 a deadline.
 
@@ -69,6 +71,11 @@ class UpdatableEngine(Protocol):
         receiver leaves them untouched until a later update has replaced them."""
         ...
 
+    @property
+    def last_pause_s(self) -> float:
+        """Seconds the last update_weights kept the engine from generating (rollout/engines/base.py)."""
+        ...
+
 
 @dataclass
 class _Staging:
@@ -98,6 +105,7 @@ class _Update:
     done: Future = field(default_factory=Future)  # result: seconds the receive took
     joining: asyncio.Future | None = None  # the engine joining the group, when it receives itself: its error or None
     receiving: bool = False  # the engine was asked to receive (at the first CommitUpdate)
+    engine_receive_s: float = 0.0  # how long the engine's own receive blocked it (it generates nothing meanwhile)
 
 
 def check_layout(manifest: Manifest, layout: Layout) -> None:
@@ -148,6 +156,9 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 device = transfer_device(spec.backend, self.device)
             except TransferError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker cannot take the update: {exc}")
+            held = self._group
+            if spec.existing and held is not None and self._holds(spec):
+                device = held.device  # a group formed as CUDA IPC stages on this GPU, whatever backend it was asked as
         async with self._switch_lock:
             current = self.engine.weight_version
             if request.version <= current:
@@ -198,16 +209,18 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                                     f"{self.engine.weight_version}")
             if update.staging is None:
                 switch_s = await self.engine.serve_received(update.version)
+                pause_s = update.engine_receive_s + switch_s
                 self._pending = None
             else:
                 switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
+                pause_s = self.engine.last_pause_s
                 self._pending = None
                 # The engine serves this update's buffers now and none of the replaced version's.
                 self._staging, self._served = self._served, update.staging
-        log.log(self._log_level.level(), "switched to weight version %d (receive %.3fs, switch %.3fs)", update.version,
-                receive_s, switch_s)
+        log.log(self._log_level.level(), "switched to weight version %d (receive %.3fs, switch %.3fs, paused %.3fs)",
+                update.version, receive_s, switch_s, pause_s)
         return weights_pb2.CommitUpdateResponse(current_version=self.engine.weight_version, receive_s=receive_s,
-                                                switch_s=switch_s)
+                                                switch_s=switch_s, pause_s=pause_s)
 
     async def AbortUpdate(self, request, context):
         async with self._switch_lock:
@@ -222,6 +235,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         started = time.monotonic()
         try:
             group = self._join(update)
+            if update.staging.buffers[0].device != group.device:  # formed as CUDA IPC: the trainer is on this GPU
+                update.staging = _Staging(update.manifest, allocate_staging(update.manifest, group.device))
             receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
         except TransferError as exc:
             self._drop_group(update.spec.group_name)
@@ -250,8 +265,10 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         error = await update.joining
         if error is None:
             try:
+                receiving = time.monotonic()
                 await asyncio.wait_for(self.engine.receive_weights(update.manifest, update.spec.group_name),
                                        update.deadline - time.monotonic())
+                update.engine_receive_s = time.monotonic() - receiving
             except (TimeoutError, RuntimeError) as exc:
                 await self._leave_engine_group()
                 error = exc

@@ -5,6 +5,7 @@ import grpc
 from prometheus_client import Counter
 
 from protos import rollout_pb2
+from protos.codec import encode_array
 from rollout.engine.errors import DuplicateRequest, InvalidRequest, QueueFull
 from rollout.engine.sequence import FinishReason
 
@@ -24,3 +25,17 @@ REFUSAL_CODES = (
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
 )
+
+
+def generate_chunk(request_id: str, delta, with_logprobs: bool, text: str) -> rollout_pb2.GenerateChunk:
+    """One streamed delta of a completion (rollout.engine.outputs.Completion) as it goes on the wire."""
+    return rollout_pb2.GenerateChunk(
+        request_id=request_id,
+        index=delta.index,
+        token_ids=encode_array(delta.token_ids, "int32"),
+        logprobs=encode_array(delta.logprobs if with_logprobs else [], "float32"),
+        weight_versions=encode_array(delta.weight_versions, "int64"),
+        finish_reason=FINISH_REASONS[delta.finish_reason],
+        text=text,
+        kv_version=delta.kv_version,
+    )

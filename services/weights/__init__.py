@@ -6,6 +6,7 @@ scheduler), and the bucket stream."""
 from services.weights.backends import make_group
 from services.weights.bucket_stream import (
     BucketSender,
+    BucketSource,
     allocate_staging,
     bind_to_buckets,
     receive_buckets,
@@ -25,7 +26,7 @@ from services.weights.transfer import (
 )
 
 __all__ = [
-    "BucketSender", "GroupSpec", "Manifest", "TensorSlot", "Transfer", "TransferError", "TransferTimeout", "allocate_staging",
-    "bind_to_buckets", "deadline_after", "host_store", "make_group", "merge_order", "pack_bucket", "plan_buckets",
+    "BucketSender", "BucketSource", "GroupSpec", "Manifest", "TensorSlot", "Transfer", "TransferError", "TransferTimeout",
+    "allocate_staging", "bind_to_buckets", "deadline_after", "host_store", "make_group", "merge_order", "pack_bucket", "plan_buckets",
     "receive_buckets", "send_buckets", "send_tensors", "transfer_device", "unpack_bucket", "unpack_buckets",
 ]

@@ -3,6 +3,7 @@
 import threading
 from collections import deque
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
@@ -15,6 +16,17 @@ from services.weights.transfer import Pending, Transfer, TransferError
 SEND_DEPTH = 4
 # Packing buffers, reused round-robin; a buffer is refilled only after its broadcast completed.
 PACK_BUFFERS = 2
+
+
+class BucketSource(Protocol):
+    """Tensors that fill each bucket themselves instead of being packed from a mapping: a sharded model gathers
+    each bucket's tensors on its device straight into the bucket (trainer/broadcast/gather.py)."""
+
+    device: torch.device  # where the tensors are (a bucket on another device is filled through a copy)
+
+    def fill(self, manifest: Manifest, index: int, out: torch.Tensor) -> None:
+        """Write bucket `index`'s tensors into `out` (uint8, the bucket's size) at their slots' offsets."""
+        ...
 
 
 def _direct_source(manifest: Manifest, index: int, tensors: Mapping[str, torch.Tensor],
@@ -61,15 +73,17 @@ class BucketSender:
         self._buffers: list[torch.Tensor] = []
 
     @torch.no_grad()
-    def send(self, transfer: Transfer, manifest: Manifest, tensors: Mapping[str, torch.Tensor],
+    def send(self, transfer: Transfer, manifest: Manifest, tensors: Mapping[str, torch.Tensor] | BucketSource,
              deadline: float) -> None:
         """Broadcast every bucket in manifest order; return once all are sent.
 
         A bucket whose tensors already lie in memory as it lays them out (one tensor alone, or tensors
         bound with bind_to_buckets) goes straight from that memory; the others are packed into reusable
-        buffers while earlier buckets are on the wire.
+        buffers while earlier buckets are on the wire. A BucketSource fills those buffers itself, bucket by
+        bucket, as they go out.
         """
-        missing = [slot.name for slot in manifest.slots if slot.name not in tensors]
+        source = None if isinstance(tensors, Mapping) else tensors
+        missing = [] if source is not None else [slot.name for slot in manifest.slots if slot.name not in tensors]
         if missing:
             raise ValueError(f"tensors missing from the update: {', '.join(missing[:5])}")
         device = transfer.device
@@ -78,16 +92,21 @@ class BucketSender:
         for index, size in enumerate(manifest.bucket_sizes):
             if size == 0:
                 continue
-            source = _direct_source(manifest, index, tensors, device)
+            bucket = None if source is not None else _direct_source(manifest, index, tensors, device)
             buffer_index = None
-            if source is None:
+            if bucket is None:
                 buffer_index, turn = turn, (turn + 1) % PACK_BUFFERS
                 while any(used == buffer_index for _, used in in_flight):
                     in_flight.popleft()[0].wait(deadline)
-                source = pack_bucket(manifest, index, tensors, out=self._buffer(buffer_index, size, device))
+                out = self._buffer(buffer_index, size, device)
+                if source is None:
+                    bucket = pack_bucket(manifest, index, tensors, out=out)
+                else:
+                    bucket = out[:size]
+                    source.fill(manifest, index, bucket)
             while len(in_flight) >= self.depth:
                 in_flight.popleft()[0].wait(deadline)
-            in_flight.append((transfer.broadcast(source), buffer_index))
+            in_flight.append((transfer.broadcast(bucket), buffer_index))
         while in_flight:
             in_flight.popleft()[0].wait(deadline)
 

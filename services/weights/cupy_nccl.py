@@ -3,7 +3,7 @@ as nccl.py without a torch ProcessGroup, the way engines that keep torch.distrib
 pynccl, veRL) receive weights.
 
 Each member names its CUDA device (transfer.transfer_device). After every member checked in
-(nccl_rendezvous.py), rank 0 makes the NCCL unique id and hands it to the others over the group's TCP store,
+(backends.make_group, nccl_rendezvous.py), rank 0 makes the NCCL unique id and hands it to the others over the group's TCP store,
 and every member creates its communicator at once, on its device, within the rendezvous deadline. Buckets
 are broadcast on a stream of this transfer's own that first waits for the device's current stream (where
 the bucket was packed or allocated); a CUDA event recorded after each broadcast tells the host when it is
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from services.weights.nccl_rendezvous import check_in, gpu_identity, within
+from services.weights.nccl_rendezvous import within
 from services.weights.transfer import (
     GroupSpec,
     Pending,
@@ -83,7 +83,6 @@ class CupyNcclTransfer(Transfer):
 
         self._device = device
         deadline = deadline_after(timeout_s)
-        check_in(store, spec.group_name, spec.rank, spec.world_size, gpu_identity(device), deadline)
         unique_id = _share_unique_id(store, spec, self._nccl, deadline)
 
         def create():

@@ -1,8 +1,9 @@
 """Weight transfer over NCCL (CUDA tensors) through torch.distributed's ProcessGroupNCCL.
 
-Each member names its CUDA device (transfer.transfer_device) and must own a different GPU; the members check
-in on the store first and the communicator is created eagerly on that device (nccl_rendezvous.py), so neither
-a missing member nor a shared GPU can block past the rendezvous deadline or surface at the first broadcast.
+Each member names its CUDA device (transfer.transfer_device) and must own a different GPU; the members have
+checked in on the store first (backends.make_group, nccl_rendezvous.py) and the communicator is created eagerly on
+that device, so neither a missing member nor a shared GPU can block past the rendezvous deadline or surface at
+the first broadcast.
 Runs only where CUDA is: tests/test_weight_sync_nccl.py (marker `gpu`).
 """
 
@@ -13,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from services.weights.nccl_rendezvous import check_in, gpu_identity, within
+from services.weights.nccl_rendezvous import within
 from services.weights.transfer import (
     GroupSpec,
     Pending,
@@ -52,7 +53,6 @@ class NcclTransfer(Transfer):
             raise TransferError("backend 'nccl' needs torch with CUDA and NCCL; on CPU use backend 'gloo'")
         self._device = device
         deadline = deadline_after(timeout_s)
-        check_in(store, spec.group_name, spec.rank, spec.world_size, gpu_identity(device), deadline)
         options = dist.ProcessGroupNCCL.Options()
         # torch's watchdog ends the whole process when a collective outlives this timeout (its default error
         # handling): twice ours, so that our own deadline fires first and only the group is aborted.

@@ -7,6 +7,10 @@ group's store with the GPU it will use (host + GPU UUID, the same for two proces
 different indices): a member that never comes fails the rendezvous as TransferTimeout at the deadline, two
 members on one GPU fail as TransferError naming both ranks, before NCCL is touched. Only then is the
 communicator created, eagerly (not at the first broadcast), on a thread joined with the same deadline.
+
+Weight-update groups check in whatever their backend (services/weights/backends.py), each member with the device
+it stages on (`device_identity`: a CPU member checks in as its host's CPU): the identities decide whether the group
+is one of CUDA IPC handles (every receiver on the trainer's GPU: cuda_ipc.py) before the shared-GPU refusal applies.
 """
 
 import socket
@@ -29,20 +33,39 @@ def gpu_identity(device: torch.device) -> str:
     return f"{socket.gethostname()}/GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
-def check_in(store: dist.Store, group: str, rank: int, world_size: int, identity: str, deadline: float) -> None:
-    """Record member `rank`'s GPU `identity` on the group's store and wait (until `deadline`) for every member.
+def device_identity(device: torch.device | str | None) -> str:
+    """gpu_identity for a CUDA device; for anything else this host's CPU (`<host>/cpu`, never a GPU's)."""
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type == "cuda":
+        return gpu_identity(device)
+    return f"{socket.gethostname()}/cpu"
 
-    TransferTimeout when some member has not checked in by the deadline; TransferError when another member
-    uses the same GPU (NCCL needs one GPU per member)."""
+
+def check_in(store: dist.Store, group: str, rank: int, world_size: int, identity: str, deadline: float,
+             one_gpu_each: bool = True) -> list[str]:
+    """Record member `rank`'s GPU `identity` on the group's store, wait (until `deadline`) for every member, and
+    return every member's identity, by rank.
+
+    TransferTimeout when some member has not checked in by the deadline; with `one_gpu_each`, TransferError when
+    another member uses the same GPU (NCCL needs one GPU per member: see refuse_shared_gpus)."""
     store.set(f"gpu/{rank}", identity)
     arrived = store.add("checked-in", 1)
     while arrived < world_size:
         if time.monotonic() > deadline:
-            raise TransferTimeout(f"group {group}: {arrived} of {world_size} members checked in before the deadline")
+            raise TransferTimeout(f"group {group}: rendezvous: {arrived} of {world_size} members checked in before "
+                                  "the deadline")
         time.sleep(_POLL_S)
         arrived = store.add("checked-in", 0)
-    for other in range(world_size):
-        if other != rank and store.get(f"gpu/{other}").decode() == identity:
+    identities = [store.get(f"gpu/{other}").decode() for other in range(world_size)]
+    if one_gpu_each:
+        refuse_shared_gpus(group, rank, identities)
+    return identities
+
+
+def refuse_shared_gpus(group: str, rank: int, identities: list[str]) -> None:
+    """TransferError naming both ranks when another member is on member `rank`'s GPU."""
+    for other, identity in enumerate(identities):
+        if other != rank and identity == identities[rank]:
             raise TransferError(f"group {group}: ranks {min(rank, other)} and {max(rank, other)} are both on GPU "
                                 f"{identity}; NCCL needs one GPU per member (give each process a device of its own, "
                                 "or use backend 'gloo')")

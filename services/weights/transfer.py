@@ -2,9 +2,10 @@
 
 The interface every backend implements (Transfer, Pending), the group's spec, its errors and its rendezvous
 store. One file per backend: gloo.py (CPU tensors over TCP), nccl.py (CUDA tensors through torch's
-ProcessGroupNCCL), cupy_nccl.py (CUDA tensors through cupy's NCCL bindings, the `gpu` extra); backends.py
-picks one by `GroupSpec.backend`. The backends import this module; it imports none of them. The NCCL
-backends run on the CUDA device each member names explicitly.
+ProcessGroupNCCL), cupy_nccl.py (CUDA tensors through cupy's NCCL bindings, the `gpu` extra), cuda_ipc.py (CUDA
+IPC handles, for receivers on the trainer's own GPU); backends.py picks one by `GroupSpec.backend` and by where
+the members are. The backends import this module; it imports none of them. The CUDA backends run on the CUDA
+device each member names explicitly.
 """
 
 import datetime
@@ -22,8 +23,8 @@ import torch.distributed as dist
 from protos import weights_pb2
 from protos.codec import CodecError
 
-Backend = Literal["gloo", "nccl", "cupy_nccl"]
-BACKENDS: tuple[str, ...] = ("gloo", "nccl", "cupy_nccl")
+Backend = Literal["gloo", "nccl", "cupy_nccl", "cuda_ipc"]
+BACKENDS: tuple[str, ...] = ("gloo", "nccl", "cupy_nccl", "cuda_ipc")
 
 
 class TransferError(RuntimeError):
@@ -68,8 +69,8 @@ class GroupSpec:
 
 
 def transfer_device(backend: str, device: torch.device | str | None) -> torch.device:
-    """Where a member's buckets live for `backend`: the CPU for gloo; for the NCCL backends `device`, a CUDA
-    device with its index. It is chosen explicitly by each member (the rollout engine's device, the trainer's),
+    """Where a member's buckets live for `backend`: the CPU for gloo; for the CUDA backends (NCCL, CUDA IPC)
+    `device`, a CUDA device with its index. It is chosen explicitly by each member (the rollout engine's device, the trainer's),
     never taken as the calling thread's current CUDA device (cuda:0 in a gRPC handler thread, whatever GPU the
     engine is on). TransferError says why `device` cannot carry `backend`."""
     if backend == "gloo":

@@ -8,6 +8,7 @@ import torch
 
 from trainer.broadcast.broadcaster import PublishReport, WeightBroadcaster
 from trainer.broadcast.config import BroadcastConfig
+from trainer.broadcast.transport import Tensors
 
 
 class BlockingWeightBroadcaster:
@@ -20,7 +21,7 @@ class BlockingWeightBroadcaster:
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-broadcast", daemon=True)
         self._thread.start()
 
-    def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
+    def publish(self, named_tensors: Tensors, version: int) -> PublishReport:
         return self._run(self.broadcaster.publish(named_tensors, version), self.broadcaster.config.publish_bound_s)
 
     def served_versions(self, addresses: Sequence[str] | None = None) -> dict[str, int | None]:

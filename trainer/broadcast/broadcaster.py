@@ -44,7 +44,7 @@ from services.client import connect
 from services.weights import GroupSpec, Manifest, TransferError, deadline_after, transfer_device
 from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.plan import BroadcastPlan
-from trainer.broadcast.transport import Group, Transport
+from trainer.broadcast.transport import Group, Tensors, Transport
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class ReceiverResult:
     not_newer: bool = False  # BeginUpdate refused the version: the receiver serves this one or a later one
     receive_s: float = 0.0
     switch_s: float = 0.0
+    pause_s: float = 0.0  # how long its engine generated nothing for this update (the receiver's measure)
 
 
 @dataclass
@@ -80,6 +81,12 @@ class PublishReport:
     def ok(self) -> bool:
         """Every receiver switched to the new version."""
         return bool(self.results) and all(r.ok for r in self.results)
+
+    @property
+    def pause_s(self) -> float:
+        """The longest any receiver's engine stopped generating for this publish (0 when none switched); it lies
+        within total_s, the publish's sync time, of which the receivers generate through the rest."""
+        return max((r.pause_s for r in self.results if r.ok), default=0.0)
 
     @property
     def failed(self) -> dict[str, str]:
@@ -173,8 +180,10 @@ class WeightBroadcaster:
 
         return dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses)), strict=True))
 
-    async def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> PublishReport:
-        """Send `named_tensors` as version `version` to every receiver; see the module docstring."""
+    async def publish(self, named_tensors: Tensors, version: int) -> PublishReport:
+        """Send `named_tensors` as version `version` to every receiver; see the module docstring. Sharded weights
+        (trainer/broadcast/gather.py) are gathered into each bucket as it goes out; the caller calls their
+        `finish()` afterwards (rank 0 like every other rank)."""
         start = time.perf_counter()
         tensors = self._plan.prepare(named_tensors)
         manifest = self._plan.manifest(tensors)
@@ -263,7 +272,7 @@ class WeightBroadcaster:
         return errors
 
     async def _transfer_and_commit(
-        self, group: Group, manifest: Manifest, tensors: dict[str, torch.Tensor], version: int,
+        self, group: Group, manifest: Manifest, tensors: Tensors, version: int,
         results: dict[str, ReceiverResult], report: PublishReport,
     ) -> None:
         deadline = deadline_after(self.config.timeout_s)
@@ -310,7 +319,7 @@ class WeightBroadcaster:
         except grpc.RpcError as exc:
             return ReceiverResult(address, False, f"CommitUpdate {_describe(exc)}")
         return ReceiverResult(address, True, version=reply.current_version, receive_s=reply.receive_s,
-                              switch_s=reply.switch_s)
+                              switch_s=reply.switch_s, pause_s=reply.pause_s)
 
     async def _abort(self, addresses: Sequence[str], version: int) -> None:
         """Tell receivers to drop `version`; one that cannot be reached keeps it only until its own deadline."""

@@ -10,9 +10,13 @@ from services.config import ClientConfig, Strict
 class BroadcastConfig(Strict):
     """How the trainer publishes weights."""
 
-    backend: Literal["gloo", "nccl", "cupy_nccl"] = Field(
+    backend: Literal["gloo", "nccl", "cupy_nccl", "cuda_ipc"] = Field(
         "gloo", description="Collective for the tensors: gloo (CPU), nccl (GPU, torch's ProcessGroupNCCL) or cupy_nccl "
-        "(GPU, cupy's NCCL bindings: the `gpu` extra). The NCCL ones need every member on a GPU of its own.")
+        "(GPU, cupy's NCCL bindings: the `gpu` extra). The NCCL ones need every member on a GPU of its own. "
+        "cuda_ipc: CUDA IPC handles, every receiver on the trainer's GPU (chosen by itself when they are: cuda_ipc).")
+    cuda_ipc: bool = Field(True, description="When every receiver of a group stages on this trainer's GPU, hand them "
+                           "CUDA IPC handles of the buckets (they copy GPU to GPU) whatever `backend` says, instead of a "
+                           "copy through host memory (gloo) or a refusal (NCCL: one GPU per member).")
     bucket_mb: float = Field(32.0, gt=0, description="Tensors are packed into buckets of up to this many MiB; "
                              "packing the next bucket overlaps sending this one. On gloo, 32-64 MiB beat smaller "
                              "buckets and one broadcast per tensor: each collective has a fixed cost in time and CPU.")

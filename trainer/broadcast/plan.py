@@ -19,8 +19,7 @@ from services.weights import (
 )
 from services.weights.manifest import ALIGN_BYTES
 from trainer.broadcast.config import BroadcastConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from trainer.broadcast.gather import ShardedWeights, publish_dtype
 
 
 class BroadcastPlan:
@@ -37,11 +36,17 @@ class BroadcastPlan:
         self._bound: tuple[Manifest, list[torch.Tensor]] | None = None  # bind(): the layout, the parameters' buffers
         self._snapshot: list[torch.Tensor] | None = None  # snapshot(): a second set of buffers in that layout
 
-    def prepare(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def prepare(self, named_tensors: Mapping[str, torch.Tensor] | ShardedWeights
+                ) -> dict[str, torch.Tensor] | ShardedWeights:
         """Detach, cast if configured, and send a tensor seen under two names once, under its first name:
         a tied model's state dict holds the embedding again as lm_head.weight, which the rollout engine
-        does not count as a parameter of its own."""
-        cast = _DTYPES.get(self.config.dtype) if self.config.dtype else None
+        does not count as a parameter of its own. ShardedWeights do that themselves as they gather."""
+        cast = publish_dtype(self.config.dtype)
+        if isinstance(named_tensors, ShardedWeights):
+            if named_tensors.dtype != cast:
+                raise ValueError(f"sharded weights gathered as {named_tensors.dtype}, the publish casts to {cast}: "
+                                 "every rank must gather the bytes that are sent")
+            return named_tensors
         prepared, seen = {}, set()
         for name, tensor in named_tensors.items():
             tensor = tensor.detach()
@@ -52,10 +57,13 @@ class BroadcastPlan:
             prepared[name] = tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor
         return prepared
 
-    def manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
+    def manifest(self, tensors: Mapping[str, torch.Tensor] | ShardedWeights) -> Manifest:
         """The bucket layout (in merge order: receivers adopt the staged bytes without a copy), recomputed
         only when names, shapes or dtypes change."""
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+        if isinstance(tensors, ShardedWeights):
+            key = tuple(tensors.layout())
+        else:
+            key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
         if self._manifest is None or self._manifest[0] != key:
             self._manifest = (key, plan_buckets(merge_order(key), self._bucket_bytes, self._solo_bytes))
         return self._manifest[1]

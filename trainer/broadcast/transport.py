@@ -15,6 +15,9 @@ import torch
 from services.weights import BucketSender, GroupSpec, Manifest, Transfer, host_store, make_group, send_tensors
 from services.weights.torch_group import make_torch_group
 from trainer.broadcast.config import BroadcastConfig
+from trainer.broadcast.gather import ShardedWeights
+
+Tensors = Mapping[str, torch.Tensor] | ShardedWeights
 
 
 @dataclass
@@ -64,16 +67,27 @@ class Transport:
                                                   self.config.master_port)
         return [self._spec(group, rank) for rank in range(1, len(group.members) + 1)]
 
-    async def join(self, group: Group, tensors: Mapping[str, torch.Tensor]) -> None:
+    async def join(self, group: Group, tensors: Tensors) -> None:
         """Form the new group as its rank 0 (the rendezvous); raises TransferError."""
-        device = self.device if self.device is not None else next(iter(tensors.values())).device
-        form = make_torch_group if group.tensor_broadcasts else make_group
-        group.transfer = await asyncio.to_thread(form, self._spec(group, 0), self.config.timeout_s, self._store, device)
+        device = self.device if self.device is not None else _device_of(tensors)  # which GPU, for CUDA IPC
+        spec, timeout_s = self._spec(group, 0), self.config.timeout_s
+        if group.tensor_broadcasts:
+            group.transfer = await asyncio.to_thread(make_torch_group, spec, timeout_s, self._store, device)
+        else:
+            group.transfer = await asyncio.to_thread(make_group, spec, timeout_s, self._store, device,
+                                                     self.config.cuda_ipc)
 
-    async def send(self, group: Group, manifest: Manifest, tensors: Mapping[str, torch.Tensor], deadline: float) -> None:
-        """Broadcast every tensor of `manifest` on the joined group by `deadline`; raises TransferError."""
-        send = send_tensors if group.tensor_broadcasts else self._sender.send
-        await asyncio.to_thread(send, group.transfer, manifest, tensors, deadline)
+    async def send(self, group: Group, manifest: Manifest, tensors: Tensors, deadline: float) -> None:
+        """Broadcast every tensor of `manifest` on the joined group by `deadline`; raises TransferError.
+
+        Sharded weights are gathered bucket by bucket as the buckets go out; members that take one broadcast per
+        tensor get them gathered whole first (a copy of the model on the trainer's device)."""
+        if group.tensor_broadcasts:
+            if isinstance(tensors, ShardedWeights):
+                tensors = await asyncio.to_thread(tensors.gathered_copy)
+            await asyncio.to_thread(send_tensors, group.transfer, manifest, tensors, deadline)
+        else:
+            await asyncio.to_thread(self._sender.send, group.transfer, manifest, tensors, deadline)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.drop, self.config.control_timeout_s)
@@ -82,3 +96,7 @@ class Transport:
     def _spec(self, group: Group, rank: int) -> GroupSpec:
         return GroupSpec(self.config.backend, self.config.master_addr, self._store.port,  # type: ignore[arg-type]
                          len(group.members) + 1, rank, group.name, existing=group.transfer is not None)
+
+
+def _device_of(tensors: Tensors) -> torch.device:
+    return tensors.device if isinstance(tensors, ShardedWeights) else next(iter(tensors.values())).device

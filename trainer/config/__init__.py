@@ -2,7 +2,7 @@
 
 TrainerConfig is the whole of a run's config (`python -m trainer --config FILE`); each of its sections is a
 model of its own, in a module named after it: model, algorithm, optim (and batch), checkpoint, buffer, publish,
-mismatch.
+mismatch, parallel.
 """
 
 from typing import Literal
@@ -16,6 +16,7 @@ from trainer.config.checkpoint import CheckpointConfig
 from trainer.config.mismatch import MismatchConfig
 from trainer.config.model import ModelConfig
 from trainer.config.optim import BatchConfig, OptimConfig
+from trainer.config.parallel import ParallelConfig
 from trainer.config.publish import PublishConfig
 
 
@@ -33,16 +34,19 @@ class TrainerConfig(Strict):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     buffer: BufferClientConfig = Field(default_factory=BufferClientConfig)
-    max_steps: int = Field(100, gt=0, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(100, gt=0, description="Stop after this many optimizer steps; None = until "
+                                  "stopped (SIGTERM: the step under way ends, then the last checkpoint and export).")
     max_staleness: int | None = Field(
         None, ge=0, description="Fail loudly if a batch holds a sample older than this (the buffer enforces it)."
     )
     publish: PublishConfig = Field(default_factory=PublishConfig)
     mismatch: MismatchConfig = Field(default_factory=MismatchConfig, description="A bound on the rollout-vs-trainer "
                                      "logprob mismatch reported every step (mismatch/* in the metrics).")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Compute dtype: bfloat16 = autocast on an accelerator; parameters stay float32."
+        "float32", description="Compute dtype: bfloat16 on an accelerator = FSDP2 mixed precision under torchrun "
+        "(parallel.mixed_precision), else autocast; the optimizer's parameters stay float32."
     )
     device: Literal["auto", "cpu", "cuda", "xpu", "npu"] = Field(
         "auto", description="Where the trainer computes (services/device.py): auto = the machine's accelerator "
@@ -69,4 +73,7 @@ class TrainerConfig(Strict):
                              "cuda (or auto on a GPU machine), or use backend 'gloo'")
         if self.algorithm.name == "dpo" and self.batch.micro_batch_size % 2:
             raise ValueError("batch.micro_batch_size: DPO trains (chosen, rejected) pairs, so it must be even")
+        if self.batch.packing and self.parallel.tp > 1:
+            raise ValueError("batch.packing: not with parallel.tp > 1 yet (sequence parallelism pads every row to a "
+                             "multiple of tp, and the packed rows' segments would have to cover that padding)")
         return self

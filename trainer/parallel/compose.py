@@ -1,0 +1,38 @@
+"""The one place that splits the policy over the mesh, in a fixed order: TP, then activation checkpointing,
+then FSDP.
+
+TP first: it replaces each split weight by a DTensor on the "tp" mesh; activation checkpointing wraps whole
+decoder layers (so a recomputed layer redoes its TP collectives); FSDP last shards every parameter, TP-split
+or not, over "dp" and all-gathers it around each layer. Models stay plain Hugging Face modules.
+"""
+
+from collections.abc import Callable
+
+from trainer.config.parallel import ParallelConfig
+from trainer.model import PolicyModel
+from trainer.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from trainer.parallel.mesh import DistEnv
+from trainer.parallel.tp import apply_tp, pad_sequences
+
+
+def parallelize(
+    policy: PolicyModel,
+    env: DistEnv,
+    config: ParallelConfig | None = None,
+    dtype: str = "float32",
+    checkpoint_layers: Callable[[PolicyModel], None] | None = None,
+) -> PolicyModel:
+    """Split `policy` in place over env's (dp, tp) mesh; a world of one keeps it whole (activation checkpointing
+    still applies). Works on a model on the meta device (trainer/parallel/loading.py materialises and loads it
+    afterwards)."""
+    config = config or ParallelConfig()
+    if env.distributed and env.tp_size > 1:
+        apply_tp(policy, env.mesh["tp"])
+    if checkpoint_layers is not None:
+        checkpoint_layers(policy)
+    if not env.distributed:
+        return policy
+    apply_fsdp(policy, env.mesh["dp"], mixed_precision_policy(dtype, env.device, config.mixed_precision))
+    if env.tp_size > 1:
+        pad_sequences(policy, env.tp_size)
+    return policy

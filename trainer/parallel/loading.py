@@ -1,0 +1,103 @@
+"""Sharded loading: the policy is built on the meta device, split over the mesh, and each rank then reads
+only its own shards from the Hugging Face safetensors files (torch.distributed.checkpoint's safetensors
+reader: a slice per shard, never a whole copy of the model per rank)."""
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from trainer.config.model import ModelConfig
+from trainer.config.parallel import ParallelConfig
+from trainer.model import PolicyModel, checkpoint_layers, load_policy
+from trainer.parallel.compose import parallelize
+from trainer.parallel.mesh import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+class CountingReader(HuggingFaceStorageReader):
+    """The safetensors reader, counting the bytes this rank reads (the slices its shards need)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(str(path))
+        self.bytes_read = 0
+        self._dtypes: dict[str, torch.dtype] = {}
+
+    def read_metadata(self):
+        metadata = super().read_metadata()
+        self._dtypes = {name: meta.properties.dtype for name, meta in metadata.state_dict_metadata.items()}
+        return metadata
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            self.bytes_read += math.prod(item.lengths) * self._dtypes[item.storage_index.fqn].itemsize
+        return super().read_data(plan, planner)
+
+
+def build_policy(
+    path: str | Path,
+    env: DistEnv,
+    config: ParallelConfig | None = None,
+    model: ModelConfig | None = None,
+    *,
+    value_head: bool = False,
+    trainable: bool = True,
+    dtype: str = "float32",
+) -> PolicyModel:
+    """The policy of the Hugging Face folder `path`, split over env's mesh (float32 parameters, dropout off);
+    in a world of one, loaded whole. `model`: its head's chunking and precision, and activation checkpointing
+    (trainable policies only)."""
+    model = model or ModelConfig()
+    head = {"chunk_tokens": model.logprob_chunk_tokens, "lm_head_fp32": model.lm_head_fp32}
+    checkpointing = checkpoint_layers if model.activation_checkpointing and trainable else None
+    if not env.distributed:
+        policy = load_policy(path, value_head=value_head, device=env.device, **head).requires_grad_(trainable)
+        return parallelize(policy, env, config, dtype, checkpointing)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        policy = PolicyModel(lm, value_head=value_head, **head)
+    policy.eval().requires_grad_(trainable)
+    parallelize(policy, env, config, dtype, checkpointing)
+    policy.to_empty(device=env.device)
+    _init_buffers(lm)
+    read = load_hf_shards(lm, path)
+    if policy.value_head is not None:  # a zero critic, as load_policy's
+        with torch.no_grad():
+            for parameter in policy.value_head.parameters():
+                parameter.zero_()
+    log.info("rank %d read %.1f MB of the policy's weights from %s", env.rank, read / 1e6, path)
+    return policy
+
+
+def load_hf_shards(lm: nn.Module, path: str | Path) -> int:
+    """Fill `lm`'s parameters (this rank's shards) from the safetensors files in `path`; the bytes read."""
+    reader = CountingReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    state = lm.state_dict()
+    missing = set(state) - set(saved)
+    tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    if tied:  # saved once, under the input embedding's name
+        missing.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    if missing:
+        raise ValueError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
+    dcp.load(state, storage_reader=reader)
+    return reader.bytes_read
+
+
+def _init_buffers(lm: nn.Module) -> None:
+    """Recompute the buffers that are not saved (rotary inverse frequencies): to_empty left them unset."""
+    rotary = [module for module in lm.modules() if hasattr(module, "original_inv_freq")]
+    unsaved = {name for name, _ in lm.named_non_persistent_buffers()}
+    known = {f"{prefix}.{buffer}" for prefix, module in lm.named_modules() if module in rotary
+             for buffer in ("inv_freq", "original_inv_freq")}
+    if unsaved - known:
+        raise NotImplementedError(f"sharded loading: no initialiser for the unsaved buffers {sorted(unsaved - known)}")
+    for module in rotary:
+        lm._init_weights(module)
