@@ -47,4 +47,4 @@ def supervised_warmup(init_dir: pathlib.Path, out_dir: pathlib.Path, samples, st
         "checkpoint": {"export_dir": str(out_dir)},
         "metrics_path": str(metrics_path),
     })
-    train(cfg, init_distributed("cpu"), DatasetSource(samples, seed=seed))
+    train(cfg, init_distributed(cfg.device, cfg.dist_timeout_s), DatasetSource(samples, seed=seed))

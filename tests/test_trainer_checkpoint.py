@@ -99,7 +99,7 @@ def test_export_is_a_hugging_face_folder_with_the_trained_weights(tiny_model_dir
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.tensor([[1, 20, 30, 40, 50]])
     with torch.no_grad():
-        torch.testing.assert_close(exported(ids).logits, learner.policy(ids, torch.ones_like(ids))[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(exported(ids).logits, learner.policy.lm(input_ids=ids).logits, rtol=0, atol=1e-5)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.decode(tokenizer.encode("12+7=19")) == "12+7=19"
 

@@ -32,6 +32,10 @@ RUNS = {
     "grpo-token-budget": {"algorithm": {"name": "grpo", "off_policy": "tis"},
                           "batch": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 22}},
     "dpo-token-budget": {"algorithm": {"name": "dpo"}, "batch": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 44}},
+    # Packed rows, the head in chunks and checkpointed layers under FSDP2 (issue 27 items 2-4).
+    "ppo-packed-checkpointed": {"algorithm": {"name": "ppo"}, "model": {"activation_checkpointing": True,
+                                "logprob_chunk_tokens": 8},
+                                "batch": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 30, "packing": True}},
 }
 
 
@@ -77,6 +81,7 @@ def run_steps(model: str, checkpoints: str, env, resume: bool) -> dict[str, list
                 "optim": {"lr": 2e-3},
                 "batch": {"global_batch_size": 8, "micro_batch_size": 4, **overrides.get("batch", {})},
                 "algorithm": overrides["algorithm"],
+                "model": overrides.get("model", {}),
             }
         )
         learner = Learner(config, env)

@@ -144,8 +144,15 @@ def repeated_save_report(model: str, env, tp: int, root: Path) -> dict:
     return {"step": state.step, "folders": sorted(path.name for path in root.iterdir())}
 
 
-def _record_dtypes(computed: list, module, _inputs, output) -> None:
-    computed.append([str(module.weight.dtype), str(output.dtype)])
+def _recording(computed: list, token_stats):
+    """trainer.lm_head.token_stats, recording the head's weight dtype and the dtype its matmul computes in."""
+    from trainer.lm_head import compute_dtype
+
+    def stats(hidden, weight, *args, **kwargs):
+        computed.append([str(weight.dtype), str(compute_dtype(hidden, kwargs.get("fp32", False)))])
+        return token_stats(hidden, weight, *args, **kwargs)
+
+    return stats
 
 
 def mixed_precision_report(model: str, env, tp: int) -> dict:
@@ -154,10 +161,12 @@ def mixed_precision_report(model: str, env, tp: int) -> dict:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from trainer import lm_head
     from trainer.config import TrainerConfig
     from trainer.learner import Learner
     from trainer.parallel import compose
 
+    token_stats = lm_head.token_stats
     report = {}
     original = compose.mixed_precision_policy
     for name in ("float32", "bfloat16"):
@@ -170,11 +179,10 @@ def mixed_precision_report(model: str, env, tp: int) -> dict:
         })  # fmt: skip
         learner = Learner(config, env)
         computed: list[list[str]] = []
-        hook = learner.policy.lm.get_output_embeddings().register_forward_hook(
-            functools.partial(_record_dtypes, computed))
+        lm_head.token_stats = _recording(computed, token_stats)  # the policy's forward calls it for the head
         losses = [learner.train_step(batch, step)["loss"] for step in range(2)
                   for batch in learner.prepare(make_samples("ppo"))]
-        hook.remove()
+        lm_head.token_stats = token_stats
         states = [value for state in learner.optimizer.state.values() for value in state.values()]
         report[name] = {"losses": losses, "head": computed[0],
                         "stepped": sorted({str(p.dtype) for p in learner.policy.parameters()}),

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from protos.sample import Sample
-from trainer.batch import collate
+from trainer.batch import collate, plan_mini_batches
 from trainer.config import TrainerConfig
-from trainer.learner import Learner, plan_mini_batches
+from trainer.learner import Learner
 from trainer.model import load_policy, run_policy
 from trainer.parallel import DistEnv
 

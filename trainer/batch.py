@@ -150,15 +150,54 @@ def pack_by_tokens(lengths: Sequence[int], budget: int, max_units: int) -> list[
     return packs
 
 
-def split_packs(packs: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+def split_packs(packs: list[list[int]], lengths: Sequence[int], count: int, packed: bool = False) -> list[list[int]]:
     """`packs` split until there are `count` (every rank of a sharded step runs as many micro-batches): each
-    time the one of most padded tokens is halved. ValueError if there are fewer than `count` indices."""
+    time the one of most tokens is halved: padded tokens (units x the first, longest), or with `packed` the sum of
+    the lengths. ValueError if there are fewer than `count` indices."""
     packs = [list(pack) for pack in packs]
+
+    def tokens(pack: list[int]) -> int:
+        return sum(lengths[i] for i in pack) if packed else len(pack) * lengths[pack[0]]
+
     while len(packs) < count:
         splittable = [m for m, pack in enumerate(packs) if len(pack) > 1]
         if not splittable:
             raise ValueError(f"{len(packs)} rows cannot make {count} micro-batches")
-        m = max(splittable, key=lambda m: len(packs[m]) * lengths[packs[m][0]])
+        m = max(splittable, key=lambda m: tokens(packs[m]))
         half = len(packs[m]) // 2
         packs[m:m + 1] = [packs[m][:half], packs[m][half:]]
     return packs
+
+
+def plan_mini_batches(num_rows: int, mini_batches: int, world_size: int, unit: int = 1) -> tuple[list[range], int]:
+    """Split `num_rows` rows (whole units of `unit` rows: DPO pairs) into at most `mini_batches` contiguous
+    chunks as even as possible (no chunk empty), and the padded size of each: the largest chunk rounded up
+    to a multiple of `world_size * unit`, so each rank takes the same whole number of units of every one."""
+    units = num_rows // unit
+    if units * unit != num_rows or units == 0:
+        raise ValueError(f"a batch of {num_rows} rows is not a positive number of units of {unit}")
+    steps = min(mini_batches, units)
+    sizes = [units // steps + (m < units % steps) for m in range(steps)]
+    starts = [sum(sizes[:m]) for m in range(steps)]
+    chunks = [range(start * unit, (start + size) * unit) for start, size in zip(starts, sizes, strict=True)]
+    step_units = -(-sizes[0] // world_size) * world_size
+    return chunks, step_units * unit
+
+
+def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatch:
+    """The batch laid out as `len(chunks)` mini-batches of `per_step` rows: chunk m's rows, then padding.
+
+    A padding row copies the shortest row (it never widens a micro-batch) with loss_mask zeroed
+    (it runs right after collate, before any advantage), so it adds nothing to any loss or metric; advantage estimates skip it (real rows only). `row_weights` comes back 1 for a
+    real row and 0 for padding (_set_weights turns it into the per-mini-batch row weights).
+    """
+    shortest = int(batch.attention_mask.sum(-1).argmin())
+    index, real = [], []
+    for chunk in chunks:
+        index += [*chunk, *[shortest] * (per_step - len(chunk))]
+        real += [1.0] * len(chunk) + [0.0] * (per_step - len(chunk))
+    padded = batch.select(torch.tensor(index, dtype=torch.int64))
+    padded.row_weights = torch.tensor(real, dtype=torch.float32)
+    padding = padded.row_weights == 0
+    padded.loss_mask[padding] = 0.0
+    return padded

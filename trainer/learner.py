@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from protos.sample import Sample
+from services.device import autocast, fused_optimizer
 from trainer.advantages import (
     discounted_returns,
     gae,
@@ -30,6 +31,8 @@ from trainer.batch import (
     group_indices,
     order_preference_pairs,
     pack_by_tokens,
+    pad_rows,
+    plan_mini_batches,
     split_packs,
 )
 from trainer.config import TrainerConfig
@@ -43,9 +46,11 @@ from trainer.losses import (
     tis_weights,
 )
 from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
-from trainer.model import PolicyModel, run_policy
+from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
 from trainer.objectives import objective
+from trainer.packing import pack_by_token_sum
 from trainer.parallel import DistEnv, build_policy
+from trainer.varlen import use_varlen
 
 
 class Learner:
@@ -59,13 +64,17 @@ class Learner:
         self.algo = config.algorithm
         self.env = env
         torch.manual_seed(config.seed)
-        self.policy: PolicyModel = build_policy(config.model_path, env, config.parallel,
+        self.policy: PolicyModel = build_policy(config.model_path, env, config.parallel, config.model,
                                                 value_head=self.algo.name == "ppo", dtype=config.dtype)
         self.pad_id = self.policy.lm.config.pad_token_id or 0
+        self.packing = Packing(config.batch.pack_row_tokens, self.pad_id) if config.batch.packing else None
         self.reference: PolicyModel | None = None
         if config.ref_model_path is not None and self.algo.needs_reference:
-            self.reference = build_policy(config.ref_model_path, env, config.parallel, trainable=False,
+            self.reference = build_policy(config.ref_model_path, env, config.parallel, config.model, trainable=False,
                                           dtype=config.dtype)
+        if self.packing is not None and config.batch.packed_attention == "varlen":
+            for model in filter(None, (self.policy, self.reference)):
+                use_varlen(model.lm)
         # One optimizer step per pulled batch: the proximal policy is the one the step starts from, so its
         # logprobs are the training forward's, detached (verl's on_policy path), not a second forward pass. Not
         # when something needs them before the step: rejection or batch-normalised weights (whole mini-batch),
@@ -81,7 +90,7 @@ class Learner:
         # step on one CPU thread); the same update up to float rounding.
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
-            fused=env.device.type in ("cpu", "cuda"),
+            fused=fused_optimizer(env.device),
         )
 
     # -- preparing a pulled batch -------------------------------------------------------------
@@ -205,14 +214,19 @@ class Learner:
             width = micro.input_ids.shape[1] - 1
             if needs_policy:
                 with self._autocast():
-                    out = run_policy(self.policy, micro.input_ids, micro.attention_mask, self._temperatures(micro))
-                batch.old_logprobs[rows, :width] = out.logprobs.cpu() * micro.loss_mask.cpu()
+                    out = self._forward(self.policy, micro)
+                batch.old_logprobs[rows, :width] = _masked(out.logprobs, micro)
                 if out.values is not None:
-                    batch.old_values[rows, :width] = out.values.cpu() * micro.loss_mask.cpu()
+                    batch.old_values[rows, :width] = _masked(out.values, micro)
             if needs_reference:
                 with self._autocast():
-                    out = run_policy(self.reference, micro.input_ids, micro.attention_mask, self._temperatures(micro))
-                batch.ref_logprobs[rows, :width] = out.logprobs.cpu() * micro.loss_mask.cpu()
+                    out = self._forward(self.reference, micro, entropy=False)
+                batch.ref_logprobs[rows, :width] = _masked(out.logprobs, micro)
+
+    def _forward(self, model: PolicyModel, micro: TrainBatch, entropy_grad: bool = False,
+                 entropy: bool = True) -> PolicyOutput:
+        return run_policy(model, micro.input_ids, micro.attention_mask, self._temperatures(micro), entropy_grad,
+                          packing=self.packing, entropy=entropy)
 
     def _temperatures(self, batch: TrainBatch) -> torch.Tensor | None:
         """RL objectives score the sampled tokens under the distribution they were drawn from (logits / T);
@@ -293,8 +307,7 @@ class Learner:
         for index, (_, micro) in enumerate(micro_batches):
             self._sync_gradients(index == len(micro_batches) - 1)
             with self._autocast():
-                out = run_policy(self.policy, micro.input_ids, micro.attention_mask, self._temperatures(micro),
-                                 entropy_grad=self.algo.entropy_coef > 0)
+                out = self._forward(self.policy, micro, entropy_grad=self.algo.entropy_coef > 0)
             if self.proximal_in_step:
                 micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
                 self._set_off_policy_correction(micro)
@@ -331,9 +344,15 @@ class Learner:
             size = cfg.micro_batch_size
             return [slice(start, start + size) for start in range(0, batch.num_rows, size)]
         unit = 2 if self.algo.name == "dpo" else 1  # a (chosen, rejected) pair stays in one micro-batch
-        lengths = batch.attention_mask.sum(-1).view(-1, unit).amax(-1).tolist()
-        packs = pack_by_tokens(lengths, cfg.max_tokens_per_micro_batch // unit, max(1, cfg.micro_batch_size // unit))
-        packs = split_packs(packs, lengths, self.env.all_reduce_max(len(packs)))
+        per_unit = batch.attention_mask.sum(-1).view(-1, unit)
+        max_units = max(1, cfg.micro_batch_size // unit)
+        if cfg.packing:  # the budget counts real tokens: packed rows hold no padding
+            lengths = per_unit.sum(-1).tolist()
+            packs = pack_by_token_sum(lengths, cfg.max_tokens_per_micro_batch, max_units)
+        else:
+            lengths = per_unit.amax(-1).tolist()
+            packs = pack_by_tokens(lengths, cfg.max_tokens_per_micro_batch // unit, max_units)
+        packs = split_packs(packs, lengths, self.env.all_reduce_max(len(packs)), packed=cfg.packing)
         return [torch.tensor([u * unit + j for u in pack for j in range(unit)], dtype=torch.int64) for pack in packs]
 
     def _set_learning_rate(self, step: int) -> float:
@@ -355,40 +374,9 @@ class Learner:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         fsdp_casts = self.env.distributed and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py
-        if self.config.dtype == "bfloat16" and self.env.device.type == "cuda" and not fsdp_casts:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return contextlib.nullcontext() if fsdp_casts else autocast(self.env.device, self.config.dtype)
 
 
-def plan_mini_batches(num_rows: int, mini_batches: int, world_size: int, unit: int = 1) -> tuple[list[range], int]:
-    """Split `num_rows` rows (whole units of `unit` rows: DPO pairs) into at most `mini_batches` contiguous
-    chunks as even as possible (no chunk empty), and the padded size of each: the largest chunk rounded up
-    to a multiple of `world_size * unit`, so each rank takes the same whole number of units of every one."""
-    units = num_rows // unit
-    if units * unit != num_rows or units == 0:
-        raise ValueError(f"a batch of {num_rows} rows is not a positive number of units of {unit}")
-    steps = min(mini_batches, units)
-    sizes = [units // steps + (m < units % steps) for m in range(steps)]
-    starts = [sum(sizes[:m]) for m in range(steps)]
-    chunks = [range(start * unit, (start + size) * unit) for start, size in zip(starts, sizes, strict=True)]
-    step_units = -(-sizes[0] // world_size) * world_size
-    return chunks, step_units * unit
-
-
-def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatch:
-    """The batch laid out as `len(chunks)` mini-batches of `per_step` rows: chunk m's rows, then padding.
-
-    A padding row copies the shortest row (it never widens a micro-batch) with loss_mask zeroed
-    (it runs right after collate, before any advantage), so it adds nothing to any loss or metric; advantage estimates skip it (real rows only). `row_weights` comes back 1 for a
-    real row and 0 for padding (_set_weights turns it into the per-mini-batch row weights).
-    """
-    shortest = int(batch.attention_mask.sum(-1).argmin())
-    index, real = [], []
-    for chunk in chunks:
-        index += [*chunk, *[shortest] * (per_step - len(chunk))]
-        real += [1.0] * len(chunk) + [0.0] * (per_step - len(chunk))
-    padded = batch.select(torch.tensor(index, dtype=torch.int64))
-    padded.row_weights = torch.tensor(real, dtype=torch.float32)
-    padding = padded.row_weights == 0
-    padded.loss_mask[padding] = 0.0
-    return padded
+def _masked(per_token: torch.Tensor, micro: TrainBatch) -> torch.Tensor:
+    """A forward's per-token output on the loss mask, as the batch's float32 CPU fields hold it."""
+    return (per_token * micro.loss_mask).to("cpu", micro.loss_mask.dtype)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from trainer.losses import entropy_from_logits
+from trainer.lm_head import head_token_stats
+from trainer.packing import pack_rows
 
 # Names of the value head's parameters in the policy's state dict (never exported to HF).
 VALUE_HEAD_PREFIX = "value_head."
@@ -15,11 +16,17 @@ LM_PREFIX = "lm."
 
 
 class PolicyModel(nn.Module):
-    """A causal LM (`lm`) plus an optional scalar value head on its last hidden state (PPO's critic)."""
+    """A causal LM (`lm`) plus an optional scalar value head on its last hidden state (PPO's critic).
 
-    def __init__(self, lm: nn.Module, value_head: bool = False) -> None:
+    Its forward returns per-token logprobs and entropy, never the [B, T, V] logits: the head runs chunk by chunk
+    (trainer/lm_head.py), `chunk_tokens` at a time, in float32 when `lm_head_fp32`.
+    """
+
+    def __init__(self, lm: nn.Module, value_head: bool = False, chunk_tokens: int = 1024,
+                 lm_head_fp32: bool = False) -> None:
         super().__init__()
         self.lm = lm
+        self.chunk_tokens, self.lm_head_fp32 = chunk_tokens, lm_head_fp32
         self.value_head: nn.Linear | None = None
         if value_head:
             self.value_head = nn.Linear(lm.config.hidden_size, 1)
@@ -32,32 +39,51 @@ class PolicyModel(nn.Module):
         """The transformer blocks (the units FSDP shards one by one)."""
         return self.lm.base_model.layers
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits [B, T, V], values [B, T, 1] or None). No views out: FSDP2 hooks the outputs."""
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        logits = self.lm.get_output_embeddings()(hidden)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        inv_temperatures: torch.Tensor | None = None,
+        entropy: bool = True,
+        **attention_kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(logprobs [B, T-1] of the next tokens, their entropy [B, T-1] or None, values [B, T, 1] or None).
+
+        `inv_temperatures` [B, T-1]: 1 / the temperature of each predicting position (None = 1). The head is used
+        inside this forward, so FSDP2 has it unsharded. No views out: FSDP2 hooks the outputs.
+        """
+        # No KV cache: it would hold every layer's keys and values, and with one transformers ignores packed rows.
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False, **attention_kwargs).last_hidden_state
+        logprobs, entropies = head_token_stats(hidden, self.lm.get_output_embeddings(), input_ids, inv_temperatures,
+                                               chunk_tokens=self.chunk_tokens, fp32=self.lm_head_fp32, entropy=entropy)
         values = self.value_head(hidden) if self.value_head is not None else None
-        return logits, values
+        return logprobs, entropies, values
 
 
-def load_policy(path: str | Path, *, value_head: bool = False, device: torch.device | str = "cpu") -> PolicyModel:
+def load_policy(path: str | Path, *, value_head: bool = False, device: torch.device | str = "cpu",
+                chunk_tokens: int = 1024, lm_head_fp32: bool = False) -> PolicyModel:
     """Load an HF folder as float32 parameters (autocast handles bf16 compute), dropout off.
 
     Dropout stays off (eval mode) during training too: the trainer's logprobs must be the
     numbers the rollout engine reports for the same weights.
     """
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    policy = PolicyModel(lm, value_head=value_head).to(device)
+    policy = PolicyModel(lm, value_head=value_head, chunk_tokens=chunk_tokens, lm_head_fp32=lm_head_fp32).to(device)
     policy.eval()
     return policy
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logprob of each next token, [B, T-1]: log_softmax of `logits` (already divided by the sampling
-    temperature), gathered at the token. The same number the rollout engine reports for a sampled token.
-    """
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+def checkpoint_layers(model: PolicyModel) -> None:
+    """Activation checkpointing: each decoder layer keeps only its inputs and recomputes the rest in the backward.
+
+    torch's composable checkpoint (hooks, as `fully_shard` is): parameter names stay what they were, so state
+    dicts, checkpoints and weight publishing are unchanged; it composes with FSDP2 applied after it."""
+    from torch.distributed._composable import checkpoint
+
+    for layer in model.decoder_layers:
+        checkpoint(layer, preserve_rng_state=False)  # dropout is off: no random state to replay
 
 
 @dataclass
@@ -65,8 +91,16 @@ class PolicyOutput:
     """Per-token outputs aligned to next-token columns ([B, T-1])."""
 
     logprobs: torch.Tensor
-    entropy: torch.Tensor
+    entropy: torch.Tensor | None
     values: torch.Tensor | None
+
+
+@dataclass
+class Packing:
+    """Run the forward on packed rows (trainer/packing.py): `row_tokens` per row (None = one row)."""
+
+    row_tokens: int | None = None
+    pad_id: int = 0
 
 
 def run_policy(
@@ -75,17 +109,32 @@ def run_policy(
     attention_mask: torch.Tensor,
     temperatures: torch.Tensor | None = None,
     entropy_grad: bool = False,
+    *,
+    packing: Packing | None = None,
+    entropy: bool = True,
 ) -> PolicyOutput:
-    """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked), values.
+    """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked; None if not `entropy`),
+    values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed.
 
     Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
     (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
     logprobs of (rollout/engine/sampler.py, logprobs_mode "tempered"), as verl divides its logits too.
     """
-    logits, values = model(input_ids, attention_mask)
+    inv = None
     if temperatures is not None and bool((temperatures != 1.0).any()):
-        logits = logits / temperatures.to(logits.device, logits.dtype)[:, None, None]
-    logprobs = token_logprobs(logits, input_ids)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(logits[:, :-1])
-    return PolicyOutput(logprobs, entropy, values[:, :-1, 0].float() if values is not None else None)
+        inv = 1.0 / temperatures.to(input_ids.device, torch.float32)
+    if packing is None:
+        inv_tokens = inv[:, None].expand(-1, input_ids.shape[1] - 1) if inv is not None else None
+        logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy)
+        values = values[:, :-1, 0].float() if values is not None else None
+    else:
+        rows = pack_rows(input_ids, attention_mask.sum(-1).tolist(), packing.row_tokens, packing.pad_id)
+        logprobs, entropies, values = model(rows.input_ids, None, rows.position_ids,
+                                            rows.spread(inv) if inv is not None else None, entropy,
+                                            **rows.attention_kwargs())
+        logprobs = rows.unpack(logprobs)
+        entropies = rows.unpack(entropies) if entropies is not None else None
+        values = rows.unpack(values[:, :-1, 0].float()) if values is not None else None
+    if entropies is not None and not (entropy_grad and torch.is_grad_enabled()):
+        entropies = entropies.detach()
+    return PolicyOutput(logprobs, entropies, values)

@@ -1,7 +1,7 @@
 """The trainer's typed configuration: one pydantic model, every field documented, checked in one place.
 
 TrainerConfig is the whole of a run's config (`python -m trainer --config FILE`); each of its sections is a
-model of its own, in a module named after it: algorithm, optim (and batch), checkpoint, buffer, publish,
+model of its own, in a module named after it: model, algorithm, optim (and batch), checkpoint, buffer, publish,
 mismatch, parallel.
 """
 
@@ -14,6 +14,7 @@ from trainer.config.algorithm import AlgorithmConfig
 from trainer.config.buffer import BufferClientConfig
 from trainer.config.checkpoint import CheckpointConfig
 from trainer.config.mismatch import MismatchConfig
+from trainer.config.model import ModelConfig
 from trainer.config.optim import BatchConfig, OptimConfig
 from trainer.config.parallel import ParallelConfig
 from trainer.config.publish import PublishConfig
@@ -27,6 +28,7 @@ class TrainerConfig(Strict):
         None,
         description="Frozen reference (KL, DPO) or teacher (distill) model, used when samples carry no ref_logprobs.",
     )
+    model: ModelConfig = Field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
@@ -47,10 +49,12 @@ class TrainerConfig(Strict):
                                 "a canonical order of its samples (by group id, then sample id), whatever order the "
                                 "buffer handed them out in.")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Compute dtype: bfloat16 on GPU = FSDP2 mixed precision under torchrun "
+        "float32", description="Compute dtype: bfloat16 on an accelerator = FSDP2 mixed precision under torchrun "
         "(parallel.mixed_precision), else autocast; the optimizer's parameters stay float32."
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    device: Literal["auto", "cpu", "cuda", "xpu", "npu"] = Field(
+        "auto", description="Where the trainer computes (services/device.py): auto = the machine's accelerator "
+        "(CUDA, XPU, or Ascend NPU with torch_npu installed) when there is one, else the CPU.")
     num_threads: int | None = Field(1, gt=0, description="torch threads per process (1 when processes share cores).")
     dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of torch.distributed collectives.")
     log_interval: int = Field(1, gt=0, description="Log metrics every this many steps.")
@@ -73,4 +77,7 @@ class TrainerConfig(Strict):
                              "cuda (or auto on a GPU machine), or use backend 'gloo'")
         if self.algorithm.name == "dpo" and self.batch.micro_batch_size % 2:
             raise ValueError("batch.micro_batch_size: DPO trains (chosen, rejected) pairs, so it must be even")
+        if self.batch.packing and self.parallel.tp > 1:
+            raise ValueError("batch.packing: not with parallel.tp > 1 yet (sequence parallelism pads every row to a "
+                             "multiple of tp, and the packed rows' segments would have to cover that padding)")
         return self

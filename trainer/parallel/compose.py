@@ -22,15 +22,16 @@ def parallelize(
     dtype: str = "float32",
     checkpoint_layers: Callable[[PolicyModel], None] | None = None,
 ) -> PolicyModel:
-    """Split `policy` in place over env's (dp, tp) mesh; a world of one keeps it whole. Works on a model on the
-    meta device (trainer/parallel/loading.py materialises and loads it afterwards)."""
+    """Split `policy` in place over env's (dp, tp) mesh; a world of one keeps it whole (activation checkpointing
+    still applies). Works on a model on the meta device (trainer/parallel/loading.py materialises and loads it
+    afterwards)."""
     config = config or ParallelConfig()
-    if not env.distributed:
-        return policy
-    if env.tp_size > 1:
+    if env.distributed and env.tp_size > 1:
         apply_tp(policy, env.mesh["tp"])
     if checkpoint_layers is not None:
         checkpoint_layers(policy)
+    if not env.distributed:
+        return policy
     apply_fsdp(policy, env.mesh["dp"], mixed_precision_policy(dtype, env.device, config.mixed_precision))
     if env.tp_size > 1:
         pad_sequences(policy, env.tp_size)

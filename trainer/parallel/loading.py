@@ -12,8 +12,9 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from trainer.config.model import ModelConfig
 from trainer.config.parallel import ParallelConfig
-from trainer.model import PolicyModel, load_policy
+from trainer.model import PolicyModel, checkpoint_layers, load_policy
 from trainer.parallel.compose import parallelize
 from trainer.parallel.mesh import DistEnv
 
@@ -43,20 +44,26 @@ def build_policy(
     path: str | Path,
     env: DistEnv,
     config: ParallelConfig | None = None,
+    model: ModelConfig | None = None,
     *,
     value_head: bool = False,
     trainable: bool = True,
     dtype: str = "float32",
 ) -> PolicyModel:
     """The policy of the Hugging Face folder `path`, split over env's mesh (float32 parameters, dropout off);
-    in a world of one, loaded whole."""
+    in a world of one, loaded whole. `model`: its head's chunking and precision, and activation checkpointing
+    (trainable policies only)."""
+    model = model or ModelConfig()
+    head = {"chunk_tokens": model.logprob_chunk_tokens, "lm_head_fp32": model.lm_head_fp32}
+    checkpointing = checkpoint_layers if model.activation_checkpointing and trainable else None
     if not env.distributed:
-        return load_policy(path, value_head=value_head, device=env.device).requires_grad_(trainable)
+        policy = load_policy(path, value_head=value_head, device=env.device, **head).requires_grad_(trainable)
+        return parallelize(policy, env, config, dtype, checkpointing)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-        policy = PolicyModel(lm, value_head=value_head)
+        policy = PolicyModel(lm, value_head=value_head, **head)
     policy.eval().requires_grad_(trainable)
-    parallelize(policy, env, config, dtype)
+    parallelize(policy, env, config, dtype, checkpointing)
     policy.to_empty(device=env.device)
     _init_buffers(lm)
     read = load_hf_shards(lm, path)

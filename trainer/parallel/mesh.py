@@ -1,7 +1,7 @@
 """The process group and the one device mesh every parallelism is laid over: ("dp", "tp").
 
-Under `torchrun` (WORLD_SIZE in the environment) the trainer joins a process group (gloo on CPU,
-nccl on GPU) and lays its ranks out as a 2-D mesh of `world / tp` data-parallel groups of `tp`
+Under `torchrun` (WORLD_SIZE in the environment) the trainer joins a process group (the device's
+backend, services/device.py: gloo on CPU, nccl on GPU) and lays its ranks out as a 2-D mesh of `world / tp` data-parallel groups of `tp`
 tensor-parallel ranks (rank = dp_rank * tp + tp_rank: the ranks of one TP group are neighbours,
 on one node). Ranks of one TP group see the same rows and compute the same losses; sums over the
 batch (metrics, normalisers) run over "dp" only. Run as a plain process it is a world of one with
@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from services.device import collective_backend, resolve_device, set_current
 
 MESH_DIMS = ("dp", "tp")
 
@@ -73,7 +75,7 @@ class DistEnv:
         if not self.distributed:
             return obj
         payload = [obj if self.is_main else None]
-        dist.broadcast_object_list(payload, src=0, device=self.device if self.device.type == "cuda" else None)
+        dist.broadcast_object_list(payload, src=0, device=self.device if self.device.type != "cpu" else None)
         return payload[0]
 
     def barrier(self) -> None:
@@ -82,20 +84,17 @@ class DistEnv:
 
 
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0, tp: int = 1) -> DistEnv:
-    """Join the torchrun process group if there is one, as a (world / tp, tp) mesh; otherwise a world of one."""
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    """Join the torchrun process group if there is one, as a (world / tp, tp) mesh; otherwise a world of one.
+    `device` as services/device.py resolves it (auto = the machine's accelerator, else the CPU)."""
     if "WORLD_SIZE" not in os.environ:
         if tp != 1:
             raise ValueError(f"parallel.tp={tp} needs that many processes: start the trainer under torchrun")
         # With its index: the weight broadcast's NCCL group is made on exactly this device.
-        return DistEnv(rank=0, world_size=1,
-                       device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    torch_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        return DistEnv(rank=0, world_size=1, device=resolve_device(device))
+    torch_device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    set_current(torch_device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(collective_backend(torch_device), timeout=timedelta(seconds=timeout_s))
     world_size = dist.get_world_size()
     if world_size % tp:
         raise ValueError(f"parallel.tp={tp} does not divide the {world_size} processes")

@@ -7,8 +7,9 @@ and one reduce-scatter per block. Between those blocks the residual stream and t
 sequence-parallel: each rank holds T / tp positions. The embedding is split by vocabulary row and
 all-reduced (its output stays whole: the model computes positions and the causal mask from it),
 the first layer takes its share of positions, the final norm ends sequence-parallel and the LM
-head (split by vocabulary) gathers its logits whole on every rank. PPO's value head is small and
-computed whole on every rank of the group.
+head is split by vocabulary: trainer/lm_head.py computes each rank's share of every chunk's logits and
+sums the softmax statistics over the group (no rank holds the whole [B, T, V]). PPO's value head is
+small and computed whole on every rank of the group.
 
 Sequence parallelism needs T divisible by tp: rows are right-padded to it before the forward
 (padding is masked and causal attention never looks right, so real positions are unchanged) and
@@ -52,8 +53,8 @@ def apply_tp(policy: PolicyModel, mesh: DeviceMesh) -> None:
     })  # fmt: skip
     for layer in base.layers:
         parallelize_module(layer, mesh, _layer_plan(layer))
-    # The root's outputs stay DTensors through FSDP's hooks (a local view would lose them to an in-place op);
-    # pad_sequences turns them into plain tensors after.
+    # The head's weight split by vocabulary row; the policy's forward uses it directly (trainer/lm_head.py:
+    # head_token_stats), never calling the module, so these input/output layouts only describe it.
     parallelize_module(lm.get_output_embeddings(), mesh,
                        ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False))
     if tied:  # both split by vocabulary row (Shard(0)): one parameter again
@@ -99,8 +100,9 @@ def _copy(_module: nn.Module, output: DTensor, _mesh: DeviceMesh) -> DTensor:
 
 
 def pad_sequences(policy: PolicyModel, multiple: int) -> None:
-    """Right-pad every forward's (input_ids, attention_mask) to a multiple of `multiple` positions (masked), and
-    return (logits, values) as plain tensors cut back to the length given. Registered after FSDP's hooks."""
+    """Right-pad every forward's (input_ids, attention_mask, and the per-position inverse temperatures) to a
+    multiple of `multiple` positions (masked), and return (logprobs, entropy, values) as plain tensors cut back to
+    the length given. Registered after FSDP's hooks. Packed rows (position ids) are refused by the config."""
     lengths: list[int] = []
 
     def pad(_module: nn.Module, args: tuple) -> tuple:
@@ -108,11 +110,15 @@ def pad_sequences(policy: PolicyModel, multiple: int) -> None:
         length = input_ids.shape[1]
         lengths.append(length)
         extra = -length % multiple
+        if len(rest) > 1 and rest[1] is not None:  # inverse temperatures, one per predicting position
+            rest[1] = F.pad(rest[1], (0, extra), value=1.0)
         return (F.pad(input_ids, (0, extra)), F.pad(attention_mask, (0, extra)), *rest)
 
     def cut(_module: nn.Module, _args: tuple, outputs: tuple) -> tuple:
         length = lengths.pop()
-        return tuple(None if out is None else out.to_local()[:, :length] for out in outputs)
+        logprobs, entropy, values = outputs
+        return (logprobs[:, : length - 1], None if entropy is None else entropy[:, : length - 1],
+                None if values is None else values.to_local()[:, :length])
 
     policy.register_forward_pre_hook(pad)
     policy.register_forward_hook(cut)

@@ -1,0 +1,65 @@
+"""The device layer (services/device.py): one place decides the device, its collective backend, autocast and the
+fused optimizer; the trainer (and its SFT warm-ups, through init_distributed) follows the configured device."""
+
+import contextlib
+
+import pytest
+import torch
+
+from services import device as devices
+from trainer.parallel import init_distributed
+
+
+def test_auto_is_the_cpu_without_an_accelerator(monkeypatch):
+    monkeypatch.setattr(devices, "accelerator_type", lambda: None)
+    assert devices.resolve_device("auto") == torch.device("cpu")
+    assert devices.resolve_device("cpu", local_rank=3) == torch.device("cpu")
+
+
+def test_auto_is_the_accelerator_with_its_index(monkeypatch):
+    monkeypatch.setattr(devices, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert devices.resolve_device("auto") == torch.device("cuda", 2)
+    assert devices.resolve_device("auto", local_rank=1) == torch.device("cuda", 1)  # torchrun's LOCAL_RANK
+    assert devices.resolve_device("cuda:3") == torch.device("cuda", 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_asking_for_a_missing_accelerator_is_a_clear_error():
+    with pytest.raises(ValueError, match="no usable cuda device"):
+        devices.resolve_device("cuda")
+    if not hasattr(torch, "npu"):
+        with pytest.raises(ValueError, match="no usable npu device"):
+            devices.resolve_device("npu")
+
+
+def test_each_device_type_gets_its_collective_backend():
+    # By type: torch.device("npu") exists only once torch_npu is imported.
+    backends = {kind: devices.collective_backend(kind) for kind in devices.DEVICE_TYPES}
+    assert devices.collective_backend(torch.device("cuda", 1)) == "nccl"
+    assert backends == {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "npu": "hccl"}
+
+
+def test_cpu_computes_in_float32_with_the_fused_optimizer():
+    cpu = torch.device("cpu")
+    assert isinstance(devices.autocast(cpu, "bfloat16"), contextlib.nullcontext)
+    assert devices.fused_optimizer(cpu) and devices.fused_optimizer(torch.device("cuda"))
+    assert devices.peak_memory_bytes(cpu) is None
+
+
+def test_init_distributed_takes_the_configured_device(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed("cpu").device == torch.device("cpu")
+    monkeypatch.setattr(devices, "accelerator_type", lambda: None)
+    assert init_distributed("auto").device == torch.device("cpu")
+
+
+@pytest.mark.gpu
+def test_auto_is_the_gpu_on_a_gpu_machine():
+    env = init_distributed("auto")
+    assert env.device.type == "cuda" and env.device.index == torch.cuda.current_device()
+    devices.reset_peak_memory(env.device)
+    torch.ones(1024, device=env.device)
+    assert devices.peak_memory_bytes(env.device) >= 4096
+    assert isinstance(devices.autocast(env.device, "bfloat16"), torch.autocast)
