@@ -8,6 +8,8 @@ import torch
 SHAPES = {
     "qwen05b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "head_dim": 64,
                 "intermediate_size": 4864, "vocab_size": 151936},
+    "wide_vocab": {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
+                   "intermediate_size": 512, "vocab_size": 151936},
     "small": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
               "intermediate_size": 256, "vocab_size": 4096},
 }
