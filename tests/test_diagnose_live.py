@@ -14,7 +14,7 @@ NAMED = {  # the fault -> (the checks that must report an error, words of the fi
 }
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_the_doctor_names_the_fault_seeded_in_a_real_run(fault, tmp_path):

@@ -24,7 +24,7 @@ def test_bad_arguments_are_refused_and_help_shows_the_steps():
     assert usage.returncode == 0 and all(step in usage.stdout for step in ("gpu-tests", "trainer-step", "quickstart"))
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_the_dry_run_on_cpu_runs_every_step_with_one_verdict_each(tmp_path):
     out = tmp_path / "out"

@@ -22,9 +22,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.extended,
     pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                       reason="no browser: Debian's chromium and chromium-driver are not installed (`make test-slow` "
+                       reason="no browser: Debian's chromium and chromium-driver are not installed (`make test-extended` "
                        "installs them: apt-get install -y chromium chromium-driver)"),
 ]
 
