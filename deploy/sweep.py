@@ -69,10 +69,11 @@ def open_study(sweep: Sweep, resume: bool, console: Console):
                                 sampler=sampler, pruner=pruner, load_if_exists=True)
     space = study.user_attrs.get("space")
     if space is None:
-        study.set_user_attr("space", config.space())
-    elif space != config.space():
-        raise SweepError(f"{path} holds a study of another search (params, objective or direction changed): "
-                         "give the sweep another sweep_dir, or remove the folder to start over")
+        study.set_user_attr("space", sweep.space())
+    elif space != sweep.space():
+        raise SweepError(f"{path} holds a study of another search (the params, objective, direction, base experiment "
+                         "or `set` changed, and its trials would not compare): give the sweep another sweep_dir, or "
+                         "remove the folder to start over")
     if existed:
         console.print(f"resuming the sweep in {sweep.dir}: {counted(study)} of {config.trials} trials finished")
     recover(study, sweep, console)
@@ -127,13 +128,13 @@ def shared_warmup(sweep: Sweep, console: Console) -> pathlib.Path | None:
     once, kept while the model, data, seed and sft settings it was made from stay the same; None = no shared one."""
     import shutil
 
+    from deploy.run_state import whole_model
+
     config = sweep.experiment({}, sweep.dir)
     if sweep.config.warmup != "shared" or not config.sft.steps:
         return None
     folder, stamp = sweep.dir / "model-sft", sweep.dir / WARMUP_FILE
     made_from = config.model_dump(mode="json", include={"seed", "model", "data", "sft"})
-    from deploy.run_state import whole_model
-
     if whole_model(folder) and stamp.is_file() and json.loads(stamp.read_text()) == made_from:
         console.print(f"the shared SFT warm-up in {folder} is whole: every trial starts RL from it")
         return folder
@@ -145,6 +146,7 @@ def shared_warmup(sweep: Sweep, console: Console) -> pathlib.Path | None:
     from deploy.progress import Progress
 
     torch.set_num_threads(1)
+    sweep.dir.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
@@ -269,7 +271,9 @@ def sweep_lock(folder: pathlib.Path):
 def run_sweep(sweep: Sweep, resume: bool = False, ray_address: str | None = None,
               console: Console | None = None) -> dict | None:
     """The whole sweep; the best trial's results row (None when no trial completed)."""
-    console = console or Console()
+    if console is None:  # a path or a trial's parameters on one line; in a log, a table as wide as it needs
+        console = Console(soft_wrap=True)
+        console = console if console.is_terminal else Console(soft_wrap=True, width=240)
     with sweep_lock(sweep.dir):
         study = open_study(sweep, resume, console)
         warmed = shared_warmup(sweep, console)

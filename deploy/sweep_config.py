@@ -147,10 +147,6 @@ class SweepConfig(Strict):
                                  "once for all trials: set `warmup: per_trial`")
         return self
 
-    def space(self) -> dict:
-        """What a study records of this sweep, to refuse resuming one whose search is another."""
-        return json.loads(json.dumps({"params": {k: v.model_dump() for k, v in self.params.items()},
-                                      "objective": self.objective, "direction": self.direction}))
 
 
 class Sweep:
@@ -189,11 +185,24 @@ class Sweep:
         shared warm-up's model) RL starting from `warmed` with no SFT of its own. ConfigError names the field."""
         return trial_experiment(self.base(), self.experiment_file.parent, params, run_dir, warmed)
 
+    def space(self) -> dict:
+        """What a study records of this sweep, to refuse resuming one whose search is another: the parameters'
+        ranges, the objective and direction, and the experiment every trial starts from (the base with `set`)."""
+        config = self.config
+        return json.loads(json.dumps({"params": {k: v.model_dump() for k, v in config.params.items()},
+                                      "objective": config.objective, "direction": config.direction,
+                                      "experiment": self.base()}, default=str))
+
     def check(self) -> None:
         """Every parameter's bounds (and each choice) applied to the base experiment and validated; ConfigError
         names the parameter and the field's complaint."""
         run_dir = self.dir / "trial-check"
-        self.experiment({}, run_dir)
+        services = self.experiment({}, run_dir).services
+        fixed = [f"services.{name}.port" for name in ("buffer", "reward", "rollout") if getattr(services, name).port]
+        fixed += ["services.trainer.weight_sync.port"] if services.trainer.weight_sync.port else []
+        if self.config.parallel > 1 and fixed:
+            raise ConfigError(f"parallel: {self.config.parallel} trials side by side would each listen on "
+                              f"{', '.join(fixed)}: set them to 0 (any free port) for the sweep")
         for path, param in self.config.params.items():
             for value in param.bounds():
                 try:

@@ -94,7 +94,7 @@ def report(study, sweep_dir: pathlib.Path, objective: str, console: Console) -> 
     best = best_trial(study)
     console.print(table(rows, params, best.number if best else None, objective))
     console.print(f"results: {sweep_dir / 'results.csv'}")
-    written = plots(study, sweep_dir / PLOTS_DIR, len(params))
+    written = plots(study, sweep_dir / PLOTS_DIR, len(params), objective)
     if written:
         console.print(f"plots: {', '.join(str(p) for p in written)}")
     if best is None:
@@ -107,8 +107,9 @@ def report(study, sweep_dir: pathlib.Path, objective: str, console: Console) -> 
     return row
 
 
-def plots(study, folder: pathlib.Path, num_params: int) -> list[pathlib.Path]:
-    """Optuna's plots of the study as HTML and PNG; the files written (none before a trial finished)."""
+def plots(study, folder: pathlib.Path, num_params: int, objective: str = "final") -> list[pathlib.Path]:
+    """Optuna's plots of the study as HTML and PNG, their axes named as a sweep reads them; the files written (none
+    before a trial finished)."""
     finished = [t for t in study.get_trials(deepcopy=False) if t.state.name in ("COMPLETE", "PRUNED")]
     if not finished:
         return []
@@ -125,15 +126,22 @@ def plots(study, folder: pathlib.Path, num_params: int) -> list[pathlib.Path]:
     completed = sum(t.state.name == "COMPLETE" for t in finished)
     if num_params >= 2 and completed >= MIN_IMPORTANCE_TRIALS:
         names.append("param_importances")
+    labels = {"optimization_history": ("trial", f"{objective} held-out mean reward"),
+              "intermediate_values": ("held-out evaluation (0 = start of RL)", "held-out mean reward")}
     written = []
     for name in names:
         figure = getattr(plotly_plots, f"plot_{name}")(study)
+        if name in labels:
+            figure.update_layout(xaxis_title=labels[name][0], yaxis_title=labels[name][1])
         # "directory": the pages share one plotly.min.js beside them (no network needed to open them)
         figure.write_html(folder / f"{name}.html", include_plotlyjs="directory")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)
             axes = getattr(mpl_plots, f"plot_{name}")(study)
-        figure = axes.get_figure() if hasattr(axes, "get_figure") else axes.flat[0].get_figure()
+        if name in labels:
+            axes.set_xlabel(labels[name][0])
+            axes.set_ylabel(labels[name][1])
+        figure = axes.get_figure()
         figure.set_size_inches(8, 5)
         figure.tight_layout()
         figure.savefig(folder / f"{name}.png", dpi=100)

@@ -1,7 +1,7 @@
 """One trial of a sweep as a process: `relayrl run TRIAL.yaml` (an ordinary run) that the sweep watches and may stop.
 
-    start `python -m deploy.sweep_trial PARENT_PID run TRIAL.yaml [--ray ADDRESS]`: the run's own command, in a process
-        that gets SIGTERM when the sweep dies (even by SIGKILL: Linux's parent-death signal), so no trial outlives it
+    start `python -m deploy.sweep_trial PARENT_PID run TRIAL.yaml [--ray ADDRESS]`, which arms Linux's parent-death
+        signal (SIGTERM when the sweep dies, even by SIGKILL: no trial outlives it) and becomes `relayrl run ...`
     -> each held-out evaluation the run appends to its metrics.jsonl handed to `on_point` as it appears
     -> `on_point` answers True (prune): SIGTERM, which `relayrl run` turns into a clean stop of every process it
        started (deploy/cli.py), as Ctrl-C does
@@ -70,14 +70,13 @@ class TrialProcess:
 
 
 def main(argv: list[str]) -> int:
-    """The trial process: die with the sweep (parent-death signal), then `relayrl ARGS`."""
+    """The trial process: armed to get SIGTERM when the sweep dies (the parent-death signal outlives exec), then
+    `relayrl ARGS` in its place."""
     parent, args = int(argv[0]), argv[1:]
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the sweep died before the signal was armed
         return 128 + signal.SIGTERM
-    from deploy.cli import main as relayrl
-
-    return relayrl(args)
+    os.execv(sys.executable, [sys.executable, "-m", "deploy", *args])
 
 
 if __name__ == "__main__":

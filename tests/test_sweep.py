@@ -4,8 +4,13 @@ trial, and the same sweep killed after two trials that resumes and finishes."""
 
 import csv
 import json
+import os
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -86,6 +91,7 @@ def test_parameters_reach_nested_free_form_sections(project):
     ({"pruner": {"type": "hyperband"}}, "pruner.type"),
     ({"budget": 3}, "budget"),
     ({"set": {"training.time_budget_s": -1}}, "time_budget_s"),
+    ({"parallel": 2, "set": {"services.reward.port": 50123}}, "services.reward.port"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_field(project, tmp_path, fields, complaint):
     with pytest.raises(ConfigError, match=complaint.replace(".", r"\.").replace("(", r"\(")):
@@ -154,3 +160,195 @@ def test_the_results_table_and_plots_of_a_study(tmp_path):
     for name in ("optimization_history", "intermediate_values", "param_importances"):
         assert (tmp_path / "plots" / f"{name}.html").stat().st_size > 1000
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------- slow: sweeps of the quickstart
+
+QUICK = {"training.time_budget_s": 30, "evaluation.every_s": 10, "sft.steps": 300}
+QUICK_SPACE = {"training.lr": {"type": "float", "low": 3.0e-5, "high": 1.0e-3, "log": True},
+               "training.temperature": {"type": "categorical", "choices": [0.7, 1.0]}}
+
+
+@pytest.fixture(scope="module")
+def warmed(project, tmp_path_factory) -> pathlib.Path:
+    """The quickstart's SFT warm-up for these sweeps, made once by the sweep's own shared warm-up (a folder holding
+    model-sft/ and warmup.json): each sweep below starts from a copy, as a sweep resumed in its folder does."""
+    from rich.console import Console
+
+    from deploy.sweep import shared_warmup
+
+    folder = tmp_path_factory.mktemp("warmup")
+    sweep = load_sweep(_quick_sweep(folder, project))
+    started = time.monotonic()
+    assert shared_warmup(sweep, Console()) == sweep.dir / "model-sft"
+    print(f"shared SFT warm-up ({QUICK['sft.steps']} steps): {time.monotonic() - started:.0f}s")
+    return sweep.dir
+
+
+def _quick_sweep(folder: pathlib.Path, project: pathlib.Path) -> pathlib.Path:
+    return _sweep_file(folder, project, set=QUICK, params=QUICK_SPACE, trials=4, objective="final",
+                       sampler={"seed": 0, "n_startup_trials": 2}, pruner={"n_startup_trials": 2, "n_warmup_steps": 1})
+
+
+def _start_sweep(folder: pathlib.Path, *flags: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-m", "deploy", "sweep", str(folder / "sweep.yaml"), *flags], env=env,
+                            cwd=folder, text=True, **popen)
+
+
+def _prepared(folder: pathlib.Path, project: pathlib.Path, warmed: pathlib.Path) -> pathlib.Path:
+    """A sweep folder holding the shared warm-up already (copied): the sweep keeps it, as a resumed one does."""
+    _quick_sweep(folder, project)
+    shutil.copytree(warmed / "model-sft", folder / "sweep" / "model-sft")
+    shutil.copyfile(warmed / "warmup.json", folder / "sweep" / "warmup.json")
+    return folder / "sweep"
+
+
+def _rows(sweep_dir: pathlib.Path) -> list[dict]:
+    return list(csv.DictReader((sweep_dir / "results.csv").read_text().splitlines()))
+
+
+def _assert_named_best(stdout: str, sweep_dir: pathlib.Path) -> dict:
+    rows = _rows(sweep_dir)
+    completed = [r for r in rows if r["state"] == "complete"]
+    best = max(completed, key=lambda r: float(r["value"]))
+    assert f"best trial: trial-{best['trial']}" in stdout, stdout[-3000:]
+    run = pathlib.Path(best["run_dir"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert float(best["value"]) == summary["final_accuracy"] and (run / "config.yaml").is_file()
+    assert (run / "tensorboard").is_dir() and (run / "services.json").is_file()  # an ordinary run folder
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["path"] == str(sweep_dir / "model-sft")
+    for name in ("optimization_history", "intermediate_values"):
+        assert (sweep_dir / "plots" / f"{name}.png").is_file() and (sweep_dir / "plots" / f"{name}.html").is_file()
+    assert (sweep_dir / "plots" / "param_importances.png").is_file() == (len(completed) >= 3)
+    print(f"best: trial-{best['trial']} value {best['value']} start {best['start']} "
+          f"training.lr={best['training.lr']} training.temperature={best['training.temperature']}")
+    return best
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_sweep_of_four_quickstart_trials_finishes_and_names_the_best(project, warmed, tmp_path):
+    sweep_dir = _prepared(tmp_path, project, warmed)
+    started = time.monotonic()
+    sweep = _start_sweep(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stdout, _ = sweep.communicate(timeout=840)
+    assert sweep.returncode == 0, stdout[-4000:]
+    print(f"4 trials: {time.monotonic() - started:.0f}s")
+    rows = _rows(sweep_dir)
+    assert [r["trial"] for r in rows] == ["0", "1", "2", "3"]
+    assert all(r["state"] in ("complete", "pruned") for r in rows), rows
+    assert "is whole: every trial starts RL from it" in stdout  # the warm-up is not run again
+    for row in rows:
+        print(f"trial-{row['trial']} {row['state']} value {row['value']} evaluations {row['evaluations']} "
+              f"lr {row['training.lr']} temperature {row['training.temperature']}")
+    _assert_named_best(stdout, sweep_dir)
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for task in pathlib.Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except FileNotFoundError:
+                continue
+            todo.extend(children - found)
+            found |= children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_sweep_killed_after_two_trials_resumes_and_finishes_four(project, warmed, tmp_path):
+    """SIGKILL of the sweep while its third trial trains: the trial's run stops every process it started (the
+    parent-death signal), and `relayrl sweep --resume` keeps the two finished trials, marks the third failed, runs
+    its parameters again and finishes four."""
+    sweep_dir = _prepared(tmp_path, project, warmed)
+    started = time.monotonic()
+    with open(tmp_path / "first.log", "w") as log:
+        sweep = _start_sweep(tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    curve = sweep_dir / "trial-2" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (curve.is_file() and curve.read_text().strip()):  # trial-2 measured its start of RL
+        assert sweep.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the third trial never started RL"
+        time.sleep(0.5)
+    interrupted_at = time.monotonic() - started
+    processes = _descendants(sweep.pid)
+    assert len(processes) >= 6  # the trial's run, its buffer, reward, rollout, driver, trainer
+    sweep.send_signal(signal.SIGKILL)
+    sweep.wait(10)
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [pid for pid in processes if _alive(pid)], "the killed sweep's trial left processes running"
+
+    resumed = _start_sweep(tmp_path, "--resume", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stdout, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, stdout[-4000:]
+    print(f"killed at {interrupted_at:.0f}s (trial-2 training), resumed and finished: "
+          f"{time.monotonic() - started:.0f}s in all")
+    assert "resuming the sweep" in stdout and "trial-2: interrupted" in stdout
+    rows = {r["trial"]: r for r in _rows(sweep_dir)}
+    assert set(rows) == {"0", "1", "2", "3", "4"}
+    assert rows["2"]["state"] == "fail" and rows["2"]["note"].startswith("interrupted")
+    assert rows["3"]["note"] == "re-run of trial-2"
+    assert (rows["3"]["training.lr"], rows["3"]["training.temperature"]) == (
+        rows["2"]["training.lr"], rows["2"]["training.temperature"])
+    assert sum(r["state"] in ("complete", "pruned") for r in rows.values()) == 4
+    _assert_named_best(stdout, sweep_dir)
+
+
+def test_a_stopped_sweeps_trials_are_kept_completed_or_run_again(project, tmp_path):
+    """What the next start of a sweep finds in its study.db: finished trials kept; a trial left running whose run
+    finished is completed from its summary; one whose run did not is failed and its parameters queued again; the
+    count goes on to `trials`; a study of another search is refused; so is a second sweep in the same folder."""
+    optuna = pytest.importorskip("optuna")
+    from rich.console import Console
+
+    from deploy.sweep import STUDY_FILE, SweepError, counted, distributions, open_study, sweep_lock
+
+    sweep = load_sweep(_sweep_file(tmp_path, project))
+    sweep.dir.mkdir()
+    console = Console(record=True, width=200)
+    with pytest.raises(SweepError, match="no study"):
+        open_study(sweep, resume=True, console=console)
+    study = open_study(sweep, resume=False, console=console)
+    space = distributions(sweep)
+    done, _run_finished, cut_short = study.ask(space), study.ask(space), study.ask(space)
+    study.tell(done, 0.4)
+    (sweep.dir / "trial-1").mkdir()
+    (sweep.dir / "trial-1" / "summary.json").write_text(json.dumps({"final_accuracy": 0.5, "best_accuracy": 0.6}))
+    # the sweep was killed here: trials 1 and 2 are left running in the study
+
+    study = open_study(sweep, resume=True, console=console)
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "WAITING"]
+    assert trials[1].value == 0.5
+    assert trials[3].user_attrs == {"rerun_of": 2} and counted(study) == 2
+    rerun = study.ask(space)
+    assert rerun.number == 3 and rerun.params == cut_short.params
+    assert "trial-2: interrupted" in console.export_text()
+    # The trial that failed on its own counts; the interrupted one does not.
+    rerun.set_user_attr("failed", "relayrl run exited 1")
+    study.tell(rerun, state=optuna.trial.TrialState.FAIL)
+    assert counted(study) == 3
+
+    changed = load_sweep(_sweep_file(tmp_path, project, objective="best"))
+    with pytest.raises(SweepError, match="another search"):
+        open_study(changed, resume=False, console=console)
+    changed = load_sweep(_sweep_file(tmp_path, project, set={"training.time_budget_s": 99}))
+    with pytest.raises(SweepError, match="another search"):
+        open_study(changed, resume=False, console=console)
+    assert (sweep.dir / STUDY_FILE).is_file()
+    with sweep_lock(sweep.dir), pytest.raises(SweepError, match="another relayrl sweep is running"), \
+            sweep_lock(sweep.dir):
+        pass
