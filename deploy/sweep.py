@@ -214,13 +214,17 @@ class Trials:
             self.live.add(process)
 
         def on_point(index: int, point: dict) -> bool:
-            trial.report(point["accuracy"], index)
+            # Point 0, the start of RL, is the warm-up's (the same for every trial of a shared one): reported, it
+            # would be every trial's best so far, and the median pruner would compare that.
+            if index == 0:
+                return False
+            trial.report(point["accuracy"], index - 1)
             # A point at the end of the budget is the run's last: it has spent its time, so it completes.
             ending = point["elapsed_s"] >= config.training.time_budget_s
             if ending or self.stopping.is_set() or not trial.should_prune():
                 return False
-            why = (f"pruned at evaluation {index} ({point['elapsed_s']:.0f}s of RL, held-out {point['accuracy']:.3f}):"
-                   " below the median of earlier trials there")
+            why = (f"pruned at evaluation {index - 1} of RL ({point['elapsed_s']:.0f}s, held-out "
+                   f"{point['accuracy']:.3f}): its best is below the median of earlier trials there")
             self.console.print(f"trial-{number}: {why}")
             with open(process.log_path, "a") as log:
                 log.write(f"relayrl sweep: {why}; stopping the run (SIGTERM)\n")

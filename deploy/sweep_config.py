@@ -97,12 +97,14 @@ class SamplerSection(Strict):
 
 class PrunerSection(Strict):
     """Stopping unpromising trials on their held-out curve (Optuna's MedianPruner): a trial reports each held-out
-    evaluation its run writes (metrics.jsonl, one point per evaluation, numbered from 0 = the start of RL) and is
-    stopped when its best so far is worse than the median of earlier trials at the same point."""
+    evaluation its run writes during RL (metrics.jsonl; Optuna's step 0 is the first after the start of RL, whose
+    value is the warm-up's, not the trial's) and is stopped when its best so far is worse than the median of earlier
+    trials at the same step."""
 
     type: Literal["median", "none"] = Field("median", description="median, or none (every trial runs its budget).")
     n_startup_trials: int = Field(2, ge=0, description="Finished trials before any is pruned.")
-    n_warmup_steps: int = Field(1, ge=0, description="Evaluation points of a trial before it may be pruned.")
+    n_warmup_steps: int = Field(1, ge=0, description="Evaluations during RL a trial is never pruned on (the first "
+                                "n_warmup_steps).")
 
 
 class SweepConfig(Strict):

@@ -3,7 +3,7 @@ and Optuna's plots in SWEEP_DIR/plots/ as HTML (plotly) and PNG (optuna.visualiz
 export needs kaleido and a Chrome it downloads).
 
     optimization_history   each finished trial's value and the best so far
-    intermediate_values    each trial's held-out curve (what the pruner compared), pruned ones cut short
+    intermediate_values    each trial's held-out curve during RL (what the pruner compared), pruned ones cut short
     param_importances      with 2 parameters or more and MIN_IMPORTANCE_TRIALS completed trials
 
 A trial's figures are read from its run folder (summary.json; metrics.jsonl for a pruned or failed one), its state,
@@ -127,7 +127,8 @@ def plots(study, folder: pathlib.Path, num_params: int, objective: str = "final"
     if num_params >= 2 and completed >= MIN_IMPORTANCE_TRIALS:
         names.append("param_importances")
     labels = {"optimization_history": ("trial", f"{objective} held-out mean reward"),
-              "intermediate_values": ("held-out evaluation (0 = start of RL)", "held-out mean reward")}
+              "intermediate_values": ("held-out evaluation during RL (0 = the first after its start)",
+                                      "held-out mean reward")}
     written = []
     for name in names:
         figure = getattr(plotly_plots, f"plot_{name}")(study)

@@ -208,6 +208,23 @@ def _rows(sweep_dir: pathlib.Path) -> list[dict]:
     return list(csv.DictReader((sweep_dir / "results.csv").read_text().splitlines()))
 
 
+def _left_running(sweep_dir: pathlib.Path, within_s: float = 15.0) -> list[str]:
+    """Command lines of processes still naming `sweep_dir` (a trial's services, trainer, driver) after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # ended meanwhile
+                continue
+            if str(sweep_dir) in args:
+                left.append(args)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 def _assert_named_best(stdout: str, sweep_dir: pathlib.Path) -> dict:
     rows = _rows(sweep_dir)
     completed = [r for r in rows if r["state"] == "complete"]
@@ -239,6 +256,7 @@ def test_a_sweep_of_four_quickstart_trials_finishes_and_names_the_best(project, 
     assert [r["trial"] for r in rows] == ["0", "1", "2", "3"]
     assert all(r["state"] in ("complete", "pruned") for r in rows), rows
     assert "is whole: every trial starts RL from it" in stdout  # the warm-up is not run again
+    assert not _left_running(sweep_dir)  # a pruned trial's run stopped every process it started
     for row in rows:
         print(f"trial-{row['trial']} {row['state']} value {row['value']} evaluations {row['evaluations']} "
               f"lr {row['training.lr']} temperature {row['training.temperature']}")
@@ -304,6 +322,7 @@ def test_a_sweep_killed_after_two_trials_resumes_and_finishes_four(project, warm
     assert (rows["3"]["training.lr"], rows["3"]["training.temperature"]) == (
         rows["2"]["training.lr"], rows["2"]["training.temperature"])
     assert sum(r["state"] in ("complete", "pruned") for r in rows.values()) == 4
+    assert not _left_running(sweep_dir)
     _assert_named_best(stdout, sweep_dir)
 
 
@@ -352,3 +371,29 @@ def test_a_stopped_sweeps_trials_are_kept_completed_or_run_again(project, tmp_pa
     with sweep_lock(sweep.dir), pytest.raises(SweepError, match="another relayrl sweep is running"), \
             sweep_lock(sweep.dir):
         pass
+
+
+FAKE_RUN = """
+import json, pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path(sys.argv[1], "stopped").write_text("SIGTERM"), sys.exit(143)))
+for i in range(40):
+    with open(pathlib.Path(sys.argv[1], "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"elapsed_s": i * 10.0, "accuracy": 0.5 - 0.1 * i}) + "\\n")
+    time.sleep(0.2)
+"""
+
+
+def test_a_trial_reports_each_held_out_point_and_a_pruned_one_is_stopped(tmp_path):
+    """deploy/sweep_trial.py: each point the run appends to metrics.jsonl is handed over as it appears; the answer
+    True (prune) stops the run with SIGTERM, and no later point is handed over."""
+    from deploy.sweep_trial import TrialProcess
+
+    run_dir = tmp_path / "trial-0"
+    run_dir.mkdir()
+    trial = TrialProcess(tmp_path / "trial-0.yaml", run_dir, tmp_path / "trial-0.log")
+    trial.args = [sys.executable, "-c", FAKE_RUN, str(run_dir)]  # a run that writes a falling curve
+    seen: list[tuple[int, float]] = []
+    trial.start()
+    code = trial.watch(lambda index, point: seen.append((index, point["accuracy"])) or index == 2, poll_s=0.05)
+    assert code == 143 and trial.pruned and (run_dir / "stopped").read_text() == "SIGTERM"
+    assert [index for index, _ in seen] == [0, 1, 2] and seen[0] == (0, 0.5)
