@@ -195,16 +195,24 @@ class Trials:
         """One trial: its experiment file, its run, each held-out point reported (pruned: stopped), its value."""
         from optuna.trial import TrialState
 
+        from deploy.run_security import write_private
+        from services.config import ConfigError
+
         number, sweep = trial.number, self.sweep
         run_dir = trial_dir(sweep.dir, number)
         experiment = sweep.dir / f"trial-{number}.yaml"
-        config = sweep.experiment(trial.params, run_dir, self.warmed)
-        from deploy.run_security import write_private
-
+        shown = ", ".join(f"{name}={_short(value)}" for name, value in trial.params.items())
+        # Each bound is valid alone (checked at load); a combination may not be (a batch mini_batches do not divide).
+        try:
+            config = sweep.experiment(trial.params, run_dir, self.warmed)
+        except ConfigError as exc:
+            trial.set_user_attr("failed", f"not a valid experiment: {exc}")
+            self.study.tell(trial, state=TrialState.FAIL)
+            self.console.print(f"[red]trial-{number} failed[/]: {shown} is not a valid experiment: {exc}")
+            return
         write_private(experiment, f"# trial {number} of the sweep {sweep.file}: `relayrl run` this file to run it "
                       "again\n" + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
                       private_folder=False)  # owner-only: an experiment's client tokens may be in it
-        shown = ", ".join(f"{name}={_short(value)}" for name, value in trial.params.items())
         self.console.print(f"trial-{number}: {shown}  (run folder {run_dir}, log {run_dir}.log)")
         process = TrialProcess(experiment, run_dir, sweep.dir / f"trial-{number}.log", self.ray_address)
         with self.lock:
@@ -214,6 +222,8 @@ class Trials:
             self.live.add(process)
 
         def on_point(index: int, point: dict) -> bool:
+            self.console.print(f"trial-{number}: held-out {point['accuracy']:.3f} at {point['elapsed_s']:.0f}s of RL "
+                               f"(optimizer step {point.get('step', 0)})", highlight=False)
             # Point 0, the start of RL, is the warm-up's (the same for every trial of a shared one): reported, it
             # would be every trial's best so far, and the median pruner would compare that.
             if index == 0:

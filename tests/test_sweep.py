@@ -397,3 +397,23 @@ def test_a_trial_reports_each_held_out_point_and_a_pruned_one_is_stopped(tmp_pat
     code = trial.watch(lambda index, point: seen.append((index, point["accuracy"])) or index == 2, poll_s=0.05)
     assert code == 143 and trial.pruned and (run_dir / "stopped").read_text() == "SIGTERM"
     assert [index for index, _ in seen] == [0, 1, 2] and seen[0] == (0, 0.5)
+
+
+def test_parameters_valid_alone_but_not_together_fail_their_trial_and_the_sweep_goes_on(project, tmp_path):
+    optuna = pytest.importorskip("optuna")
+    from rich.console import Console
+
+    from deploy.sweep import Trials, counted, open_study
+
+    sweep = load_sweep(_sweep_file(tmp_path, project, set={"training.groups_per_batch": 1}, params={
+        "training.group_size": {"type": "categorical", "choices": [3, 8]},
+        "training.mini_batches": {"type": "categorical", "choices": [1, 2]}}))  # 3 samples do not split in 2
+    sweep.dir.mkdir()
+    console = Console(record=True, width=200)
+    study = open_study(sweep, resume=False, console=console)
+    study.enqueue_trial({"training.group_size": 3, "training.mini_batches": 2})
+    trials = Trials(study, sweep, None, None, console)
+    trials.run_one(study.ask(trials.distributions))
+    [failed] = study.get_trials()
+    assert failed.state == optuna.trial.TrialState.FAIL and "mini_batches" in failed.user_attrs["failed"]
+    assert counted(study) == 1 and not (sweep.dir / "trial-0.yaml").exists()
