@@ -295,8 +295,12 @@ def run_sweep(sweep: Sweep, resume: bool = False, ray_address: str | None = None
         return report(study, sweep.dir, sweep.config.objective, console)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds through run_all's finally, which stops the trials running
+class Stopped(BaseException):
+    """SIGTERM: unwinds through Trials.run_all's finally, which stops the trials running (as Ctrl-C does)."""
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    raise Stopped
 
 
 def main(path: str, resume: bool = False, ray_address: str | None = None) -> int:
@@ -319,13 +323,13 @@ def main(path: str, resume: bool = False, ray_address: str | None = None) -> int
         except ImportError as exc:
             print(f"relayrl sweep --ray needs Ray ({exc}): pip install -e '.[ray]'", file=sys.stderr)
             return 2
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         best = run_sweep(sweep, resume, ray_address)
     except SweepError as exc:
         print(f"relayrl sweep: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped) as exc:
         print("relayrl sweep: interrupted; the trials it ran are stopped; run it again to go on", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return 128 + (signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM)
     return 0 if best is not None else 1
