@@ -93,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--port", type=int, default=8600, help="HTTP port (default 8600)")
     view.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                       "only; another address shows the run to whoever reaches it)")
+    sweep = sub.add_parser("sweep", help="hyper-parameter search over an experiment file with Optuna (deploy/sweep.py): "
+                           "TPE, pruning on the held-out curve, each trial an ordinary run in SWEEP_DIR/trial-N, a "
+                           "results table and plots; running it again resumes it")
+    sweep.add_argument("sweep", help="SWEEP.yaml (deploy/sweep_config.py documents every field)")
+    sweep.add_argument("--resume", action="store_true", help="go on with the study in the sweep's folder (an error "
+                       "if there is none; without the flag a study there is resumed too, and a new one started "
+                       "otherwise)")
+    sweep.add_argument("--ray", metavar="ADDRESS", help="each trial places its services on the Ray cluster at "
+                       "ADDRESS (deploy/ray_launcher.py); the sweep file's `parallel` trials side by side")
+
+    doctor = sub.add_parser("doctor", help="check an experiment file before a run: config, model and tokenizer, "
+                            "data fields, reward, ports, disk, versions; exit 1 on any error")
+    doctor.add_argument("experiment", help="EXPERIMENT.yaml")
+    doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
 
     deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
                             "Kubernetes; scale a live local run's rollout replicas")
@@ -242,6 +256,12 @@ def cmd_view(args: argparse.Namespace) -> int:
     return view(args.run_dir, args.host, args.port)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from deploy.sweep import main as sweep
+
+    return sweep(args.sweep, resume=args.resume, ray_address=args.ray)
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     if args.target == "scale":
         from deploy.scale import main as scale
@@ -262,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayrl {_version()}")
         return 0
     commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor,
-                "view": cmd_view, "deploy": cmd_deploy}
+                "view": cmd_view, "sweep": cmd_sweep, "deploy": cmd_deploy}
     try:
         return commands[args.command](args)
     finally:

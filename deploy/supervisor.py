@@ -37,6 +37,7 @@ from pydantic import Field
 from deploy.launcher import LaunchError, ServiceProcess, tail_of
 from services.client import connect_sync
 from services.config import Strict
+from services.teardown import signals_deferred
 
 log = logging.getLogger("relayrl.supervisor")
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -266,17 +267,19 @@ class Supervisor:
             member.stop(timeout)
 
     def stop(self) -> None:
-        """Stop watching, then stop every member, the last added first."""
-        self._stopping.set()
-        with self._lock:  # a restart under way finishes first; none starts after this
-            pass
-        for thread in self._threads:
-            thread.join(10)
-        for member in reversed(list(self.members.values())):
-            try:
-                member.stop()
-            except MemberLost as lost:  # the run already failed on it, or a replacement took its place
-                log.warning("%s", lost)
+        """Stop watching, then stop every member, the last added first (a SIGTERM meanwhile waits until all are
+        stopped: raised in the middle, it left the members not yet stopped running)."""
+        with signals_deferred(signal.SIGTERM):
+            self._stopping.set()
+            with self._lock:  # a restart under way finishes first; none starts after this
+                pass
+            for thread in self._threads:
+                thread.join(10)
+            for member in reversed(list(self.members.values())):
+                try:
+                    member.stop()
+                except MemberLost as lost:  # the run already failed on it, or a replacement took its place
+                    log.warning("%s", lost)
 
     # ------------------------------------------------------------------ one member's watcher
 
