@@ -103,11 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--ray", metavar="ADDRESS", help="each trial places its services on the Ray cluster at "
                        "ADDRESS (deploy/ray_launcher.py); the sweep file's `parallel` trials side by side")
 
-    doctor = sub.add_parser("doctor", help="check an experiment file before a run: config, model and tokenizer, "
-                            "data fields, reward, ports, disk, versions; exit 1 on any error")
-    doctor.add_argument("experiment", help="EXPERIMENT.yaml")
-    doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-
     deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
                             "Kubernetes; scale a live local run's rollout replicas")
     targets = deploy.add_subparsers(dest="target", required=True, metavar="TARGET")
