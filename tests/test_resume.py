@@ -37,7 +37,7 @@ def relayrl(*args: str, **kwargs) -> subprocess.Popen:
 
 
 def experiment_file(tmp_path: pathlib.Path) -> pathlib.Path:
-    path = write_project(tmp_path / "project", tmp_path / "run", time_budget_s=BUDGET_S, max_steps=1000,
+    path = write_project(tmp_path / "project", tmp_path / "run", time_budget_s=BUDGET_S, max_steps=None,
                          metrics_sample_ids=True)
     config = yaml.safe_load(path.read_text())
     config["checkpoint"]["interval"] = CHECKPOINT_INTERVAL
