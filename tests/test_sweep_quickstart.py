@@ -17,6 +17,7 @@ import yaml
 
 from deploy.quickstart_project import write_project
 from deploy.sweep_config import load_sweep
+from tests.test_quickstart_experiment import _alive, _descendants
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -129,26 +130,6 @@ def test_a_sweep_of_four_quickstart_trials_finishes_and_names_the_best(project, 
         print(f"trial-{row['trial']} {row['state']} value {row['value']} evaluations {row['evaluations']} "
               f"lr {row['training.lr']} temperature {row['training.temperature']}")
     _assert_named_best(stdout, sweep_dir)
-
-
-def _descendants(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for task in pathlib.Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = {int(c) for c in (task / "children").read_text().split()}
-            except FileNotFoundError:
-                continue
-            todo.extend(children - found)
-            found |= children
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.extended
