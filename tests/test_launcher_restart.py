@@ -177,10 +177,13 @@ def test_a_frozen_trainer_is_found_by_its_heartbeat_and_resumes_from_its_checkpo
         "heartbeat_path": str(beat), "heartbeat_interval_s": "0.5"})
     trainer = supervisor.add_process("trainer", ["-m", "trainer", *overrides], tmp_path / "trainer.log",
                                      exit_zero_is_done=True, heartbeat=beat)
-    wait_for(lambda: len(records(metrics)) >= 3 or trainer.exit_code() is not None, 180, "three steps")
+    latest = tmp_path / "checkpoints" / "latest"
+    # The checkpoint is committed on the trainer's background thread, after the step's metrics record.
+    wait_for(lambda: (len(records(metrics)) >= 3 and latest.exists()) or trainer.exit_code() is not None, 180,
+             "three steps and a committed checkpoint")
     pid = trainer.pid
     os.kill(pid, signal.SIGSTOP)
-    frozen_at = (tmp_path / "checkpoints" / "latest").read_text()
+    frozen_at = latest.read_text()
     wait_for(lambda: supervisor.restarts().get("trainer") == 1, 30, "the frozen trainer restarted")
     assert trainer.pid != pid and "heartbeat" in supervisor.records["trainer"].deaths[0][1]
     wait_for(lambda: supervisor.done("trainer"), 180, "the restarted trainer finished")
