@@ -130,6 +130,12 @@ def _beyond_embedding(tokenizer, path: pathlib.Path, rows: int) -> tuple[str, st
 
 
 def check_models(config: ExperimentConfig, findings: list[Finding]) -> ModelFacts | None:
+    if config.model.tiny is not None:  # built in code at the run's start: build it here too, and check that
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            return _model_facts(config.model.tiny.write(pathlib.Path(folder) / "model-init", config.seed), "tiny",
+                                findings)
     trainer = _model_facts(pathlib.Path(config.model.path), "trainer", findings)
     if config.model.rollout_path is None or trainer is None:
         return trainer
@@ -362,7 +368,8 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
         return [Finding("error", "config", str(exc), "fix the field named (deploy/experiment.py documents each)")]
     findings = [Finding("ok", "config", f"{path} is a valid experiment file")]
     facts = check_models(config, findings)
-    check_data(config, facts, findings)
+    if config.data is not None:
+        check_data(config, facts, findings)
     check_stop(config, findings)
     check_reward(config, findings)
     check_ports(config, findings)

@@ -5,8 +5,9 @@ paths in it are taken from the folder of the file. Settings several services sha
 max_staleness, versions per batch) are stated once, under `training`, and handed to each service by
 deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks one before a run.
 
-    model:      a Hugging Face folder (config.json, *.safetensors, tokenizer)
+    model:      a Hugging Face folder (config.json, *.safetensors, tokenizer), or a tiny one built in code
     data:       JSONL / Parquet / a `datasets` folder; which fields hold prompt, answer, metadata; chat template
+    env:        instead of data: an environment played turn by turn through rollout sessions (agentic episodes)
     reward:     a built-in by name, an operator function by dotted path, a reward model folder, or a served LLM judge
     algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants)
     training:   the shared RL settings (group size, staleness, learning rate, budget)
@@ -30,6 +31,7 @@ from deploy.loggers import LoggingSection
 from deploy.pipeline_config import deterministic_problems
 from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
 from deploy.supervisor import SuperviseConfig
+from deploy.tiny_model import ModelConfig
 from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
 from services.config import Strict, load_config
@@ -40,12 +42,26 @@ HELD_OUT_DEFAULT = 64  # rows held out of train without an eval file or data.num
 
 
 class ModelSection(Strict):
-    """The policy: a local Hugging Face folder the trainer trains and the rollout serves."""
+    """The policy: a local Hugging Face folder the trainer trains and the rollout serves (or a tiny one built in code)."""
 
-    path: str = Field(description="Hugging Face folder: config.json, *.safetensors and the tokenizer files.")
+    path: str | None = Field(None, description="Hugging Face folder: config.json, *.safetensors and the tokenizer "
+                             "files. Give `path` or `tiny`.")
+    tiny: ModelConfig | None = Field(
+        None, description="Instead of `path`: a tiny decoder of this shape with a character tokenizer "
+        "(deploy/tiny_model.py), its weights drawn from `seed`, written to RUN_DIR/model-init: for trying a pipeline "
+        "(and the shipped examples) with no download. {} = the default shape.")
     rollout_path: str | None = Field(
         None, description="A different folder for the rollout to serve (e.g. a copy in another dtype); it must hold "
         "the same tokenizer and vocabulary as `path` (relayrl doctor checks). None = `path`.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("give model.path (a Hugging Face folder) or model.tiny (a tiny model built in code): "
+                             f"{'both are' if self.path else 'neither is'} set")
+        if self.tiny is not None and self.rollout_path is not None:
+            raise ValueError("model.rollout_path is a copy of model.path's model: not with model.tiny")
+        return self
 
 
 class DataSource(Strict):
@@ -131,11 +147,34 @@ class RewardSection(Strict):
 
 
 class SFTSection(Strict):
-    """An optional supervised warm-up on the train split's (prompt, answer) pairs before RL."""
+    """An optional supervised warm-up before RL: on the train split's (prompt, answer) pairs, or with `env` on
+    episodes a scripted player plays (rollout/envs/transcripts.py), the loss on the player's turns."""
 
-    steps: int = Field(0, ge=0, description="Optimizer steps; 0 = no warm-up (RL starts from model.path).")
+    steps: int = Field(0, ge=0, description="Optimizer steps; 0 = no warm-up (RL starts from the model).")
     batch_size: int = Field(32, gt=0)
     lr: float = Field(1e-4, gt=0)
+    transcripts: int = Field(4000, gt=0, description="With env: episodes the scripted player plays.")
+    skill: float = Field(1.0, ge=0, le=1, description="With env: the chance each player turn is the expert's (else a "
+                         "plausible mistake), so a warm-up can leave RL room.")
+
+
+class EnvSection(Strict):
+    """Agentic episodes instead of prompts: an environment (rollout/envs/) played turn by turn through rollout
+    sessions by the episode runner. The environment makes its tasks (train and held out) and scores each episode,
+    so `data` and `reward` are not given and no reward service runs."""
+
+    name: str = Field(description="A registered environment (rollout/envs/base.py ENVIRONMENTS, e.g. tool_use, "
+                      "guess_number).")
+    config: dict = Field(default_factory=dict, description="The environment's Config fields (its tasks, turns, "
+                         "rewards; rollout/envs/<name>.py).")
+    eval_concurrency: int = Field(32, gt=0, description="Greedy held-out episodes in flight.")
+
+    @model_validator(mode="after")
+    def _known(self) -> "EnvSection":
+        from rollout.envs.runner import env_spec
+
+        env_spec(self.name, self.config)  # an unknown name or a bad config field raises ValueError, named
+        return self
 
 
 class TrainingSection(Strict):
@@ -154,7 +193,12 @@ class TrainingSection(Strict):
     time_budget_s: float = Field(600.0, gt=0, description="Wall-clock budget of the RL phase.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of training completions.")
     max_tokens: int = Field(64, gt=0, description="Longest completion generated.")
-    concurrency: int = Field(32, ge=1, description="Prompts the driver keeps in flight.")
+    concurrency: int | None = Field(None, ge=1, description="Prompts (groups) kept in flight; None = 32, or with "
+                                    "env (max_staleness + 1) x groups_per_batch, so admission control alone bounds "
+                                    "them.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="The trainer's micro-batches by token budget (samples of any length packed up to it); "
+        "None = micro-batches of a rank's share of an optimizer step.")
     buffer_capacity_batches: int = Field(32, gt=0, description="Replay buffer capacity in batches.")
     publish_overlap: bool = Field(True, description="Send new weights while the next step computes.")
     metrics_sample_ids: bool = Field(False, description="List each step's sample ids in trainer_metrics.jsonl "
@@ -211,7 +255,9 @@ class ExperimentConfig(Strict):
     run_dir: str = Field("runs/experiment", description="Where the run writes everything (replaced); relative: to "
                          "this file.")
     model: ModelSection
-    data: DataSection
+    data: DataSection | None = Field(None, description="The prompts; required unless `env` is set.")
+    env: EnvSection | None = Field(None, description="Agentic episodes through sessions instead of `data` "
+                                   "(rollout/envs/).")
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="What is optimised "
                                        "(trainer.config.algorithm.AlgorithmConfig; docs/algorithms.md).")
@@ -240,9 +286,34 @@ class ExperimentConfig(Strict):
                             "mini_batches)")
         if self.deterministic:
             problems += deterministic_problems(self.training.max_staleness, self.services.rollout.replicas)
+        problems += self._source_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _source_problems(self) -> list[str]:
+        """What is wrong with where the prompts come from: `data`, or an environment's episodes."""
+        if self.env is None:
+            if self.data is None:
+                return ["data: required (the prompts to train on), unless env names an environment to play"]
+            return []
+        problems = []
+        if self.data is not None:
+            problems.append("env and data: give one (the environment makes its own tasks)")
+        if self.reward.custom:
+            problems.append("reward: the environment scores its episodes; remove the reward section")
+        if self.deterministic:
+            problems.append("deterministic: not with env (episodes interleave their turns as the rollout answers)")
+        if self.services.reward.replicas > 1 or self.services.reward.settings:
+            problems.append("services.reward: no reward service runs with env")
+        return problems
+
+    @property
+    def concurrency(self) -> int:
+        """Prompts (groups of episodes) kept in flight (training.concurrency, or its default)."""
+        if self.training.concurrency is not None:
+            return self.training.concurrency
+        return (self.training.max_staleness + 1) * self.training.groups_per_batch if self.env is not None else 32
 
     def resolved(self, base: pathlib.Path) -> "ExperimentConfig":
         """A copy with every relative path taken from `base` (the experiment file's folder)."""
@@ -254,9 +325,10 @@ class ExperimentConfig(Strict):
         data.run_dir = at(self.run_dir)
         data.model.path = at(self.model.path)
         data.model.rollout_path = at(self.model.rollout_path)
-        data.data.train.path = at(self.data.train.path)
-        if data.data.eval is not None:
-            data.data.eval.path = at(self.data.eval.path)
+        if data.data is not None:
+            data.data.train.path = at(self.data.train.path)
+            if data.data.eval is not None:
+                data.data.eval.path = at(self.data.eval.path)
         data.reward.python_path = [at(p) for p in self.reward.python_path]
         data.reward.model = at(self.reward.model)
         data.checkpoint.export_dir = at(self.checkpoint.export_dir, pathlib.Path(data.run_dir))

@@ -63,7 +63,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
             temperature=training.temperature, max_tokens=training.max_tokens, lr=training.lr,
             warmup_steps=training.warmup_steps, eval_interval_s=evaluation.every_s,
             algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
-            driver_concurrency=training.concurrency, checkpoint_interval=config.checkpoint.interval,
+            driver_concurrency=config.concurrency, checkpoint_interval=config.checkpoint.interval,
             buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
             rollout_replicas=config.services.rollout.replicas, reward_replicas=config.services.reward.replicas,
             deterministic=config.deterministic,
@@ -75,7 +75,9 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                 "trajectory_log": config.trajectory_log.model_dump()},
         trainer=merged({"batch": {"mini_batches": training.mini_batches,  # a micro-batch = a rank's share of a step
                                    "micro_batch_size": training.batch_size // training.mini_batches
-                                   // config.services.trainer.world_size},
+                                   // config.services.trainer.world_size,
+                                   **({"max_tokens_per_micro_batch": training.max_tokens_per_micro_batch}
+                                      if training.max_tokens_per_micro_batch else {})},
                          "checkpoint": {"keep_last": config.checkpoint.keep_last}},
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,
@@ -95,14 +97,27 @@ def _sft_samples(rows, tokenizer, add_bos: bool):
             for row in rows]
 
 
-def warm_up(config: ExperimentConfig, run_dir: pathlib.Path, tokenizer, train_rows, progress,
-            resume: bool) -> pathlib.Path:
-    """The policy RL starts from: the model folder, or with sft.steps its supervised warm-up on the training rows'
+def base_model(config: ExperimentConfig, run_dir: pathlib.Path, resume: bool) -> pathlib.Path:
+    """The model folder the run starts from: model.path, or model.tiny built in RUN_DIR/model-init from the seed
+    (a resumed run keeps a whole one)."""
+    from deploy.run_state import whole_model
+
+    if config.model.tiny is None:
+        return pathlib.Path(config.model.path)
+    folder = run_dir / "model-init"
+    if resume and whole_model(folder):
+        return folder
+    return config.model.tiny.write(folder, config.seed)
+
+
+def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.Path, tokenizer, train_rows,
+            progress, resume: bool) -> pathlib.Path:
+    """The policy RL starts from: `model_dir`, or with sft.steps its supervised warm-up on the training rows'
     answers (deploy/warmup.py) in RUN_DIR/model-sft, which a resumed run keeps once whole."""
     from deploy.run_state import whole_model
     from deploy.warmup import supervised_warmup
 
-    model_dir, sft = pathlib.Path(config.model.path), config.sft
+    sft = config.sft
     if not sft.steps:
         return model_dir
     policy_dir = run_dir / "model-sft"
@@ -162,10 +177,11 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     start_run_dir(run_dir, config.model_dump(mode="json"), config.seed, resume)
     progress = Progress(run_dir, console)
 
-    tokenizer = AutoTokenizer.from_pretrained(pathlib.Path(config.model.path))
+    model_dir = base_model(config, run_dir, resume)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
     prompts_path = experiment_data.write_prompts(train_rows, run_dir / "prompts.jsonl")
-    policy_dir = warm_up(config, run_dir, tokenizer, train_rows, progress, resume)
+    policy_dir = warm_up(config, model_dir, run_dir, tokenizer, train_rows, progress, resume)
 
     add_bos = config.data.add_bos and not config.data.chat_template
     eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos), row.prompt, row.metadata)

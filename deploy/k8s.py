@@ -290,6 +290,9 @@ def _in_cluster(config: ExperimentConfig) -> ExperimentConfig:
 def render(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
     """Every object, in the order to apply them. `config` as loaded (paths not yet resolved), `folder` the
     experiment file's (TLS files and token files are read from it)."""
+    if config.model.tiny is not None or config.env is not None:
+        raise RenderError(f"{'model.tiny' if config.model.tiny is not None else 'env'}: runs on one machine "
+                          "(`relayrl run`); a cluster run needs model.path (a folder on the project volume) and data")
     secrets = _secrets(config, folder)
     config = _in_cluster(config)
     groups = {group.name: group for group in config.groups}

@@ -142,16 +142,17 @@ def shared_warmup(sweep: Sweep, console: Console) -> pathlib.Path | None:
     from transformers import AutoTokenizer
 
     from deploy import experiment_data
-    from deploy.experiment_run import warm_up
+    from deploy.experiment_run import base_model, warm_up
     from deploy.progress import Progress
 
     torch.set_num_threads(1)
     sweep.dir.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    model_dir = base_model(config, sweep.dir, resume=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_rows, _ = experiment_data.split(config.data, tokenizer, config.seed)
-    warm_up(config, sweep.dir, tokenizer, train_rows, Progress(sweep.dir, console), resume=False)
+    warm_up(config, model_dir, sweep.dir, tokenizer, train_rows, Progress(sweep.dir, console), resume=False)
     stamp.write_text(json.dumps(made_from, indent=1) + "\n")
     return folder
 

@@ -222,7 +222,7 @@ def trial_experiment(base: dict, folder: pathlib.Path, params: dict[str, Any], r
         apply_override(data, path.split("."), value)
     data["run_dir"] = str(run_dir)
     if warmed is not None:
-        apply_override(data, ["model"], {**data.get("model", {}), "path": str(warmed), "rollout_path": None})
+        apply_override(data, ["model"], {**data.get("model", {}), "path": str(warmed), "tiny": None, "rollout_path": None})
         apply_override(data, ["sft", "steps"], 0)
     try:
         config = ExperimentConfig.model_validate(data)
