@@ -306,6 +306,10 @@ class ExperimentConfig(Strict):
             problems.append("deterministic: not with env (episodes interleave their turns as the rollout answers)")
         if self.services.reward.replicas > 1 or self.services.reward.settings:
             problems.append("services.reward: no reward service runs with env")
+        for name in ("buffer", "rollout"):
+            if getattr(self.services, name).tls is not None or getattr(self.services, name).auth is not None:
+                problems.append(f"services.{name}: TLS and tokens not with env yet (the episode runner and its "
+                                "evaluation reach the services in plain text)")
         return problems
 
     @property

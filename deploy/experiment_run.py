@@ -4,6 +4,9 @@
     -> the shared RL phase (deploy/pipeline.py: buffer, reward, rollout, driver, trainer, supervised)
        with the held-out metric = mean reward of greedy completions, by the run's reward
     -> the latest checkpoint exported as a Hugging Face folder, a summary table, a plot and metrics JSONL
+
+An experiment with `env` instead of `data` (an environment's episodes through rollout sessions) runs by
+deploy/agentic.py.
 """
 
 import asyncio
@@ -51,7 +54,12 @@ def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.
 def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False, launcher=None):
     """The whole run; returns deploy.run_state.Summary (its accuracy fields hold the held-out mean reward). With
     `resume`, the run in config.run_dir goes on from where it stopped (deploy/run_state.py). `launcher` starts the
-    RL phase's processes (deploy.local_launcher.LocalLauncher by default; deploy.ray_launcher.RayLauncher)."""
+    RL phase's processes (deploy.local_launcher.LocalLauncher by default; deploy.ray_launcher.RayLauncher). An
+    experiment with `env` plays an environment's episodes instead (deploy/agentic.py: on this machine, not resumed)."""
+    if config.env is not None:
+        from deploy.agentic import run_agentic
+
+        return run_agentic(config, console, supervisor)
     import torch
     from transformers import AutoTokenizer
 
@@ -109,6 +117,12 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
         config = load_experiment(path, overrides or [])
     except (ConfigError, FileNotFoundError) as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
+        return 2
+    if config.env is not None and (resume or ray_address is not None):
+        what = (f"--resume: the run in {config.run_dir} plays" if resume else f"--ray: {path} plays")
+        print(f"relayrl run {what} an environment (env: {config.env.name}), which runs on this machine and cannot "
+              f"be resumed yet (its episode runner keeps no RL clock): start it over with `relayrl run "
+              f"EXPERIMENT.yaml`", file=sys.stderr)
         return 2
     if ray_address is not None:
         beyond = ray_problems(config.services)
