@@ -20,12 +20,12 @@ from deploy.experiment_plan import add_bos, base_model, export, pipeline_plan
 log = logging.getLogger("relayrl.experiment")
 
 
-def _sft_samples(rows, tokenizer, bos: bool):
+def _sft_samples(rows, tokenizer, add_bos: bool):
     """The warm-up's samples: each row's prompt, as the driver tokenizes it, and its `answer` field."""
     from deploy.experiment_data import prompt_ids
     from deploy.warmup import sft_sample
 
-    return [sft_sample(row.prompt_id, prompt_ids(row, tokenizer, bos),
+    return [sft_sample(row.prompt_id, prompt_ids(row, tokenizer, add_bos),
                        [*tokenizer.encode(str(row.metadata["answer"]), add_special_tokens=False),
                         tokenizer.eos_token_id])
             for row in rows]
