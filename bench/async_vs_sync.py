@@ -7,7 +7,7 @@ fraction (time waiting for a batch / step time, from trainer_metrics.jsonl: `pul
 to reach a fixed held-out success rate, and the final success rate; each against staleness 0 measured in
 the same invocation. Off-policy correction (bypass: the PPO ratio against the rollout's logprobs, clipped) is
 on whenever max_staleness > 0, and the runner keeps (max_staleness + 1) batches of groups in flight, so
-admission control alone bounds them (deploy/agentic.py).
+admission control alone bounds them (deploy/agentic.py: an experiment file with `env`).
 
 The SFT checkpoint is built once (by the first run) and every later run starts from it.
 
@@ -86,20 +86,21 @@ def time_to(curve: list[dict], target: float) -> float | None:
 
 
 def run(staleness: int, args, start_checkpoint: str | None, out: pathlib.Path):
-    from deploy.agentic import AgenticConfig, run_agentic
-    from services.config import load_config
+    """One run of the experiment file at `staleness` (deploy.run_state.Summary: its accuracy fields hold the held-out
+    success rate), from `start_checkpoint` (a Hugging Face folder: no SFT) when given."""
+    from deploy.agentic import run_agentic
+    from deploy.experiment import load_experiment
 
     threads = args.sync_trainer_threads if staleness == 0 else args.async_trainer_threads
-    overrides = [f"seed={args.seed}", f"run_dir={out / f'staleness-{staleness}'}", f"rl.max_staleness={staleness}",
-                 f"rl.time_budget_s={args.budget_s}", f"rl.eval_interval_s={args.eval_interval_s}",
-                 f'trainer={{"num_threads": {threads}}}',
-                 f'rollout={{"engine.torch_threads": {args.rollout_threads}}}']
-    if start_checkpoint:
-        overrides.append(f"start_checkpoint={start_checkpoint}")
+    overrides = [f"seed={args.seed}", f"run_dir={out / f'staleness-{staleness}'}",
+                 f"training.max_staleness={staleness}", f"training.time_budget_s={args.budget_s}",
+                 f"evaluation.every_s={args.eval_interval_s}", f'services.trainer.settings={{"num_threads": {threads}}}',
+                 f'services.rollout.settings={{"engine.torch_threads": {args.rollout_threads}}}']
     if args.quick:
         overrides += ["sft.steps=20", "sft.transcripts=200"]
-    config = load_config(AgenticConfig, str(CONFIG), overrides)
-    return run_agentic(config)
+    if start_checkpoint:  # after --quick's SFT settings: no SFT at all
+        overrides += ["model.tiny=null", f"model.path={start_checkpoint}", "sft.steps=0"]
+    return run_agentic(load_experiment(CONFIG, overrides))
 
 
 def main() -> int:
@@ -143,8 +144,8 @@ def main() -> int:
     base = results[0]
     target = args.target
     if target is None:
-        start = base["summary"].start_success
-        target = start + 0.5 * (base["summary"].final_success - start)
+        start = base["summary"].sft_accuracy
+        target = start + 0.5 * (base["summary"].final_accuracy - start)
     print(f"\ntool-use, seed {args.seed}, {args.budget_s:g} s of RL per run, time-to-target at success >= {target:.3f}; "
           f"trainer threads: sync {args.sync_trainer_threads}, async {args.async_trainer_threads}; rollout threads "
           f"{args.rollout_threads}")
@@ -155,8 +156,8 @@ def main() -> int:
         s = r["summary"]
         reach = time_to(s.curve, target)
         print(f"{staleness:>9} {s.steps:>6} {r['steps_per_hour']:>8.0f} {r['steps_per_hour'] / base['steps_per_hour']:>7.2f} "
-              f"{r['wait']:>10.1%} {('-' if reach is None else f'{reach:.0f} s'):>10} {s.start_success:>6.3f} "
-              f"{s.final_success:>6.3f} {s.best_success:>6.3f} {r['busy']:>6.2f} of {os.cpu_count()}")
+              f"{r['wait']:>10.1%} {('-' if reach is None else f'{reach:.0f} s'):>10} {s.sft_accuracy:>6.3f} "
+              f"{s.final_accuracy:>6.3f} {s.best_accuracy:>6.3f} {r['busy']:>6.2f} of {os.cpu_count()}")
     ceiling = (os.cpu_count() or 1) / base["busy"]
     print(f"result: async_ceiling_vs_sync = {ceiling:.2f} (baseline max_staleness 0 kept {base['busy']:.2f} of "
           f"{os.cpu_count()} cores busy: no overlap of work on these cores can exceed this ratio)")
@@ -167,8 +168,8 @@ def main() -> int:
         print(f"result: data_wait_staleness_{staleness} = {r['wait']:.3f} (baseline max_staleness 0 "
               f"{base['wait']:.3f}, target < 0.10)")
         print(f"result: final_success_staleness_{staleness}_minus_sync = "
-              f"{r['summary'].final_success - base['summary'].final_success:+.3f} (baseline max_staleness 0 "
-              f"{base['summary'].final_success:.3f}, target within noise)")
+              f"{r['summary'].final_accuracy - base['summary'].final_accuracy:+.3f} (baseline max_staleness 0 "
+              f"{base['summary'].final_accuracy:.3f}, target within noise)")
     return 0
 
 

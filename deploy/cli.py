@@ -196,8 +196,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from deploy import agentic
-
     if args.experiment and args.config:
         print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)
         return 2
@@ -213,8 +211,6 @@ def _run(args: argparse.Namespace) -> int:
         from deploy.resume import main as resume
 
         return resume(args.resume, ray_address=args.ray)
-    if args.experiment and agentic.selects(args.experiment):
-        return agentic.main(args.experiment, args.set)
     if args.experiment:
         from deploy.experiment_run import main as run_experiment
 
@@ -225,8 +221,6 @@ def _run(args: argparse.Namespace) -> int:
         return quickstart_experiment(args.set)
     from deploy.quickstart import main as quickstart
 
-    if agentic.selects(args.config):  # `job: agentic` in the YAML: environments over sessions
-        return agentic.main(args.config, args.set)
     return quickstart(args.config, args.set)
 
 

@@ -2,8 +2,8 @@
 
 Checks the config, the model folder (config, weights, tokenizer; the tokenizer fits the embedding), that the
 trainer and the rollout share one tokenizer and vocabulary, the chat template when asked for, the data's fields,
-the reward (importable, its arguments fit; a judge answers), fixed ports, disk space for the buffer and checkpoints, and the
-versions of torch / transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
+the reward (importable, its arguments fit; a judge answers) or with `env` the environment (its tasks, the policy's
+turn), fixed ports, disk space for the buffer and checkpoints, and the versions of torch / transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
 """
 
 import importlib
@@ -12,28 +12,11 @@ import pathlib
 import shutil
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
-from typing import Literal
 
 from deploy.experiment import ExperimentConfig
-
-Level = Literal["ok", "warn", "error"]
-
-
-@dataclass
-class Finding:
-    level: Level
-    check: str
-    message: str
-    fix: str = ""
-    evidence: list[str] = field(default_factory=list)  # "file:line: what it says" (a run's diagnosis)
-
-    def render(self) -> str:
-        text = f"{self.level.upper():5} {self.check}: {self.message}"
-        text += "".join(f"\n      evidence: {line}" for line in self.evidence)
-        return text + (f"\n      fix: {self.fix}" if self.fix else "")
-
+from deploy.findings import Finding, report
 
 # ---------------------------------------------------------------- the model and its tokenizer
 
@@ -228,6 +211,13 @@ def check_stop(config: ExperimentConfig, findings: list[Finding]) -> None:
                                 "budget alone end it)"))
 
 
+def check_env(config: ExperimentConfig, findings: list[Finding]) -> None:
+    """The environment's tasks (train, held out) and how long a policy turn may be; it scores its own episodes."""
+    from deploy.agentic import describe_env
+
+    findings.append(Finding("ok", "env", describe_env(config)))
+
+
 def check_reward(config: ExperimentConfig, findings: list[Finding]) -> None:
     from reward.registry import BUILTINS, BadFunction, RewardSpec, check_args, load
 
@@ -371,7 +361,10 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
     if config.data is not None:
         check_data(config, facts, findings)
     check_stop(config, findings)
-    check_reward(config, findings)
+    if config.env is not None:
+        check_env(config, findings)
+    else:
+        check_reward(config, findings)
     check_ports(config, findings)
     check_disk(config, facts, findings)
     check_loggers(config, findings)
@@ -381,13 +374,3 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
 
 def main(path: str, overrides: list[str] | None = None) -> int:
     return report(diagnose(path, overrides))
-
-
-def report(findings: list[Finding]) -> int:
-    """Print each finding and the counts; 1 when any is an error (the doctor's exit code), else 0."""
-    for finding in findings:
-        print(finding.render())
-    errors = sum(f.level == "error" for f in findings)
-    warnings = sum(f.level == "warn" for f in findings)
-    print(json.dumps({"errors": errors, "warnings": warnings}))
-    return 1 if errors else 0

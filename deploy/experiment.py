@@ -192,7 +192,8 @@ class TrainingSection(Strict):
                                   "the budget; None = the time budget alone ends RL.")
     time_budget_s: float = Field(600.0, gt=0, description="Wall-clock budget of the RL phase.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of training completions.")
-    max_tokens: int = Field(64, gt=0, description="Longest completion generated.")
+    max_tokens: int = Field(64, gt=0, description="Longest completion generated (with env: the longest policy "
+                            "turn).")
     concurrency: int | None = Field(None, ge=1, description="Prompts (groups) kept in flight; None = 32, or with "
                                     "env (max_staleness + 1) x groups_per_batch, so admission control alone bounds "
                                     "them.")
@@ -217,7 +218,8 @@ class TrainingSection(Strict):
 
 
 class EvaluationSection(Strict):
-    """The held-out metric: mean reward of greedy completions of the eval prompts, by the run's reward."""
+    """The held-out metric: mean reward of greedy completions of the eval prompts, by the run's reward (with env:
+    the success rate of greedy episodes of the environment's held-out tasks)."""
 
     every_s: float = Field(30.0, gt=0, description="Evaluate every this many seconds of RL.")
     every_steps: int | None = Field(None, gt=0, description="Evaluate every this many optimizer steps instead.")
@@ -306,6 +308,10 @@ class ExperimentConfig(Strict):
             problems.append("deterministic: not with env (episodes interleave their turns as the rollout answers)")
         if self.services.reward.replicas > 1 or self.services.reward.settings:
             problems.append("services.reward: no reward service runs with env")
+        for name in ("buffer", "rollout"):
+            if getattr(self.services, name).tls is not None or getattr(self.services, name).auth is not None:
+                problems.append(f"services.{name}: TLS and tokens not with env yet (the episode runner and its "
+                                "evaluation reach the services in plain text)")
         return problems
 
     @property

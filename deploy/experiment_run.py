@@ -4,86 +4,20 @@
     -> the shared RL phase (deploy/pipeline.py: buffer, reward, rollout, driver, trainer, supervised)
        with the held-out metric = mean reward of greedy completions, by the run's reward
     -> the latest checkpoint exported as a Hugging Face folder, a summary table, a plot and metrics JSONL
+
+An experiment with `env` instead of `data` (an environment's episodes through rollout sessions) runs by
+deploy/agentic.py.
 """
 
 import asyncio
 import logging
-import os
 import pathlib
 import sys
 
 from deploy.experiment import ExperimentConfig, load_experiment
+from deploy.experiment_plan import add_bos, base_model, export, pipeline_plan
 
 log = logging.getLogger("relayrl.experiment")
-REWARD_NAME = "experiment"  # the name an operator function or reward model is served under in the run
-
-
-def reward_service(config: ExperimentConfig) -> tuple[dict, dict[str, str], str]:
-    """(reward service overrides, its environment, the function name the driver asks for)."""
-    from reward.registry import BUILTINS
-
-    reward = config.reward
-    env = {"PYTHONPATH": os.pathsep.join([*reward.python_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    overrides = _placement(config, "reward")
-    if reward.model is not None:
-        overrides[f"reward_models.{REWARD_NAME}"] = {"path": reward.model}
-        return overrides, env, REWARD_NAME
-    if reward.judge is not None:
-        overrides[f"judges.{REWARD_NAME}"] = reward.judge.model_dump(mode="json")
-        return overrides, env, REWARD_NAME
-    if not reward.custom:
-        return overrides, env, reward.function
-    target = BUILTINS[reward.function].target if reward.function in BUILTINS else reward.function
-    overrides[f"functions.{REWARD_NAME}"] = {"target": target, "args": reward.args}
-    return overrides, env, REWARD_NAME
-
-
-def _placement(config: ExperimentConfig, name: str) -> dict:
-    placement = getattr(config.services, name)
-    fixed = {"server.address": f"127.0.0.1:{placement.port}"} if placement.port else {}
-    return {**fixed, **placement.settings}
-
-
-def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path,
-                  prompts_path: pathlib.Path):
-    """The RL phase of `config` as deploy.pipeline_config.Pipeline: what each service, the driver and the trainer are told.
-    Its `evaluate` is left for the caller to set (a run measures the served policy; deploy/k8s.py renders the rest)."""
-    from deploy.pipeline_config import Pipeline, RLConfig, merged, nested
-
-    training, evaluation = config.training, config.evaluation
-    reward_overrides, reward_env, function = reward_service(config)
-    rollout_overrides = _placement(config, "rollout")
-    if config.model.rollout_path and not config.sft.steps:
-        rollout_overrides.setdefault("model", config.model.rollout_path)
-    return Pipeline(
-        run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
-        rl=RLConfig(
-            time_budget_s=training.time_budget_s, max_steps=training.max_steps, group_size=training.group_size,
-            groups_per_batch=training.groups_per_batch, max_staleness=training.max_staleness,
-            temperature=training.temperature, max_tokens=training.max_tokens, lr=training.lr,
-            warmup_steps=training.warmup_steps, eval_interval_s=evaluation.every_s,
-            algorithm=config.algorithm.model_dump(mode="json"), publish_overlap=training.publish_overlap,
-            driver_concurrency=config.concurrency, checkpoint_interval=config.checkpoint.interval,
-            buffer_capacity_batches=training.buffer_capacity_batches, metrics_sample_ids=training.metrics_sample_ids,
-            rollout_replicas=config.services.rollout.replicas, reward_replicas=config.services.reward.replicas,
-            deterministic=config.deterministic,
-        ),
-        supervise=config.supervise,
-        buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
-        driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s,
-                "add_bos": config.data.add_bos and not config.data.chat_template,
-                "trajectory_log": config.trajectory_log.model_dump()},
-        trainer=merged({"batch": {"mini_batches": training.mini_batches,  # a micro-batch = a rank's share of a step
-                                   "micro_batch_size": training.batch_size // training.mini_batches
-                                   // config.services.trainer.world_size,
-                                   **({"max_tokens_per_micro_batch": training.max_tokens_per_micro_batch}
-                                      if training.max_tokens_per_micro_batch else {})},
-                         "checkpoint": {"keep_last": config.checkpoint.keep_last}},
-                        nested(config.services.trainer.settings)),
-        eval_interval_steps=evaluation.every_steps,
-        evaluate=None,  # type: ignore[arg-type]
-        logging=config.logging, params=config.model_dump(mode="json"),
-    )
 
 
 def _sft_samples(rows, tokenizer, add_bos: bool):
@@ -95,19 +29,6 @@ def _sft_samples(rows, tokenizer, add_bos: bool):
                        [*tokenizer.encode(str(row.metadata["answer"]), add_special_tokens=False),
                         tokenizer.eos_token_id])
             for row in rows]
-
-
-def base_model(config: ExperimentConfig, run_dir: pathlib.Path, resume: bool) -> pathlib.Path:
-    """The model folder the run starts from: model.path, or model.tiny built in RUN_DIR/model-init from the seed
-    (a resumed run keeps a whole one)."""
-    from deploy.run_state import whole_model
-
-    if config.model.tiny is None:
-        return pathlib.Path(config.model.path)
-    folder = run_dir / "model-init"
-    if resume and whole_model(folder):
-        return folder
-    return config.model.tiny.write(folder, config.seed)
 
 
 def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.Path, tokenizer, train_rows,
@@ -124,39 +45,21 @@ def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.
     if resume and whole_model(policy_dir):
         progress.note(f"resuming: {policy_dir} is whole, so SFT is not run again")
         return policy_dir
-    add_bos = config.data.add_bos and not config.data.chat_template
     with progress.phase(f"SFT warm-up: {sft.steps} steps of {sft.batch_size}"):
-        supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos), sft.steps,
+        supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos(config)), sft.steps,
                           sft.batch_size, sft.lr, config.seed)
     return policy_dir
-
-
-def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path, progress) -> None:
-    """The weights the run ended with as a Hugging Face folder in checkpoint.export_dir (if set): the trainer's last
-    checkpoint, which a trainer stopped at the end of the budget writes at its last step (trainer/run.py)."""
-    import json
-
-    from deploy.pipeline import read_jsonl
-    from trainer.checkpoint import STATE_FILE, export_checkpoint_hf, latest_checkpoint
-
-    if not config.checkpoint.export_dir:
-        return
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
-    if checkpoint is None:
-        progress.note("no checkpoint was saved (the trainer took no step): nothing exported")
-        return
-    export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
-    step = json.loads((checkpoint / STATE_FILE).read_text())["step"]
-    last = max((record["step"] for record in read_jsonl(run_dir / "trainer_metrics.jsonl")), default=0)
-    behind = "" if step >= last else (f", {last - step} steps before the trainer's last ({last}): it was killed "
-                                      "before its final checkpoint")
-    progress.note(f"exported the weights of step {step} to {config.checkpoint.export_dir}{behind}")
 
 
 def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resume: bool = False, launcher=None):
     """The whole run; returns deploy.run_state.Summary (its accuracy fields hold the held-out mean reward). With
     `resume`, the run in config.run_dir goes on from where it stopped (deploy/run_state.py). `launcher` starts the
-    RL phase's processes (deploy.local_launcher.LocalLauncher by default; deploy.ray_launcher.RayLauncher)."""
+    RL phase's processes (deploy.local_launcher.LocalLauncher by default; deploy.ray_launcher.RayLauncher). An
+    experiment with `env` plays an environment's episodes instead (deploy/agentic.py: on this machine, not resumed)."""
+    if config.env is not None:
+        from deploy.agentic import run_agentic
+
+        return run_agentic(config, console, supervisor)
     import torch
     from transformers import AutoTokenizer
 
@@ -183,8 +86,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     prompts_path = experiment_data.write_prompts(train_rows, run_dir / "prompts.jsonl")
     policy_dir = warm_up(config, model_dir, run_dir, tokenizer, train_rows, progress, resume)
 
-    add_bos = config.data.add_bos and not config.data.chat_template
-    eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos), row.prompt, row.metadata)
+    eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos(config)), row.prompt, row.metadata)
                     for row in eval_rows]
     eval_tokens = config.evaluation.max_tokens or config.training.max_tokens
     plan = pipeline_plan(config, run_dir, policy_dir, prompts_path)
@@ -215,6 +117,12 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
         config = load_experiment(path, overrides or [])
     except (ConfigError, FileNotFoundError) as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
+        return 2
+    if config.env is not None and (resume or ray_address is not None):
+        what = (f"--resume: the run in {config.run_dir} plays" if resume else f"--ray: {path} plays")
+        print(f"relayrl run {what} an environment (env: {config.env.name}), which runs on this machine and cannot "
+              f"be resumed yet (its episode runner keeps no RL clock): start it over with `relayrl run "
+              f"EXPERIMENT.yaml`", file=sys.stderr)
         return 2
     if ray_address is not None:
         beyond = ray_problems(config.services)

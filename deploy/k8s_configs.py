@@ -1,6 +1,6 @@
 """What each process of an experiment is told on Kubernetes: the config files `relayrl deploy k8s` puts in its ConfigMap.
 
-They come from the same functions a local run uses (deploy/experiment_run.py `pipeline_plan`,
+They come from the same functions a local run uses (deploy/experiment_plan.py `pipeline_plan`,
 deploy/pipeline_config.py), with the services' stable DNS names for addresses, every path under the project volume,
 and TLS files and tokens at the paths where their Secrets are mounted. With rollout replicas
 (services.rollout.replicas > 1) the driver and the trainer reach them through the rollout router (ROUTER,
@@ -73,7 +73,7 @@ def client_section(name: str, placement: ServicePlacement) -> dict:
 
 def process_configs(config: ExperimentConfig) -> dict[str, dict]:
     """File name -> content of every process's config (`config` resolved under the project volume)."""
-    from deploy.experiment_run import pipeline_plan
+    from deploy.experiment_plan import pipeline_plan
     from deploy.pipeline_config import (
         Addresses,
         buffer_overrides,

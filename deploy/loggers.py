@@ -9,7 +9,7 @@ MLflow (off by default; each through its own library: `pip install -e '.[loggers
 Every logger gets the same scalars (deploy/tensorboard.py RunBoard): trainer/... at its optimizer step, and driver/...
 (runner/...), eval/..., buffer/..., rollout/..., reward/... at whole seconds of RL. Weights & Biases plots the two
 against their own axes (`trainer/step`, `rl_seconds`); MLflow keeps a step per metric. The run's settings (model,
-data, reward, algorithm, training) are the run's config (W&B) or params (MLflow). The libraries are imported only
+data or env, reward, algorithm, training) are the run's config (W&B) or params (MLflow). The libraries are imported only
 when a logger is on.
 """
 
@@ -22,7 +22,8 @@ from pydantic import Field
 
 from services.config import Strict
 
-PARAM_SECTIONS = ("seed", "model", "data", "reward", "algorithm", "sft", "training", "evaluation", "checkpoint")
+PARAM_SECTIONS = ("seed", "model", "data", "env", "reward", "algorithm", "sft", "training", "evaluation",
+                  "checkpoint")
 
 
 class WandbSection(Strict):

@@ -88,7 +88,7 @@ class Pipeline:
 
     run_dir: pathlib.Path
     policy_dir: pathlib.Path  # the Hugging Face folder the rollout serves and the trainer trains
-    prompts_path: pathlib.Path  # the driver's JSONL: prompt_id, prompt, metadata
+    prompts_path: pathlib.Path | None  # the driver's JSONL: prompt_id, prompt, metadata (None: an environment's tasks)
     seed: int
     rl: RLConfig
     supervise: SuperviseConfig

@@ -43,16 +43,17 @@ class JsonlTail:
 class Progress:
     """The run's progress on `console`: a live table on a terminal; without one (output to a file or a
     pipe, where a live table shows nothing until the end) one plain line every `line_interval_s`. The summary and
-    the plot are titled by the run (`title`; default: its folder's name)."""
+    the plot are titled by the run (`title`; default: its folder's name). `producer` names the stats file of what
+    makes the samples: the driver's, or the episode runner's (runner_stats.jsonl) on an environment."""
 
     def __init__(self, run_dir: pathlib.Path, console: Console | None = None, line_interval_s: float = 10.0,
-                 title: str | None = None):
+                 title: str | None = None, producer: str = "driver"):
         self.run_dir = run_dir
         self.title = title or f"relayrl run {run_dir.name}"
         self.console = console or Console()
         self.metrics_path = run_dir / "metrics.jsonl"
         self.trainer = JsonlTail(run_dir / "trainer_metrics.jsonl")
-        self.driver = JsonlTail(run_dir / "driver_stats.jsonl")
+        self.driver = JsonlTail(run_dir / f"{producer}_stats.jsonl")
         self.live: Live | None = None
         self.line_interval_s, self.next_line, self.in_rl = line_interval_s, 0.0, False
         self.budget_s = 0.0
@@ -113,8 +114,9 @@ class Progress:
             self.next_line = elapsed + self.line_interval_s
             self.console.print(self.line(elapsed), markup=False, highlight=False, soft_wrap=True)
 
-    def point(self, elapsed: float, accuracy: float) -> dict:
-        """Record one held-out evaluation with what the trainer and driver report at that moment."""
+    def point(self, elapsed: float, accuracy: float, **details) -> dict:
+        """Record one held-out evaluation with what the trainer and driver report at that moment (and the
+        evaluation's `details`: an environment's success rate, mean reward and turns)."""
         self.accuracy = accuracy
         steps = self.trainer.drain()
         t, d = self.trainer.latest(), self.driver.latest()
@@ -125,7 +127,7 @@ class Progress:
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "staleness_mean": t.get("staleness_mean"),
             "completions": d.get("samples", 0), "tokens_per_s": d.get("tokens_per_s"),
-            "completions_per_s": d.get("completions_per_s"), "publish_s": t.get("publish_s"),
+            "completions_per_s": d.get("completions_per_s"), "publish_s": t.get("publish_s"), **details,
         }
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(point) + "\n")

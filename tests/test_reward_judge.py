@@ -22,7 +22,7 @@ from user_project import experiment
 
 from deploy.doctor import Finding, check_judge
 from deploy.experiment import load_experiment
-from deploy.experiment_run import reward_service
+from deploy.experiment_plan import reward_service
 from deploy.launcher import start_service
 from protos import reward_pb2, reward_pb2_grpc
 from protos.sample import Sample, SampleStatus
