@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "without one, the local quickstart (SFT warm-up, then async GRPO on one machine; a --config "
                          "with `job: agentic`: on an environment, examples/agentic/)")
     run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment.py documents every field)")
-    run.add_argument("--config", help="a built-in job's YAML: the addition job (deploy/quickstart.yaml, "
-                     "examples/algorithms/*.yaml) or an agentic one (examples/agentic/*.yaml); with neither this nor "
-                     "an experiment file: the quickstart (deploy/quickstart_experiment.yaml)")
+    run.add_argument("--config", help="a built-in job's YAML: the addition job (deploy/quickstart.yaml) or an "
+                     "agentic one (examples/agentic/*.yaml); with neither this nor an experiment file: the "
+                     "quickstart (deploy/quickstart_experiment.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     run.add_argument("--ray", metavar="ADDRESS", help="with an experiment file (or --resume of its run): place "
                      "each service on its node group of the Ray cluster at ADDRESS (a group's name is the Ray "

@@ -19,7 +19,6 @@ DEFAULT_FOLDER = pathlib.Path("runs") / "quickstart-project"
 
 def write_project(folder: pathlib.Path, seed: int = 0, num_eval: int = 200) -> pathlib.Path:
     """Model, data and the experiment file in `folder` (kept when already whole); returns the experiment file."""
-    from deploy.tasks import arithmetic_tasks, split_tasks
     from rollout.model.tiny import write_tiny_model
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -28,15 +27,23 @@ def write_project(folder: pathlib.Path, seed: int = 0, num_eval: int = 200) -> p
         shutil.rmtree(staging, ignore_errors=True)
         write_tiny_model(staging, seed=seed)  # deploy.tiny_model.ModelConfig's defaults
         staging.rename(folder / "model")
+    write_data(folder, seed, num_eval)
+    experiment = folder / "experiment.yaml"
+    if not experiment.exists():
+        shutil.copyfile(SHIPPED, experiment)
+    return experiment
+
+
+def write_data(folder: pathlib.Path, seed: int = 0, num_eval: int = 200) -> None:
+    """train.jsonl and eval.jsonl in `folder`: every 2-digit addition {prompt_id, prompt, answer}, `num_eval` of them
+    held out by a seeded shuffle. examples/algorithms/data/ ships this split (seed 0, 200 held out)."""
+    from deploy.tasks import arithmetic_tasks, split_tasks
+
     train, held_out = split_tasks(arithmetic_tasks(2, "+"), num_eval, seed)
     for name, tasks in (("train.jsonl", train), ("eval.jsonl", held_out)):
         rows = "".join(json.dumps({"prompt_id": t.prompt_id, "prompt": t.prompt, "answer": t.answer}) + "\n"
                        for t in tasks)
         (folder / name).write_text(rows)
-    experiment = folder / "experiment.yaml"
-    if not experiment.exists():
-        shutil.copyfile(SHIPPED, experiment)
-    return experiment
 
 
 def main(overrides: list[str] | None = None) -> int:

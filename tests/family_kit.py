@@ -1,8 +1,9 @@
 """What tests/test_families.py measures with, in process: held-out greedy accuracy of an HF model, sequence
 logprobs of given answers, (correct, wrong) answer pairs for DPO, and windows of a metrics file.
 
-Accuracy is the quickstart's rule (deploy/quickstart.py `evaluate`: the greedy answer, stripped, equals the
-reference), taken here with transformers' generate so no service has to start for an offline family.
+Accuracy is the examples' held-out metric (their exact_match reward, reward/match.py, of greedy completions: on
+these digit answers, the answer stripped equals the reference), taken here with transformers' generate so no service
+has to start for an offline family.
 """
 
 import json

@@ -2,9 +2,10 @@
 its metric must move the right way by a margin a run that does not learn stays inside (README, "Algorithm
 families, each shown learning", gives the figures and the noise band).
 
-One SFT warm-up (examples/algorithms/sft.yaml, the quickstart's) is the SFT family's run and the start of
-all the others: the RL families run the quickstart job from its checkpoint (`start_checkpoint`), DPO trains
-in process on answer pairs made in code. Distillation is tests/test_distill_e2e.py (marked `families` too).
+One SFT warm-up (examples/algorithms/sft.yaml, an experiment file's own warm-up: deploy.experiment_run.warm_up on
+its train rows) is the SFT family's run and the start of all the others: each RL family is its experiment file run
+from that checkpoint (`model.path=CHECKPOINT model.tiny=null sft.steps=0`, as `--set` gives them), DPO trains in
+process on answer pairs made in code. Distillation is tests/test_distill_e2e.py (marked `families` too).
 Run with `make test-families`; `make test` leaves these out.
 """
 
@@ -17,9 +18,8 @@ import yaml
 from family_kit import greedy_accuracy, preference_pairs, read_jsonl, sequence_logprobs, windows
 from rich.console import Console
 
-from deploy.quickstart import QuickstartConfig, run_quickstart, sft_warmup
-from deploy.tasks import Task, arithmetic_tasks, split_tasks
-from services.config import load_config
+from deploy.experiment import ExperimentConfig, load_experiment
+from deploy.tasks import Task
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "algorithms"
 RL_FAMILIES = ["ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp",
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.families, pytest.mark.slow]  # slow: `make test-fast` 
 
 @dataclass
 class SFTRun:
-    config: QuickstartConfig
+    config: ExperimentConfig
     checkpoint: Path
     train_tasks: list[Task]
     eval_tasks: list[Task]
@@ -43,27 +43,31 @@ class SFTRun:
     metrics: list[dict]
 
 
+def _console() -> Console:
+    return Console(file=io.StringIO(), width=120)
+
+
 @pytest.fixture(scope="session")
 def sft_run(tmp_path_factory) -> SFTRun:
-    """The SFT example, once: tiny model built in code, warmed up by the quickstart's own sft_warmup."""
+    """The SFT example's warm-up, once, as its experiment run does it: the tiny model built from the seed
+    (experiment_run.base_model), then experiment_run.warm_up on the train rows of examples/algorithms/data/."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.model.tiny import write_tiny_model
+    from deploy import experiment_data
+    from deploy.experiment_run import base_model, warm_up
+    from deploy.progress import Progress
 
     root = tmp_path_factory.mktemp("sft")
-    config = load_config(QuickstartConfig, EXAMPLES / "sft.yaml", [f"run_dir={root}"])
-    train_tasks, eval_tasks = split_tasks(arithmetic_tasks(config.task.digits, config.task.op),
-                                          config.task.num_eval, config.seed)
-    m = config.model
-    init_dir = write_tiny_model(root / "model-init", seed=config.seed, arch=m.arch, hidden_size=m.hidden_size,
-                                num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                                head_dim=m.head_dim)
-    sft_warmup(config, init_dir, root / "model-sft", train_tasks)
-    tokenizer = AutoTokenizer.from_pretrained(root / "model-sft")
+    config = load_experiment(EXAMPLES / "sft.yaml", [f"run_dir={root}"])
+    init_dir = base_model(config, root, resume=False)
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
+    checkpoint = warm_up(config, init_dir, root, tokenizer, train_rows, Progress(root, _console()), resume=False)
+    train_tasks, eval_tasks = ([Task(row.prompt_id, row.prompt, row.metadata["answer"]) for row in rows]
+                               for rows in (train_rows, eval_rows))
     before, after = (greedy_accuracy(AutoModelForCausalLM.from_pretrained(folder), tokenizer, eval_tasks,
-                                     config.rl.max_tokens) for folder in (init_dir, root / "model-sft"))
-    return SFTRun(config, root / "model-sft", train_tasks, eval_tasks, before, after,
-                  read_jsonl(root / "sft_metrics.jsonl"))
+                                     config.training.max_tokens) for folder in (init_dir, checkpoint))
+    return SFTRun(config, checkpoint, train_tasks, eval_tasks, before, after, read_jsonl(root / "sft_metrics.jsonl"))
 
 
 def test_sft_lowers_loss_and_raises_accuracy(sft_run):
@@ -79,15 +83,20 @@ def test_sft_lowers_loss_and_raises_accuracy(sft_run):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", RL_FAMILIES)
 def test_rl_family_raises_reward(family, sft_run, tmp_path):
-    config = load_config(QuickstartConfig, EXAMPLES / f"{family}.yaml",
-                         [f"run_dir={tmp_path / family}", f"start_checkpoint={sft_run.checkpoint}"])
-    summary = run_quickstart(config, console=Console(file=io.StringIO(), width=120))
+    """The family's experiment file from the SFT checkpoint; its held-out metric is the mean exact-match reward of
+    greedy completions, i.e. held-out accuracy."""
+    from deploy.experiment_run import run_experiment
+
+    config = load_experiment(EXAMPLES / f"{family}.yaml", [f"run_dir={tmp_path / family}",
+                                                           f"model.path={sft_run.checkpoint}", "model.tiny=null",
+                                                           "sft.steps=0"])
+    summary = run_experiment(config, console=_console())
     steps = read_jsonl(tmp_path / family / "trainer_metrics.jsonl")
     early, late = windows(steps, "reward_mean")
     report = (f"{family}: mean reward {early:.3f} -> {late:.3f} over {len(steps)} steps in {summary.rl_seconds:.0f} s; "
               f"held-out accuracy {summary.sft_accuracy:.3f} -> {summary.final_accuracy:.3f}")
     print(report)
-    assert len(steps) >= 0.75 * config.rl.max_steps, f"too few steps in the time budget: {report}"
+    assert len(steps) >= 0.75 * config.training.max_steps, f"too few steps in the time budget: {report}"
     assert late >= early + REWARD_RISE, report
 
 
