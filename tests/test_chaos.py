@@ -1,4 +1,4 @@
-"""The whole run under faults: a quickstart-shaped run in which buffer, reward, rollout, driver and trainer
+"""The whole run under faults: a run of the quickstart experiment in which buffer, reward, rollout, driver and trainer
 are each SIGKILLed once at a seeded random point, and one service is SIGSTOPped past its health deadline.
 
 The run must complete its time budget; from the buffer's own log and the trainer's own step records,
@@ -20,14 +20,15 @@ from collections import Counter
 import pytest
 from rich.console import Console
 
+from deploy.experiment import load_experiment
+from deploy.experiment_run import run_experiment
 from deploy.launcher import start_service
-from deploy.quickstart import DEFAULT_CONFIG, QuickstartConfig, run_quickstart
+from deploy.quickstart_project import write_project
 from deploy.supervisor import Supervisor
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2
 from services.buffer.log import SEGMENT_SUFFIX, RecordKind, scan
 from services.buffer.records import decode_copy, decode_drop, decode_ids
 from services.client import connect_sync
-from services.config import load_config
 
 SEED = int(os.environ.get("RELAYRL_CHAOS_SEED", "7"))  # the schedule of signals; try others
 BUDGET_S = 140.0
@@ -102,9 +103,10 @@ def final_history(metrics_path: pathlib.Path) -> tuple[list[dict], int]:
 @pytest.mark.timeout(420)
 def test_the_run_survives_every_process_killed_once_and_one_frozen(tmp_path):
     run_dir = tmp_path / "run"
-    config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
-        f"run_dir={run_dir}", f"rl.time_budget_s={BUDGET_S}", "rl.eval_interval_s=30", "rl.metrics_sample_ids=true",
-        "buffer.segment_bytes=1073741824",  # one segment: every record stays readable for the audit
+    config = load_experiment(write_project(tmp_path / "project"), [
+        f"run_dir={run_dir}", f"training.time_budget_s={BUDGET_S}", "evaluation.every_s=30",
+        "training.metrics_sample_ids=true",
+        "services.buffer.settings.segment_bytes=1073741824",  # one segment: every record stays readable for the audit
         "supervise.backoff_s=0.5", "supervise.health_timeout_s=6", "supervise.max_restarts=3",
     ])
     events = schedule(random.Random(SEED))
@@ -112,7 +114,7 @@ def test_the_run_survives_every_process_killed_once_and_one_frozen(tmp_path):
     chaos = Chaos(supervisor, events)
     chaos.start()
     try:
-        summary = run_quickstart(config, Console(file=io.StringIO(), width=120), supervisor)
+        summary = run_experiment(config, Console(file=io.StringIO(), width=120), supervisor)
     finally:
         chaos.stopping.set()
     sent = Counter(sig for _, _, sig, _ in chaos.sent)

@@ -112,14 +112,14 @@ def test_a_frozen_client_process_is_found_by_its_heartbeat(tmp_path, supervisor)
 
 
 def test_the_evaluator_waits_for_a_restarted_rollout(tmp_path, supervisor, tiny_model_dir):
-    from deploy.quickstart import evaluate
+    from deploy.evaluation import greedy_completions
 
     rollout = supervisor.add_service(start_service(
         "rollout", {"model": str(tiny_model_dir), "engine.torch_threads": 1, "engine.max_model_len": 64},
         log_dir=tmp_path / "logs"))
     os.kill(rollout.pid, signal.SIGKILL)
-    accuracy = asyncio.run(evaluate(rollout.address, [([1, 5, 6], "x")] * 4, max_tokens=2, retry_for_s=60))
-    assert 0.0 <= accuracy <= 1.0 and supervisor.restarts() == {"rollout": 1}
+    completions = asyncio.run(greedy_completions(rollout.address, [[1, 5, 6]] * 4, max_tokens=2, retry_for_s=60))
+    assert len(completions) == 4 and supervisor.restarts() == {"rollout": 1}
 
 
 @pytest.mark.timeout(300)
@@ -127,16 +127,17 @@ def test_relayrl_run_exits_non_zero_naming_what_keeps_dying(tmp_path, capsys, mo
     """Through `relayrl run`'s own entry point: the reward service is SIGKILLed whenever it runs."""
     import threading
 
-    from deploy import quickstart
+    from deploy import experiment_run
+    from deploy.quickstart_project import write_project
 
     started: list[Supervisor] = []
-    real = quickstart.run_quickstart
+    real = experiment_run.run_experiment
 
-    def run_watched(config, console=None, supervisor=None, resume=False):
+    def run_watched(config, console=None, supervisor=None, resume=False, launcher=None):
         started.append(Supervisor(config.supervise))
-        return real(config, Console(file=io.StringIO()), started[0], resume)
+        return real(config, Console(file=io.StringIO()), started[0], resume, launcher)
 
-    monkeypatch.setattr(quickstart, "run_quickstart", run_watched)
+    monkeypatch.setattr(experiment_run, "run_experiment", run_watched)
     stop = threading.Event()
 
     def keep_killing():
@@ -149,8 +150,8 @@ def test_relayrl_run_exits_non_zero_naming_what_keeps_dying(tmp_path, capsys, mo
     killer = threading.Thread(target=keep_killing, daemon=True)
     killer.start()
     try:
-        code = quickstart.main(None, [
-            f"run_dir={tmp_path / 'run'}", "sft.steps=0", "rl.time_budget_s=120", "task.num_eval=8",
+        code = experiment_run.main(str(write_project(tmp_path / "project")), [
+            f"run_dir={tmp_path / 'run'}", "sft.steps=0", "training.time_budget_s=120", "data.num_eval=8",
             "supervise.max_restarts=2", "supervise.backoff_s=0.2"])
     finally:
         stop.set()

@@ -1,4 +1,5 @@
-"""The test that matters: the whole pipeline, as real processes, makes reward go up."""
+"""The test that matters: the whole pipeline, as real processes, makes reward go up (the quickstart experiment:
+deploy/quickstart_experiment.yaml on the project deploy/quickstart_project.py writes)."""
 
 import io
 import json
@@ -7,17 +8,18 @@ import statistics
 import pytest
 from rich.console import Console
 
-from deploy.quickstart import DEFAULT_CONFIG, QuickstartConfig, run_quickstart
-from services.config import load_config
+from deploy.experiment import load_experiment
+from deploy.experiment_run import run_experiment
+from deploy.quickstart_project import write_project
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_async_grpo_raises_mean_reward(tmp_path):
-    config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
-        f"run_dir={tmp_path / 'run'}", "sft.steps=450", "rl.time_budget_s=100", "rl.eval_interval_s=30",
+    config = load_experiment(write_project(tmp_path / "project"), [
+        f"run_dir={tmp_path / 'run'}", "sft.steps=450", "training.time_budget_s=100", "evaluation.every_s=30",
     ])
-    summary = run_quickstart(config, console=Console(file=io.StringIO(), width=120))
+    summary = run_experiment(config, console=Console(file=io.StringIO(), width=120))
 
     steps = [json.loads(line) for line in (tmp_path / "run" / "trainer_metrics.jsonl").read_text().splitlines()]
     assert len(steps) >= 60, f"only {len(steps)} optimizer steps in the budget"
@@ -25,6 +27,6 @@ def test_async_grpo_raises_mean_reward(tmp_path):
     early = statistics.mean(s["reward_mean"] for s in steps[:window])
     late = statistics.mean(s["reward_mean"] for s in steps[-window:])
     assert late > early + 0.03, f"mean reward did not rise: first {window} steps {early:.3f}, last {late:.3f}"
-    assert max(s["staleness_max"] for s in steps) <= config.rl.max_staleness
+    assert max(s["staleness_max"] for s in steps) <= config.training.max_staleness
     assert (tmp_path / "run" / "progress.png").stat().st_size > 0
     assert summary.completions > 0 and summary.sft_accuracy > 0

@@ -1,6 +1,6 @@
 """The quickstart as a shipped experiment file (deploy/quickstart_experiment.yaml, deploy/quickstart_project.py):
-`relayrl run` with no argument writes the project the way a user lays one out and runs that file; it trains on
-exactly the samples and measures exactly the prompts of the built-in addition job (`--config`)."""
+`relayrl run` with no argument writes the project the way a user lays one out and runs that file: every 2-digit
+addition, 200 held out by a seeded shuffle, warmed up on `prompt -> answer` and measured on the held-out ones."""
 
 import json
 import os
@@ -18,10 +18,9 @@ from deploy.quickstart_project import write_project
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_the_project_is_the_addition_jobs_samples_and_held_out_prompts(tmp_path):
+def test_the_project_holds_every_addition_with_200_held_out(tmp_path):
     from deploy import experiment_data
     from deploy.experiment_run import _sft_samples
-    from deploy.quickstart import _sft_samples as job_sft_samples
     from deploy.tasks import arithmetic_tasks, split_tasks
 
     experiment = write_project(tmp_path / "project")
@@ -30,12 +29,19 @@ def test_the_project_is_the_addition_jobs_samples_and_held_out_prompts(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
     train_tasks, eval_tasks = split_tasks(arithmetic_tasks(2, "+"), 200, 0)
-    ours, theirs = _sft_samples(train_rows, tokenizer, add_bos=True), job_sft_samples(train_tasks, tokenizer)
-    assert [s.sample_id for s in ours] == [s.sample_id for s in theirs]
-    assert all(a.prompt_ids.tolist() == b.prompt_ids.tolist() and a.response_ids.tolist() == b.response_ids.tolist()
-               for a, b in zip(ours, theirs, strict=True))
+    assert [(row.prompt_id, row.prompt, row.metadata["answer"]) for row in train_rows] == [
+        (t.prompt_id, t.prompt, t.answer) for t in train_tasks]
+    # Held out: never trained on, measured as the driver tokenizes a prompt (bos first).
     assert [(experiment_data.prompt_ids(row, tokenizer, True), row.metadata["answer"]) for row in eval_rows] == [
         ([tokenizer.bos_token_id, *tokenizer.encode(t.prompt, add_special_tokens=False)], t.answer) for t in eval_tasks]
+    assert not {row.prompt for row in train_rows} & {row.prompt for row in eval_rows}
+    # The SFT warm-up's samples: bos + prompt -> answer + eos.
+    samples = _sft_samples(train_rows, tokenizer, add_bos=True)
+    assert [s.prompt_id for s in samples] == [t.prompt_id for t in train_tasks]
+    assert all(s.prompt_ids.tolist() == [tokenizer.bos_token_id, *tokenizer.encode(t.prompt, add_special_tokens=False)]
+               and s.response_ids.tolist() == [*tokenizer.encode(t.answer, add_special_tokens=False),
+                                               tokenizer.eos_token_id]
+               for s, t in zip(samples, train_tasks, strict=True))
     assert write_project(tmp_path / "project") == experiment  # written once, kept
 
 

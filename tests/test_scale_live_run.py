@@ -1,6 +1,7 @@
-"""Acceptance: `relayrl deploy scale rollout N --run RUN_DIR` on a live quickstart run with rollout replicas behind a
-router: removing a replica drains it (the driver loses no request), a replica added mid-run serves the trainer's
-current weights when it takes traffic, and the run goes on to its end (deploy/replicas.py, deploy/scale.py).
+"""Acceptance: `relayrl deploy scale rollout N --run RUN_DIR` on a live run of the quickstart experiment with
+rollout replicas behind a router: removing a replica drains it (the driver loses no request), a replica added
+mid-run serves the trainer's current weights when it takes traffic, and the run goes on to its end
+(deploy/replicas.py, deploy/scale.py).
 
 The run is rollout-bound on purpose, as runs that add inference capacity are: each replica takes at most 8
 sequences at once (engine.max_num_seqs, as a GPU replica is bounded by its KV memory) and an untrained model writes
@@ -21,9 +22,10 @@ import grpc
 import pytest
 from rich.console import Console
 
-from deploy.quickstart import DEFAULT_CONFIG, QuickstartConfig, run_quickstart
+from deploy.experiment import load_experiment
+from deploy.experiment_run import run_experiment
+from deploy.quickstart_project import write_project
 from protos import router_pb2, router_pb2_grpc
-from services.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WINDOW_S = 30.0
@@ -56,11 +58,12 @@ def steps(run_dir) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
     run_dir = tmp_path / "run"
-    config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
-        f"run_dir={run_dir}", "sft.steps=0", "task.num_eval=16", "rl.time_budget_s=200", "rl.eval_interval_s=30",
-        "rl.rollout_replicas=2", "rl.max_tokens=48", 'rollout={"engine.max_num_seqs": 8, "engine.max_n": 8}'])
+    config = load_experiment(write_project(tmp_path / "project"), [
+        f"run_dir={run_dir}", "sft.steps=0", "data.num_eval=16", "training.time_budget_s=200", "evaluation.every_s=30",
+        "services.rollout.replicas=2", "training.max_tokens=48",
+        'services.rollout.settings={"engine.max_num_seqs": 8, "engine.max_n": 8}'])
     out, ended = io.StringIO(), {}
-    thread = threading.Thread(target=lambda: ended.update(summary=run_quickstart(config, Console(file=out, width=200))))
+    thread = threading.Thread(target=lambda: ended.update(summary=run_experiment(config, Console(file=out, width=200))))
     thread.start()
     try:
         deadline = time.monotonic() + 300

@@ -13,8 +13,9 @@ from live_run_kit import wait_for
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from deploy.quickstart import DEFAULT_CONFIG, QuickstartConfig, run_quickstart
-from services.config import load_config
+from deploy.experiment import load_experiment
+from deploy.experiment_run import run_experiment
+from deploy.quickstart_project import write_project
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,10 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(600)
 def test_status_of_a_live_quickstart_run(tmp_path):
     run_dir = tmp_path / "run"
-    config = load_config(QuickstartConfig, DEFAULT_CONFIG, [
-        f"run_dir={run_dir}", "sft.steps=0", "task.num_eval=16", "rl.time_budget_s=45", "rl.eval_interval_s=10"])
+    config = load_experiment(write_project(tmp_path / "project"), [
+        f"run_dir={run_dir}", "sft.steps=0", "data.num_eval=16", "training.time_budget_s=45", "evaluation.every_s=10"])
     out, ended = io.StringIO(), {}
-    thread = threading.Thread(target=lambda: ended.update(summary=run_quickstart(config, Console(file=out, width=200))))
+    thread = threading.Thread(target=lambda: ended.update(summary=run_experiment(config, Console(file=out, width=200))))
     thread.start()
     try:
         trainer_metrics = run_dir / "trainer_metrics.jsonl"
