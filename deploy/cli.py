@@ -63,12 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--ca-cert", help="CA PEM to verify the servers (TLS; default, for a RUN_DIR: the run's)")
 
     run = sub.add_parser("run", help="an experiment file (your model, data and reward: deploy/experiment.py); "
-                         "without one, the local quickstart (SFT warm-up, then async GRPO on one machine; a --config "
-                         "with `job: agentic`: on an environment, examples/agentic/)")
-    run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment.py documents every field)")
-    run.add_argument("--config", help="a built-in job's YAML: the addition job (deploy/quickstart.yaml) or an "
-                     "agentic one (examples/agentic/*.yaml); with neither this nor an experiment file: the "
-                     "quickstart (deploy/quickstart_experiment.yaml)")
+                         "without one, the quickstart: its project written into runs/quickstart-project, then its "
+                         "experiment file run (SFT warm-up, then async GRPO on one machine)")
+    run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment.py documents every field); "
+                     "none = the quickstart's (deploy/quickstart_experiment.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     run.add_argument("--ray", metavar="ADDRESS", help="with an experiment file (or --resume of its run): place "
                      "each service on its node group of the Ray cluster at ADDRESS (a group's name is the Ray "
@@ -196,17 +194,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.experiment and args.config:
-        print("relayrl run: give an experiment file or --config, not both", file=sys.stderr)
-        return 2
     if args.ray and not (args.experiment or args.resume):
-        print("relayrl run: --ray runs an experiment file, or resumes the run of one (not --config or the quickstart)",
+        print("relayrl run: --ray runs an experiment file, or resumes the run of one (not the quickstart)",
               file=sys.stderr)
         return 2
     if args.resume:
-        if args.experiment or args.config or args.set:
-            print("relayrl run: --resume goes on with the run's recorded config: give no experiment file, --config "
-                  "or --set with it", file=sys.stderr)
+        if args.experiment or args.set:
+            print("relayrl run: --resume goes on with the run's recorded config: give no experiment file or --set "
+                  "with it", file=sys.stderr)
             return 2
         from deploy.resume import main as resume
 
@@ -215,13 +210,9 @@ def _run(args: argparse.Namespace) -> int:
         from deploy.experiment_run import main as run_experiment
 
         return run_experiment(args.experiment, args.set, ray_address=args.ray)
-    if args.config is None:  # the quickstart: the shipped experiment file on the project it writes first
-        from deploy.quickstart_project import main as quickstart_experiment
+    from deploy.quickstart_project import main as quickstart  # the shipped experiment file on the project it writes
 
-        return quickstart_experiment(args.set)
-    from deploy.quickstart import main as quickstart
-
-    return quickstart(args.config, args.set)
+    return quickstart(args.set)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

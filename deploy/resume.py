@@ -1,9 +1,9 @@
 """`relayrl run --resume RUN_DIR`: go on with a run that stopped (killed, or the machine went down) from what
 its folder holds (deploy/run_state.py), under the config it recorded at its start.
 
-The job is told by the recorded config: `job: experiment` (deploy/experiment_run.py), none (the quickstart).
-An experiment-file run goes on on a Ray cluster with `--ray ADDRESS` (deploy/ray_launcher.py: its services are
-placed again on their groups, on new addresses; the run folder is on a filesystem every node sees).
+The run is an experiment file's (`job: experiment` in the recorded config: deploy/experiment_run.py; the quickstart
+is one). It goes on on a Ray cluster with `--ray ADDRESS` (deploy/ray_launcher.py: its services are placed again on
+their groups, on new addresses; the run folder is on a filesystem every node sees).
 The agentic job (deploy/agentic.py) runs its own RL loop, which keeps no RL clock or curve to resume yet.
 """
 
@@ -29,19 +29,12 @@ def main(run_dir: str, ray_address: str | None = None) -> int:
         print(f"relayrl run --resume: the run in {folder} finished already ({SUMMARY_FILE}): nothing to resume")
         return 0
     job = config.get("job")
-    if ray_address is not None and job != "experiment":
-        print(f"relayrl run --resume --ray: only the run of an experiment file goes on on Ray; {folder} holds a "
-              f"`job: {job or 'quickstart --config'}` run", file=sys.stderr)
+    if job != "experiment":
+        what = f"`job: {job}`" if job else "no `job:` (a run of the former built-in quickstart job)"
+        print(f"relayrl run --resume: {config_path} records {what}: only the run of an experiment file can be resumed",
+              file=sys.stderr)
         return 2
-    overrides = [f"run_dir={folder}"]  # where the run is now, whatever path it was started under
-    if job == "experiment":
-        from deploy.experiment_run import main as run_experiment
+    from deploy.experiment_run import main as run_experiment
 
-        return run_experiment(str(config_path), overrides, resume=True, ray_address=ray_address)
-    if job is None:
-        from deploy.quickstart import main as quickstart
-
-        return quickstart(str(config_path), overrides, resume=True)
-    print(f"relayrl run --resume: a `job: {job}` run cannot be resumed (the quickstart and experiment files can)",
-          file=sys.stderr)
-    return 2
+    # run_dir: where the run is now, whatever path it was started under
+    return run_experiment(str(config_path), [f"run_dir={folder}"], resume=True, ray_address=ray_address)

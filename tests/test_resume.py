@@ -162,7 +162,10 @@ def test_resume_refuses_what_is_not_a_run(tmp_path, capsys):
     assert cli(["run", "--resume", str(tmp_path)]) == 2
     assert "holds no run config" in capsys.readouterr().err
     assert cli(["run", "--resume", str(tmp_path), "--set", "seed=1"]) == 2
-    assert "give no experiment file, --config or --set" in capsys.readouterr().err
+    assert "give no experiment file or --set" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("seed: 0\n")  # what the former built-in quickstart job recorded
+    assert cli(["run", "--resume", str(tmp_path)]) == 2
+    assert "only the run of an experiment file can be resumed" in capsys.readouterr().err
 
 
 def test_resume_of_a_finished_run_says_so(tmp_path, capsys):
