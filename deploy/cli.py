@@ -210,7 +210,8 @@ def _run(args: argparse.Namespace) -> int:
         from deploy.experiment_run import main as run_experiment
 
         return run_experiment(args.experiment, args.set, ray_address=args.ray)
-    from deploy.quickstart_project import main as quickstart  # the shipped experiment file on the project it writes
+    # The quickstart: the shipped experiment file, on the project it writes first.
+    from deploy.quickstart_project import main as quickstart
 
     return quickstart(args.set)
 
