@@ -2,10 +2,10 @@
 wire) against the uncompressed cache, sequences that fit a fixed KV budget, greedy-token agreement, mean |logprob
 difference| and KL against the uncompressed cache, and task accuracy on the quickstart's held-out set.
 
-Model: the quickstart's (tiny Qwen2: hidden 128, 2 layers, 2 kv heads, head_dim 32, float32), built and SFT-warmed
-exactly as deploy/quickstart.py does (its `sft_warmup`: 450 steps of batch 64, lr 1e-3, as the quickstart; --sft-steps),
-kept in --model-dir and reused by later runs (building it takes ~40 s here). Prompts: the quickstart's 200 held-out 2-digit additions
-(seed 0), never trained on.
+Model: the quickstart's (tiny Qwen2: hidden 128, 2 layers, 2 kv heads, head_dim 32, float32), its project written
+(deploy/quickstart_project.py) and SFT-warmed exactly as its experiment file does (deploy/experiment_run.py `warm_up`:
+450 steps of batch 64, lr 1e-3; --sft-steps), kept in --model-dir and reused by later runs (building it takes ~40 s
+here). Prompts: the quickstart's 200 held-out 2-digit additions (the project's eval.jsonl, seed 0), never trained on.
 
 - resident B/tok: bytes per token of a cache block as stored (EngineConfig.kv_bytes_per_block / block_size, block 16);
   the float pool of open blocks (one per running sequence) is not in it, it is in "seqs in budget".
@@ -37,14 +37,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
-from deploy.quickstart import QuickstartConfig, sft_warmup
-from deploy.tasks import arithmetic_tasks, split_tasks
+from deploy import experiment_data
+from deploy.experiment import load_experiment
+from deploy.experiment_run import warm_up
+from deploy.progress import Progress
+from deploy.quickstart_project import write_project
 from reward.match import extract_answer, normalize
 from rollout.config import EngineConfig
 from rollout.engine.llm_engine import LLMEngine
 from rollout.engine.sampling_params import SamplingParams
 from rollout.kv.codecs import make_codec
-from rollout.model.tiny import write_tiny_model
 
 BUDGET_BYTES = 64 << 20
 MAX_MODEL_LEN = 512
@@ -92,18 +94,17 @@ class ForcedSampler:
         return torch.tensor([token]), logprobs[0, token].reshape(1)
 
 
-def trained_model(model_dir: pathlib.Path, sft_steps: int, train_tasks) -> pathlib.Path:
-    """The quickstart's model after `sft_steps` of its SFT warm-up, built once into model_dir."""
-    policy = model_dir / f"sft-{sft_steps}"
-    if (policy / "config.json").exists():
-        return policy
-    config = QuickstartConfig.model_validate({"sft": {"steps": sft_steps}})
-    m = config.model
-    init = write_tiny_model(model_dir / "init", seed=config.seed, arch=m.arch, hidden_size=m.hidden_size,
-                            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                            head_dim=m.head_dim)
-    sft_warmup(config, init, policy, train_tasks)
-    return policy
+def trained_model(model_dir: pathlib.Path, sft_steps: int) -> tuple[pathlib.Path, list]:
+    """The quickstart's model after `sft_steps` of its SFT warm-up, made once in model_dir, and its held-out rows
+    (deploy.experiment_data.PromptRow)."""
+    from transformers import AutoTokenizer
+
+    config = load_experiment(write_project(model_dir / "project"), [f"sft.steps={sft_steps}"])
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
+    run_dir = model_dir / f"sft-{sft_steps}"  # a warm-up whole there is kept (resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return warm_up(config, run_dir, tokenizer, train_rows, Progress(run_dir), resume=True), eval_rows
 
 
 def engine(model: pathlib.Path, method: Method, block_size: int) -> LLMEngine:
@@ -157,19 +158,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     sft_steps = args.sft_steps
-    quick = QuickstartConfig()
-    train_tasks, eval_tasks = split_tasks(arithmetic_tasks(quick.task.digits, quick.task.op), quick.task.num_eval,
-                                          quick.seed)
-    if args.quick:
-        eval_tasks = eval_tasks[:64]
     started = time.monotonic()
-    model = trained_model(pathlib.Path(args.model_dir), sft_steps, train_tasks)
+    model, eval_rows = trained_model(pathlib.Path(args.model_dir), sft_steps)
     print(f"model: {model} (quickstart SFT, {sft_steps} steps; ready after {time.monotonic() - started:.0f} s)")
+    if args.quick:
+        eval_rows = eval_rows[:64]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [[tokenizer.bos_token_id, *tokenizer.encode(t.prompt, add_special_tokens=False)] for t in eval_tasks]
-    answers = [t.answer for t in eval_tasks]
+    prompts = [experiment_data.prompt_ids(row, tokenizer, add_bos=True) for row in eval_rows]
+    answers = [str(row.metadata["answer"]) for row in eval_rows]
 
     reference_engine = engine(model, METHODS[0], QUALITY_BLOCK_SIZE)
     _, references = accuracy(reference_engine, prompts, answers, tokenizer)

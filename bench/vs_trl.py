@@ -195,24 +195,24 @@ def run_trl(args: argparse.Namespace, start: Path, workdir: Path, threads: int) 
 
 def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
     out = workdir / "relayrl.json"
-    overrides = {
-        "seed": args.seed,
+    overrides = {  # the quickstart experiment's fields (deploy/quickstart_experiment.yaml)
         "run_dir": workdir / "relayrl",
-        "start_checkpoint": start,
-        "task.num_eval": args.num_eval,
-        "rl.time_budget_s": args.budget_s,
-        "rl.eval_interval_s": args.eval_every_s,
-        "rl.lr": args.lr,
-        "rl.warmup_steps": args.warmup_steps,
-        "rl.max_tokens": args.max_new_tokens,
-        "rl.group_size": 8,
-        "rl.groups_per_batch": 8,
-        "rl.temperature": 1.0,
-        "rl.max_staleness": args.max_staleness,
+        "model.path": start,
+        "sft.steps": 0,
+        "training.time_budget_s": args.budget_s,
+        "evaluation.every_s": args.eval_every_s,
+        "training.lr": args.lr,
+        "training.warmup_steps": args.warmup_steps,
+        "training.max_tokens": args.max_new_tokens,
+        "training.group_size": 8,
+        "training.groups_per_batch": 8,
+        "training.temperature": 1.0,
+        "training.max_staleness": args.max_staleness,
         # TRL's default loss (`dapo`): token-level mean over the batch, group-std-scaled advantages.
-        "rl.algorithm.loss_agg": "token_mean",
+        "algorithm.loss_agg": "token_mean",
+        "checkpoint.export_dir": "null",  # no Hugging Face export after the run: nothing here reads it
     }
-    argv = ["-m", "_vs_trl.relayrl_side", "--out", str(out)]
+    argv = ["-m", "_vs_trl.relayrl_side", "--out", str(out), "--seed", str(args.seed), "--num-eval", str(args.num_eval)]
     for key, value in overrides.items():
         argv += ["--set", f"{key}={value}"]
     _subprocess(argv, workdir / "relayrl.log", timeout_s=args.budget_s + 300,
