@@ -1,4 +1,4 @@
-"""The RL phase every local job shares (the quickstart, an experiment file): services, driver, trainer, evaluation.
+"""The RL phase of an experiment file's run (the quickstart's too): services, driver, trainer, evaluation.
 
     start buffer, reward and rollout as supervised processes -> evaluate the served policy
     -> driver (generate, score, put) and trainer (pull, step, ack, publish) as supervised processes

@@ -1,5 +1,4 @@
-"""What the quickstart shows and leaves behind: live progress, a summary table (and summary.json), metrics JSONL,
-a plot."""
+"""What a run shows and leaves behind: live progress, a summary table (and summary.json), metrics JSONL, a plot."""
 
 import contextlib
 import json

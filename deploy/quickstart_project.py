@@ -3,7 +3,7 @@
     runs/quickstart-project/
         model/            a tiny Qwen2 built in code (rollout.model.tiny) with its character tokenizer
         train.jsonl       every 2-digit addition {prompt_id, prompt: "12+34=", answer: "46"} but the held-out ones
-        eval.jsonl        200 held out by a seeded shuffle (deploy.tasks.split_tasks, as the --config job splits)
+        eval.jsonl        200 held out by a seeded shuffle (deploy.tasks.split_tasks)
         experiment.yaml   a copy of the shipped deploy/quickstart_experiment.yaml
 
 then runs that experiment file like any other (deploy/experiment_run.py). The project is written once and kept.

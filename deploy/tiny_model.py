@@ -1,5 +1,5 @@
-"""The tiny decoder built in code (an experiment's model.tiny, deploy/quickstart.py's --config job): its shape, and
-the Hugging Face folder written from it (rollout.model.tiny.write_tiny_model, with its character tokenizer)."""
+"""The tiny decoder built in code (an experiment's model.tiny): its shape, and the Hugging Face folder written
+from it (rollout.model.tiny.write_tiny_model, with its character tokenizer)."""
 
 import pathlib
 

@@ -3,8 +3,8 @@
     samples (a prompt and the answer to learn, loss on the answer) -> SFT steps through the training loop RL uses
     -> the policy written as a Hugging Face folder (what the rollout serves and the trainer trains)
 
-An experiment warms up on its data's (prompt, answer) pairs (deploy/experiment_run.py), or with `env` on transcripts
-played in code (deploy/agentic.py); the --config job on its own tasks (deploy/quickstart.py: the addition table).
+An experiment warms up on its data's (prompt, answer) pairs (deploy/experiment_run.py; the quickstart's: the
+addition table), or with `env` on transcripts played in code (deploy/agentic.py).
 """
 
 import pathlib
