@@ -7,9 +7,11 @@ import time
 _RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
 
-async def _retried(call, request, retry_for_s: float):
+async def _retried(call, request, retry_for_s: float, check=None):
     """A call retried on UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED for up to `retry_for_s`: a service
-    that restarts (or is frozen and then restarted) is waited for."""
+    that restarts (or is frozen and then restarted) is waited for. `check` (deploy.supervisor.Supervisor.check) is
+    called at each failed call: a run that failed (its service kept dying) raises its RunFailed, naming the cause,
+    instead of being waited for."""
     import grpc
 
     give_up = time.monotonic() + retry_for_s
@@ -17,15 +19,18 @@ async def _retried(call, request, retry_for_s: float):
         try:
             return await call(request, timeout=30)
         except grpc.aio.AioRpcError as exc:
+            if check is not None:
+                check()
             if exc.code().name not in _RETRYABLE or time.monotonic() > give_up:
                 raise
             await asyncio.sleep(0.5)
 
 
 async def greedy_completions(address: str, prompts: list[list[int]], max_tokens: int, per_call: int = 64,
-                             retry_for_s: float = 300.0, client=None) -> list:
+                             retry_for_s: float = 300.0, client=None, check=None) -> list:
     """One greedy completion (rollout_pb2.Completion) per prompt, `per_call` prompts per GenerateMany call, one
-    call at a time: a round trip per chunk, not per prompt. `client`: how to reach the rollout (TLS, token)."""
+    call at a time: a round trip per chunk, not per prompt. `client`: how to reach the rollout (TLS, token);
+    `check`: as _retried's."""
     from protos import rollout_pb2, rollout_pb2_grpc
     from protos.codec import encode_array
     from services.client import connect
@@ -38,17 +43,17 @@ async def greedy_completions(address: str, prompts: list[list[int]], max_tokens:
                 prompt_ids=encode_array(ids, "int32"),
                 params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1))
                 for ids in prompts[start:start + per_call]])
-            reply = await _retried(stub.GenerateMany, request, retry_for_s)
+            reply = await _retried(stub.GenerateMany, request, retry_for_s, check)
             completions.extend(response.completions[0] for response in reply.responses)
     return completions
 
 
 async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], str, dict]], max_tokens: int,
                       function: str, timeout_s: float, retry_for_s: float = 300.0, rollout_client=None,
-                      reward_client=None) -> float:
+                      reward_client=None, check=None) -> float:
     """Mean reward of greedy completions of (prompt ids, prompt text, metadata), scored by `function` on the
     reward service; a sample the reward fails counts 0. The clients (services.config.ClientConfig) say how to
-    reach the rollout and the reward (TLS, token)."""
+    reach the rollout and the reward (TLS, token); `check`: as _retried's."""
     import numpy as np
 
     from protos import reward_pb2, reward_pb2_grpc
@@ -57,7 +62,7 @@ async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], 
     from services.client import connect
 
     completions = await greedy_completions(rollout, [ids for ids, _, _ in prompts], max_tokens,
-                                           retry_for_s=retry_for_s, client=rollout_client)
+                                           retry_for_s=retry_for_s, client=rollout_client, check=check)
     samples = []
     for index, ((ids, text, metadata), completion) in enumerate(zip(prompts, completions, strict=True)):
         tokens = decode_array(completion.token_ids, "token_ids", "int32")
@@ -70,5 +75,5 @@ async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], 
     async with connect(reward, reward_client) as channel:
         stub = reward_pb2_grpc.RewardStub(channel)
         reply = await _retried(stub.Score, reward_pb2.ScoreRequest(samples=samples, function=function,
-                                                                   timeout_s=timeout_s), retry_for_s)
+                                                                   timeout_s=timeout_s), retry_for_s, check)
     return sum(result.reward for result in reply.results) / max(len(samples), 1)

@@ -92,10 +92,10 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     plan = pipeline_plan(config, run_dir, policy_dir, prompts_path)
     secure(plan, config.services)
     function = plan.driver["reward_function"]
+    supervisor = supervisor or Supervisor(config.supervise)
     plan.evaluate = lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
                                                        config.reward.timeout_s, rollout_client=plan.client("rollout"),
-                                                       reward_client=plan.client("reward")))
-    supervisor = supervisor or Supervisor(config.supervise)
+                                                       reward_client=plan.client("reward"), check=supervisor.check))
     try:
         result = run_pipeline(plan, progress, supervisor, launcher)
     finally:
