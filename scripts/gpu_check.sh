@@ -12,8 +12,9 @@
 #   gpu-tests     pytest -m gpu over the test files that have gpu tests (two-GPU ones skip on one GPU, saying why)
 #   engine-bench  bench/engine_gpu.py: the native engine against transformers and a launch-free floor (SKIP if absent)
 #   trainer-step  bench/trainer_gpu_step.py: a GRPO step at Qwen2.5-0.5B's shape against a plain torch step
-#   quickstart    the quickstart RL job (deploy/quickstart.yaml) with the rollout engine and the trainer on the
-#                 device, QS_RL_S seconds of RL after its SFT warm-up; PASS when held-out accuracy rose
+#   quickstart    the quickstart experiment (its project written into WORK by deploy/quickstart_project.py, its
+#                 deploy/quickstart_experiment.yaml run as `relayrl run FILE`) with the rollout engine and the trainer
+#                 on the device, QS_RL_S seconds of RL after its SFT warm-up; PASS when held-out accuracy rose
 # A verdict line reads "verdict: NAME PASS|FAIL|SKIP (why)"; the last line "summary: ...". Exit status 1 when a step
 # failed. Full output of each step in $OUT/NAME.log, the verdicts and result lines in $OUT/summary.txt.
 #
@@ -194,6 +195,15 @@ if [ $DRY = 1 ]; then QS_RL_S="${QS_RL_S:-30}"; QS_SFT_STEPS="${QS_SFT_STEPS:-30
 else QS_RL_S="${QS_RL_S:-60}"; QS_SFT_STEPS="${QS_SFT_STEPS:-450}"; QS_EVAL_S=15; fi
 QS_NEEDS=$(( QS_RL_S + 60 ))  # start-up, the SFT warm-up (on the CPU) and the final evaluation come on top
 QS_BUDGET=$(( QS_RL_S + 180 ))
+cat > "$WORK/quickstart.py" <<'PYEOF'
+# The quickstart's project (deploy/quickstart_project.py: the tiny model, the addition data, the shipped experiment
+# file) written into argv[1], then that file run as `relayrl run FILE --set ...` runs it (argv[2:]: the --set's).
+import pathlib, sys
+from deploy.cli import main
+from deploy.quickstart_project import write_project
+sys.exit(main(["run", str(write_project(pathlib.Path(sys.argv[1]))), *sys.argv[2:]]))
+PYEOF
+# Exit 0: held-out accuracy rose; 3: it did not (the result line printed either way); 1: no step was taken.
 quickstart_report() {
   "$PY" - "$WORK/qs/summary.json" <<'PYEOF'
 import json, sys
@@ -204,27 +214,29 @@ if not s["steps"]:
     sys.exit(1)
 print(f"result: quickstart_held_out = {s['sft_accuracy']:.3f} -> {s['final_accuracy']:.3f} (best {s['best_accuracy']:.3f}; "
       f"{s['steps']} steps, {s['completions']} completions in {s['rl_seconds']:.0f}s of RL, restarts {restarts})")
+sys.exit(0 if s["final_accuracy"] > s["sft_accuracy"] else 3)
 PYEOF
 }
 if [ "$(left)" -lt "$QS_NEEDS" ]; then
   verdict quickstart SKIP "only $(left)s left, it needs ${QS_NEEDS}s"
 else
-  rm -rf "$WORK/qs"; stalled=""
-  run quickstart "$QS_BUDGET" "$PY" -m deploy run --config deploy/quickstart.yaml --set "run_dir=$WORK/qs" \
-    --set "sft.steps=$QS_SFT_STEPS" --set "rl.time_budget_s=$QS_RL_S" --set "rl.eval_interval_s=$QS_EVAL_S" \
-    --set "rollout={engine.device: $DEVICE}"
-  held_out=$(quickstart_report 2>> "$LOG") || { stalled="$held_out"; held_out=""; }
-  printf '\n%s\n' "${stalled:-$held_out}" >> "$LOG"
+  rm -rf "$WORK/qs"; held_out=""; report=1
+  run quickstart "$QS_BUDGET" "$PY" "$WORK/quickstart.py" "$WORK/qs-project" --set "run_dir=$WORK/qs" \
+    --set "sft.steps=$QS_SFT_STEPS" --set "training.time_budget_s=$QS_RL_S" --set "evaluation.every_s=$QS_EVAL_S" \
+    --set "services.rollout.settings={engine.device: $DEVICE}"
+  if [ "$RC" -eq 0 ]; then held_out=$(quickstart_report 2>> "$LOG"); report=$?; fi
+  [ -n "$held_out" ] && printf '\n%s\n' "$held_out" >> "$LOG"
   for f in "$WORK"/qs/logs/*.log; do [ -f "$f" ] && { echo "---- tail $f"; tail -n 15 "$f"; } >> "$LOG"; done
   figures=$(sed 's/^result: quickstart_held_out = //' <<< "$held_out")
-  if [ "$RC" -eq 0 ]; then verdict quickstart PASS "held-out accuracy rose on $DEVICE: $figures"
-  elif [ "$RC" -eq 124 ]; then timed_out quickstart
-  elif [ "$RC" -eq 1 ] && [ -n "$held_out" ] && [ $DRY = 1 ]; then
-    verdict quickstart PASS "dry run: the job ran, no held-out gain in ${QS_RL_S}s of RL on a CPU: $figures"
-  elif [ "$RC" -eq 1 ] && [ -n "$held_out" ]; then verdict quickstart FAIL "no held-out gain on $DEVICE: $figures"
-  elif [ -n "${stalled:-}" ]; then verdict quickstart FAIL "$stalled"
-  else failed quickstart; fi
-  [ -n "$held_out" ] && note "$held_out"
+  if [ "$RC" -eq 124 ]; then timed_out quickstart
+  elif [ "$RC" -ne 0 ]; then failed quickstart
+  elif [ "$report" -eq 0 ]; then verdict quickstart PASS "held-out accuracy rose on $DEVICE: $figures"
+  elif [ "$report" -eq 3 ] && [ $DRY = 1 ]; then
+    verdict quickstart PASS "dry run: the run ended, no held-out gain in ${QS_RL_S}s of RL on a CPU: $figures"
+  elif [ "$report" -eq 3 ]; then verdict quickstart FAIL "no held-out gain on $DEVICE: $figures"
+  elif [ -n "$held_out" ]; then verdict quickstart FAIL "$held_out"
+  else verdict quickstart FAIL "no summary after exit 0: $(tail -n 1 "$LOG" | cut -c1-160)"; fi
+  [ "$report" -ne 1 ] && note "$held_out"
 fi
 
 say "summary: $PASSED PASS, $FAILED FAIL, $SKIPPED SKIP in $(( $(date +%s) - T0 ))s (device $DEVICE; logs in $OUT)"
