@@ -39,6 +39,7 @@ import torch
 
 from deploy import experiment_data
 from deploy.experiment import load_experiment
+from deploy.experiment_plan import base_model
 from deploy.experiment_run import warm_up
 from deploy.progress import Progress
 from deploy.quickstart_project import write_project
@@ -100,11 +101,12 @@ def trained_model(model_dir: pathlib.Path, sft_steps: int) -> tuple[pathlib.Path
     from transformers import AutoTokenizer
 
     config = load_experiment(write_project(model_dir / "project"), [f"sft.steps={sft_steps}"])
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
     run_dir = model_dir / f"sft-{sft_steps}"  # a warm-up whole there is kept (resume)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return warm_up(config, run_dir, tokenizer, train_rows, Progress(run_dir), resume=True), eval_rows
+    start = base_model(config, run_dir, resume=True)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
+    return warm_up(config, start, run_dir, tokenizer, train_rows, Progress(run_dir), resume=True), eval_rows
 
 
 def engine(model: pathlib.Path, method: Method, block_size: int) -> LLMEngine:

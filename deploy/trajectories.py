@@ -51,7 +51,7 @@ def _searchable(group: dict, sample: dict) -> str:
 
 def estimator(run_dir: pathlib.Path) -> tuple[str | None, dict]:
     """(The advantage estimator of the run's algorithm, its settings) from RUN_DIR/config.yaml: an experiment's
-    `algorithm`, a --config job's `rl.algorithm`; (None, {}) when the run says nothing the viewer can follow."""
+    `algorithm` (a run of the former built-in job: `rl.algorithm`); (None, {}) when the run says nothing the viewer can follow."""
     path = run_dir / "config.yaml"
     config = yaml.safe_load(path.read_text()) if path.is_file() else {}
     algorithm = (config or {}).get("algorithm") or ((config or {}).get("rl") or {}).get("algorithm") or {}
