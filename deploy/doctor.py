@@ -17,6 +17,7 @@ from importlib import metadata
 from typing import Literal
 
 from deploy.experiment import ExperimentConfig
+from deploy.experiment_forms import OFFLINE
 
 Level = Literal["ok", "warn", "error"]
 
@@ -193,7 +194,7 @@ def check_data(config: ExperimentConfig, facts: ModelFacts | None, findings: lis
             findings.append(Finding("error", check, f"{count} of {len(rows)} rows have no field {field_name!r} "
                                     f"(the first row has {sorted(rows[0])})",
                                     "name the right field in data.prompt_field / answer_field / id_field / "
-                                    "metadata_fields, or add it to the data"))
+                                    "metadata_fields / chosen_field / rejected_field, or add it to the data"))
         if name == "train":
             train_rows = len(rows)
         if not missing:
@@ -218,12 +219,12 @@ def _use(data, name: str, rows: int) -> str:
 
 def check_stop(config: ExperimentConfig, findings: list[Finding]) -> None:
     """What ends RL: the time budget, and training.max_steps when set (a small model can make 1,000 steps a minute)."""
-    training = config.training
+    training, phase = config.training, "DPO" if config.algorithm.name in OFFLINE else "RL"
     if training.max_steps is None:
-        findings.append(Finding("ok", "training", f"RL ends when its time budget of {training.time_budget_s:g}s is "
+        findings.append(Finding("ok", "training", f"{phase} ends when its time budget of {training.time_budget_s:g}s is "
                                 "spent (training.max_steps unset)"))
     else:
-        findings.append(Finding("ok", "training", f"RL ends after {training.time_budget_s:g}s or at optimizer step "
+        findings.append(Finding("ok", "training", f"{phase} ends after {training.time_budget_s:g}s or at optimizer step "
                                 f"{training.max_steps}, whichever comes first (unset training.max_steps to let the "
                                 "budget alone end it)"))
 
@@ -371,7 +372,8 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
     if config.data is not None:
         check_data(config, facts, findings)
     check_stop(config, findings)
-    check_reward(config, findings)
+    if config.algorithm.name not in OFFLINE:  # an offline run learns from its pairs: no reward runs
+        check_reward(config, findings)
     check_ports(config, findings)
     check_disk(config, facts, findings)
     check_loggers(config, findings)

@@ -9,7 +9,8 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     data:       JSONL / Parquet / a `datasets` folder; which fields hold prompt, answer, metadata; chat template
     env:        instead of data: an environment played turn by turn through rollout sessions (agentic episodes)
     reward:     a built-in by name, an operator function by dotted path, a reward model folder, or a served LLM judge
-    algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants)
+    algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants); dpo trains offline on
+                the data's preference pairs instead (data.chosen_field / rejected_field; deploy/experiment_forms.py)
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
@@ -27,6 +28,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from deploy.experiment_forms import form_problems
 from deploy.loggers import LoggingSection
 from deploy.pipeline_config import deterministic_problems
 from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
@@ -92,6 +94,10 @@ class DataSection(Strict):
                                 "chat template (with the generation prompt); the tokenizer must have one.")
     system_prompt: str | None = Field(None, description="With chat_template: a system message before the prompt.")
     add_bos: bool = Field(True, description="Without chat_template: prepend the tokenizer's bos token to each prompt.")
+    chosen_field: str | None = Field(None, description="DPO (algorithm.name: dpo): the field holding the preferred "
+                                     "response to the prompt; it is the row's answer (an SFT warm-up learns it), so "
+                                     "answer_field is null. None = no pairs (an RL run).")
+    rejected_field: str | None = Field(None, description="DPO: the field holding the dispreferred response.")
 
     def eval_count(self, rows: int) -> int:
         """How many held-out prompts a run evaluates: of an eval file's `rows`, all or the first num_eval; without
@@ -286,7 +292,7 @@ class ExperimentConfig(Strict):
                             "mini_batches)")
         if self.deterministic:
             problems += deterministic_problems(self.training.max_staleness, self.services.rollout.replicas)
-        problems += self._source_problems()
+        problems += self._source_problems() + form_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -11,9 +11,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from deploy.offline_run import preference_pair
 from deploy.tasks import Task
 from protos.sample import Sample
 
@@ -72,23 +72,16 @@ def near_miss(task: Task, rng: random.Random) -> str:
 
 
 def preference_pairs(model, tokenizer, tasks: list[Task], seed: int) -> tuple[list[Sample], list[tuple[Task, str]]]:
-    """DPO data made in code: per task a group of two samples, the correct answer (reward 1) against the model's
-    own greedy answer where that is wrong, else a near miss (reward 0). Returns the samples and each task's
-    rejected answer."""
+    """DPO data made in code: per task a group of two samples (deploy.offline_run.preference_pair), the correct
+    answer (chosen) against the model's own greedy answer where that is wrong, else a near miss (rejected).
+    Returns the samples and each task's rejected answer."""
     rng = random.Random(seed)
     samples, rejected = [], []
     for task, greedy in zip(tasks, greedy_answers(model, tokenizer, tasks), strict=True):
         wrong = greedy if greedy != task.answer else near_miss(task, rng)
         rejected.append((task, wrong))
-        for name, answer, reward in (("chosen", task.answer, 1.0), ("rejected", wrong, 0.0)):
-            response = answer_ids(tokenizer, answer)
-            n = len(response)
-            samples.append(Sample(
-                sample_id=f"dpo/{task.prompt_id}/{name}", prompt_id=task.prompt_id, group_id=f"dpo/{task.prompt_id}",
-                group_size=2, prompt_ids=np.asarray(prompt_ids(tokenizer, task), np.int32),
-                response_ids=np.asarray(response, np.int32), loss_mask=np.ones(n, np.uint8),
-                rollout_logprobs=np.zeros(n, np.float32), weight_versions=np.zeros(n, np.int64), reward=reward,
-            ))
+        samples += preference_pair(task.prompt_id, prompt_ids(tokenizer, task), answer_ids(tokenizer, task.answer),
+                                   answer_ids(tokenizer, wrong))
     return samples, rejected
 
 
