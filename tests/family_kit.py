@@ -1,5 +1,5 @@
-"""What tests/test_families.py measures with, in process: held-out greedy accuracy of an HF model, sequence
-logprobs of given answers, (correct, wrong) answer pairs for DPO, and windows of a metrics file.
+"""What tests/test_families.py measures with, in process: held-out greedy accuracy of an HF model, (correct,
+wrong) answer pairs for DPO, and windows of a metrics file.
 
 Accuracy is the quickstart's rule (deploy/quickstart.py `evaluate`: the greedy answer, stripped, equals the
 reference), taken here with transformers' generate so no service has to start for an offline family.
@@ -48,21 +48,6 @@ def greedy_accuracy(model, tokenizer, tasks: list[Task], max_tokens: int = 4) ->
     """Held-out greedy exact match."""
     answers = greedy_answers(model, tokenizer, tasks, max_tokens)
     return sum(answer == task.answer for answer, task in zip(answers, tasks, strict=True)) / len(tasks)
-
-
-@torch.no_grad()
-def sequence_logprobs(model, tokenizer, task: Task, answers: list[str]) -> list[float]:
-    """log p(answer + eos | prompt) under `model`, for each answer (one batch of equal-length rows or several)."""
-    prompt = prompt_ids(tokenizer, task)
-    result = []
-    for answer in answers:
-        response = answer_ids(tokenizer, answer)
-        ids = torch.tensor([prompt + response])
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-        targets = ids[0, 1:]
-        picked = logprobs.gather(-1, targets[:, None])[:, 0]
-        result.append(float(picked[len(prompt) - 1:].sum()))
-    return result
 
 
 def near_miss(task: Task, rng: random.Random) -> str:
