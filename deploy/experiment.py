@@ -10,7 +10,8 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     env:        instead of data: an environment played turn by turn through rollout sessions (agentic episodes)
     reward:     a built-in by name, an operator function by dotted path, a reward model folder, or a served LLM judge
     algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants); dpo trains offline on
-                the data's preference pairs instead (data.chosen_field / rejected_field; deploy/experiment_forms.py)
+                the data's preference pairs instead (data.chosen_field / rejected_field; deploy/experiment_forms.py),
+                distill learns from served teachers (`teacher`, `teachers`: deploy/teachers.py)
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
@@ -28,7 +29,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from deploy.experiment_forms import form_problems
+from deploy.experiment_forms import TeacherSection, form_problems
 from deploy.loggers import LoggingSection
 from deploy.pipeline_config import deterministic_problems
 from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
@@ -265,6 +266,13 @@ class ExperimentConfig(Strict):
     env: EnvSection | None = Field(None, description="Agentic episodes through sessions instead of `data` "
                                    "(rollout/envs/).")
     reward: RewardSection = Field(default_factory=RewardSection)
+    teacher: TeacherSection | None = Field(None, description="On-policy distillation (algorithm.name: distill): the "
+                                           "teacher, served beside the student (deploy/teachers.py).")
+    teachers: dict[str, TeacherSection] = Field(default_factory=dict, description="Distillation from a teacher per "
+                                                "domain (MOPD): {KEY: teacher}, a prompt's KEY its "
+                                                "metadata[teacher_key]; `teacher`, if set, teaches the other domains.")
+    teacher_key: str = Field("domain", description="With teachers: the prompt metadata field naming its domain (list "
+                             "it in data.metadata_fields).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="What is optimised "
                                        "(trainer.config.algorithm.AlgorithmConfig; docs/algorithms.md).")
     sft: SFTSection = Field(default_factory=SFTSection)
@@ -336,6 +344,8 @@ class ExperimentConfig(Strict):
             if data.data.eval is not None:
                 data.data.eval.path = at(self.data.eval.path)
         data.reward.python_path = [at(p) for p in self.reward.python_path]
+        for teacher in [data.teacher, *data.teachers.values()] if data.teacher else data.teachers.values():
+            teacher.path = at(teacher.path)
         data.reward.model = at(self.reward.model)
         data.checkpoint.export_dir = at(self.checkpoint.export_dir, pathlib.Path(data.run_dir))
         for name in ("buffer", "reward", "rollout"):  # TLS files, token files

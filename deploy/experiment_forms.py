@@ -10,6 +10,10 @@ deploy/experiment.py calls form_problems when a file is loaded, so a run of the 
 starts, with the fix.
 """
 
+from pydantic import Field
+
+from services.config import Strict
+
 OFFLINE = ("dpo",)  # algorithms trained on the data's fixed samples, not on the rollout
 
 
@@ -17,6 +21,8 @@ def form_problems(config) -> list[str]:
     """What is wrong with `config` (deploy.experiment.ExperimentConfig) for the form of run its algorithm asks for."""
     name = config.algorithm.name
     data = config.data
+    if problems := _teacher_problems(config):
+        return problems
     pairs = data is not None and (data.chosen_field is not None or data.rejected_field is not None)
     if name not in OFFLINE:
         if pairs:
@@ -54,3 +60,37 @@ def _offline_problems(config) -> list[str]:
         problems.append("services.trainer: an offline run (dpo) trains in the run's own process, one of it: "
                         "nodes and procs_per_node must be 1")
     return problems
+
+
+class TeacherSection(Strict):
+    """A teacher of on-policy distillation: a model folder served as an extra rollout service, whose logprob of
+    every token the student samples becomes the samples' ref_logprobs (rollout/driver: `teacher`, `teachers`)."""
+
+    path: str = Field(description="Hugging Face folder of the teacher; it must hold the same tokenizer and vocabulary "
+                      "as the student (relayrl doctor checks).")
+    made_by: str | None = Field(None, description="The command that makes `path` (e.g. `relayrl run "
+                                "examples/algorithms/grpo.yaml`), named by relayrl doctor when the folder is missing.")
+    settings: dict = Field(default_factory=dict, description="Extra --set overrides of the teacher's rollout service "
+                           "(e.g. engine.dtype).")
+
+
+def teacher_folders(config) -> list[tuple[str, TeacherSection]]:
+    """(The field naming it, the teacher) for each teacher of `config`: `teacher`, then `teachers.KEY`."""
+    named = [("teacher", config.teacher)] if config.teacher is not None else []
+    return named + [(f"teachers.{key}", teacher) for key, teacher in config.teachers.items()]
+
+
+def _teacher_problems(config) -> list[str]:
+    taught = bool(config.teacher is not None or config.teachers)
+    if config.algorithm.name != "distill":
+        return [(f"teacher / teachers: only on-policy distillation (algorithm.name: distill) asks a teacher; a "
+                 f"{config.algorithm.name} run does not: remove them, or set algorithm.name: distill")] if taught else []
+    if not taught:
+        return [("algorithm distill: needs a teacher: teacher: {path: FOLDER}, or a teacher per domain "
+                 "(teachers: {KEY: {path: FOLDER}} chosen by each prompt's metadata[teacher_key])")]
+    if config.env is not None:
+        return ["algorithm distill: not with env (the episode runner asks no teacher): give data"]
+    if config.teachers and config.data is not None and config.teacher_key not in config.data.metadata_fields:
+        return [(f"teachers: each prompt's teacher is named by its metadata field {config.teacher_key!r} "
+                 "(teacher_key): list it in data.metadata_fields")]
+    return []

@@ -295,6 +295,9 @@ def render(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
                           "(`relayrl run`); a cluster run needs model.path (a folder on the project volume) and data")
     if config.algorithm.name == "dpo":
         raise RenderError("algorithm dpo: an offline run trains in one process (`relayrl run`), no services to deploy")
+    if config.teacher is not None or config.teachers:
+        raise RenderError("teacher / teachers: distillation's teacher services run on one machine (`relayrl run`); "
+                          "not yet rendered for Kubernetes")
     secrets = _secrets(config, folder)
     config = _in_cluster(config)
     groups = {group.name: group for group in config.groups}
