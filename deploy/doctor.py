@@ -1,9 +1,10 @@
 """`relayrl doctor EXPERIMENT.yaml`: what would stop a run, found before it starts, each with its fix.
 
 Checks the config, the model folder (config, weights, tokenizer; the tokenizer fits the embedding), that the
-trainer and the rollout share one tokenizer and vocabulary, the chat template when asked for, the data's fields,
-the reward (importable, its arguments fit; a judge answers) or with `env` the environment (its tasks, the policy's
-turn), fixed ports, disk space for the buffer and checkpoints, and the versions of torch / transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
+trainer, the rollout and distillation's teachers share one tokenizer and vocabulary, the chat template when asked
+for, the data's fields, the reward (importable, its arguments fit; a judge answers) or with `env` the environment
+(its tasks, the policy's turn), fixed ports, disk space for the buffer and checkpoints, and the versions of torch /
+transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
 """
 
 import importlib
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from deploy.experiment import ExperimentConfig
+from deploy.experiment_forms import OFFLINE, teacher_folders
 from deploy.findings import Finding, report
 
 # ---------------------------------------------------------------- the model and its tokenizer
@@ -31,13 +33,15 @@ class ModelFacts:
     weight_bytes: int
 
 
-def _model_facts(path: pathlib.Path, role: str, findings: list[Finding]) -> ModelFacts | None:
+def _model_facts(path: pathlib.Path, role: str, findings: list[Finding], made_by: str | None = None) -> ModelFacts | None:
+    """The facts of the model folder at `path`; `made_by`: the command that makes it, named when it is missing."""
     from transformers import AutoConfig, AutoTokenizer
 
     check = f"model ({role})"
     if not path.is_dir():
-        findings.append(Finding("error", check, f"{path} is not a folder", "point model.path at a Hugging Face "
-                                "folder (config.json, *.safetensors, tokenizer files)"))
+        findings.append(Finding("error", check, f"{path} is not a folder", f"make it: {made_by}" if made_by else
+                                "point model.path at a Hugging Face folder (config.json, *.safetensors, tokenizer "
+                                "files)"))
         return None
     if not (path / "config.json").exists():
         findings.append(Finding("error", check, f"{path} has no config.json", "save the model with "
@@ -113,37 +117,45 @@ def _beyond_embedding(tokenizer, path: pathlib.Path, rows: int) -> tuple[str, st
 
 
 def check_models(config: ExperimentConfig, findings: list[Finding]) -> ModelFacts | None:
+    """The trainer's model, and each folder that must share its tokenizer: the rollout's copy, distillation's
+    teachers. Returns the trainer's facts."""
     if config.model.tiny is not None:  # built in code at the run's start: build it here too, and check that
         import tempfile
 
         with tempfile.TemporaryDirectory() as folder:
-            return _model_facts(config.model.tiny.write(pathlib.Path(folder) / "model-init", config.seed), "tiny",
-                                findings)
-    trainer = _model_facts(pathlib.Path(config.model.path), "trainer", findings)
-    if config.model.rollout_path is None or trainer is None:
-        return trainer
-    rollout = _model_facts(pathlib.Path(config.model.rollout_path), "rollout", findings)
-    if rollout is None:
-        return trainer
-    differences = []
-    if trainer.vocab != rollout.vocab:
-        only_trainer = len(trainer.vocab.keys() - rollout.vocab.keys())
-        only_rollout = len(rollout.vocab.keys() - trainer.vocab.keys())
-        moved = sum(trainer.vocab[t] != rollout.vocab[t] for t in trainer.vocab.keys() & rollout.vocab.keys())
-        differences.append(f"vocabularies differ ({only_trainer} tokens only in the trainer's, {only_rollout} only "
-                           f"in the rollout's, {moved} with other ids)")
-    if trainer.vocab_size != rollout.vocab_size:
-        differences.append(f"embedding rows {trainer.vocab_size} (trainer) vs {rollout.vocab_size} (rollout)")
-    if trainer.special != rollout.special:
-        differences.append(f"special tokens {trainer.special} (trainer) vs {rollout.special} (rollout)")
-    if differences:
-        findings.append(Finding("error", "tokenizer (trainer vs rollout)", "; ".join(differences) + ": the "
-                                "rollout's token ids would mean other tokens to the trainer",
-                                "give model.rollout_path a copy of the same model and tokenizer as model.path "
-                                "(or drop rollout_path)"))
+            trainer = _model_facts(config.model.tiny.write(pathlib.Path(folder) / "model-init", config.seed), "tiny",
+                                   findings)
     else:
-        findings.append(Finding("ok", "tokenizer (trainer vs rollout)", "same vocabulary and special tokens"))
+        trainer = _model_facts(pathlib.Path(config.model.path), "trainer", findings)
+    fix = "give model.rollout_path a copy of the same model and tokenizer as model.path (or drop rollout_path)"
+    others = [("rollout", config.model.rollout_path, None, fix)] if config.model.rollout_path else []
+    others += [(name, teacher.path, teacher.made_by, f"give {name}.path a model with the student's tokenizer")
+               for name, teacher in teacher_folders(config)]
+    for role, path, made_by, fix in others:
+        other = _model_facts(pathlib.Path(path), role, findings, made_by)
+        if trainer is not None and other is not None:
+            _same_tokenizer(trainer, other, role, fix, findings)
     return trainer
+
+
+def _same_tokenizer(trainer: ModelFacts, other: ModelFacts, role: str, fix: str, findings: list[Finding]) -> None:
+    differences = []
+    if trainer.vocab != other.vocab:
+        only_trainer = len(trainer.vocab.keys() - other.vocab.keys())
+        only_other = len(other.vocab.keys() - trainer.vocab.keys())
+        moved = sum(trainer.vocab[t] != other.vocab[t] for t in trainer.vocab.keys() & other.vocab.keys())
+        differences.append(f"vocabularies differ ({only_trainer} tokens only in the trainer's, {only_other} only "
+                           f"in the {role}'s, {moved} with other ids)")
+    if trainer.vocab_size != other.vocab_size:
+        differences.append(f"embedding rows {trainer.vocab_size} (trainer) vs {other.vocab_size} ({role})")
+    if trainer.special != other.special:
+        differences.append(f"special tokens {trainer.special} (trainer) vs {other.special} ({role})")
+    check = f"tokenizer (trainer vs {role})"
+    if differences:
+        findings.append(Finding("error", check, "; ".join(differences) + f": the {role}'s token ids would mean other "
+                                "tokens to the trainer", fix))
+    else:
+        findings.append(Finding("ok", check, "same vocabulary and special tokens"))
 
 
 # ---------------------------------------------------------------- data, reward, ports, disk, versions
@@ -176,7 +188,7 @@ def check_data(config: ExperimentConfig, facts: ModelFacts | None, findings: lis
             findings.append(Finding("error", check, f"{count} of {len(rows)} rows have no field {field_name!r} "
                                     f"(the first row has {sorted(rows[0])})",
                                     "name the right field in data.prompt_field / answer_field / id_field / "
-                                    "metadata_fields, or add it to the data"))
+                                    "metadata_fields / chosen_field / rejected_field, or add it to the data"))
         if name == "train":
             train_rows = len(rows)
         if not missing:
@@ -201,12 +213,12 @@ def _use(data, name: str, rows: int) -> str:
 
 def check_stop(config: ExperimentConfig, findings: list[Finding]) -> None:
     """What ends RL: the time budget, and training.max_steps when set (a small model can make 1,000 steps a minute)."""
-    training = config.training
+    training, phase = config.training, "DPO" if config.algorithm.name in OFFLINE else "RL"
     if training.max_steps is None:
-        findings.append(Finding("ok", "training", f"RL ends when its time budget of {training.time_budget_s:g}s is "
+        findings.append(Finding("ok", "training", f"{phase} ends when its time budget of {training.time_budget_s:g}s is "
                                 "spent (training.max_steps unset)"))
     else:
-        findings.append(Finding("ok", "training", f"RL ends after {training.time_budget_s:g}s or at optimizer step "
+        findings.append(Finding("ok", "training", f"{phase} ends after {training.time_budget_s:g}s or at optimizer step "
                                 f"{training.max_steps}, whichever comes first (unset training.max_steps to let the "
                                 "budget alone end it)"))
 
@@ -363,7 +375,7 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
     check_stop(config, findings)
     if config.env is not None:
         check_env(config, findings)
-    else:
+    elif config.algorithm.name not in OFFLINE:  # an offline run learns from its pairs: no reward runs
         check_reward(config, findings)
     check_ports(config, findings)
     check_disk(config, facts, findings)

@@ -9,7 +9,9 @@ deploy/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/doctor.py) checks o
     data:       JSONL / Parquet / a `datasets` folder; which fields hold prompt, answer, metadata; chat template
     env:        instead of data: an environment played turn by turn through rollout sessions (agentic episodes)
     reward:     a built-in by name, an operator function by dotted path, a reward model folder, or a served LLM judge
-    algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants)
+    algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants); dpo trains offline on
+                the data's preference pairs instead (data.chosen_field / rejected_field; deploy/experiment_forms.py),
+                distill learns from served teachers (`teacher`, `teachers`: deploy/teachers.py)
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
@@ -27,6 +29,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from deploy.experiment_forms import TeacherSection, form_problems
 from deploy.loggers import LoggingSection
 from deploy.pipeline_config import deterministic_problems
 from deploy.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
@@ -92,6 +95,10 @@ class DataSection(Strict):
                                 "chat template (with the generation prompt); the tokenizer must have one.")
     system_prompt: str | None = Field(None, description="With chat_template: a system message before the prompt.")
     add_bos: bool = Field(True, description="Without chat_template: prepend the tokenizer's bos token to each prompt.")
+    chosen_field: str | None = Field(None, description="DPO (algorithm.name: dpo): the field holding the preferred "
+                                     "response to the prompt; it is the row's answer (an SFT warm-up learns it), so "
+                                     "answer_field is null. None = no pairs (an RL run).")
+    rejected_field: str | None = Field(None, description="DPO: the field holding the dispreferred response.")
 
     def eval_count(self, rows: int) -> int:
         """How many held-out prompts a run evaluates: of an eval file's `rows`, all or the first num_eval; without
@@ -261,6 +268,13 @@ class ExperimentConfig(Strict):
     env: EnvSection | None = Field(None, description="Agentic episodes through sessions instead of `data` "
                                    "(rollout/envs/).")
     reward: RewardSection = Field(default_factory=RewardSection)
+    teacher: TeacherSection | None = Field(None, description="On-policy distillation (algorithm.name: distill): the "
+                                           "teacher, served beside the student (deploy/teachers.py).")
+    teachers: dict[str, TeacherSection] = Field(default_factory=dict, description="Distillation from a teacher per "
+                                                "domain (MOPD): {KEY: teacher}, a prompt's KEY its "
+                                                "metadata[teacher_key]; `teacher`, if set, teaches the other domains.")
+    teacher_key: str = Field("domain", description="With teachers: the prompt metadata field naming its domain (list "
+                             "it in data.metadata_fields).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="What is optimised "
                                        "(trainer.config.algorithm.AlgorithmConfig; docs/algorithms.md).")
     sft: SFTSection = Field(default_factory=SFTSection)
@@ -288,7 +302,7 @@ class ExperimentConfig(Strict):
                             "mini_batches)")
         if self.deterministic:
             problems += deterministic_problems(self.training.max_staleness, self.services.rollout.replicas)
-        problems += self._source_problems()
+        problems += self._source_problems() + form_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -336,6 +350,8 @@ class ExperimentConfig(Strict):
             if data.data.eval is not None:
                 data.data.eval.path = at(self.data.eval.path)
         data.reward.python_path = [at(p) for p in self.reward.python_path]
+        for teacher in [data.teacher, *data.teachers.values()] if data.teacher else data.teachers.values():
+            teacher.path = at(teacher.path)
         data.reward.model = at(self.reward.model)
         data.checkpoint.export_dir = at(self.checkpoint.export_dir, pathlib.Path(data.run_dir))
         for name in ("buffer", "reward", "rollout"):  # TLS files, token files

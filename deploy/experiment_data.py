@@ -22,7 +22,7 @@ class PromptRow:
 
     prompt_id: str
     prompt: str  # the text the driver encodes (rendered through the chat template when asked)
-    metadata: dict  # what the reward reads: answer and the metadata fields
+    metadata: dict  # what the reward reads: answer and the metadata fields (a DPO pair: answer = chosen, rejected)
 
 
 def source_format(source: DataSource) -> str:
@@ -74,7 +74,8 @@ def read_rows(source: DataSource) -> list[dict]:
 
 def missing_fields(rows: list[dict], data: DataSection) -> dict[str, int]:
     """field -> how many rows lack it, for each field the experiment names."""
-    named = [data.prompt_field, data.answer_field, data.id_field, *data.metadata_fields]
+    named = [data.prompt_field, data.answer_field, data.id_field, *data.metadata_fields, data.chosen_field,
+             data.rejected_field]
     return {name: sum(name not in row for row in rows) for name in named
             if name is not None and any(name not in row for row in rows)}
 
@@ -96,6 +97,8 @@ def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str) -> li
         metadata = {name: row[name] for name in data.metadata_fields}
         if data.answer_field is not None:
             metadata["answer"] = row[data.answer_field]
+        if data.chosen_field is not None:  # a preference pair (DPO): the chosen response is the answer
+            metadata.update(answer=row[data.chosen_field], rejected=row[data.rejected_field])
         prompt_id = str(row[data.id_field]) if data.id_field else f"{where}-{number}"
         prompts.append(PromptRow(prompt_id, text, metadata))
     return prompts

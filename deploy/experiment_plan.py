@@ -48,6 +48,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
     (`prompts_path`: the driver's prompts; None with env, where the episode runner takes the driver's place:
     deploy/agentic.py). Its `evaluate` is left for the caller to set (a run measures the served policy; deploy/k8s.py renders the rest)."""
     from deploy.pipeline_config import Pipeline, RLConfig, merged, nested
+    from deploy.teachers import teacher_services
 
     training, evaluation = config.training, config.evaluation
     reward_overrides, reward_env, function = reward_service(config)
@@ -69,7 +70,9 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
         ),
         supervise=config.supervise,
         buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
+        teachers=teacher_services(config),
         driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s,
+                **({"teacher_key": config.teacher_key} if config.teachers else {}),
                 "add_bos": add_bos(config),
                 "trajectory_log": config.trajectory_log.model_dump()},
         trainer=merged({"batch": {"mini_batches": training.mini_batches,  # a micro-batch = a rank's share of a step

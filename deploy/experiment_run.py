@@ -1,6 +1,7 @@
 """`relayrl run EXPERIMENT.yaml`: a user's model folder, data and reward, trained by the shared RL phase.
 
     read + map the data (deploy/experiment_data.py) -> optional SFT warm-up on (prompt, answer) pairs (deploy/warmup.py)
+    -> (algorithm.name: dpo) the offline run on the data's preference pairs, in this process (deploy/offline_run.py)
     -> the shared RL phase (deploy/pipeline.py: buffer, reward, rollout, driver, trainer, supervised)
        with the held-out metric = mean reward of greedy completions, by the run's reward
     -> the latest checkpoint exported as a Hugging Face folder, a summary table, a plot and metrics JSONL
@@ -15,6 +16,7 @@ import pathlib
 import sys
 
 from deploy.experiment import ExperimentConfig, load_experiment
+from deploy.experiment_forms import OFFLINE
 from deploy.experiment_plan import add_bos, base_model, export, pipeline_plan
 
 log = logging.getLogger("relayrl.experiment")
@@ -85,6 +87,10 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     train_rows, eval_rows = experiment_data.split(config.data, tokenizer, config.seed)
     prompts_path = experiment_data.write_prompts(train_rows, run_dir / "prompts.jsonl")
     policy_dir = warm_up(config, model_dir, run_dir, tokenizer, train_rows, progress, resume)
+    if config.algorithm.name in OFFLINE:  # trains on the data's pairs in this process: no services
+        from deploy.offline_run import train_offline
+
+        return train_offline(config, run_dir, policy_dir, tokenizer, train_rows, eval_rows, progress)
 
     eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos(config)), row.prompt, row.metadata)
                     for row in eval_rows]
@@ -125,7 +131,8 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
               f"EXPERIMENT.yaml`", file=sys.stderr)
         return 2
     if ray_address is not None:
-        beyond = ray_problems(config.services)
+        beyond = ray_problems(config.services) + (["algorithm dpo (an offline run, in this process)"]
+                                                  if config.algorithm.name in OFFLINE else [])
         if beyond:
             print(f"relayrl run --ray: not yet supported on Ray: {'; '.join(beyond)}", file=sys.stderr)
             return 2

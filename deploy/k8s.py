@@ -293,6 +293,11 @@ def render(config: ExperimentConfig, folder: pathlib.Path) -> list[dict]:
     if config.model.tiny is not None or config.env is not None:
         raise RenderError(f"{'model.tiny' if config.model.tiny is not None else 'env'}: runs on one machine "
                           "(`relayrl run`); a cluster run needs model.path (a folder on the project volume) and data")
+    if config.algorithm.name == "dpo":
+        raise RenderError("algorithm dpo: an offline run trains in one process (`relayrl run`), no services to deploy")
+    if config.teacher is not None or config.teachers:
+        raise RenderError("teacher / teachers: distillation's teacher services run on one machine (`relayrl run`); "
+                          "not yet rendered for Kubernetes")
     secrets = _secrets(config, folder)
     config = _in_cluster(config)
     groups = {group.name: group for group in config.groups}

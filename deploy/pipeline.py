@@ -29,6 +29,7 @@ from deploy.pipeline_config import (
     trainer_config,
 )
 from deploy.replicas import RolloutReplicas
+from deploy.teachers import start_teachers
 
 TRAINER_STOP_S = 120.0  # a stopped trainer's last publish and checkpoint, before it is killed
 
@@ -99,8 +100,9 @@ def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> Pipelin
 
 
 def start_services(plan: Pipeline, supervisor, launcher, replicas) -> Addresses:
-    """Buffer, reward and rollout (`replicas`: the rollout as replicas behind a router), each supervised and
-    recorded in the run's services.json (where `relayrl status RUN_DIR` finds them); where they listen."""
+    """Buffer, reward and rollout (`replicas`: the rollout as replicas behind a router), and distillation's teachers,
+    each supervised and recorded in the run's services.json (where `relayrl status RUN_DIR` finds them); where they
+    listen."""
     from deploy.service_registry import REGISTRY_FILE
 
     registry, logs = plan.run_dir / REGISTRY_FILE, plan.run_dir / "logs"
@@ -112,7 +114,8 @@ def start_services(plan: Pipeline, supervisor, launcher, replicas) -> Addresses:
     else:
         rollout = supervisor.add_service(launcher.service("rollout", rollout_overrides(plan), logs, registry,
                                                           client=plan.client("rollout")))
-    return Addresses(buffer=buffer.address, reward=reward, rollout=rollout.address)
+    teachers = start_teachers(plan, supervisor, launcher, logs, registry)  # distillation's, if any
+    return Addresses(buffer=buffer.address, reward=reward, rollout=rollout.address, teachers=teachers)
 
 
 def measure_start(plan: Pipeline, progress, addresses: Addresses, earlier: list[dict]) -> tuple[float, float]:

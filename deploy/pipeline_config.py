@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from deploy.loggers import LoggingSection
 from deploy.supervisor import SuperviseConfig
+from deploy.teachers import driver_fields
 from services.config import Strict
 
 
@@ -80,6 +81,7 @@ class Addresses:
     buffer: str
     reward: str
     rollout: str
+    teachers: dict[str, str] = field(default_factory=dict)  # distillation's teachers by driver key (deploy/teachers.py)
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Pipeline:
     buffer: dict = field(default_factory=dict)  # extra --set overrides of each service
     reward: dict = field(default_factory=dict)
     rollout: dict = field(default_factory=dict)
+    teachers: dict[str, dict] = field(default_factory=dict)  # distillation: each teacher's rollout overrides, by key
     reward_env: dict[str, str] | None = None  # environment of the reward service (PYTHONPATH of operator functions)
     driver: dict = field(default_factory=dict)  # extra DriverConfig fields (reward_function, add_bos, ...)
     trainer: dict = field(default_factory=dict)  # extra TrainerConfig fields, merged section by section
@@ -147,6 +150,7 @@ def driver_config(plan: Pipeline, addresses: Addresses) -> dict:
         "clients": {name: client for name, client in plan.clients.items() if client},
         "trajectory_log": {"path": str(plan.run_dir / "trajectories.jsonl")},
         **({"deterministic": True} if rl.deterministic else {}),
+        **driver_fields(addresses.teachers),
     }, plan.driver)
 
 

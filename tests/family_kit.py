@@ -1,5 +1,5 @@
-"""What tests/test_families.py measures with, in process: held-out greedy accuracy of an HF model, sequence
-logprobs of given answers, (correct, wrong) answer pairs for DPO, and windows of a metrics file.
+"""What tests/test_families.py measures with, in process: held-out greedy accuracy of an HF model, (correct,
+wrong) answer pairs for DPO, and windows of a metrics file.
 
 Accuracy is the examples' held-out metric (their exact_match reward, reward/match.py, of greedy completions: on
 these digit answers, the answer stripped equals the reference), taken here with transformers' generate so no service
@@ -12,9 +12,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from deploy.offline_run import preference_pair
 from deploy.tasks import Task
 from protos.sample import Sample
 
@@ -51,21 +51,6 @@ def greedy_accuracy(model, tokenizer, tasks: list[Task], max_tokens: int = 4) ->
     return sum(answer == task.answer for answer, task in zip(answers, tasks, strict=True)) / len(tasks)
 
 
-@torch.no_grad()
-def sequence_logprobs(model, tokenizer, task: Task, answers: list[str]) -> list[float]:
-    """log p(answer + eos | prompt) under `model`, for each answer (one batch of equal-length rows or several)."""
-    prompt = prompt_ids(tokenizer, task)
-    result = []
-    for answer in answers:
-        response = answer_ids(tokenizer, answer)
-        ids = torch.tensor([prompt + response])
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-        targets = ids[0, 1:]
-        picked = logprobs.gather(-1, targets[:, None])[:, 0]
-        result.append(float(picked[len(prompt) - 1:].sum()))
-    return result
-
-
 def near_miss(task: Task, rng: random.Random) -> str:
     """A wrong answer close to the right one: moved by 1-10 (never below 0)."""
     right = int(task.answer)
@@ -73,23 +58,16 @@ def near_miss(task: Task, rng: random.Random) -> str:
 
 
 def preference_pairs(model, tokenizer, tasks: list[Task], seed: int) -> tuple[list[Sample], list[tuple[Task, str]]]:
-    """DPO data made in code: per task a group of two samples, the correct answer (reward 1) against the model's
-    own greedy answer where that is wrong, else a near miss (reward 0). Returns the samples and each task's
-    rejected answer."""
+    """DPO data made in code: per task a group of two samples (deploy.offline_run.preference_pair), the correct
+    answer (chosen) against the model's own greedy answer where that is wrong, else a near miss (rejected).
+    Returns the samples and each task's rejected answer."""
     rng = random.Random(seed)
     samples, rejected = [], []
     for task, greedy in zip(tasks, greedy_answers(model, tokenizer, tasks), strict=True):
         wrong = greedy if greedy != task.answer else near_miss(task, rng)
         rejected.append((task, wrong))
-        for name, answer, reward in (("chosen", task.answer, 1.0), ("rejected", wrong, 0.0)):
-            response = answer_ids(tokenizer, answer)
-            n = len(response)
-            samples.append(Sample(
-                sample_id=f"dpo/{task.prompt_id}/{name}", prompt_id=task.prompt_id, group_id=f"dpo/{task.prompt_id}",
-                group_size=2, prompt_ids=np.asarray(prompt_ids(tokenizer, task), np.int32),
-                response_ids=np.asarray(response, np.int32), loss_mask=np.ones(n, np.uint8),
-                rollout_logprobs=np.zeros(n, np.float32), weight_versions=np.zeros(n, np.int64), reward=reward,
-            ))
+        samples += preference_pair(task.prompt_id, prompt_ids(tokenizer, task), answer_ids(tokenizer, task.answer),
+                                   answer_ids(tokenizer, wrong))
     return samples, rejected
 
 

@@ -4,18 +4,19 @@ families, each shown learning", gives the figures and the noise band).
 
 One SFT warm-up (examples/algorithms/sft.yaml, an experiment file's own warm-up: deploy.experiment_run.warm_up on
 its train rows) is the SFT family's run and the start of all the others: each RL family is its experiment file run
-from that checkpoint (`model.path=CHECKPOINT model.tiny=null sft.steps=0`, as `--set` gives them), DPO trains in
-process on answer pairs made in code. Distillation is tests/test_distill_e2e.py (marked `families` too).
+from that checkpoint (`model.path=CHECKPOINT model.tiny=null sft.steps=0`, as `--set` gives them), and so is each
+DPO example, on answer pairs made in code and written to JSONL. Distillation is tests/test_distill_e2e.py (marked
+`families` too).
 Run with `make test-families`; `make test` leaves these out.
 """
 
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
-from family_kit import greedy_accuracy, preference_pairs, read_jsonl, sequence_logprobs, windows
+from family_kit import greedy_accuracy, preference_pairs, read_jsonl, windows
 from rich.console import Console
 
 from deploy.experiment import ExperimentConfig, load_experiment
@@ -103,46 +104,40 @@ def test_rl_family_raises_reward(family, sft_run, tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
 def test_dpo_raises_preference_accuracy_and_margin(loss_type, sft_run, tmp_path):
-    """DPO on (correct, wrong) pairs of the training prompts, the wrong answer the SFT model's own greedy mistake
-    (a near miss where it is right); measured on such pairs of the held-out prompts. Held-out greedy accuracy is
-    reported, not asserted: DPO lowers the chosen answers' likelihood too, and here greedy accuracy fell."""
+    """The example experiment file from the SFT checkpoint on (correct, wrong) pairs of the training prompts, the
+    wrong answer the SFT model's own greedy mistake (a near miss where it is right), written to JSONL here; the run
+    measures such pairs of the held-out prompts. Held-out greedy accuracy is reported, not asserted: DPO lowers the
+    chosen answers' likelihood too, and here greedy accuracy fell."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.config import TrainerConfig
-    from trainer.dataset import DatasetSource
-    from trainer.loop import train
-    from trainer.parallel import init_distributed
+    from deploy.experiment import load_experiment
+    from deploy.experiment_run import run_experiment
 
-    example = yaml.safe_load((EXAMPLES / f"dpo_{loss_type}.yaml").read_text())
     tokenizer = AutoTokenizer.from_pretrained(sft_run.checkpoint)
     reference = AutoModelForCausalLM.from_pretrained(sft_run.checkpoint)
-    samples, _ = preference_pairs(reference, tokenizer, sft_run.train_tasks, seed=0)
-    config = TrainerConfig.model_validate({
-        **example, "model_path": str(sft_run.checkpoint), "ref_model_path": str(sft_run.checkpoint),
-        "checkpoint": {"export_dir": str(tmp_path / "model-dpo")}, "metrics_path": str(tmp_path / "metrics.jsonl"),
-    })
-    train(config, init_distributed("cpu"), DatasetSource(samples, seed=config.seed))
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", f"model.path={sft_run.checkpoint}", "model.tiny=null", "sft.steps=0"]
+    for split, tasks, seed in (("train", sft_run.train_tasks, 0), ("eval", sft_run.eval_tasks, 1)):
+        _, pairs = preference_pairs(reference, tokenizer, tasks, seed=seed)
+        path = tmp_path / f"pairs_{split}.jsonl"
+        path.write_text("".join(json.dumps({"prompt_id": task.prompt_id, "prompt": task.prompt, "chosen": task.answer,
+                                            "rejected": wrong}) + "\n" for task, wrong in pairs))
+        overrides.append(f"data.{split}.path={path}")
+    run_experiment(load_experiment(EXAMPLES / f"dpo_{loss_type}.yaml", overrides),
+                   console=Console(file=io.StringIO(), width=120))
 
-    steps = read_jsonl(tmp_path / "metrics.jsonl")
-    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "model-dpo")
-    _, held_out = preference_pairs(reference, tokenizer, sft_run.eval_tasks, seed=1)
-    beta = config.algorithm.dpo_beta
-    margins, prefer_before, prefer_after = [], [], []
-    for task, wrong in held_out:
-        ref_chosen, ref_rejected = sequence_logprobs(reference, tokenizer, task, [task.answer, wrong])
-        chosen, rejected = sequence_logprobs(policy, tokenizer, task, [task.answer, wrong])
-        margins.append(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
-        prefer_before.append(ref_chosen > ref_rejected)
-        prefer_after.append(chosen > rejected)
-    n = len(held_out)
-    held_accuracy, held_margin = sum(m > 0 for m in margins) / n, sum(margins) / n
-    prefer = sum(prefer_before) / n, sum(prefer_after) / n
+    steps = read_jsonl(run_dir / "trainer_metrics.jsonl")
+    start, end = read_jsonl(run_dir / "metrics.jsonl")  # the held-out pairs before and after DPO
+    held_accuracy, held_margin = end["reward_accuracy"], end["reward_margin"]
+    prefer = start["preference_accuracy"], end["preference_accuracy"]
     train_accuracy, train_margin = windows(steps, "reward_accuracy"), windows(steps, "reward_margin")
+    policy = AutoModelForCausalLM.from_pretrained(run_dir / "export")
     greedy = (greedy_accuracy(reference, tokenizer, sft_run.eval_tasks), greedy_accuracy(policy, tokenizer, sft_run.eval_tasks))
     report = (f"dpo {loss_type}: training reward accuracy {train_accuracy[0]:.3f} -> {train_accuracy[1]:.3f}, margin "
               f"{train_margin[0]:.3f} -> {train_margin[1]:.3f} over {len(steps)} steps; held-out pairs: reward accuracy "
-              f"0 -> {held_accuracy:.3f}, margin 0 -> {held_margin:.3f}, the policy prefers the correct answer "
-              f"{prefer[0]:.3f} -> {prefer[1]:.3f}; held-out greedy accuracy {greedy[0]:.3f} -> {greedy[1]:.3f}")
+              f"{start['reward_accuracy']:.3f} -> {held_accuracy:.3f}, margin {start['reward_margin']:.3f} -> "
+              f"{held_margin:.3f}, the policy prefers the correct answer {prefer[0]:.3f} -> {prefer[1]:.3f}; held-out "
+              f"greedy accuracy {greedy[0]:.3f} -> {greedy[1]:.3f}")
     print(report)
     # Without learning the policy is its reference: every margin 0, no pair counted right, preference unchanged.
     assert train_accuracy[1] >= train_accuracy[0] + 0.05 and train_margin[1] >= train_margin[0] + 0.05, report
