@@ -47,7 +47,7 @@ def test_prepare_writes_a_model_and_data_the_reward_scores_full_on_their_answers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from deploy.experiment import load_experiment
-    from deploy.experiment_data import split
+    from deploy.experiment_data import read_rows, split
     from protos.sample import Sample
     from reward.registry import BUILTINS
 
@@ -56,7 +56,7 @@ def test_prepare_writes_a_model_and_data_the_reward_scores_full_on_their_answers
     model = AutoModelForCausalLM.from_pretrained(config.model.path)
     assert model.config.vocab_size == len(tokenizer)
     train, held_out = split(config.data, tokenizer, config.seed)
-    assert len(held_out) == config.data.num_eval
+    assert len(held_out) == len(read_rows(config.data.eval))  # the eval file, every row
     assert not {row.prompt for row in held_out} & {row.prompt for row in train}
 
     module, function = BUILTINS[config.reward.function].target.split(":")
