@@ -28,8 +28,22 @@ def form_problems(config) -> list[str]:
         if pairs:
             return [("data.chosen_field / rejected_field: preference pairs are trained by DPO (algorithm.name: "
                      f"dpo); a {name} run trains on its own completions: remove them, or set algorithm.name: dpo")]
-        return []
+        return _buffer_problems(config)
     return _offline_problems(config)
+
+
+def _buffer_problems(config) -> list[str]:
+    """An online run's batches pass through the buffer, which holds each one trained (leased) until the trainer's
+    next checkpoint: more steps between checkpoints than batches it holds fills it, and a run longer than that
+    stalls."""
+    interval, capacity = config.checkpoint.interval, config.training.buffer_capacity_batches
+    max_steps = config.training.max_steps
+    if interval > capacity and (max_steps is None or max_steps > capacity):
+        return [(f"checkpoint.interval ({interval}) > training.buffer_capacity_batches ({capacity}): the buffer "
+                 "holds every batch trained until the next checkpoint, so it fills before one is saved and the run "
+                 f"stalls at step {capacity}: checkpoint every {capacity} steps or fewer, or raise "
+                 "buffer_capacity_batches")]
+    return []
 
 
 def _offline_problems(config) -> list[str]:

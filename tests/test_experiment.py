@@ -35,6 +35,8 @@ def test_settings_are_stated_once_and_paths_resolved(project):
         load_experiment(project, ["training.group_size=1"])
     with pytest.raises(ConfigError, match="reward.function"):
         load_experiment(project, ["reward.function=not a function"])
+    with pytest.raises(ConfigError, match=r"checkpoint.interval \(50\) > training.buffer_capacity_batches \(32\)"):
+        load_experiment(project, ["checkpoint.interval=50"])  # the buffer would fill with batches held until one
     shipped = load_experiment(pathlib.Path(__file__).parent.parent / "examples" / "experiment" / "experiment.yaml")
     assert shipped.training.max_staleness == 1
 

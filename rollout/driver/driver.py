@@ -223,7 +223,8 @@ class Driver(GroupProducer):
         if teacher is None:
             scored = await scoring
         else:
-            scored, _ = await asyncio.gather(scoring, self._add_teacher_logprobs(teacher, request.prompt_ids, reply, protos))
+            taught = self._add_teacher_logprobs(teacher, request.prompt_ids, reply, samples, protos)
+            scored, _ = await asyncio.gather(scoring, taught)
         for sample, proto, result in zip(samples, protos, scored, strict=True):
             sample.reward = proto.reward = result.reward
             sample.reward_details = dict(result.details)
@@ -244,13 +245,15 @@ class Driver(GroupProducer):
         domain = prompt.metadata.get(self.config.teacher_key)
         return self.teachers.get(domain, self.default_teacher) if isinstance(domain, str) else self.default_teacher
 
-    async def _add_teacher_logprobs(self, stub, prompt_ids, reply, protos: list) -> None:
-        """The teacher's logprob of every sampled token, as the samples' ref_logprobs."""
+    async def _add_teacher_logprobs(self, stub, prompt_ids, reply, samples: list[Sample], protos: list) -> None:
+        """The teacher's logprob of every sampled token, as the samples' ref_logprobs: the protos stored and the
+        samples the trajectory log keeps."""
         teacher = await self._call(stub.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
             prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions],
             temperature=self.config.temperature or 1.0), "ComputeLogprobs")
-        for proto, logprobs in zip(protos, teacher.logprobs, strict=True):
-            decode_array(logprobs, "ref_logprobs", "float32")  # a malformed reply fails here, not in the buffer
+        for sample, proto, logprobs in zip(samples, protos, teacher.logprobs, strict=True):
+            # a malformed reply fails here, not in the buffer
+            sample.ref_logprobs = decode_array(logprobs, "ref_logprobs", "float32")
             proto.ref_logprobs.CopyFrom(logprobs)
 
     def snapshot(self) -> dict:

@@ -165,6 +165,8 @@ def sample_record(sample: Sample, spell: Spell | None, newest_version: int) -> d
         "sample_id": sample.sample_id, "text": sample.response_text, "ids": ids,
         "tokens": spell(ids) if spell else None,
         "logprobs": [round(x, 4) for x in sample.rollout_logprobs.tolist()], "versions": versions,
+        # a teacher's (or reference's) logprob of each token, where the driver asked one (distillation)
+        "ref_logprobs": [round(x, 4) for x in sample.ref_logprobs.tolist()] if sample.ref_logprobs.size else None,
         "loss_mask": sample.loss_mask.tolist(), "reward": sample.reward, "reward_details": sample.reward_details,
         "turn_rewards": sample.turn_rewards.tolist(), "status": sample.status.name.lower(), "reason": sample.reason,
         "min_version": oldest, "max_version": max(versions, default=-1), "kv_version": sample.kv_version,
