@@ -106,7 +106,7 @@ def run_agentic(config: ExperimentConfig, console=None, supervisor=None):
     held-out success rate). `supervisor` (deploy.supervisor.Supervisor) lets a caller watch its processes."""
     import torch
 
-    from deploy.experiment_plan import base_model, export
+    from deploy.experiment_plan import base_model, finish_run
     from deploy.progress import Progress
     from deploy.run_state import start_run_dir
     from deploy.supervisor import Supervisor
@@ -119,15 +119,9 @@ def run_agentic(config: ExperimentConfig, console=None, supervisor=None):
     policy_dir = warm_up(config, base_model(config, run_dir, resume=False), run_dir, train_tasks, progress)
     supervisor = supervisor or Supervisor(config.supervise)
     supervisor.record_events(run_dir / "supervisor.jsonl")  # what died and restarted, for `relayrl doctor RUN_DIR`
-    try:
-        result = _rl(config, agentic_plan(config, run_dir, policy_dir), eval_tasks, progress, supervisor)
-    finally:
-        supervisor.stop()
-        progress.close()
-    export(config, run_dir, policy_dir, progress)
-    summary = result.summary(config.seed, run_dir)
-    progress.finish(summary)
-    return summary
+    plan = agentic_plan(config, run_dir, policy_dir)
+    return finish_run(config, run_dir, policy_dir, progress, supervisor,
+                      lambda: _rl(config, plan, eval_tasks, progress, supervisor))
 
 
 def _rl(config: ExperimentConfig, plan: Pipeline, eval_tasks, progress, supervisor):

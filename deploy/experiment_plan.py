@@ -121,3 +121,17 @@ def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.
     behind = "" if step >= last else (f", {last - step} steps before the trainer's last ({last}): it was killed "
                                       "before its final checkpoint")
     progress.note(f"exported the weights of step {step} to {config.checkpoint.export_dir}{behind}")
+
+
+def finish_run(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path, progress, supervisor, rl):
+    """Run the RL phase `rl()` (a deploy.pipeline.PipelineResult) under `supervisor`, stop every process it started
+    whatever happens, then export the weights the run ended with and write the run's summary (returned)."""
+    try:
+        result = rl()
+    finally:
+        supervisor.stop()
+        progress.close()
+    export(config, run_dir, policy_dir, progress)
+    summary = result.summary(config.seed, run_dir)
+    progress.finish(summary)
+    return summary

@@ -17,7 +17,7 @@ import sys
 
 from deploy.experiment import ExperimentConfig, load_experiment
 from deploy.experiment_forms import OFFLINE
-from deploy.experiment_plan import add_bos, base_model, export, pipeline_plan
+from deploy.experiment_plan import add_bos, base_model, finish_run, pipeline_plan
 
 log = logging.getLogger("relayrl.experiment")
 
@@ -102,15 +102,8 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     plan.evaluate = lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
                                                        config.reward.timeout_s, rollout_client=plan.client("rollout"),
                                                        reward_client=plan.client("reward"), check=supervisor.check))
-    try:
-        result = run_pipeline(plan, progress, supervisor, launcher)
-    finally:
-        supervisor.stop()
-        progress.close()
-    export(config, run_dir, policy_dir, progress)
-    summary = result.summary(config.seed, run_dir)
-    progress.finish(summary)
-    return summary
+    return finish_run(config, run_dir, policy_dir, progress, supervisor,
+                      lambda: run_pipeline(plan, progress, supervisor, launcher))
 
 
 def main(path: str, overrides: list[str] | None = None, resume: bool = False, ray_address: str | None = None) -> int:

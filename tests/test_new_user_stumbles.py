@@ -178,7 +178,7 @@ def test_a_stopped_trainer_checkpoints_and_exports_the_weights_it_ended_with(tin
     from test_trainer_loop import BATCH, make_samples, put, records, start_trainer, trainer_overrides
 
     from deploy.experiment import ExperimentConfig
-    from deploy.experiment_run import export
+    from deploy.experiment_plan import export
     from protos import rollout_pb2, rollout_pb2_grpc
     from services.client import connect_sync
     from trainer.checkpoint import hf_state_dict, read_model_state
