@@ -151,7 +151,7 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
         # The trainer across two nodes is one member: its rank 1, SIGKILLed on its node, ends the whole torchrun
         # job, which is started again on both nodes and resumes from its checkpoint.
         logs = run_dir / "logs"
-        rank1 = re.search(r"rank 1 of 2 on cpu \(pid (\d+)\)", (logs / "trainer-node1.log").read_text())
+        rank1 = re.search(r"rank 1 of 2 \(dp 2 x tp 1\) on cpu \(pid (\d+)\)", (logs / "trainer-node1.log").read_text())
         os.kill(int(rank1[1]), signal.SIGKILL)
         # The lost replica is re-placed: "rollout-3" on the inference node left, joined to the router, routed to
         # once it serves the trainer's weights, and generating.

@@ -49,7 +49,7 @@ def relayrl(*args: str) -> subprocess.Popen:
 @pytest.mark.timeout(600)
 def test_a_stopped_ray_run_resumes_on_the_cluster(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    experiment = write_project(tmp_path / "project", run_dir, time_budget_s=40, max_steps=1000)
+    experiment = write_project(tmp_path / "project", run_dir, time_budget_s=40, max_steps=None)  # the budget alone ends it
     sets = ["groups=[{name: training}, {name: inference}, {name: cpu}]",
             *(f"services.{name}.group={group}" for name, group in GROUPS.items()),
             *(f"services.{name}.settings={{server.insecure: true}}" for name in ("buffer", "reward", "rollout"))]
