@@ -59,7 +59,7 @@ def kill_each_trainer(run_dir: pathlib.Path, stop: threading.Event, after_s: flo
     log, killed = run_dir / "logs" / "trainer.log", set()
     while not stop.wait(0.2):
         text = log.read_text(errors="replace") if log.exists() else ""
-        for pid in map(int, re.findall(r"rank 0 of \d+ on \S+ \(pid (\d+)\)", text)):
+        for pid in map(int, re.findall(r"rank 0 of \d+ \(dp \d+ x tp \d+\) on \S+ \(pid (\d+)\)", text)):
             if pid not in killed:
                 time.sleep(after_s)
                 try:
