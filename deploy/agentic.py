@@ -59,12 +59,12 @@ def agentic_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pa
     return plan
 
 
-def agentic_configs(config: ExperimentConfig, addresses: Addresses, policy_dir: pathlib.Path,
-                    run_dir: pathlib.Path) -> tuple[dict, dict]:
-    """(The episode runner's config: rollout.envs.runner.RunnerConfig fields, the trainer's: TrainerConfig fields)."""
+def agentic_configs(config: ExperimentConfig, plan: Pipeline, addresses: Addresses) -> tuple[dict, dict]:
+    """(The episode runner's config: rollout.envs.runner.RunnerConfig fields, the trainer's: TrainerConfig fields), of
+    the run's plan (agentic_plan)."""
     from deploy.pipeline_config import trainer_config
 
-    training = config.training
+    training, run_dir, policy_dir = config.training, plan.run_dir, plan.policy_dir
     runner = {
         "rollout": addresses.rollout, "buffer": addresses.buffer, "env": config.env.name,
         "env_config": config.env.config, "group_size": training.group_size,
@@ -77,7 +77,7 @@ def agentic_configs(config: ExperimentConfig, addresses: Addresses, policy_dir: 
         "trajectory_log": {"path": str(run_dir / "trajectories.jsonl"), "tokenizer": str(policy_dir),
                            **config.trajectory_log.model_dump()},
     }
-    return runner, trainer_config(agentic_plan(config, run_dir, policy_dir), addresses)
+    return runner, trainer_config(plan, addresses)
 
 
 def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.Path, train_tasks,
@@ -169,7 +169,7 @@ def _rl(config: ExperimentConfig, plan: Pipeline, eval_tasks, progress, supervis
 
         curve = [point(0.0)]
         addresses = Addresses(buffer=buffer.address, reward="", rollout=rollout.address)  # no reward service
-        runner_cfg, trainer_cfg = agentic_configs(config, addresses, plan.policy_dir, run_dir)
+        runner_cfg, trainer_cfg = agentic_configs(config, plan, addresses)
         started = time.monotonic()
         supervisor.add(launcher.process("trainer", ["-m", "trainer", "--config",
                                                     str(write_yaml(run_dir / "trainer.yaml", trainer_cfg))],

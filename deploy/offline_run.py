@@ -78,18 +78,21 @@ def sequence_logprobs(model, samples, device) -> list[float]:
     return totals
 
 
-def held_out_figures(policy_dir: pathlib.Path, reference: list[float], samples, beta: float, device) -> dict:
-    """The policy's preference accuracy on the eval pairs `samples` ([chosen, rejected, ...]), and its DPO reward
-    margin and accuracy against the reference's logprobs of the same samples."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(policy_dir).to(device).eval()
-    policy = sequence_logprobs(model, samples, device)
-    pairs = len(samples) // 2
+def held_out_figures(policy: list[float], reference: list[float], beta: float) -> dict:
+    """The preference accuracy on the eval pairs of a policy whose logprobs of their samples ([chosen, rejected, ...])
+    are `policy`, and its DPO reward margin and accuracy against the reference's logprobs of the same samples."""
+    pairs = len(policy) // 2
     margins = [beta * ((policy[2 * i] - reference[2 * i]) - (policy[2 * i + 1] - reference[2 * i + 1]))
                for i in range(pairs)]
     return {"preference_accuracy": sum(policy[2 * i] > policy[2 * i + 1] for i in range(pairs)) / pairs,
             "reward_margin": sum(margins) / pairs, "reward_accuracy": sum(m > 0 for m in margins) / pairs}
+
+
+def folder_logprobs(folder: pathlib.Path, samples, device) -> list[float]:
+    """sequence_logprobs of `samples` under the model saved in `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    return sequence_logprobs(AutoModelForCausalLM.from_pretrained(folder).to(device).eval(), samples, device)
 
 
 def trainer_config(config, run_dir: pathlib.Path, policy_dir: pathlib.Path, export_dir: pathlib.Path):
@@ -121,22 +124,20 @@ def train_offline(config, run_dir: pathlib.Path, policy_dir: pathlib.Path, token
     """The offline run of `config` from `policy_dir` (the start, also the reference) on the pairs of `train_rows`,
     measured on those of `eval_rows`; returns deploy.run_state.Summary (its accuracy fields hold the held-out
     preference accuracy). The trainer resumes from RUN_DIR/checkpoints when a resumed run left one."""
-    from transformers import AutoModelForCausalLM
-
+    from deploy.experiment_plan import add_bos
     from deploy.run_state import Summary
     from services.device import resolve_device
     from trainer.dataset import DatasetSource
     from trainer.loop import train
     from trainer.parallel import init_distributed
 
-    add_bos = config.data.add_bos and not config.data.chat_template
-    samples, held_out = (pair_samples(rows, tokenizer, add_bos) for rows in (train_rows, eval_rows))
+    samples, held_out = (pair_samples(rows, tokenizer, add_bos(config)) for rows in (train_rows, eval_rows))
     export_dir = pathlib.Path(config.checkpoint.export_dir or run_dir / ".model-final")  # measured, then removed
     trainer = trainer_config(config, run_dir, policy_dir, export_dir)
     device = resolve_device(trainer.device)
     beta = config.algorithm.dpo_beta
-    reference = sequence_logprobs(AutoModelForCausalLM.from_pretrained(policy_dir).to(device).eval(), held_out, device)
-    start = held_out_figures(policy_dir, reference, held_out, beta, device)
+    reference = folder_logprobs(policy_dir, held_out, device)
+    start = held_out_figures(reference, reference, beta)  # the policy starts as its reference
     curve = [_point(progress, 0.0, 0, start)]
     stop = threading.Event()
     timer = threading.Timer(config.training.time_budget_s, stop.set)
@@ -151,7 +152,7 @@ def train_offline(config, run_dir: pathlib.Path, policy_dir: pathlib.Path, token
         finally:
             timer.cancel()
     seconds = time.monotonic() - began
-    end = held_out_figures(export_dir, reference, held_out, beta, device)
+    end = held_out_figures(folder_logprobs(export_dir, held_out, device), reference, beta)
     curve.append(_point(progress, seconds, state.step, end))
     if config.checkpoint.export_dir:
         progress.note(f"exported the weights of step {state.step} to {export_dir}")

@@ -72,7 +72,8 @@ def test_the_plan_carries_the_experiment_fields_to_the_runner_and_the_trainer(tm
         "services.rollout.settings={engine.torch_threads: 2}", "services.buffer.settings={fsync: never}",
         "services.trainer.settings={num_threads: 3}", "seed=7"])
     run_dir, policy = tmp_path / "run", tmp_path / "model-sft"
-    runner, trainer = agentic_configs(config, Addresses(buffer="b:1", reward="", rollout="router:3"), policy, run_dir)
+    plan = agentic_plan(config, run_dir, policy)
+    runner, trainer = agentic_configs(config, plan, Addresses(buffer="b:1", reward="", rollout="router:3"))
     assert runner["rollout"] == "router:3" and runner["buffer"] == "b:1" and runner["env"] == "tool_use"
     assert runner["env_config"]["num_eval"] == 100 and runner["seed"] == 7
     assert (runner["group_size"], runner["groups_per_batch"], runner["max_staleness"]) == (4, 6, 2)
@@ -89,15 +90,14 @@ def test_the_plan_carries_the_experiment_fields_to_the_runner_and_the_trainer(tm
     assert trainer["publish"]["receivers_from"] == "router:3" and trainer["publish"]["overlap"] is False
     assert trainer["num_threads"] == 3 and trainer["buffer"]["address"] == "b:1"
     assert trainer["algorithm"]["name"] == "grpo" and trainer["algorithm"]["off_policy"] == "bypass"
-    plan = agentic_plan(config, run_dir, policy)
     assert buffer_overrides(plan)["capacity"] == 7 * 24 and buffer_overrides(plan)["fsync"] == "never"
     assert rollout_overrides(plan)["engine.torch_threads"] == 2 and plan.rl.rollout_replicas == 2
     # off_policy: bypass only when generation may run ahead and the file does not choose
     on_policy = load_experiment(EXAMPLES / "tool_use.yaml", [f"run_dir={run_dir}", "training.max_staleness=0"])
     chosen = load_experiment(EXAMPLES / "tool_use.yaml", [f"run_dir={run_dir}", "algorithm.off_policy=tis"])
     for other, expected in ((on_policy, "none"), (chosen, "tis")):
-        assert agentic_configs(other, Addresses("b:1", "", "r:2"), policy, run_dir)[1]["algorithm"]["off_policy"] == \
-            expected
+        other_plan = agentic_plan(other, run_dir, policy)
+        assert agentic_configs(other, other_plan, Addresses("b:1", "", "r:2"))[1]["algorithm"]["off_policy"] == expected
 
 
 def test_resume_or_ray_of_an_env_run_is_refused_with_a_reason(tmp_path, capsys):
