@@ -146,8 +146,11 @@ def test_an_experiment_with_two_reward_replicas_runs_through_a_killed_one(tmp_pa
     from deploy.status import poll, run_targets
 
     run_dir = tmp_path / "run"
-    config = load_experiment(write_project(tmp_path / "project", run_dir, time_budget_s=45, max_steps=1000),
-                             ["services.reward.replicas=2"])
+    # The budget alone ends RL (1,000 steps took 32 s on CI's machine), at the learning rate that learns on every
+    # run: at 3e-3 four runs ended at held-out 0.94, 0.71, 0.71 and, on CI, 0.0 (the policy collapsed onto wrong
+    # answers; best 0.31); at 1e-3 two ended at 1.0.
+    project = write_project(tmp_path / "project", run_dir, time_budget_s=45, max_steps=None, lr=1e-3)
+    config = load_experiment(project, ["services.reward.replicas=2"])
     out, ended = io.StringIO(), {}
     thread = threading.Thread(target=lambda: ended.update(
         summary=run_experiment(config, console=Console(file=out, width=200))))
@@ -176,7 +179,7 @@ def test_an_experiment_with_two_reward_replicas_runs_through_a_killed_one(tmp_pa
     assert target_addresses(driver["reward"]) == [replicas()[name].address for name in ("reward-1", "reward-2")]
     stats = [json.loads(line) for line in (run_dir / "driver_stats.jsonl").read_text().splitlines()]
     assert stats[-1]["samples"] > 0 and stats[-1]["failed"] == 0, stats[-1]
-    assert summary.steps >= 5 and summary.final_accuracy > 0
+    assert summary.steps >= 5 and summary.final_accuracy > summary.sft_accuracy + 0.2, summary
     print(f"scored by reward-1 / reward-2 before the kill: {scored_before_kill}; steps {summary.steps}, samples "
           f"{stats[-1]['samples']}, failed {stats[-1]['failed']}, driver retries {stats[-1]['retries']}, held-out "
           f"{summary.sft_accuracy:.3f} -> {summary.final_accuracy:.3f}")
