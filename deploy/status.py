@@ -114,8 +114,9 @@ _PROBES = {("relayrl.buffer.v1.Buffer", "Stats"), ("relayrl.rollout.v1.Rollout",
 
 
 def _from_metrics(poll: Poll, samples: dict[tuple[str, tuple], float]) -> None:
-    """Fill what the Prometheus page says. Errors are RPCs that ended with a status other than OK, health
-    checks and reflection (grpc.* services) left out; the rpcs rate also leaves out the stats calls of _PROBES."""
+    """Fill what the Prometheus page says. Errors are RPCs that ended with a status other than OK or CANCELLED (a
+    call its client hung up on, as a trainer ends its Pull stream), health checks and reflection (grpc.* services)
+    left out; the rpcs rate also leaves out the stats calls of _PROBES."""
     errors: dict[str, int] = {}
     rpcs = 0.0
     for (name, labels), value in samples.items():
@@ -124,7 +125,7 @@ def _from_metrics(poll: Poll, samples: dict[tuple[str, tuple], float]) -> None:
             continue
         if (labels["service"], labels["method"]) not in _PROBES:
             rpcs += value
-        if labels["code"] != "OK":
+        if labels["code"] not in ("OK", "CANCELLED"):
             errors[labels["code"]] = errors.get(labels["code"], 0) + int(value)
     poll.errors = errors
     poll.counters["rpcs"] = rpcs

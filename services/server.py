@@ -1,5 +1,6 @@
 """create_server: a grpc.aio server with health, reflection, auth, metrics and message limits."""
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -25,10 +26,11 @@ log = logging.getLogger(__name__)
 Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 
 
-def _status_name(context: grpc.aio.ServicerContext, failed: bool) -> str:
+def _status_name(context: grpc.aio.ServicerContext, ended: str) -> str:
+    """The call's status code: the one the handler set, else how it ended (OK, UNKNOWN or CANCELLED)."""
     code = context.code()
     if code is None:
-        return "UNKNOWN" if failed else "OK"
+        return ended
     return code.name if isinstance(code, grpc.StatusCode) else grpc.StatusCode(code).name
 
 
@@ -97,7 +99,7 @@ async def _observed(method: str, context: grpc.aio.ServicerContext, denied: Deni
     """Around every handler: refuse a denied call, map CodecError to INVALID_ARGUMENT, count and time it."""
     service, name = split_method(method)
     RPC_STARTED.labels(service, name).inc()
-    start, failed = time.perf_counter(), False
+    start, ended = time.perf_counter(), "OK"
     try:
         if denied is not None:
             await context.abort(denied.code, str(denied))
@@ -106,12 +108,15 @@ async def _observed(method: str, context: grpc.aio.ServicerContext, denied: Deni
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except grpc.aio.AbortError:
         raise
+    except (asyncio.CancelledError, GeneratorExit):  # the client cancelled (a trainer's Pull stream ends so)
+        ended = "CANCELLED"
+        raise
     except BaseException:
-        failed = True
+        ended = "UNKNOWN"
         raise
     finally:
         RPC_LATENCY.labels(service, name).observe(time.perf_counter() - start)
-        RPC_HANDLED.labels(service, name, _status_name(context, failed)).inc()
+        RPC_HANDLED.labels(service, name, _status_name(context, ended)).inc()
 
 
 def _wrap_unary(behavior, method: str, denied: Denied | None, request_streaming: bool):

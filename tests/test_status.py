@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -66,9 +67,9 @@ def test_status_reads_every_field_of_every_service(run):
         buffer.SetVersion(buffer_pb2.SetVersionRequest(version=3), timeout=10)
         buffer.Put(buffer_pb2.PutRequest(samples=[sample_proto(f"s{i}", version=3) for i in range(6)]), timeout=10)
         buffer.Put(buffer_pb2.PutRequest(samples=[sample_proto("old", version=0)]), timeout=10)  # 3 behind: stale
-        batches = buffer.Pull(buffer_pb2.PullRequest(batch_size=2, max_batches=1, allow_partial_groups=True),
-                              timeout=10)
-        assert len(next(iter(batches)).samples) == 2
+        batches = list(buffer.Pull(buffer_pb2.PullRequest(batch_size=2, max_batches=1, allow_partial_groups=True),
+                                   timeout=10))  # read to its end: a stream left open is the client's cancel
+        assert [len(batch.samples) for batch in batches] == [2]
     generate(services["rollout"].address, tokens=16)
     with connect_sync(services["rollout"].address) as channel, pytest.raises(grpc.RpcError):
         rollout_pb2_grpc.RolloutStub(channel).Generate(rollout_pb2.GenerateRequest(), timeout=10)  # no prompt
@@ -92,6 +93,29 @@ def test_status_reads_every_field_of_every_service(run):
     reward = rows["reward"]
     assert reward.weight_version is None and reward.queue == {} and reward.errors == {"total": 0, "by_code": {}}
     assert reward.throughput == {"rpcs": 0.0, "scored": 0.0}
+
+
+def test_a_pull_stream_its_client_cancels_is_counted_cancelled_not_an_error(run):
+    """A trainer pulls with max_batches 0 (until it cancels) and hangs up when it stops: the buffer counted that as
+    UNKNOWN, an error in `relayrl status` (and a flake of the test above, whose stream was closed unread)."""
+    _, services = run
+    buffer_service = services["buffer"]
+    with connect_sync(buffer_service.address) as channel:
+        buffer = buffer_pb2_grpc.BufferStub(channel)
+        buffer.Put(buffer_pb2.PutRequest(samples=[sample_proto(f"s{i}") for i in range(2)]), timeout=10)
+        stream = buffer.Pull(buffer_pb2.PullRequest(batch_size=2, max_batches=0, allow_partial_groups=True),
+                             timeout=30)
+        assert len(next(stream).samples) == 2
+        stream.cancel()  # the server is waiting for a second batch
+    page = f"http://127.0.0.1:{buffer_service.metrics_port}/metrics"
+    handled = 'relayrl_rpc_handled_total{code="%s",method="Pull",service="relayrl.buffer.v1.Buffer"}'
+    deadline = time.monotonic() + 30
+    while handled % "CANCELLED" not in (text := urllib.request.urlopen(page, timeout=10).read().decode()):
+        assert time.monotonic() < deadline, [line for line in text.splitlines() if "handled_total" in line]
+        time.sleep(0.1)
+    assert handled % "UNKNOWN" not in text
+    target = Target("buffer", buffer_service.address, "buffer", buffer_service.metrics_port)
+    assert StatusPoller(lambda: [target]).refresh()[0].errors == {"total": 0, "by_code": {}}
 
 
 def test_relayrl_status_of_a_run_folder_prints_one_json_object(run):
