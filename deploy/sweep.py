@@ -27,7 +27,7 @@ import yaml
 from rich.console import Console
 
 from deploy.run_state import SUMMARY_FILE
-from deploy.sweep_config import Sweep, load_sweep
+from deploy.sweep_config import WARMUP_INPUTS, Sweep, load_sweep
 from deploy.sweep_report import report, trial_dir
 from deploy.sweep_trial import TrialProcess
 
@@ -134,7 +134,7 @@ def shared_warmup(sweep: Sweep, console: Console) -> pathlib.Path | None:
     if sweep.config.warmup != "shared" or not config.sft.steps:
         return None
     folder, stamp = sweep.dir / "model-sft", sweep.dir / WARMUP_FILE
-    made_from = config.model_dump(mode="json", include={"seed", "model", "data", "sft"})
+    made_from = config.model_dump(mode="json", include=set(WARMUP_INPUTS))
     if whole_model(folder) and stamp.is_file() and json.loads(stamp.read_text()) == made_from:
         console.print(f"the shared SFT warm-up in {folder} is whole: every trial starts RL from it")
         return folder
@@ -150,9 +150,15 @@ def shared_warmup(sweep: Sweep, console: Console) -> pathlib.Path | None:
     stamp.unlink(missing_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
     model_dir = base_model(config, sweep.dir, resume=False)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_rows, _ = experiment_data.split(config.data, tokenizer, config.seed)
-    warm_up(config, model_dir, sweep.dir, tokenizer, train_rows, Progress(sweep.dir, console), resume=False)
+    if config.env is not None:  # an environment's experiment warms up on its scripted player's transcripts
+        from deploy import agentic
+
+        train_tasks, _ = agentic.env_tasks(config)
+        agentic.warm_up(config, model_dir, sweep.dir, train_tasks, Progress(sweep.dir, console))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        train_rows, _ = experiment_data.split(config.data, tokenizer, config.seed)
+        warm_up(config, model_dir, sweep.dir, tokenizer, train_rows, Progress(sweep.dir, console), resume=False)
     stamp.write_text(json.dumps(made_from, indent=1) + "\n")
     return folder
 

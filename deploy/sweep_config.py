@@ -26,7 +26,7 @@ from services.config import ConfigError, Strict, apply_override, load_config
 
 QUICKSTART = "quickstart"
 # Field paths a shared warm-up depends on: a parameter among them needs `warmup: per_trial`.
-WARMUP_INPUTS = ("seed", "model", "data", "sft")
+WARMUP_INPUTS = ("seed", "model", "data", "env", "sft")
 NOT_SEARCHABLE = ("job", "run_dir")
 
 

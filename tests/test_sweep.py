@@ -249,3 +249,29 @@ def test_parameters_valid_alone_but_not_together_fail_their_trial_and_the_sweep_
     [failed] = study.get_trials()
     assert failed.state == optuna.trial.TrialState.FAIL and "mini_batches" in failed.user_attrs["failed"]
     assert counted(study) == 1 and not (sweep.dir / "trial-0.yaml").exists()
+
+
+def test_a_shared_warmup_of_an_environments_experiment_is_made_once_from_its_transcripts(tmp_path):
+    """An experiment with `env` has no data: its shared warm-up is the one its runs make (the scripted player's
+    transcripts); it failed reading `data` before. A parameter of the environment changes that warm-up."""
+    import io
+
+    from rich.console import Console
+
+    from deploy.run_state import whole_model
+    from deploy.sweep import shared_warmup
+
+    experiment = yaml.safe_load((ROOT / "examples" / "agentic" / "guess_number.yaml").read_text())
+    experiment["sft"] = {"steps": 3, "batch_size": 4, "lr": 1.0e-3, "transcripts": 40, "skill": 0.0}
+    (tmp_path / "guess_number.yaml").write_text(yaml.safe_dump(experiment))
+    space = {"training.lr": SPACE["training.lr"]}
+    sweep = load_sweep(_sweep_file(tmp_path, "guess_number.yaml", params=space))
+    out = io.StringIO()
+    folder = shared_warmup(sweep, Console(file=out, width=200))
+    assert folder == sweep.dir / "model-sft" and whole_model(folder), out.getvalue()
+    assert "guess_number transcripts" in out.getvalue()
+    assert shared_warmup(sweep, Console(file=out, width=200)) == folder and "is whole" in out.getvalue()
+    assert sweep.experiment({}, tmp_path / "t", warmed=folder).model.path == str(folder)
+    with pytest.raises(ValueError, match="env.config.max_number change the SFT warm-up"):
+        load_sweep(_sweep_file(tmp_path, "guess_number.yaml",
+                               params={"env.config.max_number": {"type": "int", "low": 7, "high": 15}}))
