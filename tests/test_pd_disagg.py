@@ -65,6 +65,9 @@ def test_split_equals_monolithic_over_a_mixed_batch(cluster):
         for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(tokens_and_logprobs(a), tokens_and_logprobs(b)):
             assert tokens_a == tokens_b and len(tokens_a) == request.params.max_tokens
             assert max(abs(x - y) for x, y in zip(logprobs_a, logprobs_b)) < 1e-5
+        # how old the KV each completion was sampled on: the decode worker's answer said nothing of it
+        assert all(c.HasField("kv_version") for c in b.completions)
+        assert [c.kv_version for c in b.completions] == [c.kv_version for c in a.completions] == [0] * len(a.completions)
 
     async def stream():  # GenerateStream through the router: the same tokens, the first ones included
         async with connect(cluster["router"].address) as channel:
@@ -72,6 +75,8 @@ def test_split_equals_monolithic_over_a_mixed_batch(cluster):
         by_index: dict[int, list[int]] = {}
         for chunk in chunks:
             by_index.setdefault(chunk.index, []).extend(decode_array(chunk.token_ids).tolist())
+        last = {chunk.index: chunk for chunk in chunks}
+        assert all(chunk.HasField("kv_version") and chunk.kv_version == 0 for chunk in last.values())
         return [by_index[i] for i in sorted(by_index)]
 
     assert asyncio.run(stream()) == [tokens for tokens, _ in tokens_and_logprobs(mono[1])]
@@ -225,6 +230,7 @@ def test_a_trainer_publish_reaches_prefill_and_decode_workers_and_the_split_foll
                 assert max(abs(x - y) for x, y in zip(logprobs_a, logprobs_b)) < 1e-5
                 changed += max(abs(x - y) for x, y in zip(logprobs_a, logprobs_old)) > 1e-3
             assert {int(v) for c in b.completions for v in decode_array(c.weight_versions)} == {1}
+            assert [c.kv_version for c in b.completions] == [1] * len(b.completions)
         assert changed >= 5  # the new weights are served, not the old ones
     finally:
         for service in (router, decoder, prefill_worker, mono):

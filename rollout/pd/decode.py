@@ -39,7 +39,7 @@ from rollout.engine.sampling_params import SamplingParams
 from rollout.engines.settings import NativeSettings
 from rollout.pd.kv_group import KVGroup, KVGroupConfig, KVGroupError
 from rollout.serve.service import RolloutServicer
-from rollout.serve.wire import FINISH_REASONS, REFUSAL_CODES
+from rollout.serve.wire import REFUSAL_CODES, generate_chunk
 from services.config import ClientConfig, ServerConfig, Strict
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class DecodeServicer(RolloutServicer):
             done.token_ids += delta.token_ids
             done.logprobs += delta.logprobs
             done.weight_versions += delta.weight_versions
-            done.finish_reason = delta.finish_reason
+            done.finish_reason, done.kv_version = delta.finish_reason, delta.kv_version
         return completions
 
     async def Continue(self, request_iterator, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
@@ -170,12 +170,8 @@ class DecodeServicer(RolloutServicer):
             transfer = await asyncio.to_thread(self._unpack, chunks)
             request = transfer.request
             async for delta in self._import(transfer, time.monotonic() + self.import_wait_s):
-                yield rollout_pb2.GenerateChunk(
-                    request_id=request.request_id, index=delta.index,
-                    token_ids=encode_array(delta.token_ids, "int32"),
-                    logprobs=encode_array(delta.logprobs if request.params.logprobs else [], "float32"),
-                    weight_versions=encode_array(delta.weight_versions, "int64"),
-                    finish_reason=FINISH_REASONS[delta.finish_reason], text=self.decode_text(delta.token_ids))
+                yield generate_chunk(request.request_id, delta, request.params.logprobs,
+                                     self.decode_text(delta.token_ids))
         except (*_REFUSALS, EngineDead) as exc:  # EngineDead: UNAVAILABLE
             await self._refuse(context, exc)
 
