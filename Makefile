@@ -34,7 +34,7 @@ run: $(STAMP)
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 # The algorithm families' learning runs (marker `families`, ~15 minutes) are `make test-families`.
-# The slow ones (marker `slow`: whole jobs end to end, chaos, restarts; ~7 minutes) are `make test-slow`; CI runs both.
+# The slow ones (marker `slow`: whole jobs end to end, chaos, restarts; ~16 minutes) are `make test-slow`; CI runs both.
 test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m "not families and not slow and not vllm and not extended" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
