@@ -1,7 +1,8 @@
 """The Triton paged-attention kernel (rollout/model/attention_triton.py) against the torch path over the same cache.
 
-Without a GPU the kernel runs in Triton's interpreter, which must be on before triton is first imported: this module
-sets TRITON_INTERPRET=1 at import when CUDA is absent (nothing else in the suite imports triton on a CPU machine).
+Without a GPU the kernel runs in Triton's interpreter, which must be on when `@triton.jit` decorates the kernel:
+tests/conftest.py sets TRITON_INTERPRET=1 before any test module when CUDA is absent (torch._dynamo, which FSDP and
+DCP import, imports triton itself), and this module checks the kernel it got is the interpreted one.
 With a GPU the same tests run the compiled kernel on CUDA. Each case builds one cache (float, int8 or int4; the
 quantized one holds closed blocks and open float blocks, as the engine leaves it) with sequences of mixed lengths:
 decodes, prefill chunks after a cached context, a whole prefill, blocks scattered through the pool; and compares
@@ -14,13 +15,18 @@ import sys
 import pytest
 import torch
 
-_TRITON_BEFORE = "triton" in sys.modules
+_KERNEL_BEFORE = "rollout.model.attention_triton" in sys.modules
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-if not torch.cuda.is_available() and (_TRITON_BEFORE or os.environ["TRITON_INTERPRET"] != "1"):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this module on its own",
-                allow_module_level=True)
+if not torch.cuda.is_available():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from rollout.model import attention_triton
+
+    assert isinstance(attention_triton._paged_attention, InterpretedFunction), (
+        f"the kernel was decorated without TRITON_INTERPRET=1 (imported before this module: {_KERNEL_BEFORE}; "
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}): tests/conftest.py sets it first")
 
 from rollout.config import EngineConfig  # after the interpreter is switched on
 from rollout.engine.llm_engine import LLMEngine
