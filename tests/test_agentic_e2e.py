@@ -122,8 +122,15 @@ def test_the_environment_runner_spreads_sessions_over_rollout_replicas(tmp_path)
             time.sleep(0.5)
         registry = json.loads((run_dir / "services.json").read_text())
         tokens = {name: generated(registry[name]["metrics_port"]) for name in ("rollout-1", "rollout-2")}
+        # The router reads each replica's weight version every 0.5 s (router.poll_s), and three steps can take less
+        # (3 steps in 0.3 s on CI, listed at version 0): read its list until both say they were updated.
         with grpc.insecure_channel(registry["rollout"]["address"]) as channel:
-            listed = router_pb2_grpc.ReplicasStub(channel).ListReplicas(router_pb2.ListReplicasRequest(), timeout=30)
+            stub, deadline = router_pb2_grpc.ReplicasStub(channel), time.monotonic() + 30
+            while True:
+                listed = stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=30)
+                if all(info.weight_version >= 1 for info in listed.replicas) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
     finally:
         thread.join(300)
     assert "summary" in ended and ended["summary"].steps >= 3 and ended["summary"].restarts == {}

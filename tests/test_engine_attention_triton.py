@@ -1,8 +1,10 @@
 """The Triton paged-attention kernel (rollout/model/attention_triton.py) against the torch path over the same cache.
 
-Without a GPU the kernel runs in Triton's interpreter, which must be on when `@triton.jit` decorates the kernel:
-tests/conftest.py sets TRITON_INTERPRET=1 before any test module when CUDA is absent (torch._dynamo, which FSDP and
-DCP import, imports triton itself), and this module checks the kernel it got is the interpreted one.
+Without a GPU the kernel runs in Triton's interpreter, which must be on when `@triton.jit` decorates the kernel (not
+when triton is imported: torch._dynamo, which FSDP and DCP import, imports triton in any full run). This module turns
+TRITON_INTERPRET=1 on for that import and for its own tests only: left on for the whole session, every process the
+later tests start inherits it, and torchrun ranks importing triton in its interpreter mode aborted at exit ("terminate
+called without an active exception", 2 of 10 runs of tests/test_trainer_parallel.py's job; 0 of 20 without it).
 With a GPU the same tests run the compiled kernel on CUDA. Each case builds one cache (float, int8 or int4; the
 quantized one holds closed blocks and open float blocks, as the engine leaves it) with sequences of mixed lengths:
 decodes, prefill chunks after a cached context, a whole prefill, blocks scattered through the pool; and compares
@@ -15,18 +17,31 @@ import sys
 import pytest
 import torch
 
-_KERNEL_BEFORE = "rollout.model.attention_triton" in sys.modules
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = not torch.cuda.is_available()
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-if not torch.cuda.is_available():
-    from triton.runtime.interpreter import InterpretedFunction
+if INTERPRET:
+    _KERNEL_BEFORE = "rollout.model.attention_triton" in sys.modules
+    _SET_BEFORE = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
 
-    from rollout.model import attention_triton
-
+        from rollout.model import attention_triton
+    finally:
+        if _SET_BEFORE is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _SET_BEFORE
     assert isinstance(attention_triton._paged_attention, InterpretedFunction), (
-        f"the kernel was decorated without TRITON_INTERPRET=1 (imported before this module: {_KERNEL_BEFORE}; "
-        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}): tests/conftest.py sets it first")
+        f"the kernel was decorated without TRITON_INTERPRET=1 (its module was imported before this one: "
+        f"{_KERNEL_BEFORE}): nothing else in the suite may import rollout.model.attention_triton on a CPU machine")
+
+
+@pytest.fixture(autouse=True)
+def interpreter_on(monkeypatch):
+    """TRITON_INTERPRET=1 while this module's tests run (the engine's config reads it to accept the kernel on CPU)."""
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 from rollout.config import EngineConfig  # after the interpreter is switched on
 from rollout.engine.llm_engine import LLMEngine
