@@ -212,6 +212,30 @@ def test_a_lost_lease_is_redelivered_and_acked_without_training_again(tmp_path, 
     assert (after.acked, after.pending, after.leased, after.redelivered) == (BATCH, 0, 0, BATCH)
 
 
+def test_ctrl_c_does_not_wait_for_acks_retrying_against_a_stopped_buffer(tmp_path, service_factory):
+    """Ctrl-C stops every process of a run at once: the trainer's last acks then retried against the stopped buffer
+    (UNAVAILABLE, up to retry_deadline_s) while its exit waited for them, past the run's 15 s (test_quickstart_experiment's
+    Ctrl-C test). train() closes the book without waiting on KeyboardInterrupt; the lease is simply redelivered."""
+    from trainer.buffer_client import BufferClient
+    from trainer.config.buffer import BufferClientConfig
+    from trainer.leases import LeaseBook
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    put(buffer.address, make_samples(BATCH))
+    client = BufferClient(BufferClientConfig(address=buffer.address, max_wait_s=10, retry_deadline_s=60))
+    book = LeaseBook(client, interval_s=60, ack_on_checkpoint=False)
+    try:
+        work = book.work(book.pull(BATCH))
+        buffer.stop(timeout=10)
+        book.consumed(work, trainer_version=1)  # its ack now retries on the book's call thread
+        time.sleep(0.5)
+        started = time.monotonic()
+        book.close(wait=False)
+        assert time.monotonic() - started < 1.0
+    finally:
+        client.close()
+
+
 def test_batches_trained_when_the_buffer_restarts_come_back_and_are_acked_without_training(
     tmp_path, service_factory, free_port
 ):

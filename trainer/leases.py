@@ -125,9 +125,12 @@ class LeaseCalls:
         if self._error is not None:
             raise RuntimeError("a lease call to the buffer failed") from self._error
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread after the calls submitted; `wait=False` returns at once (the daemon thread is left to its
+        call, which may be retrying against a buffer that is gone)."""
         self._queue.put(None)
-        self._thread.join(timeout=60)
+        if wait:
+            self._thread.join(timeout=60)
 
     def _run(self) -> None:
         while (call := self._queue.get()) is not None:
@@ -181,9 +184,10 @@ class LeaseKeeper:
         if self._error is not None:
             raise RuntimeError("the lease heartbeat failed") from self._error
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.interval_s + 1)
+        if wait:
+            self._thread.join(timeout=self.interval_s + 1)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -270,13 +274,16 @@ class LeaseBook:
         for lease_id in leases:
             self.calls.submit(lambda lease_id=lease_id: self._ack(lease_id, trainer_version))
 
-    def close(self) -> None:
-        """Finish the calls submitted (acks of the last checkpoint) and stop the threads."""
+    def close(self, wait: bool = True) -> None:
+        """Finish the calls submitted (acks of the last checkpoint) and stop the threads. `wait=False` (Ctrl-C) waits
+        for none of it: an ack not sent leaves its lease to be redelivered, and the checkpoint's ledger acks its
+        samples without training them again."""
         try:
-            self.calls.flush()
+            if wait:
+                self.calls.flush()
         finally:
-            self.calls.close()
-            self.keeper.close()
+            self.calls.close(wait)
+            self.keeper.close(wait)
 
     def _ack(self, lease_id: str, trainer_version: int) -> None:
         self.keeper.drop(lease_id)

@@ -104,11 +104,15 @@ def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publi
     if env.is_main:
         book = LeaseBook(source, config.buffer.heartbeat_interval_s, ack_on_checkpoint=config.checkpoint.dir is not None,
                          ledger=state.extra.get(LEDGER_KEY))
+    interrupted = False
     try:
         return _train(config, env, learner, state, book, publish, stop)
+    except KeyboardInterrupt:  # Ctrl-C: stop now; acks retrying against a buffer already stopped held it 20 s
+        interrupted = True
+        raise
     finally:
         if book is not None:
-            book.close()
+            book.close(wait=not interrupted)
 
 
 def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainState, book: LeaseBook | None,
