@@ -7,7 +7,7 @@ fraction (time waiting for a batch / step time, from trainer_metrics.jsonl: `pul
 to reach a fixed held-out success rate, and the final success rate; each against staleness 0 measured in
 the same invocation. Off-policy correction (bypass: the PPO ratio against the rollout's logprobs, clipped) is
 on whenever max_staleness > 0, and the runner keeps (max_staleness + 1) batches of groups in flight, so
-admission control alone bounds them (deploy/agentic.py: an experiment file with `env`).
+admission control alone bounds them (deploy/runs/agentic.py: an experiment file with `env`).
 
 The SFT checkpoint is built once (by the first run) and every later run starts from it.
 
@@ -86,10 +86,10 @@ def time_to(curve: list[dict], target: float) -> float | None:
 
 
 def run(staleness: int, args, start_checkpoint: str | None, out: pathlib.Path):
-    """One run of the experiment file at `staleness` (deploy.run_state.Summary: its accuracy fields hold the held-out
+    """One run of the experiment file at `staleness` (deploy.record.run_state.Summary: its accuracy fields hold the held-out
     success rate), from `start_checkpoint` (a Hugging Face folder: no SFT) when given."""
-    from deploy.agentic import run_agentic
-    from deploy.experiment import load_experiment
+    from deploy.experiment.schema import load_experiment
+    from deploy.runs.agentic import run_agentic
 
     threads = args.sync_trainer_threads if staleness == 0 else args.async_trainer_threads
     overrides = [f"seed={args.seed}", f"run_dir={out / f'staleness-{staleness}'}",

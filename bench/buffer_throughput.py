@@ -189,7 +189,7 @@ def main() -> None:
     if args.relay:
         serve_relay(args.relay)
         return
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     repeats = args.repeats or (1 if args.quick else 5)
     sizes = {1024: 800 if args.quick else 4000, 8192: 160 if args.quick else 800}

@@ -3,7 +3,7 @@ wire) against the uncompressed cache, sequences that fit a fixed KV budget, gree
 difference| and KL against the uncompressed cache, and task accuracy on the quickstart's held-out set.
 
 Model: the quickstart's (tiny Qwen2: hidden 128, 2 layers, 2 kv heads, head_dim 32, float32), its project written
-(deploy/quickstart_project.py) and SFT-warmed exactly as its experiment file does (deploy/experiment_run.py `warm_up`:
+(deploy/experiment/quickstart.py) and SFT-warmed exactly as its experiment file does (deploy/runs/experiment_run.py `warm_up`:
 450 steps of batch 64, lr 1e-3; --sft-steps), kept in --model-dir and reused by later runs (building it takes ~40 s
 here). Prompts: the quickstart's 200 held-out 2-digit additions (the project's eval.jsonl, seed 0), never trained on.
 
@@ -37,12 +37,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
-from deploy import experiment_data
-from deploy.experiment import load_experiment
-from deploy.experiment_plan import base_model
-from deploy.experiment_run import warm_up
-from deploy.progress import Progress
-from deploy.quickstart_project import write_project
+from deploy.experiment import data as experiment_data
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
+from deploy.record.progress import Progress
+from deploy.rl.plan import base_model
+from deploy.runs.experiment_run import warm_up
 from reward.match import extract_answer, normalize
 from rollout.config import EngineConfig
 from rollout.engine.llm_engine import LLMEngine
@@ -97,7 +97,7 @@ class ForcedSampler:
 
 def trained_model(model_dir: pathlib.Path, sft_steps: int) -> tuple[pathlib.Path, list]:
     """The quickstart's model after `sft_steps` of its SFT warm-up, made once in model_dir, and its held-out rows
-    (deploy.experiment_data.PromptRow)."""
+    (deploy.experiment.data.PromptRow)."""
     from transformers import AutoTokenizer
 
     config = load_experiment(write_project(model_dir / "project"), [f"sft.steps={sft_steps}"])

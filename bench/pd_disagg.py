@@ -103,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and concurrencies (under a minute)")
     args = parser.parse_args()
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     concurrencies = [1, 4] if args.quick else [1, 4, 16]
     count = 8 if args.quick else 32

@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds, groups = (2, 16) if args.quick else (args.rounds, args.groups)
 
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
     from rollout.model.tiny import write_tiny_model
 
     folder = pathlib.Path(tempfile.mkdtemp(prefix="relayrl-bench-replicas-"))

@@ -4,7 +4,7 @@ Workload (the quickstart's): tiny Qwen2 (hidden 128, 2 layers, 4 heads / 2 kv he
 char vocabulary), float32, CPU; 2-digit addition prompts ("12+34=" plus bos, 7 tokens);
 n=8 completions per request, up to 4 new tokens, temperature 1, logprobs on.
 
-- service: the rollout service as its own process (`deploy.launcher.start_service`, 1 torch
+- service: the rollout service as its own process (`deploy.local.service_process.start_service`, 1 torch
   thread), driven over gRPC by `--concurrency` unary `Generate` calls in flight, as the driver does.
   Cost = the server process's CPU time (read from the OS) per completion, and wall time.
 - engine: the same requests through `LLMEngine.generate` in this process (no gRPC), 8 at a time.
@@ -113,7 +113,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     workdir = tempfile.mkdtemp(prefix="bench-rollout-small-")
     folder = write_tiny_model(f"{workdir}/model", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

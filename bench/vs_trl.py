@@ -195,7 +195,7 @@ def run_trl(args: argparse.Namespace, start: Path, workdir: Path, threads: int) 
 
 def run_relayrl(args: argparse.Namespace, start: Path, workdir: Path) -> Run:
     out = workdir / "relayrl.json"
-    overrides = {  # the quickstart experiment's fields (deploy/quickstart_experiment.yaml)
+    overrides = {  # the quickstart experiment's fields (deploy/experiment/quickstart_experiment.yaml)
         "run_dir": workdir / "relayrl",
         "model.path": start,
         "sft.steps": 0,

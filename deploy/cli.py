@@ -62,15 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--token", help="bearer token (default, for a RUN_DIR: as the run reached each service)")
     status.add_argument("--ca-cert", help="CA PEM to verify the servers (TLS; default, for a RUN_DIR: the run's)")
 
-    run = sub.add_parser("run", help="an experiment file (your model, data and reward: deploy/experiment.py); "
+    run = sub.add_parser("run", help="an experiment file (your model, data and reward: deploy/experiment/schema.py); "
                          "without one, the quickstart: its project written into runs/quickstart-project, then its "
                          "experiment file run (SFT warm-up, then async GRPO on one machine)")
-    run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment.py documents every field); "
-                     "none = the quickstart's (deploy/quickstart_experiment.yaml)")
+    run.add_argument("experiment", nargs="?", help="EXPERIMENT.yaml (deploy/experiment/schema.py documents every field); "
+                     "none = the quickstart's (deploy/experiment/quickstart_experiment.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     run.add_argument("--ray", metavar="ADDRESS", help="with an experiment file (or --resume of its run): place "
                      "each service on its node group of the Ray cluster at ADDRESS (a group's name is the Ray "
-                     "resource marking its nodes; deploy/ray_launcher.py)")
+                     "resource marking its nodes; deploy/cluster/ray_launcher.py)")
     run.add_argument("--resume", metavar="RUN_DIR", help="go on with the run in RUN_DIR where it stopped (its "
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
@@ -91,26 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--port", type=int, default=8600, help="HTTP port (default 8600)")
     view.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                       "only; another address shows the run to whoever reaches it)")
-    sweep = sub.add_parser("sweep", help="hyper-parameter search over an experiment file with Optuna (deploy/sweep.py): "
+    sweep = sub.add_parser("sweep", help="hyper-parameter search over an experiment file with Optuna (deploy/sweep/study.py): "
                            "TPE, pruning on the held-out curve, each trial an ordinary run in SWEEP_DIR/trial-N, a "
                            "results table and plots; running it again resumes it")
-    sweep.add_argument("sweep", help="SWEEP.yaml (deploy/sweep_config.py documents every field)")
+    sweep.add_argument("sweep", help="SWEEP.yaml (deploy/sweep/config.py documents every field)")
     sweep.add_argument("--resume", action="store_true", help="go on with the study in the sweep's folder (an error "
                        "if there is none; without the flag a study there is resumed too, and a new one started "
                        "otherwise)")
     sweep.add_argument("--ray", metavar="ADDRESS", help="each trial places its services on the Ray cluster at "
-                       "ADDRESS (deploy/ray_launcher.py); the sweep file's `parallel` trials side by side")
+                       "ADDRESS (deploy/cluster/ray_launcher.py); the sweep file's `parallel` trials side by side")
 
     deploy = sub.add_parser("deploy", help="an experiment file on node groups: check its placement, render it for "
                             "Kubernetes; scale a live local run's rollout replicas")
     targets = deploy.add_subparsers(dest="target", required=True, metavar="TARGET")
     check = targets.add_parser("check", help="validate the file and print each service's group, replicas, nodes, "
                                "resources and ports as a table; exit 2 naming the problem")
-    k8s = targets.add_parser("k8s", help="render Kubernetes manifests (deploy/k8s.py): a workload and a headless "
+    k8s = targets.add_parser("k8s", help="render Kubernetes manifests (deploy/cluster/k8s.py): a workload and a headless "
                              "Service per service, the trainer as an indexed Job under torchrun, a ConfigMap, Secrets")
     k8s.add_argument("--out", help="write one YAML file per object into this folder (else all to stdout)")
     scale = targets.add_parser("scale", help="change how many replicas of a service a live local run has "
-                               "(deploy/scale.py): new rollout replicas get the current weights before traffic, "
+                               "(deploy/local/scale.py): new rollout replicas get the current weights before traffic, "
                                "removed ones drain first")
     scale.add_argument("service", choices=["rollout"])
     scale.add_argument("replicas", type=int, help="replicas wanted")
@@ -167,7 +167,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from deploy.status_table import status
+    from deploy.inspect.status_table import status
     from services.config import ClientConfig
 
     try:
@@ -203,15 +203,15 @@ def _run(args: argparse.Namespace) -> int:
             print("relayrl run: --resume goes on with the run's recorded config: give no experiment file or --set "
                   "with it", file=sys.stderr)
             return 2
-        from deploy.resume import main as resume
+        from deploy.runs.resume import main as resume
 
         return resume(args.resume, ray_address=args.ray)
     if args.experiment:
-        from deploy.experiment_run import main as run_experiment
+        from deploy.runs.experiment_run import main as run_experiment
 
         return run_experiment(args.experiment, args.set, ray_address=args.ray)
     # The quickstart: the shipped experiment file, on the project it writes first.
-    from deploy.quickstart_project import main as quickstart
+    from deploy.runs.experiment_run import run_quickstart as quickstart
 
     return quickstart(args.set)
 
@@ -223,36 +223,36 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if args.set:
             print("relayrl doctor: --set overrides an experiment file, not a run folder", file=sys.stderr)
             return 2
-        from deploy.diagnose import main as diagnose_run
+        from deploy.inspect.diagnose import main as diagnose_run
 
         return diagnose_run(args.experiment)
-    from deploy.doctor import main as doctor
+    from deploy.inspect.doctor import main as doctor
 
     return doctor(args.experiment, args.set)
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from deploy.view import main as view
+    from deploy.inspect.view import main as view
 
     return view(args.run_dir, args.host, args.port)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from deploy.sweep import main as sweep
+    from deploy.sweep.study import main as sweep
 
     return sweep(args.sweep, resume=args.resume, ray_address=args.ray)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     if args.target == "scale":
-        from deploy.scale import main as scale
+        from deploy.local.scale import main as scale
 
         return scale(args.service, args.replicas, args.run, args.timeout)
     if args.target == "check":
-        from deploy.placement_table import main as check
+        from deploy.inspect.placement_table import main as check
 
         return check(args.experiment, args.set)
-    from deploy.k8s import main as k8s
+    from deploy.cluster.k8s import main as k8s
 
     return k8s(args.experiment, args.set, args.out)
 

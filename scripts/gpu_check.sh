@@ -12,8 +12,8 @@
 #   gpu-tests     pytest -m gpu over the test files that have gpu tests (two-GPU ones skip on one GPU, saying why)
 #   engine-bench  bench/engine_gpu.py: the native engine against transformers and a launch-free floor (SKIP if absent)
 #   trainer-step  bench/trainer_gpu_step.py: a GRPO step at Qwen2.5-0.5B's shape against a plain torch step
-#   quickstart    the quickstart experiment (its project written into WORK by deploy/quickstart_project.py, its
-#                 deploy/quickstart_experiment.yaml run as `relayrl run FILE`) with the rollout engine and the trainer
+#   quickstart    the quickstart experiment (its project written into WORK by deploy/experiment/quickstart.py, its
+#                 deploy/experiment/quickstart_experiment.yaml run as `relayrl run FILE`) with the rollout engine and the trainer
 #                 on the device, QS_RL_S seconds of RL after its SFT warm-up; PASS when held-out accuracy rose
 # A verdict line reads "verdict: NAME PASS|FAIL|SKIP (why)"; the last line "summary: ...". Exit status 1 when a step
 # failed. Full output of each step in $OUT/NAME.log, the verdicts and result lines in $OUT/summary.txt.
@@ -196,11 +196,11 @@ else QS_RL_S="${QS_RL_S:-60}"; QS_SFT_STEPS="${QS_SFT_STEPS:-450}"; QS_EVAL_S=15
 QS_NEEDS=$(( QS_RL_S + 60 ))  # start-up, the SFT warm-up (on the CPU) and the final evaluation come on top
 QS_BUDGET=$(( QS_RL_S + 180 ))
 cat > "$WORK/quickstart.py" <<'PYEOF'
-# The quickstart's project (deploy/quickstart_project.py: the tiny model, the addition data, the shipped experiment
+# The quickstart's project (deploy/experiment/quickstart.py: the tiny model, the addition data, the shipped experiment
 # file) written into argv[1], then that file run as `relayrl run FILE --set ...` runs it (argv[2:]: the --set's).
 import pathlib, sys
 from deploy.cli import main
-from deploy.quickstart_project import write_project
+from deploy.experiment.quickstart import write_project
 sys.exit(main(["run", str(write_project(pathlib.Path(sys.argv[1]))), *sys.argv[2:]]))
 PYEOF
 # Exit 0: held-out accuracy rose; 3: it did not (the result line printed either way); 1: no step was taken.

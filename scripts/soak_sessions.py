@@ -106,7 +106,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
     args = parser.parse_args()
 
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
     from rollout.model.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="relayrl-soak-") as tmp:

@@ -1,4 +1,4 @@
-"""Deterministic runs (`deterministic: true` in an experiment file, deploy/experiment.py): what every process of one
+"""Deterministic runs (`deterministic: true` in an experiment file, deploy/experiment/schema.py): what every process of one
 sets in torch, and the order a batch's samples are trained in.
 
 A run is reproducible when nothing in it depends on timing: each completion is sampled from a seed derived from

@@ -1,4 +1,4 @@
-"""Runs broken on purpose, for `relayrl doctor RUN_DIR` (deploy/diagnose.py): each a real `relayrl run` of the user
+"""Runs broken on purpose, for `relayrl doctor RUN_DIR` (deploy/inspect/diagnose.py): each a real `relayrl run` of the user
 project (tests/user_project.py) with one fault seeded, leaving its run folder as a failed or finished run does.
 
     killed_trainer   the trainer SIGKILLed each time it starts, until its restarts are exhausted (the run fails)
@@ -71,9 +71,9 @@ def kill_each_trainer(run_dir: pathlib.Path, stop: threading.Event, after_s: flo
 
 def broken_run(fault: str, folder: pathlib.Path) -> pathlib.Path:
     """Run the user project in `folder` with `fault` seeded; its run folder (folder/run)."""
-    from deploy.experiment import load_experiment
-    from deploy.experiment_run import run_experiment
-    from deploy.supervisor import RunFailed
+    from deploy.experiment.schema import load_experiment
+    from deploy.local.supervisor import RunFailed
+    from deploy.runs.experiment_run import run_experiment
 
     run_dir = folder / "run"
     project = write_project(folder, run_dir, lr=1e-3, max_steps=100000, time_budget_s=60)

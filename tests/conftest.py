@@ -76,7 +76,7 @@ def sharp_model_dir(tiny_model_dir, tmp_path_factory) -> pathlib.Path:
 @pytest.fixture
 def service_factory(tmp_path):
     """start(name, overrides) -> ServiceProcess; every process started is stopped at teardown."""
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     started = []
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from deploy.offline_run import preference_pair
-from deploy.tasks import Task
+from deploy.experiment.tasks import Task
+from deploy.runs.offline import preference_pair
 from protos.sample import Sample
 
 
@@ -58,7 +58,7 @@ def near_miss(task: Task, rng: random.Random) -> str:
 
 
 def preference_pairs(model, tokenizer, tasks: list[Task], seed: int) -> tuple[list[Sample], list[tuple[Task, str]]]:
-    """DPO data made in code: per task a group of two samples (deploy.offline_run.preference_pair), the correct
+    """DPO data made in code: per task a group of two samples (deploy.runs.offline.preference_pair), the correct
     answer (chosen) against the model's own greedy answer where that is wrong, else a near miss (rejected).
     Returns the samples and each task's rejected answer."""
     rng = random.Random(seed)

@@ -1,4 +1,4 @@
-"""Waiting on a run that a test started in a thread (deploy.experiment_run.run_experiment): fail fast if it ends first."""
+"""Waiting on a run that a test started in a thread (deploy.runs.experiment_run.run_experiment): fail fast if it ends first."""
 
 import threading
 import time

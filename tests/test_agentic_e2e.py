@@ -14,8 +14,8 @@ import yaml
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from deploy.agentic import run_agentic
-from deploy.experiment import load_experiment
+from deploy.experiment.schema import load_experiment
+from deploy.runs.agentic import run_agentic
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "agentic"
 

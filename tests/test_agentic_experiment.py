@@ -7,10 +7,10 @@ import pathlib
 import pytest
 import yaml
 
-from deploy.agentic import agentic_configs, agentic_plan
-from deploy.doctor import main as doctor
-from deploy.experiment import load_experiment
-from deploy.pipeline_config import Addresses, buffer_overrides, rollout_overrides
+from deploy.experiment.schema import load_experiment
+from deploy.inspect.doctor import main as doctor
+from deploy.rl.config import Addresses, buffer_overrides, rollout_overrides
+from deploy.runs.agentic import agentic_configs, agentic_plan
 from services.config import ConfigError
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "agentic"
@@ -101,8 +101,8 @@ def test_the_plan_carries_the_experiment_fields_to_the_runner_and_the_trainer(tm
 
 
 def test_resume_or_ray_of_an_env_run_is_refused_with_a_reason(tmp_path, capsys):
-    from deploy.experiment_run import main as run
-    from deploy.resume import main as resume
+    from deploy.runs.experiment_run import main as run
+    from deploy.runs.resume import main as resume
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.experiment import load_experiment
-from deploy.quickstart_project import write_data
+from deploy.experiment.quickstart import write_data
+from deploy.experiment.schema import load_experiment
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "algorithms"
 EXPERIMENTS = ["sft", "ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp",
@@ -18,7 +18,7 @@ def test_the_shipped_data_is_the_quickstart_projects_split(tmp_path):
     write_data(tmp_path)
     for name in ("train.jsonl", "eval.jsonl"):
         assert (EXAMPLES / "data" / name).read_bytes() == (tmp_path / name).read_bytes(), (
-            f"examples/algorithms/data/{name} differs from deploy.quickstart_project.write_data's: write it again")
+            f"examples/algorithms/data/{name} differs from deploy.experiment.quickstart.write_data's: write it again")
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

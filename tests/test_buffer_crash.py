@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from deploy.launcher import start_service
+from deploy.local.service_process import start_service
 from protos import buffer_pb2, buffer_pb2_grpc
 from protos.sample import Sample
 

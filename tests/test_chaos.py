@@ -20,11 +20,11 @@ from collections import Counter
 import pytest
 from rich.console import Console
 
-from deploy.experiment import load_experiment
-from deploy.experiment_run import run_experiment
-from deploy.launcher import start_service
-from deploy.quickstart_project import write_project
-from deploy.supervisor import Supervisor
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
+from deploy.local.service_process import start_service
+from deploy.local.supervisor import Supervisor
+from deploy.runs.experiment_run import run_experiment
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2
 from services.buffer.log import SEGMENT_SUFFIX, RecordKind, scan
 from services.buffer.records import decode_copy, decode_drop, decode_ids

@@ -4,8 +4,8 @@ import pathlib
 import subprocess
 import sys
 
-from deploy.experiment import load_experiment
-from deploy.placement_table import rows
+from deploy.experiment.schema import load_experiment
+from deploy.inspect.placement_table import rows
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "examples" / "cluster" / "experiment.yaml"

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from deploy.experiment import load_experiment
-from deploy.quickstart_project import write_project
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
 from rollout.driver.call_merger import CallMerger
 from services.buffer.entries import NewSample, PullSpec
 from services.buffer.store import SampleStore
@@ -42,14 +42,14 @@ def test_deterministic_needs_on_policy_training_and_one_rollout(tmp_path):
 
 
 def test_a_deterministic_plan_tells_every_process(tmp_path):
-    from deploy.experiment_run import pipeline_plan
-    from deploy.pipeline_config import (
+    from deploy.rl.config import (
         Addresses,
         buffer_overrides,
         driver_config,
         rollout_overrides,
         trainer_config,
     )
+    from deploy.runs.experiment_run import pipeline_plan
     from rollout.driver.driver import DriverConfig
     from services.buffer.config import BufferConfig
     from trainer.config import TrainerConfig

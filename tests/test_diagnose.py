@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from deploy.cli import main as relayrl
-from deploy.diagnose import diagnose_run
+from deploy.inspect.diagnose import diagnose_run
 
 RUNS = pathlib.Path(__file__).resolve().parent / "data" / "runs"
 

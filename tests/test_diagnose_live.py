@@ -5,7 +5,7 @@ connections. The doctor names each seeded fault, and only that one among its err
 import pytest
 from broken_runs import FAULTS, broken_run
 
-from deploy.diagnose import diagnose_run
+from deploy.inspect.diagnose import diagnose_run
 
 NAMED = {  # the fault -> (the checks that must report an error, words of the finding)
     "killed_trainer": ({"outcome", "restart loop"}, "trainer went down 3 times (exited with code -9 x3)"),

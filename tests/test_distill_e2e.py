@@ -1,6 +1,6 @@
 """On-policy distillation end to end, as `relayrl run` runs it: the experiment files examples/algorithms/distill.yaml
 (one teacher) and mopd.yaml (a teacher per domain, chosen by each prompt's metadata `domain`) through
-deploy.experiment_run.run_experiment. Each teacher is one more rollout service of the run (deploy/teachers.py); the
+deploy.runs.experiment_run.run_experiment. Each teacher is one more rollout service of the run (deploy/experiment/teachers.py); the
 driver asks it for the logprobs of every token the student sampled, and the trainer's reverse KL to it falls.
 
 The shipped teachers are trained exports (runs/grpo/export, ...); here each is a tiny model built in code with a
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deploy.experiment import load_experiment
-from deploy.experiment_run import run_experiment
-from deploy.tasks import Task, arithmetic_tasks
+from deploy.experiment.schema import load_experiment
+from deploy.experiment.tasks import Task, arithmetic_tasks
+from deploy.runs.experiment_run import run_experiment
 from rollout.model.tiny import write_tiny_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "algorithms"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy.doctor import main as doctor
-from deploy.experiment import load_experiment
-from deploy.tasks import arithmetic_tasks
+from deploy.experiment.schema import load_experiment
+from deploy.experiment.tasks import arithmetic_tasks
+from deploy.inspect.doctor import main as doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "algorithms"

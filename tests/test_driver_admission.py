@@ -19,7 +19,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from deploy.tasks import arithmetic_tasks, write_jsonl
+from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
 from protos import buffer_pb2, buffer_pb2_grpc
 from protos.sample import Sample
 from rollout.driver.admission import Pipeline, admit, expected_lag

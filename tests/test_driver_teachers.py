@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from deploy.tasks import arithmetic_tasks, write_jsonl
+from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
 from rollout.driver.driver import Driver, DriverConfig, load_prompts
 
 

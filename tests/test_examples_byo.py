@@ -46,8 +46,8 @@ def example(request, tmp_path_factory) -> pathlib.Path:
 def test_prepare_writes_a_model_and_data_the_reward_scores_full_on_their_answers(example):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deploy.experiment import load_experiment
-    from deploy.experiment_data import read_rows, split
+    from deploy.experiment.data import read_rows, split
+    from deploy.experiment.schema import load_experiment
     from protos.sample import Sample
     from reward.registry import BUILTINS
 

@@ -43,7 +43,7 @@ def test_the_walk_finds_every_kind_of_example():
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_the_doctor_passes_every_shipped_experiment_file(path, tmp_path, tiny_model_dir):
-    from deploy.doctor import diagnose
+    from deploy.inspect.doctor import diagnose
 
     relative, overrides = path.relative_to(EXAMPLES), []
     if relative.parts[0] in PREPARED:
@@ -59,7 +59,7 @@ def test_the_doctor_passes_every_shipped_experiment_file(path, tmp_path, tiny_mo
 
 
 def test_the_shipped_sweep_names_an_experiment_and_valid_parameters():
-    from deploy.sweep_config import load_sweep
+    from deploy.sweep.config import load_sweep
 
     sweeps = [path for path in shipped_yaml() if is_sweep(path)]
     assert sweeps

@@ -14,9 +14,9 @@ import yaml
 from rich.console import Console
 from user_project import write_project
 
-from deploy.doctor import main as doctor
-from deploy.experiment import load_experiment
-from deploy.experiment_run import run_experiment
+from deploy.experiment.schema import load_experiment
+from deploy.inspect.doctor import main as doctor
+from deploy.runs.experiment_run import run_experiment
 from services.config import ConfigError
 
 

@@ -8,9 +8,9 @@ import pytest
 from transformers import AutoTokenizer
 from user_project import write_data, write_model
 
-from deploy.doctor import main as doctor
-from deploy.experiment import DataSection
-from deploy.experiment_data import DataError, read_rows, split
+from deploy.experiment.data import DataError, read_rows, split
+from deploy.experiment.schema import DataSection
+from deploy.inspect.doctor import main as doctor
 
 FIELDS = {"prompt_field": "question", "answer_field": "label", "id_field": "id", "num_eval": 16}
 

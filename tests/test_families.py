@@ -2,7 +2,7 @@
 its metric must move the right way by a margin a run that does not learn stays inside (README, "Algorithm
 families, each shown learning", gives the figures and the noise band).
 
-One SFT warm-up (examples/algorithms/sft.yaml, an experiment file's own warm-up: deploy.experiment_run.warm_up on
+One SFT warm-up (examples/algorithms/sft.yaml, an experiment file's own warm-up: deploy.runs.experiment_run.warm_up on
 its train rows) is the SFT family's run and the start of all the others: each RL family is its experiment file run
 from that checkpoint (`model.path=CHECKPOINT model.tiny=null sft.steps=0`, as `--set` gives them), and so is each
 DPO example, on answer pairs made in code and written to JSONL. Distillation is tests/test_distill_e2e.py (marked
@@ -19,8 +19,8 @@ import pytest
 from family_kit import greedy_accuracy, preference_pairs, read_jsonl, windows
 from rich.console import Console
 
-from deploy.experiment import ExperimentConfig, load_experiment
-from deploy.tasks import Task
+from deploy.experiment.schema import ExperimentConfig, load_experiment
+from deploy.experiment.tasks import Task
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "algorithms"
 RL_FAMILIES = ["ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp",
@@ -54,9 +54,9 @@ def sft_run(tmp_path_factory) -> SFTRun:
     (experiment_run.base_model), then experiment_run.warm_up on the train rows of examples/algorithms/data/."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deploy import experiment_data
-    from deploy.experiment_run import base_model, warm_up
-    from deploy.progress import Progress
+    from deploy.experiment import data as experiment_data
+    from deploy.record.progress import Progress
+    from deploy.runs.experiment_run import base_model, warm_up
 
     root = tmp_path_factory.mktemp("sft")
     config = load_experiment(EXAMPLES / "sft.yaml", [f"run_dir={root}"])
@@ -86,7 +86,7 @@ def test_sft_lowers_loss_and_raises_accuracy(sft_run):
 def test_rl_family_raises_reward(family, sft_run, tmp_path):
     """The family's experiment file from the SFT checkpoint; its held-out metric is the mean exact-match reward of
     greedy completions, i.e. held-out accuracy."""
-    from deploy.experiment_run import run_experiment
+    from deploy.runs.experiment_run import run_experiment
 
     config = load_experiment(EXAMPLES / f"{family}.yaml", [f"run_dir={tmp_path / family}",
                                                            f"model.path={sft_run.checkpoint}", "model.tiny=null",
@@ -110,8 +110,8 @@ def test_dpo_raises_preference_accuracy_and_margin(loss_type, sft_run, tmp_path)
     chosen answers' likelihood too, and here greedy accuracy fell."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deploy.experiment import load_experiment
-    from deploy.experiment_run import run_experiment
+    from deploy.experiment.schema import load_experiment
+    from deploy.runs.experiment_run import run_experiment
 
     tokenizer = AutoTokenizer.from_pretrained(sft_run.checkpoint)
     reference = AutoModelForCausalLM.from_pretrained(sft_run.checkpoint)

@@ -16,8 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.experiment import ExperimentConfig
-from deploy.k8s import RenderError, render
+from deploy.cluster.k8s import RenderError, render
+from deploy.experiment.schema import ExperimentConfig
 from services.config import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def test_the_rendered_router_starts_and_lists_the_replicas_stable_names(tmp_path
     lists the StatefulSet's stable names as its replicas (not reachable from this machine: not alive, not routed)."""
     import grpc
 
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
     from protos import router_pb2, router_pb2_grpc
 
     objects = _by_kind(render(_example("services.rollout.replicas=2"), EXAMPLE.parent))
@@ -259,7 +259,7 @@ def test_rendered_files_start_the_real_processes(tmp_path):
     import grpc
     from user_project import experiment, write_project
 
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
     from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
     folder = tmp_path / "project"
@@ -275,7 +275,7 @@ def test_rendered_files_start_the_real_processes(tmp_path):
         (files / name).write_text(text)
 
     init = objects["Deployment", "relayrl-driver"]["spec"]["template"]["spec"]["initContainers"][0]["command"]
-    assert init[:3] == ["python", "-m", "deploy.experiment_data"]
+    assert init[:3] == ["python", "-m", "deploy.experiment.data"]
     done = subprocess.run([sys.executable, *init[1:3], str(files / "experiment.yaml")], check=False,
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from deploy.tasks import arithmetic_tasks, write_jsonl
+from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
 from protos import buffer_pb2, buffer_pb2_grpc, common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, encode_array
 from protos.sample import Sample
@@ -26,7 +26,7 @@ OBSERVATION = [60, 61, 62, 63]
 
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory):
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     service = start_service("buffer", {"data_dir": str(tmp_path_factory.mktemp("buffer")), "max_staleness": 4},
                             log_dir=tmp_path_factory.mktemp("buffer-logs"))

@@ -14,8 +14,9 @@ import pytest
 from buffer_samples import sample_proto
 from rich.console import Console
 
-from deploy.launcher import start_service
-from deploy.supervisor import RunFailed, SuperviseConfig, Supervisor
+from deploy.experiment.sections import SuperviseConfig
+from deploy.local.service_process import start_service
+from deploy.local.supervisor import RunFailed, Supervisor
 from protos import buffer_pb2, buffer_pb2_grpc
 from services.client import connect
 
@@ -112,7 +113,7 @@ def test_a_frozen_client_process_is_found_by_its_heartbeat(tmp_path, supervisor)
 
 
 def test_the_evaluator_waits_for_a_restarted_rollout(tmp_path, supervisor, tiny_model_dir):
-    from deploy.evaluation import greedy_completions
+    from deploy.rl.evaluation import greedy_completions
 
     rollout = supervisor.add_service(start_service(
         "rollout", {"model": str(tiny_model_dir), "engine.torch_threads": 1, "engine.max_model_len": 64},
@@ -127,8 +128,8 @@ def test_relayrl_run_exits_non_zero_naming_what_keeps_dying(tmp_path, capsys, mo
     """Through `relayrl run`'s own entry point: the reward service is SIGKILLed whenever it runs."""
     import threading
 
-    from deploy import experiment_run
-    from deploy.quickstart_project import write_project
+    from deploy.experiment.quickstart import write_project
+    from deploy.runs import experiment_run
 
     started: list[Supervisor] = []
     real = experiment_run.run_experiment

@@ -1,4 +1,4 @@
-"""Weights & Biases and MLflow beside TensorBoard (deploy/loggers.py): off by default, their libraries imported only
+"""Weights & Biases and MLflow beside TensorBoard (deploy/record/loggers.py): off by default, their libraries imported only
 when on, and each one, offline, holding the run's curves where its own tools read them: W&B's offline run folder
 (the records of its .wandb file), MLflow's file store (MlflowClient)."""
 
@@ -12,9 +12,10 @@ import pytest
 import yaml
 from test_tensorboard import DRIVER_LINE, TRAINER_LINES, append
 
-from deploy.experiment import ExperimentConfig
-from deploy.loggers import LoggingSection, MlflowSection, WandbSection, writers
-from deploy.tensorboard import RunBoard
+from deploy.experiment.schema import ExperimentConfig
+from deploy.experiment.sections import LoggingSection, MlflowSection, WandbSection
+from deploy.record.loggers import writers
+from deploy.record.tensorboard import RunBoard
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTINGS = {"model": {"path": "model"}, "data": {"train": {"path": "train.jsonl"}}, "training": {"lr": 3e-6},
@@ -52,7 +53,7 @@ def wandb_history(folder: pathlib.Path) -> tuple[list[dict], dict]:
 def test_loggers_are_off_by_default_and_their_libraries_not_imported():
     config = ExperimentConfig.model_validate(SETTINGS)
     assert config.logging == LoggingSection() and config.logging.wandb is None and config.logging.mlflow is None
-    code = ("import sys; from deploy.experiment import ExperimentConfig; import deploy.pipeline, deploy.loggers; "
+    code = ("import sys; from deploy.experiment.schema import ExperimentConfig; import deploy.rl.pipeline, deploy.record.loggers; "
             "print(sorted(m for m in ('wandb', 'mlflow') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": ""})
@@ -60,7 +61,7 @@ def test_loggers_are_off_by_default_and_their_libraries_not_imported():
 
 
 def test_the_experiment_file_turns_them_on(tmp_path):
-    from deploy.experiment import load_experiment
+    from deploy.experiment.schema import load_experiment
 
     path = tmp_path / "experiment.yaml"
     path.write_text(yaml.safe_dump({**SETTINGS, "logging": {"tensorboard": True, "wandb": {"project": "p",
@@ -114,7 +115,7 @@ def test_wandb_offline_and_an_mlflow_file_store_hold_the_runs_curves(tmp_path, m
 def test_doctor_checks_each_logger_that_is_on(tmp_path, monkeypatch, capsys):
     from user_project import write_project
 
-    from deploy.doctor import main as doctor
+    from deploy.inspect.doctor import main as doctor
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: never logged in

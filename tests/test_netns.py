@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from deploy.pipeline import write_yaml
-from deploy.pipeline_config import Addresses, Pipeline, RLConfig, driver_config, trainer_config
-from deploy.supervisor import SuperviseConfig
-from deploy.tasks import arithmetic_tasks, write_jsonl
+from deploy.experiment.sections import SuperviseConfig
+from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
+from deploy.rl.config import Addresses, Pipeline, RLConfig, driver_config, trainer_config
+from deploy.rl.pipeline import write_yaml
 from rollout.driver.producer import WATCH_S
 
 netns_kit = pytest.importorskip("netns_kit")

@@ -10,8 +10,8 @@ import yaml
 from rich.console import Console
 from user_project import write_project, write_qwen2_without_unk
 
-from deploy.doctor import main as doctor
-from deploy.experiment import DataSection, load_experiment
+from deploy.experiment.schema import DataSection, load_experiment
+from deploy.inspect.doctor import main as doctor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -66,7 +66,7 @@ def test_an_eval_file_is_evaluated_whole_unless_num_eval_says_fewer(project, tmp
     """data.num_eval (64) silently capped an eval file: 500 held-out rows became 64 while doctor said "500 rows"."""
     from transformers import AutoTokenizer
 
-    from deploy.experiment_data import split
+    from deploy.experiment.data import split
 
     rows = (project.parent / "data.jsonl").read_text().splitlines()
     eval_file = tmp_path / "eval.jsonl"
@@ -94,8 +94,8 @@ def test_an_eval_file_is_evaluated_whole_unless_num_eval_says_fewer(project, tmp
 def test_the_time_budget_alone_ends_rl_unless_max_steps_is_set(project, tmp_path, capsys):
     """training.max_steps (1000) ended a 240 s run after ~55 s: a tiny model makes ~1,085 steps a minute. The budget
     is what a user sets; a step count is now asked for, not assumed."""
-    from deploy.experiment_run import pipeline_plan
-    from deploy.pipeline_config import Addresses, trainer_config
+    from deploy.rl.config import Addresses, trainer_config
+    from deploy.runs.experiment_run import pipeline_plan
     from trainer.config import TrainerConfig
 
     path = users_file(project, tmp_path, ["training.max_steps"])
@@ -153,8 +153,8 @@ def test_the_template_shows_every_data_field_add_bos_included():
 
 def test_the_summary_is_titled_by_the_run(tmp_path):
     """Every run's summary was titled "relayrl quickstart: summary"."""
-    from deploy.progress import Progress
-    from deploy.run_state import Summary
+    from deploy.record.progress import Progress
+    from deploy.record.run_state import Summary
 
     out = io.StringIO()
     run_dir = tmp_path / "my-experiment"
@@ -177,8 +177,8 @@ def test_a_stopped_trainer_checkpoints_and_exports_the_weights_it_ended_with(tin
     from safetensors.torch import load_file
     from test_trainer_loop import BATCH, make_samples, put, records, start_trainer, trainer_overrides
 
-    from deploy.experiment import ExperimentConfig
-    from deploy.experiment_plan import export
+    from deploy.experiment.schema import ExperimentConfig
+    from deploy.rl.plan import export
     from protos import rollout_pb2, rollout_pb2_grpc
     from services.client import connect_sync
     from trainer.checkpoint import hf_state_dict, read_model_state

@@ -34,7 +34,7 @@ def node_modules():
 
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory):
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     logs = tmp_path_factory.mktemp("buffer")
     service = start_service("buffer", {"data_dir": str(logs / "data"), "server.metrics_port": 0}, log_dir=logs)
@@ -45,7 +45,7 @@ def buffer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir, tmp_path_factory, node_modules, buffer):
     """A rollout service that submits closed sessions to `buffer` when asked."""
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     service = start_service(
         "rollout",

@@ -1,5 +1,5 @@
-"""A torchrun job of one torchrun per node (deploy/node_job.py, a trainer across Ray nodes) as one supervised member:
-real processes (deploy.supervisor.Process, what each Ray agent holds: `python -c`, and a real torchrun) stand as its
+"""A torchrun job of one torchrun per node (deploy/local/node_job.py, a trainer across Ray nodes) as one supervised member:
+real processes (deploy.local.supervisor.Process, what each Ray agent holds: `python -c`, and a real torchrun) stand as its
 nodes, and the local launcher's real Supervisor watches it. No Ray: tests/test_ray_launcher.py runs it on a cluster."""
 
 import os
@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from deploy.node_job import NodeJob
-from deploy.supervisor import Process, SuperviseConfig, Supervisor
+from deploy.experiment.sections import SuperviseConfig
+from deploy.local.node_job import NodeJob
+from deploy.local.supervisor import Process, Supervisor
 
 SLEEP = "import time; time.sleep(60)"
 

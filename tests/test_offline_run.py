@@ -1,4 +1,4 @@
-"""DPO from an experiment file (deploy/offline_run.py): the pair fields refused where they do not fit, pairs made
+"""DPO from an experiment file (deploy/runs/offline.py): the pair fields refused where they do not fit, pairs made
 into the trainer's samples, and a tiny offline run that writes its metrics and its export. The example's learning
 curve is tests/test_families.py's."""
 
@@ -9,11 +9,11 @@ import pathlib
 import pytest
 from rich.console import Console
 
-from deploy.doctor import main as doctor
-from deploy.experiment import load_experiment
-from deploy.experiment_data import to_prompts
-from deploy.experiment_run import run_experiment
-from deploy.offline_run import pair_samples
+from deploy.experiment.data import to_prompts
+from deploy.experiment.schema import load_experiment
+from deploy.inspect.doctor import main as doctor
+from deploy.runs.experiment_run import run_experiment
+from deploy.runs.offline import pair_samples
 from services.config import ConfigError
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "algorithms" / "dpo_sigmoid.yaml"

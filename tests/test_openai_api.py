@@ -33,7 +33,7 @@ CALCULATOR = [{"type": "function", "function": {
 def endpoint(tiny_model_dir, tmp_path_factory):
     """A rollout process with the endpoint on, and the buffer it submits to: (gRPC address, HTTP base url,
     buffer address)."""
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -35,7 +35,7 @@ def tokens_and_logprobs(response: rollout_pb2.GenerateResponse) -> list[tuple[li
 
 @pytest.fixture(scope="module")
 def cluster(sharp_model_dir, tmp_path_factory):
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     logs = tmp_path_factory.mktemp("pd-logs")
     model = {"model": str(sharp_model_dir), **ENGINE}
@@ -153,7 +153,7 @@ def live_workers(router) -> float:
 
 
 def test_a_killed_decode_worker_has_its_requests_rerun_elsewhere(cluster, tmp_path):
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     model = {"model": cluster["mono"].overrides["model"], **ENGINE}
     decoders = [start_service("decode", {**model, "prefill": [cluster["prefill"].address]}, log_dir=tmp_path)
@@ -197,7 +197,7 @@ def test_a_trainer_publish_reaches_prefill_and_decode_workers_and_the_split_foll
     import torch
     from transformers import AutoModelForCausalLM
 
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
     from trainer.broadcast.broadcaster import WeightBroadcaster
     from trainer.broadcast.config import BroadcastConfig
 
@@ -240,7 +240,7 @@ def test_a_trainer_publish_reaches_prefill_and_decode_workers_and_the_split_foll
 def test_sessions_stay_on_the_decode_worker_that_opened_them(sharp_model_dir, tmp_path):
     """Sessions opened through the router spread over two decode workers by load, and every later call of a
     session reaches the worker holding its KV: the episodes equal the monolithic worker's, token for token."""
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     model = {"model": str(sharp_model_dir), **ENGINE}
     mono = start_service("rollout", model, log_dir=tmp_path)

@@ -38,7 +38,7 @@ def split_equal_to_monolithic(model_dir, tmp_path, port, backend="gloo", devices
     `devices` (rollout, prefill, decode): the split's tokens equal the monolithic worker's, its logprobs within
     `atol`, and every payload byte came over the group when `grouped` (none otherwise). Yields (prefill, decode,
     requests) and stops the three at the end."""
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     model = {"model": str(model_dir), **ENGINE}
     group = {"master": f"127.0.0.1:{port}", "world_size": 2, "backend": backend}

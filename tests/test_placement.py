@@ -1,4 +1,4 @@
-"""Node groups in the experiment file (deploy/placement.py): typed, validated, errors that name the field, and
+"""Node groups in the experiment file (deploy/experiment/placement.py): typed, validated, errors that name the field, and
 every experiment file written before them still valid (no groups = everything on this machine)."""
 
 import copy
@@ -7,11 +7,11 @@ import pathlib
 import pytest
 import yaml
 
-from deploy.experiment import ExperimentConfig, load_experiment
+from deploy.experiment.schema import ExperimentConfig, load_experiment
 from services.config import ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SHIPPED = sorted([*ROOT.glob("examples/*/experiment.yaml"), ROOT / "deploy" / "quickstart_experiment.yaml"])
+SHIPPED = sorted([*ROOT.glob("examples/*/experiment.yaml"), ROOT / "deploy" / "experiment" / "quickstart_experiment.yaml"])
 
 CLUSTER = {
     "model": {"path": "model"},
@@ -110,7 +110,7 @@ def test_two_local_services_on_one_port_are_an_error(tmp_path):
 
 
 def test_relayrl_run_refuses_what_it_cannot_place_on_this_machine(tmp_path, capsys):
-    from deploy.experiment_run import main as run
+    from deploy.runs.experiment_run import main as run
 
     _load(tmp_path, CLUSTER)
     assert run(str(tmp_path / "experiment.yaml")) == 2
@@ -118,15 +118,15 @@ def test_relayrl_run_refuses_what_it_cannot_place_on_this_machine(tmp_path, caps
     for named in ("services.buffer.group: 'cpu'", "services.reward.port: 50052 with 2 replicas",
                   "services.trainer: 2 x 8 processes"):
         assert named in err, err
-    assert "services.reward.replicas" not in err  # its replicas run on this machine (deploy.pipeline.start_reward)
+    assert "services.reward.replicas" not in err  # its replicas run on this machine (deploy.rl.pipeline.start_reward)
 
 
 def test_a_local_run_takes_rollout_replicas_behind_a_router(tmp_path):
     """services.rollout.replicas on this machine: not refused; the plan starts that many behind a router and the
-    trainer publishes to the router's replicas (deploy/replicas.py)."""
-    from deploy.experiment_run import pipeline_plan
-    from deploy.pipeline_config import Addresses, trainer_config
-    from deploy.placement import local_problems
+    trainer publishes to the router's replicas (deploy/local/replicas.py)."""
+    from deploy.experiment.placement import local_problems
+    from deploy.rl.config import Addresses, trainer_config
+    from deploy.runs.experiment_run import pipeline_plan
 
     local = {"model": {"path": "model"}, "data": {"train": {"path": "train.jsonl"}},
              "services": {"rollout": {"replicas": 3, "port": 50053}}}
@@ -144,8 +144,8 @@ def test_a_local_run_takes_rollout_replicas_behind_a_router(tmp_path):
 def test_a_local_run_takes_reward_replicas_on_free_ports(tmp_path):
     """services.reward.replicas on this machine and on Ray: not refused (issue 16), the plan starts that many; a fixed
     port cannot be shared by them (the rollout's goes to its router), so it is refused with the field named."""
-    from deploy.experiment_run import pipeline_plan
-    from deploy.placement import local_problems, ray_problems
+    from deploy.experiment.placement import local_problems, ray_problems
+    from deploy.runs.experiment_run import pipeline_plan
 
     local = {"model": {"path": "model"}, "data": {"train": {"path": "train.jsonl"}},
              "services": {"reward": {"replicas": 3}, "rollout": {"replicas": 2, "port": 50053}}}
@@ -163,7 +163,7 @@ def test_a_local_run_takes_reward_replicas_on_free_ports(tmp_path):
 
 
 def test_relayrl_run_on_ray_refuses_what_its_launcher_cannot_do_yet(tmp_path, capsys):
-    from deploy.experiment_run import main as run
+    from deploy.runs.experiment_run import main as run
 
     _load(tmp_path, CLUSTER)
     assert run(str(tmp_path / "experiment.yaml"), ray_address="127.0.0.1:1") == 2  # before connecting to anything
@@ -172,7 +172,7 @@ def test_relayrl_run_on_ray_refuses_what_its_launcher_cannot_do_yet(tmp_path, ca
     assert "services.buffer.group" not in err  # groups are what Ray places
     assert "services.reward.replicas" not in err  # each reward replica gets an agent on the reward's group
     assert "services.rollout.replicas" not in err  # its replicas run behind a router, each on the rollout's group
-    assert "services.trainer" not in err  # its nodes spread over its group's nodes (deploy/ray_launcher.py)
+    assert "services.trainer" not in err  # its nodes spread over its group's nodes (deploy/cluster/ray_launcher.py)
     _load(tmp_path, CLUSTER, ["services.trainer.group=null"])
     assert run(str(tmp_path / "experiment.yaml"), ray_address="127.0.0.1:1") == 2
     assert "services.trainer.group: none, but a trainer on 2 nodes needs the group" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import json
 
 from rich.console import Console
 
-from deploy.progress import Progress
+from deploy.record.progress import Progress
 
 
 def append(path, record: dict) -> None:

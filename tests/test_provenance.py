@@ -3,7 +3,7 @@
 import json
 import subprocess
 
-from deploy.provenance import git_revision, write_provenance
+from deploy.record.provenance import git_revision, write_provenance
 
 
 def test_provenance_records_versions_revision_and_seed(tmp_path):

@@ -1,5 +1,5 @@
 """The test that matters: the whole pipeline, as real processes, makes reward go up (the quickstart experiment:
-deploy/quickstart_experiment.yaml on the project deploy/quickstart_project.py writes)."""
+deploy/experiment/quickstart_experiment.yaml on the project deploy/experiment/quickstart.py writes)."""
 
 import io
 import json
@@ -8,9 +8,9 @@ import statistics
 import pytest
 from rich.console import Console
 
-from deploy.experiment import load_experiment
-from deploy.experiment_run import run_experiment
-from deploy.quickstart_project import write_project
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
+from deploy.runs.experiment_run import run_experiment
 
 
 @pytest.mark.slow

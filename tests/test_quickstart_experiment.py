@@ -1,4 +1,4 @@
-"""The quickstart as a shipped experiment file (deploy/quickstart_experiment.yaml, deploy/quickstart_project.py):
+"""The quickstart as a shipped experiment file (deploy/experiment/quickstart_experiment.yaml, deploy/experiment/quickstart.py):
 `relayrl run` with no argument writes the project the way a user lays one out and runs that file: every 2-digit
 addition, 200 held out by a seeded shuffle, warmed up on `prompt -> answer` and measured on the held-out ones."""
 
@@ -11,17 +11,17 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from deploy.doctor import main as doctor
-from deploy.experiment import load_experiment
-from deploy.quickstart_project import write_project
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
+from deploy.inspect.doctor import main as doctor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_the_project_holds_every_addition_with_200_held_out(tmp_path):
-    from deploy import experiment_data
-    from deploy.experiment_run import _sft_samples
-    from deploy.tasks import arithmetic_tasks, split_tasks
+    from deploy.experiment import data as experiment_data
+    from deploy.experiment.tasks import arithmetic_tasks, split_tasks
+    from deploy.runs.experiment_run import _sft_samples
 
     experiment = write_project(tmp_path / "project")
     config = load_experiment(experiment)
@@ -64,7 +64,7 @@ def test_relayrl_run_without_an_argument_runs_the_quickstart_experiment(tmp_path
     assert len(curve) >= 2 and all(0 <= point["accuracy"] <= 1 for point in curve)
     assert (run / "summary.json").is_file() and (run / "export" / "config.json").is_file()
     assert (tmp_path / "runs" / "quickstart-project" / "experiment.yaml").read_text() == (
-        ROOT / "deploy" / "quickstart_experiment.yaml").read_text()
+        ROOT / "deploy" / "experiment" / "quickstart_experiment.yaml").read_text()
 
 
 def _descendants(pid: int) -> set[int]:

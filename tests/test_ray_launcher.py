@@ -29,7 +29,7 @@ from protos import router_pb2, router_pb2_grpc
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
-# "rollout" is the router; "rollout-1" and "rollout-2" the replicas (deploy/replicas.py), each with its own agent;
+# "rollout" is the router; "rollout-1" and "rollout-2" the replicas (deploy/local/replicas.py), each with its own agent;
 # "trainer" is the trainer's node rank 0, "trainer-node1" its node rank 1
 GROUPS = {"buffer": "cpu", "reward": "cpu", "driver": "cpu", "rollout": "inference", "rollout-1": "inference",
           "rollout-2": "inference", "trainer": "training", "trainer-node1": "training"}
@@ -107,7 +107,7 @@ def cluster(make_cluster):
 
 @pytest.mark.timeout(1200)
 def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp_path, free_port):
-    from deploy.quickstart_project import write_project
+    from deploy.experiment.quickstart import write_project
 
     experiment = write_project(tmp_path / "project")
     run_dir = tmp_path / "run"
@@ -230,8 +230,8 @@ def test_services_land_on_their_groups_nodes_and_a_short_run_learns(cluster, tmp
     assert len(curve) >= 3 and sum(curve[-2:]) / 2 > curve[0]
 
     # A trainer on more nodes than its group has (two here) is refused by name once the place timeout passes.
-    from deploy.placement import ServicesSection
-    from deploy.ray_launcher import PlacementError, RayLauncher
+    from deploy.cluster.ray_launcher import PlacementError, RayLauncher
+    from deploy.experiment.placement import ServicesSection
 
     ray.shutdown()  # RayLauncher connects on its own
     three = ServicesSection.model_validate({"trainer": {"group": "training", "nodes": 3}})
@@ -245,9 +245,10 @@ def test_a_member_whose_node_is_lost_fails_the_run_at_once_naming_it_and_the_nod
     """A process whose Ray node is lost cannot be restarted where it was, and (not a rollout replica) cannot move:
     the supervisor's check() raises RunFailed naming it and the node, within Ray's detection of the node's death,
     and the run's teardown does not trip over the lost agent."""
-    from deploy.placement import ServicesSection
-    from deploy.ray_launcher import RayLauncher
-    from deploy.supervisor import RunFailed, SuperviseConfig, Supervisor
+    from deploy.cluster.ray_launcher import RayLauncher
+    from deploy.experiment.placement import ServicesSection
+    from deploy.experiment.sections import SuperviseConfig
+    from deploy.local.supervisor import RunFailed, Supervisor
 
     cluster = make_cluster({"training": 1})
     training = next(node for node in cluster.worker_nodes)

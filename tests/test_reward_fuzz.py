@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from deploy.launcher import start_service
+from deploy.local.service_process import start_service
 from protos import common_pb2, reward_pb2
 from protos.codec import encode_array, pack_metadata
 from services.client import connect_sync

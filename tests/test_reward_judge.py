@@ -20,10 +20,10 @@ from test_reward_service import COMPLETED, FAILED, sample_proto
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from user_project import experiment
 
-from deploy.doctor import Finding, check_judge
-from deploy.experiment import load_experiment
-from deploy.experiment_plan import reward_service
-from deploy.launcher import start_service
+from deploy.experiment.schema import load_experiment
+from deploy.inspect.doctor import Finding, check_judge
+from deploy.local.service_process import start_service
+from deploy.rl.plan import reward_service
 from protos import reward_pb2, reward_pb2_grpc
 from protos.sample import Sample, SampleStatus
 from reward.judge import Judge, JudgeConfig, read_verdict, render, yes_probability

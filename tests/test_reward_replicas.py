@@ -1,5 +1,5 @@
 """Reward replicas, real processes on loopback: reward-1..N started and supervised by the run's own code
-(deploy.pipeline.start_reward), one target naming them all, and gRPC's round-robin spreading the driver's Score
+(deploy.rl.pipeline.start_reward), one target naming them all, and gRPC's round-robin spreading the driver's Score
 calls over them; a replica SIGKILLed is restarted on its own address while the other answers, and no sample the
 driver scores comes back FAILED because of it."""
 
@@ -19,11 +19,12 @@ import yaml
 from live_run_kit import wait_for
 from rich.console import Console
 
-from deploy import service_registry
-from deploy.local_launcher import LocalLauncher
-from deploy.pipeline import start_reward
-from deploy.pipeline_config import Pipeline, RLConfig
-from deploy.supervisor import SuperviseConfig, Supervisor
+from deploy.experiment.sections import SuperviseConfig
+from deploy.local.launcher import LocalLauncher
+from deploy.local.supervisor import Supervisor
+from deploy.record import service_registry
+from deploy.rl.config import Pipeline, RLConfig
+from deploy.rl.pipeline import start_reward
 from protos import common_pb2
 from protos.sample import Sample
 from rollout.driver.driver import Driver, DriverConfig
@@ -141,9 +142,9 @@ def test_an_experiment_with_two_reward_replicas_runs_through_a_killed_one(tmp_pa
     with no sample FAILED by the reward."""
     from user_project import write_project
 
-    from deploy.experiment import load_experiment
-    from deploy.experiment_run import run_experiment
-    from deploy.status import poll, run_targets
+    from deploy.experiment.schema import load_experiment
+    from deploy.record.status import poll, run_targets
+    from deploy.runs.experiment_run import run_experiment
 
     run_dir = tmp_path / "run"
     # The budget alone ends RL (1,000 steps took 32 s on CI's machine), at the learning rate that learns on every

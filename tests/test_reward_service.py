@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_reward_model import write_tiny_reward_model
 
-from deploy.launcher import start_service
+from deploy.local.service_process import start_service
 from protos import common_pb2, reward_pb2, reward_pb2_grpc
 from protos.codec import pack_metadata
 from protos.sample import Sample

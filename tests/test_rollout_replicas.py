@@ -316,7 +316,7 @@ async def sessions_on(address: str) -> int:
 
 
 def test_a_resumed_run_starts_as_many_replicas_as_it_was_scaled_to(tmp_path):
-    from deploy.replicas import request_path, result_path, scaled_replicas, write_json
+    from deploy.local.replicas import request_path, result_path, scaled_replicas, write_json
 
     assert scaled_replicas(tmp_path, "rollout") is None  # never scaled: the configured count
     write_json(request_path(tmp_path, "rollout"), {"id": "a", "replicas": 3})

@@ -36,7 +36,7 @@ def make_request(prompt, request_id="", **params) -> rollout_pb2.GenerateRequest
 
 @pytest.fixture(scope="module")
 def rollout_process(tiny_model_dir, tmp_path_factory):
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     service = start_service(
         "rollout",

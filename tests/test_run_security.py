@@ -1,4 +1,4 @@
-"""TLS and bearer tokens in a run of an experiment file on this machine (deploy/run_security.py): each server gets its
+"""TLS and bearer tokens in a run of an experiment file on this machine (deploy/local/security.py): each server gets its
 placement's `tls` and `auth`, every client of the run reaches it with its `client` settings, and no token lands in a
 file other users can read.
 
@@ -20,9 +20,10 @@ import grpc
 import pytest
 import yaml
 
-from deploy.experiment import load_experiment
-from deploy.placement import local_problems, ray_problems
-from deploy.run_security import read_clients, run_security, write_secrets
+from deploy.experiment.placement import local_problems, ray_problems
+from deploy.experiment.schema import load_experiment
+from deploy.local.security import run_security, write_secrets
+from deploy.record.private_files import read_clients
 from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from services.client import connect_sync
 from services.config import ClientConfig

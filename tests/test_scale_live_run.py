@@ -1,7 +1,7 @@
 """Acceptance: `relayrl deploy scale rollout N --run RUN_DIR` on a live run of the quickstart experiment with
 rollout replicas behind a router: removing a replica drains it (the driver loses no request), a replica added
 mid-run serves the trainer's current weights when it takes traffic, and the run goes on to its end
-(deploy/replicas.py, deploy/scale.py).
+(deploy/local/replicas.py, deploy/local/scale.py).
 
 The run is rollout-bound on purpose, as runs that add inference capacity are: each replica takes at most 8
 sequences at once (engine.max_num_seqs, as a GPU replica is bounded by its KV memory) and an untrained model writes
@@ -22,9 +22,9 @@ import grpc
 import pytest
 from rich.console import Console
 
-from deploy.experiment import load_experiment
-from deploy.experiment_run import run_experiment
-from deploy.quickstart_project import write_project
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
+from deploy.runs.experiment_run import run_experiment
 from protos import router_pb2, router_pb2_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

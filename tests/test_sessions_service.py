@@ -23,7 +23,7 @@ SYSTEM = [rollout_pb2.ChatMessage(role="user", content="guess my number")]
 
 @pytest.fixture(scope="module")
 def services(tiny_model_dir, tmp_path_factory):
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     logs = tmp_path_factory.mktemp("session-logs")
     buffer = start_service("buffer", {"data_dir": str(tmp_path_factory.mktemp("buffer")), "max_staleness": 4},

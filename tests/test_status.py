@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from buffer_samples import sample_proto
 
-from deploy.service_registry import REGISTRY_FILE
-from deploy.status import StatusPoller, Target
+from deploy.record.service_registry import REGISTRY_FILE
+from deploy.record.status import StatusPoller, Target
 from protos import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import encode_array
 from services.client import connect_sync

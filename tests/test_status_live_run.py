@@ -13,9 +13,9 @@ from live_run_kit import wait_for
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from deploy.experiment import load_experiment
-from deploy.experiment_run import run_experiment
-from deploy.quickstart_project import write_project
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
+from deploy.runs.experiment_run import run_experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

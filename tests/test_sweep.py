@@ -1,4 +1,4 @@
-"""`relayrl sweep SWEEP.yaml` (deploy/sweep.py) without runs: the sweep file's validation, a trial's parameters
+"""`relayrl sweep SWEEP.yaml` (deploy/sweep/study.py) without runs: the sweep file's validation, a trial's parameters
 applied to the experiment, a stopped study resumed, a trial's points and pruning (a fake run), the results and plots
 of a study. tests/test_sweep_quickstart.py runs sweeps of the quickstart (slow)."""
 
@@ -11,9 +11,9 @@ import sys
 import pytest
 import yaml
 
-from deploy.experiment import load_experiment
-from deploy.quickstart_project import write_project
-from deploy.sweep_config import load_sweep, trial_experiment
+from deploy.experiment.quickstart import write_project
+from deploy.experiment.schema import load_experiment
+from deploy.sweep.config import load_sweep, trial_experiment
 from services.config import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def test_the_results_table_and_plots_of_a_study(tmp_path):
     optuna = pytest.importorskip("optuna")
     from rich.console import Console
 
-    from deploy.sweep_report import report
+    from deploy.sweep.report import report
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
@@ -165,7 +165,7 @@ def test_a_stopped_sweeps_trials_are_kept_completed_or_run_again(project, tmp_pa
     optuna = pytest.importorskip("optuna")
     from rich.console import Console
 
-    from deploy.sweep import STUDY_FILE, SweepError, counted, distributions, open_study, sweep_lock
+    from deploy.sweep.study import STUDY_FILE, SweepError, counted, distributions, open_study, sweep_lock
 
     sweep = load_sweep(_sweep_file(tmp_path, project))
     sweep.dir.mkdir()
@@ -216,9 +216,9 @@ for i in range(40):
 
 
 def test_a_trial_reports_each_held_out_point_and_a_pruned_one_is_stopped(tmp_path):
-    """deploy/sweep_trial.py: each point the run appends to metrics.jsonl is handed over as it appears; the answer
+    """deploy/sweep/trial.py: each point the run appends to metrics.jsonl is handed over as it appears; the answer
     True (prune) stops the run with SIGTERM, and no later point is handed over."""
-    from deploy.sweep_trial import TrialProcess
+    from deploy.sweep.trial import TrialProcess
 
     run_dir = tmp_path / "trial-0"
     run_dir.mkdir()
@@ -235,7 +235,7 @@ def test_parameters_valid_alone_but_not_together_fail_their_trial_and_the_sweep_
     optuna = pytest.importorskip("optuna")
     from rich.console import Console
 
-    from deploy.sweep import Trials, counted, open_study
+    from deploy.sweep.study import Trials, counted, open_study
 
     sweep = load_sweep(_sweep_file(tmp_path, project, set={"training.groups_per_batch": 1}, params={
         "training.group_size": {"type": "categorical", "choices": [3, 8]},
@@ -258,8 +258,8 @@ def test_a_shared_warmup_of_an_environments_experiment_is_made_once_from_its_tra
 
     from rich.console import Console
 
-    from deploy.run_state import whole_model
-    from deploy.sweep import shared_warmup
+    from deploy.record.run_state import whole_model
+    from deploy.sweep.study import shared_warmup
 
     experiment = yaml.safe_load((ROOT / "examples" / "agentic" / "guess_number.yaml").read_text())
     experiment["sft"] = {"steps": 3, "batch_size": 4, "lr": 1.0e-3, "transcripts": 40, "skill": 0.0}

@@ -15,8 +15,8 @@ import time
 import pytest
 import yaml
 
-from deploy.quickstart_project import write_project
-from deploy.sweep_config import load_sweep
+from deploy.experiment.quickstart import write_project
+from deploy.sweep.config import load_sweep
 from tests.test_quickstart_experiment import _alive, _descendants
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def warmed(project, tmp_path_factory) -> pathlib.Path:
     model-sft/ and warmup.json): each sweep below starts from a copy, as a sweep resumed in its folder does."""
     from rich.console import Console
 
-    from deploy.sweep import shared_warmup
+    from deploy.sweep.study import shared_warmup
 
     folder = tmp_path_factory.mktemp("warmup")
     sweep = load_sweep(_quick_sweep(folder, project))

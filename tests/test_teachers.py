@@ -1,4 +1,4 @@
-"""Distillation's teachers from an experiment file (deploy/teachers.py): refused without distill and required by it,
+"""Distillation's teachers from an experiment file (deploy/experiment/teachers.py): refused without distill and required by it,
 served as extra rollout services whose addresses reach the driver, and checked by the doctor like the model."""
 
 import pathlib
@@ -6,10 +6,10 @@ import pathlib
 import pytest
 from user_project import write_project
 
-from deploy.doctor import main as doctor
-from deploy.experiment import load_experiment
-from deploy.experiment_run import pipeline_plan
-from deploy.pipeline_config import Addresses, driver_config
+from deploy.experiment.schema import load_experiment
+from deploy.inspect.doctor import main as doctor
+from deploy.rl.config import Addresses, driver_config
+from deploy.runs.experiment_run import pipeline_plan
 from services.config import ConfigError
 
 

@@ -6,9 +6,9 @@ import pytest
 from buffer_samples import sample_proto
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from deploy.service_registry import REGISTRY_FILE
-from deploy.status import run_targets
-from deploy.tensorboard import RunBoard
+from deploy.record.service_registry import REGISTRY_FILE
+from deploy.record.status import run_targets
+from deploy.record.tensorboard import RunBoard
 from protos import buffer_pb2, buffer_pb2_grpc
 from services.client import connect_sync
 

@@ -71,7 +71,7 @@ def test_the_bound_warns_or_stops(caplog):
 def test_relayrl_status_shows_the_trainers_last_mismatch(tmp_path):
     from rich.console import Console
 
-    from deploy.status_table import report, table, trainer_summary
+    from deploy.inspect.status_table import report, table, trainer_summary
 
     assert trainer_summary(tmp_path) is None
     lines = [{"step": 1, "weight_version": 1, "loss": 0.5, "mismatch/abs_mean": 0.02, "mismatch/abs_max": 0.4,

@@ -98,7 +98,7 @@ def test_past_max_bytes_it_keeps_every_other_group_and_stays_under_the_bound(tmp
 def test_a_driver_against_real_services_logs_every_nth_group_spelled(tmp_path, service_factory, tiny_model_dir):
     import asyncio
 
-    from deploy.tasks import arithmetic_tasks, write_jsonl
+    from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
     from rollout.driver.driver import Driver, DriverConfig, load_prompts
 
     rollout = service_factory("rollout", {"model": str(tiny_model_dir), "engine.torch_threads": 1,

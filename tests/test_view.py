@@ -1,4 +1,4 @@
-"""`relayrl view RUN_DIR` (deploy/view.py, deploy/trajectories.py): the JSON API the page uses, over a trajectory log
+"""`relayrl view RUN_DIR` (deploy/inspect/view.py, deploy/inspect/trajectories.py): the JSON API the page uses, over a trajectory log
 written by the real writer (rollout/driver/trajectory_log.py): steps, advantages, filters, search, episodes, a log
 that grows or is thinned while the page is open; and the page itself, which fetches nothing from elsewhere."""
 
@@ -12,7 +12,7 @@ import yaml
 from fastapi.testclient import TestClient
 
 from deploy.cli import build_parser
-from deploy.view import PAGE, create_app
+from deploy.inspect.view import PAGE, create_app
 from protos.sample import Sample, SampleStatus
 from rollout.driver.trajectory_log import TrajectoryLog, TrajectoryLogConfig, group_record
 

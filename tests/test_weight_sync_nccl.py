@@ -170,7 +170,7 @@ def test_a_publish_reaches_a_rollout_service_on_another_gpu(backend, tiny_model_
     _needs(backend, 2)
     from transformers import AutoModelForCausalLM
 
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
     from tests.serve_check_kit import assert_served, greedy_completion
     from trainer.broadcast.broadcaster import WeightBroadcaster
     from trainer.broadcast.config import BroadcastConfig

@@ -34,7 +34,7 @@ def trainer_model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir, tmp_path_factory):
     """One rollout service for the module's tests (each test starts from the version it finds)."""
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     service = start_service("rollout", {"model": str(tiny_model_dir)}, log_dir=tmp_path_factory.mktemp("logs"))
     yield service

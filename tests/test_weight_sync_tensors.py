@@ -90,7 +90,7 @@ def test_a_member_that_receives_itself_gets_every_tensor_by_broadcast(start_memb
 def test_one_group_does_not_mix_receivers_of_both_kinds(start_member, tiny_model_dir, tmp_path, trainer_state):
     """A publish to a native rollout service and a member that receives itself fails for both, saying why; the
     member, never asked to receive, takes the next publish alone."""
-    from deploy.launcher import start_service
+    from deploy.local.service_process import start_service
 
     member, out = start_member(str(tiny_model_dir))
     rollout = start_service("rollout", {"model": str(tiny_model_dir)}, log_dir=tmp_path / "logs")

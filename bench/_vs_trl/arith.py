@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deploy.tasks import Task, arithmetic_tasks, split_tasks
+from deploy.experiment.tasks import Task, arithmetic_tasks, split_tasks
 from reward.match import extract_answer, normalize
 
 

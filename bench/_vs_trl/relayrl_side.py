@@ -5,9 +5,9 @@ Run as its own process, like the TRL half:
     PYTHONPATH=bench python -m _vs_trl.relayrl_side --out summary.json --seed 0 --num-eval 500 \
         --set model.path=DIR --set sft.steps=0 ...
 
-It writes the quickstart's project beside --out (deploy/quickstart_project.py: every 2-digit addition, --num-eval
+It writes the quickstart's project beside --out (deploy/experiment/quickstart.py: every 2-digit addition, --num-eval
 held out by a shuffle seeded with --seed, as the TRL half splits them) and runs its experiment file
-(deploy/quickstart_experiment.yaml) with `--set` overrides of its fields (deploy/experiment.py). The run's clock
+(deploy/experiment/quickstart_experiment.yaml) with `--set` overrides of its fields (deploy/experiment/schema.py). The run's clock
 starts when the trainer and driver processes are launched (services are already up) and keeps running through its
 held-out evaluations, which go through the rollout service while training goes on.
 """
@@ -32,9 +32,9 @@ def main() -> None:
 
     from rich.console import Console
 
-    from deploy.experiment import load_experiment
-    from deploy.experiment_run import run_experiment
-    from deploy.quickstart_project import write_project
+    from deploy.experiment.quickstart import write_project
+    from deploy.experiment.schema import load_experiment
+    from deploy.runs.experiment_run import run_experiment
 
     out = Path(args.out)
     experiment = write_project(out.parent / "quickstart-project", seed=args.seed, num_eval=args.num_eval)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from _vs_trl.arith import TaskSpec, greedy_accuracy, prompt_ids
-from deploy.tasks import Task
+from deploy.experiment.tasks import Task
 from protos.sample import Sample
 from rollout.model.tiny import char_tokenizer, write_tiny_model
 from trainer.config import TrainerConfig

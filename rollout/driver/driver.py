@@ -94,7 +94,7 @@ class DriverConfig(Strict):
         default_factory=TrajectoryLogConfig, description="A sample of the scored groups kept for `relayrl view` "
         "(rollout/driver/trajectory_log.py); off without a path.")
     deterministic: bool = Field(
-        False, description="A deterministic run (deploy/experiment.py): the groups admitted together (with "
+        False, description="A deterministic run (deploy/experiment/schema.py): the groups admitted together (with "
         "max_staleness 0, one training step's) go to the rollout as one GenerateMany, in stream order, whatever the "
         "timing, so the rollout batches and computes them the same way in every run (merge_window_s is not used "
         "for them).")

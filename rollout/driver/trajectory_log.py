@@ -1,4 +1,4 @@
-"""A bounded, sampled log of scored groups for `relayrl view RUN_DIR` (deploy/view.py): one JSON line per group.
+"""A bounded, sampled log of scored groups for `relayrl view RUN_DIR` (deploy/inspect/view.py): one JSON line per group.
 
     producer: log.wants(group_index)? -> log.offer(group_index, build)      (never waits: a full queue drops it)
     writer thread: build(spell) -> a JSON line -> appended, the file kept under max_bytes

@@ -61,7 +61,7 @@ class NativeSettings(Strict):
                                "trainer logprob mismatch (mismatch/* in the trainer's metrics).")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
     deterministic: bool = Field(False, description="Deterministic torch kernels only, in this process (a deterministic "
-                                "run, deploy/experiment.py; services/determinism.py); set torch_threads with it.")
+                                "run, deploy/experiment/schema.py; services/determinism.py); set torch_threads with it.")
     max_sessions: int = Field(256, gt=0, description="Open multi-turn sessions; beyond it OpenSession is "
                               "RESOURCE_EXHAUSTED.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed and its KV "

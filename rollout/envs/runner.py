@@ -223,7 +223,7 @@ class Runner(GroupProducer):
             **s, "admission_polls": self.gauge.polls, "version_wakeups": self.gauge.wakeups,
             "success_rate": s["solved"] / episodes, "mean_reward": s["reward_sum"] / episodes,
             "mean_turns": s["turns_sum"] / episodes,
-            # the driver's names, which deploy/progress.py shows
+            # the driver's names, which deploy/record/progress.py shows
             "samples": s["episodes"], "completions_per_s": s["episodes"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0, "trajectory_log": self.trajectories.stats,
         }

@@ -53,7 +53,7 @@ class RouterSettings(Strict):
     replicas_file: str | None = Field(None, description="Where the router keeps its replica set across restarts of "
                                       "its own: written at start and on every AddReplica / RemoveReplica; when it "
                                       "exists at start, its addresses replace `replicas` (a run's launcher, "
-                                      "deploy/replicas.py, names one in the run folder). None = `replicas` only.")
+                                      "deploy/local/replicas.py, names one in the run folder). None = `replicas` only.")
     client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the workers.")
     poll_s: float = Field(1.0, gt=0, description="How often each worker's load (and life) is read.")
     poll_timeout_s: float = Field(5.0, gt=0, description="A worker that does not answer a load poll within this is "

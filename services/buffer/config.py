@@ -46,4 +46,4 @@ class BufferConfig(Strict):
     canonical_order: bool = Field(
         False, description="Hand out ready groups in an order that does not depend on when they arrived: groups "
         "trained before first, then by oldest weight version, then by group id, each group's samples by id "
-        "(a deterministic run, deploy/experiment.py). False: in order of arrival.")
+        "(a deterministic run, deploy/experiment/schema.py). False: in order of arrival.")

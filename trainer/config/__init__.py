@@ -44,7 +44,7 @@ class TrainerConfig(Strict):
                                      "logprob mismatch reported every step (mismatch/* in the metrics).")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
-    deterministic: bool = Field(False, description="A deterministic run (deploy/experiment.py): deterministic torch "
+    deterministic: bool = Field(False, description="A deterministic run (deploy/experiment/schema.py): deterministic torch "
                                 "kernels on num_threads threads (services/determinism.py), and each batch trained in "
                                 "a canonical order of its samples (by group id, then sample id), whatever order the "
                                 "buffer handed them out in.")

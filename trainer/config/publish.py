@@ -53,7 +53,7 @@ class PublishConfig(Strict):
         "its base weights) gets the weights again under the next version, so a restart never waits for a step.")
     versions_above: int = Field(
         0, ge=0, description="Weight versions up to this one were used earlier in the job by trainers whose record "
-        "the buffer and the receivers may have lost (a whole job killed and resumed: deploy/pipeline.py passes its "
+        "the buffer and the receivers may have lost (a whole job killed and resumed: deploy/rl/pipeline.py passes its "
         "step records' highest): the trainer continues above it, so a version never names two sets of weights.")
 
     @model_validator(mode="after")

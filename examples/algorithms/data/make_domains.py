@@ -1,5 +1,5 @@
 """Writes the MOPD example's data beside this file (`python examples/algorithms/data/make_domains.py`): rows
-{prompt_id, prompt: "12-34=", answer: "-22", domain}, the quickstart's seeded split (deploy.tasks.split_tasks, seed
+{prompt_id, prompt: "12-34=", answer: "-22", domain}, the quickstart's seeded split (deploy.experiment.tasks.split_tasks, seed
 0, 200 held out) applied to every 2-digit subtraction and addition.
 
     sub_train.jsonl, sub_eval.jsonl          every subtraction, 200 held out: grpo_sub.yaml's data (no domain field)
@@ -10,7 +10,7 @@
 import json
 import pathlib
 
-from deploy.tasks import Task, arithmetic_tasks, split_tasks
+from deploy.experiment.tasks import Task, arithmetic_tasks, split_tasks
 
 EVAL, SEED = 200, 0
 DOMAIN_TRAIN, DOMAIN_EVAL = 1000, 100

@@ -1,7 +1,7 @@
 """Writes the DPO examples' data beside this file (`python examples/algorithms/data/make_pairs.py`): preference pairs
 of the quickstart's 2-digit addition, {prompt_id, prompt: "12+34=", chosen: "46", rejected: "49"}.
 
-    pairs_train.jsonl  the first 2,000 prompts of the quickstart's train split (deploy.tasks.split_tasks, seed 0)
+    pairs_train.jsonl  the first 2,000 prompts of the quickstart's train split (deploy.experiment.tasks.split_tasks, seed 0)
     pairs_eval.jsonl   its 200 held-out prompts
 
 chosen is the sum; rejected a near miss, the sum moved by 1 to 10 (never below 0), drawn with random.Random(0).
@@ -11,7 +11,7 @@ import json
 import pathlib
 import random
 
-from deploy.tasks import arithmetic_tasks, split_tasks
+from deploy.experiment.tasks import arithmetic_tasks, split_tasks
 
 TRAIN_PAIRS, EVAL_PAIRS, SEED = 2000, 200, 0
 

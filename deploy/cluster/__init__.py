@@ -1,0 +1,1 @@
+"""Runs across machines: the Ray launcher and the Kubernetes manifests."""
