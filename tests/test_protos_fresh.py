@@ -1,5 +1,5 @@
 """The checked-in stubs (protos/*_pb2*.py, *.pyi) must be what scripts/gen_protos.py makes from the .proto
-files today.
+files today, and pyproject.toml's floors must admit them.
 
 Compared by what they define, not byte for byte: every grpcio-tools release writes its own version into the
 stubs (GRPC_GENERATED_VERSION, the protobuf gencode version), so a byte comparison failed on a fresh clone
@@ -14,9 +14,12 @@ import importlib.util
 import pathlib
 import re
 import shutil
+import tomllib
 
 import pytest
 from google.protobuf import descriptor_pb2
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STREAM_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
@@ -142,6 +145,7 @@ def test_stubs_of_another_grpcio_tools_release_still_match(tmp_path):
         text = re.sub(r"# Protobuf Python Version: \S+", "# Protobuf Python Version: 7.99.7", text)
         text = re.sub(r"(Domain\.PUBLIC,\s*)\d+,\s*\d+,\s*\d+,", r"\g<1>7,\n    99,\n    7,", text)
         (other / stub.name).write_text(text)
+    assert _versions_needed(other) == (Version("1.99.7"), Version("7.99.7"))  # the rewrite took
     assert _stale(other, ROOT / "protos") == []
 
 
@@ -168,3 +172,70 @@ def test_a_proto_edited_without_regenerating_is_caught(tmp_path, monkeypatch, ed
     fresh = gen.generate(tmp_path / "out")[0].parent
     problems = _stale(fresh, ROOT / "protos")
     assert problems and all(p.startswith("buffer_pb2") for p in problems), problems
+
+
+def _versions_needed(folder: pathlib.Path) -> tuple[Version, Version]:
+    """(grpcio, protobuf): the newest GRPC_GENERATED_VERSION of the *_pb2_grpc.py stubs, the newest gencode
+    version of the *_pb2.py ones (ValidateProtobufRuntimeVersion(domain, major, minor, patch, ...) refuses
+    older runtimes)."""
+    grpc_needs, protobuf_needs = [], []
+    for stub in folder.glob("*_pb2_grpc.py"):
+        found = re.findall(r"^GRPC_GENERATED_VERSION = '([^']+)'$", stub.read_text(), re.MULTILINE)
+        assert len(found) == 1, f"{stub.name}: GRPC_GENERATED_VERSION {found}"
+        grpc_needs.append(Version(found[0]))
+    for stub in folder.glob("*_pb2.py"):
+        calls = [node for node in ast.walk(ast.parse(stub.read_text())) if isinstance(node, ast.Call)
+                 and getattr(node.func, "attr", None) == "ValidateProtobufRuntimeVersion"]
+        assert len(calls) == 1, f"{stub.name}: {len(calls)} ValidateProtobufRuntimeVersion calls"
+        major, minor, patch = (ast.literal_eval(arg) for arg in calls[0].args[1:4])
+        protobuf_needs.append(Version(f"{major}.{minor}.{patch}"))
+    assert grpc_needs and protobuf_needs, f"no stubs in {folder}"
+    return max(grpc_needs), max(protobuf_needs)
+
+
+def _floor(requirement: str) -> Version | None:
+    """The lowest version a requirement string admits, as far as its lower bounds say; None without one."""
+    lows = [Version(spec.version.removesuffix(".*")) for spec in Requirement(requirement).specifier
+            if spec.operator in (">=", ">", "==", "~=", "===")]
+    return max(lows, default=None)
+
+
+def _floors_below(pyproject: dict, folder: pathlib.Path) -> list[tuple[str, str, Version]]:
+    """(list, requirement, version needed) for each requirement of `pyproject` whose floor is below what the
+    stubs in `folder` need to import; grpcio-tools (the dev extra) makes the stubs, and a floor below theirs
+    would regenerate older ones than those checked in."""
+    grpc_needs, protobuf_needs = _versions_needed(folder)
+    project = pyproject["project"]
+    lists = {"dependencies": (project["dependencies"], {"grpcio": grpc_needs, "protobuf": protobuf_needs}),
+             "dev": (project["optional-dependencies"]["dev"], {"grpcio-tools": grpc_needs})}
+    low = []
+    for where, (requirements, needs) in lists.items():
+        by_name = {Requirement(r).name: r for r in requirements}
+        for name, version in needs.items():
+            floor = _floor(by_name[name]) if name in by_name else None
+            if floor is None or floor < version:
+                low.append((where, by_name.get(name, name), version))
+    return low
+
+
+def test_the_dependency_floors_admit_the_checked_in_stubs():
+    """Every *_pb2_grpc.py raises RuntimeError under a grpcio older than its GRPC_GENERATED_VERSION and every
+    *_pb2.py raises VersionError under an older protobuf: pyproject.toml's floors must not allow those."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    low = _floors_below(pyproject, ROOT / "protos")
+    assert not low, "raise these floors in pyproject.toml: " + "; ".join(
+        f"{where}: {req!r} admits versions below {version}, which the stubs need"
+        for where, req, version in low)
+
+
+def test_floors_below_the_stubs_are_caught():
+    """The floors this project had before (grpcio>=1.66, protobuf>=5.28, grpcio-tools>=1.66) fail it."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    old = {"grpcio": "grpcio>=1.66", "protobuf": "protobuf>=5.28", "grpcio-tools": "grpcio-tools>=1.66"}
+    project = pyproject["project"]
+    project["dependencies"] = [old.get(Requirement(r).name, r) for r in project["dependencies"]]
+    dev = project["optional-dependencies"]["dev"]
+    project["optional-dependencies"]["dev"] = [old.get(Requirement(r).name, r) for r in dev]
+    low = _floors_below(pyproject, ROOT / "protos")
+    assert [(where, req) for where, req, _ in low] == [
+        ("dependencies", "grpcio>=1.66"), ("dependencies", "protobuf>=5.28"), ("dev", "grpcio-tools>=1.66")]
