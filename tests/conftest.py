@@ -9,13 +9,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # after the environment above; torch alone does not import triton
-
-if not torch.cuda.is_available():
-    # Triton's interpreter must be on before triton is first imported, and torch._dynamo imports it (FSDP and DCP
-    # import that): set here, before any test module, so the Triton kernel's tests run on a CPU in `make test`.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 
 def pytest_collection_modifyitems(config, items):
     import torch
