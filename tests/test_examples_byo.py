@@ -4,8 +4,8 @@ example's experiment.yaml into a folder and runs its prepare.py into folder/work
 itself; then `relayrl doctor` passes the file and `relayrl run` raises the held-out metric (slow, `families`).
 
 The held-out metric is the mean reward of greedy completions of the eval prompts: the same weights give the same
-number, so a run that does not learn stays where the SFT warm-up left it. The README ("Your own model, data and
-reward") gives the figures of each example's full run.
+number, so a run that does not learn stays where the SFT warm-up left it. docs/experiments.md ("Two worked examples")
+gives the figures of each example's full run.
 """
 
 import importlib
@@ -78,7 +78,7 @@ def test_doctor_passes_the_example(example):
     assert "ERROR" not in done.stdout
 
 
-# Each learning run is shorter than the example's own (README has those figures) to fit CI's 2 cores: (--set
+# Each learning run is shorter than the example's own (docs/experiments.md has those figures) to fit CI's 2 cores: (--set
 # overrides, the least rise of the held-out metric from the start of RL to its end). code_task's full run went
 # 0.479 -> 0.805 in its first 240 s of RL.
 LEARNING = {

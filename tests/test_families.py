@@ -1,6 +1,6 @@
 """Each algorithm family learns (issue 11, deliverable 5): every example in examples/algorithms/ runs here and
-its metric must move the right way by a margin a run that does not learn stays inside (README, "Algorithm
-families, each shown learning", gives the figures and the noise band).
+its metric must move the right way by a margin a run that does not learn stays inside (docs/algorithms.md,
+"Each family shown learning", gives the figures and the noise band).
 
 One SFT warm-up (examples/algorithms/sft.yaml, an experiment file's own warm-up: deploy.runs.experiment_run.warm_up on
 its train rows) is the SFT family's run and the start of all the others: each RL family is its experiment file run
@@ -27,7 +27,7 @@ RL_FAMILIES = ["ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "rloo"
                "reinforce_pp_baseline"]
 # Mean training reward, last quarter of the steps minus the first quarter. A run that does not learn (lr 1e-12,
 # 400 steps) moved it by -0.021; its steps' rewards shuffled give sd 0.013, 99.9th percentile 0.043. The
-# families' examples rise by 0.10-0.16 (README).
+# families' examples rise by 0.10-0.16 (docs/algorithms.md).
 REWARD_RISE = 0.05
 
 pytestmark = [pytest.mark.families, pytest.mark.slow]  # slow: `make test-fast` leaves them out too

@@ -1,5 +1,5 @@
 """A short soak of 64 concurrent sessions on a real rollout process (scripts/soak_sessions.py; the 10-minute
-run is in the README): every block comes back after close, nothing stays open, memory does not climb, and
+run is in docs/sessions.md): every block comes back after close, nothing stays open, memory does not climb, and
 idle sessions' KV is evicted under pressure without an error."""
 
 import json

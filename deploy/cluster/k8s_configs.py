@@ -62,7 +62,7 @@ def server_section(name: str, placement: ServicePlacement) -> dict:
                         client_ca=f"{folder}/ca.crt" if placement.tls.client_ca else None)
     server.update(server_security(placement, tls, f"{SECRET_DIR}/{name}-auth/tokens.yaml"))
     if placement.auth is None:
-        server["insecure"] = True  # no tokens: any pod that can reach it may call it (README says so)
+        server["insecure"] = True  # no tokens: any pod that can reach it may call it (docs/security.md says so)
     return server
 
 

@@ -42,7 +42,7 @@ def algorithm(config: ExperimentConfig) -> dict:
     """The trainer's algorithm: the file's, with off_policy bypass when max_staleness > 0 unless the file sets it
     (the PPO ratio against the rollout's logprobs, clipped: the stale samples' importance ratio with a trust region).
     tis/decoupled take the ratio against the step's own start, which one optimizer step per batch never clips: on the
-    tool-use task at max_staleness 2 that collapsed to garbage within ~20 steps (README)."""
+    tool-use task at max_staleness 2 that collapsed to garbage within ~20 steps (docs/agentic.md)."""
     fields = config.algorithm.model_dump(mode="json")
     if (config.training.max_staleness > 0 and "off_policy" not in config.algorithm.model_fields_set
             and config.algorithm.name in ("grpo", "ppo")):

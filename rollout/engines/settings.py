@@ -23,7 +23,7 @@ class NativeSettings(Strict):
     kv_cache_dtype: Literal["auto", "int8", "int4"] = Field(
         "auto", description="'auto': KV in the model dtype; 'int8' / 'int4': quantized blocks (KIVI: keys per channel, "
         "values per token), dequantized in attention; ~3.4x / ~5.8x more tokens in the same budget against float32, "
-        "a lossy cache whose tokens the trainer's recomputed logprobs and off-policy correction handle (README).")
+        "a lossy cache whose tokens the trainer's recomputed logprobs and off-policy correction handle (docs/engine.md).")
     max_num_seqs: int = Field(64, gt=0, description="Sequences decoded together in one step.")
     max_num_batched_tokens: int = Field(
         4096, gt=0, description="Tokens computed per step: the running decodes first, one each, then chunks of the "

@@ -6,7 +6,7 @@ from services.config import Strict
 
 
 class ModelConfig(Strict):
-    """Memory and precision of the policy's forward and backward (README, "Memory at real sizes")."""
+    """Memory and precision of the policy's forward and backward (docs/trainer.md, "Memory")."""
 
     logprob_chunk_tokens: int = Field(
         1024, gt=0, description="Tokens per chunk of the LM head, log-softmax and entropy (trainer/lm_head.py): the "
