@@ -74,6 +74,11 @@ def test_deploy_is_packages_by_job():
     pyproject.toml), so a newcomer finds the launcher, the experiment file or the doctor by folder name."""
     loose = sorted(p.name for p in (ROOT / "deploy").glob("*.py") if p.name not in ("__init__.py", "__main__.py", "cli.py"))
     assert not loose, f"modules outside deploy's packages: {loose}"
+    tracked = set(subprocess.run(["git", "ls-files", "deploy"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.split())
+    folders = {str(Path(name).parent) for name in tracked if name.endswith(".py")}
+    untracked = sorted(f"{folder}/__init__.py" for folder in folders if f"{folder}/__init__.py" not in tracked)
+    assert not untracked, f"packages whose __init__.py git does not track (.gitignore?): {untracked}"
 
 def test_no_module_is_over_400_lines():
     long = []

@@ -1,0 +1,1 @@
+"""The runs themselves: an experiment run (prompts, an environment's episodes, offline pairs), resume, the quickstart."""
