@@ -4,7 +4,8 @@ Checks the config, the model folder (config, weights, tokenizer; the tokenizer f
 trainer, the rollout and distillation's teachers share one tokenizer and vocabulary, the chat template when asked
 for, the data's fields, the reward (importable, its arguments fit; a judge answers) or with `env` the environment
 (its tasks, the policy's turn), fixed ports, disk space for the buffer and checkpoints, and the versions of torch /
-transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
+transformers / vllm. A sweep file is checked as a sweep, and any other YAML file named (deploy/inspect/doctor_files.py).
+Exit 1 on any error, 0 otherwise (warnings included).
 """
 
 import importlib
@@ -18,6 +19,7 @@ from importlib import metadata
 
 from deploy.experiment.forms import OFFLINE, teacher_folders
 from deploy.experiment.schema import ExperimentConfig
+from deploy.inspect.doctor_files import not_an_experiment
 from deploy.inspect.findings import Finding, report
 
 # ---------------------------------------------------------------- the model and its tokenizer
@@ -360,10 +362,12 @@ def check_loggers(config: ExperimentConfig, findings: list[Finding]) -> None:
 
 
 def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> list[Finding]:
-    """Every finding about the experiment file at `path`."""
+    """Every finding about the experiment file at `path` (or the sweep file, or what another file is: doctor_files)."""
     from deploy.experiment.schema import load_experiment
     from services.config import ConfigError
 
+    if (answer := not_an_experiment(path, overrides or [], diagnose)) is not None:
+        return answer
     try:
         config = load_experiment(path, overrides or [])
     except (ConfigError, FileNotFoundError) as exc:
