@@ -1,9 +1,11 @@
 """`relayrl doctor FILE.yaml` on whatever YAML file it is given (deploy/inspect/doctor_files.py): a sweep file is
 checked as a sweep (its experiment checked under it, each field path a field of the experiment, the nearest named
-when it is not), and a Kubernetes manifest, a run's own file or a file of no known shape is named as such.
+when it is not), a Kubernetes manifest, a run's own file or a file of no known shape is named as such, and an
+example whose `prepare.py` writes its model and data names that command as the fix when they are missing.
 tests/test_examples_doctor.py walks the shipped files."""
 
 import pathlib
+import shutil
 
 import pytest
 import yaml
@@ -110,3 +112,22 @@ def test_a_misspelt_experiment_file_is_still_checked_as_one(tmp_path):
     path.write_text("model: {tiny: {}}\ndata: {train: {path: train.jsonl}}\nalgoritm: {name: grpo}\n")
     [finding] = diagnose(path)
     assert finding.check == "config" and "algoritm: Extra inputs are not permitted" in finding.message
+
+
+@pytest.mark.parametrize("name", ["code_task", "math_word"])
+def test_an_examples_missing_model_and_data_name_its_prepare_py(tmp_path, monkeypatch, name):
+    folder = tmp_path / "examples" / name
+    folder.mkdir(parents=True)
+    for file in ("experiment.yaml", "prepare.py"):
+        shutil.copy(EXAMPLES / name / file, folder)
+    monkeypatch.chdir(tmp_path)
+    findings = {f.check: f for f in diagnose(folder / "experiment.yaml")}
+    for check in ("model (trainer)", "data (train)", "data (eval)"):
+        assert findings[check].level == "error"
+        assert findings[check].fix == f"make it: python examples/{name}/prepare.py", findings[check].render()
+    # Without the prepare.py beside it, or for a path outside its folder, nothing is named that would not make it.
+    (folder / "prepare.py").unlink()
+    assert "point model.path at" in {f.check: f for f in diagnose(folder / "experiment.yaml")}["model (trainer)"].fix
+    shutil.copy(EXAMPLES / name / "prepare.py", folder)
+    outside = {f.check: f for f in diagnose(folder / "experiment.yaml", [f"model.path={tmp_path / 'elsewhere'}"])}
+    assert "point model.path at" in outside["model (trainer)"].fix

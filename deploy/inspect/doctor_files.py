@@ -14,6 +14,8 @@
     a run's own file    another YAML file in a run's folder (the trainer's or the runner's config): the folder is what
                         the doctor reads after a run
     anything else       said so, with its top-level keys and the shapes the doctor knows
+
+And what makes an example's missing inputs: the `prepare.py` beside its experiment file (`prepared_by`).
 """
 
 import json
@@ -157,6 +159,19 @@ def _manifest(path: pathlib.Path, documents: list[dict]) -> Finding:
                    "check the experiment file it is rendered from (relayrl doctor EXPERIMENT.yaml), then render it "
                    "again (relayrl deploy k8s EXPERIMENT.yaml --out FOLDER); kubectl apply --dry-run=server -f "
                    f"{path} checks the manifest against a cluster")
+
+
+def prepared_by(experiment: str | pathlib.Path) -> Callable[[str | None], str | None]:
+    """What makes a missing input of the experiment file at `experiment`, for the doctor's fix: an example's
+    `prepare.py` beside its file writes the example's model and data into that folder (examples/math_word,
+    examples/code_task), so a missing path inside the folder is made by running it. None: nothing known makes it."""
+    script = pathlib.Path(experiment).resolve().parent / "prepare.py"
+
+    def command(target: str | None) -> str | None:
+        if target is None or not script.is_file() or pathlib.Path(target).exists():
+            return None
+        return f"python {_shown(script)}" if pathlib.Path(target).resolve().is_relative_to(script.parent) else None
+    return command
 
 
 def _shown(path: pathlib.Path) -> pathlib.Path:
