@@ -75,14 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "recorded config; buffer, trainer checkpoint, driver position, RL clock and curve carry on)")
 
     doctor = sub.add_parser("doctor", help="an experiment file before a run (config, model and tokenizer, data "
-                            "fields, reward, ports, disk, versions), or a run folder after it: the known faults "
+                            "fields, reward, ports, disk, versions), a sweep file (its fields, its experiment), "
+                            "or a run folder after it: the known faults "
                             "(restart loops, out of memory, collective timeouts, weights not reaching the rollout, "
                             "zero or constant rewards, entropy collapse, data wait, mismatch spikes) with their "
                             "evidence and fix; exit 1 on any error")
-    doctor.add_argument("experiment", metavar="EXPERIMENT.yaml | RUN_DIR",
-                        help="an experiment file, or a finished or failed run's folder (runs/quickstart, ...)")
+    doctor.add_argument("experiment", metavar="EXPERIMENT.yaml | SWEEP.yaml | RUN_DIR",
+                        help="an experiment file, a sweep file, or a finished or failed run's folder (runs/quickstart, "
+                        "...); any other YAML file is named as what it is")
     doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field (an experiment file)")
+                        help="override a field of the experiment (or sweep) file")
 
     view = sub.add_parser("view", help="a local web page over a run's trajectories (RUN_DIR/trajectories.jsonl): "
                           "prompts, completions, rewards, advantages, tokens by logprob, version or loss mask, "

@@ -71,6 +71,10 @@ def test_parameters_reach_nested_free_form_sections(project):
 
 @pytest.mark.parametrize(("fields", "complaint"), [
     ({"params": {"training.lrr": {"type": "float", "low": 1e-5, "high": 1e-3}}}, "training.lrr"),
+    ({"params": {"algoritm.kl_coef": {"type": "float", "low": 0.0, "high": 0.1}}},
+     "params.algoritm.kl_coef: the experiment file has no field 'algoritm': the nearest field is algorithm.kl_coef"),
+    ({"set": {"training.time_budget": 30}},
+     "set.training.time_budget: training has no field 'time_budget': the nearest field is training.time_budget_s"),
     ({"params": {"training.lr": {"type": "float", "low": 0.0, "high": 1e-3}}}, "greater than 0"),
     ({"params": {"training.lr": {"type": "float", "low": 0.0, "high": 1e-3, "log": True}}}, "log: low must be > 0"),
     ({"params": {"training.lr": {"type": "float", "low": 1e-3, "high": 1e-5}}}, "above high"),

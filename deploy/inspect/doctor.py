@@ -4,7 +4,8 @@ Checks the config, the model folder (config, weights, tokenizer; the tokenizer f
 trainer, the rollout and distillation's teachers share one tokenizer and vocabulary, the chat template when asked
 for, the data's fields, the reward (importable, its arguments fit; a judge answers) or with `env` the environment
 (its tasks, the policy's turn), fixed ports, disk space for the buffer and checkpoints, and the versions of torch /
-transformers / vllm. Exit 1 on any error, 0 otherwise (warnings included).
+transformers / vllm. A sweep file is checked as a sweep, and any other YAML file named (deploy/inspect/doctor_files.py).
+Exit 1 on any error, 0 otherwise (warnings included).
 """
 
 import importlib
@@ -18,6 +19,7 @@ from importlib import metadata
 
 from deploy.experiment.forms import OFFLINE, teacher_folders
 from deploy.experiment.schema import ExperimentConfig
+from deploy.inspect.doctor_files import not_an_experiment, prepared_by
 from deploy.inspect.findings import Finding, report
 
 # ---------------------------------------------------------------- the model and its tokenizer
@@ -116,9 +118,9 @@ def _beyond_embedding(tokenizer, path: pathlib.Path, rows: int) -> tuple[str, st
     return "; ".join(parts), fix
 
 
-def check_models(config: ExperimentConfig, findings: list[Finding]) -> ModelFacts | None:
+def check_models(config: ExperimentConfig, findings: list[Finding], maker=lambda path: None) -> ModelFacts | None:
     """The trainer's model, and each folder that must share its tokenizer: the rollout's copy, distillation's
-    teachers. Returns the trainer's facts."""
+    teachers. Returns the trainer's facts. `maker(path)`: the command that makes a missing model.path, or None."""
     if config.model.tiny is not None:  # built in code at the run's start: build it here too, and check that
         import tempfile
 
@@ -126,7 +128,7 @@ def check_models(config: ExperimentConfig, findings: list[Finding]) -> ModelFact
             trainer = _model_facts(config.model.tiny.write(pathlib.Path(folder) / "model-init", config.seed), "tiny",
                                    findings)
     else:
-        trainer = _model_facts(pathlib.Path(config.model.path), "trainer", findings)
+        trainer = _model_facts(pathlib.Path(config.model.path), "trainer", findings, maker(config.model.path))
     fix = "give model.rollout_path a copy of the same model and tokenizer as model.path (or drop rollout_path)"
     others = [("rollout", config.model.rollout_path, None, fix)] if config.model.rollout_path else []
     others += [(name, teacher.path, teacher.made_by, f"give {name}.path a model with the student's tokenizer")
@@ -161,7 +163,7 @@ def _same_tokenizer(trainer: ModelFacts, other: ModelFacts, role: str, fix: str,
 # ---------------------------------------------------------------- data, reward, ports, disk, versions
 
 
-def check_data(config: ExperimentConfig, facts: ModelFacts | None, findings: list[Finding]) -> int:
+def check_data(config: ExperimentConfig, facts: ModelFacts | None, findings: list[Finding], maker=lambda path: None) -> int:
     """The rows and fields of each source; returns the number of train rows (0 when unreadable)."""
     from deploy.experiment.data import DataError, missing_fields, read_rows
 
@@ -178,7 +180,8 @@ def check_data(config: ExperimentConfig, facts: ModelFacts | None, findings: lis
         try:
             rows = read_rows(source)
         except DataError as exc:
-            findings.append(Finding("error", check, str(exc)))
+            findings.append(Finding("error", check, str(exc), f"make it: {maker(source.path)}" if maker(source.path)
+                                    else ""))
             continue
         if not rows:
             findings.append(Finding("error", check, f"{source.path} holds no rows", "write the prompts there"))
@@ -360,18 +363,21 @@ def check_loggers(config: ExperimentConfig, findings: list[Finding]) -> None:
 
 
 def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> list[Finding]:
-    """Every finding about the experiment file at `path`."""
+    """Every finding about the experiment file at `path` (or the sweep file, or what another file is: doctor_files)."""
     from deploy.experiment.schema import load_experiment
     from services.config import ConfigError
 
+    if (answer := not_an_experiment(path, overrides or [], diagnose)) is not None:
+        return answer
     try:
         config = load_experiment(path, overrides or [])
     except (ConfigError, FileNotFoundError) as exc:
         return [Finding("error", "config", str(exc), "fix the field named (deploy/experiment/schema.py documents each)")]
     findings = [Finding("ok", "config", f"{path} is a valid experiment file")]
-    facts = check_models(config, findings)
+    maker = prepared_by(path)
+    facts = check_models(config, findings, maker)
     if config.data is not None:
-        check_data(config, facts, findings)
+        check_data(config, facts, findings, maker)
     check_stop(config, findings)
     if config.env is not None:
         check_env(config, findings)

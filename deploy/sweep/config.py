@@ -14,12 +14,15 @@ taken from the folder of the file.
 This module applies a trial's parameters to the experiment (`trial_experiment`); it imports neither Optuna nor torch.
 """
 
+import difflib
 import json
 import pathlib
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from deploy.experiment.schema import ExperimentConfig
 from services.config import ConfigError, Strict, apply_override, load_config
@@ -196,8 +199,13 @@ class Sweep:
                                       "experiment": self.base()}, default=str))
 
     def check(self) -> None:
-        """Every parameter's bounds (and each choice) applied to the base experiment and validated; ConfigError
-        names the parameter and the field's complaint."""
+        """Every field path of `set` and `params` a field of the experiment file, and every parameter's bounds (and
+        each choice) applied to the base experiment and validated; ConfigError names the parameter and the field's
+        complaint (for a path that is no field, the nearest that is)."""
+        problems = [f"{section}.{path}: {problem}" for section in ("set", "params")
+                    for path in getattr(self.config, section) if (problem := field_problem(path))]
+        if problems:
+            raise ConfigError("; ".join(problems))
         run_dir = self.dir / "trial-check"
         services = self.experiment({}, run_dir).services
         fixed = [f"services.{name}.port" for name in ("buffer", "reward", "rollout") if getattr(services, name).port]
@@ -211,6 +219,41 @@ class Sweep:
                     self.experiment({path: value}, run_dir)
                 except ConfigError as exc:
                     raise ConfigError(f"params.{path} = {value!r}: {exc}") from None
+
+
+def field_problem(path: str) -> str | None:
+    """None when the dotted `path` names a field of the experiment file (anything under a free-form mapping such as
+    reward.args or services.trainer.settings counts); else what is wrong with it, and the nearest field path."""
+    parts, fixed, problem = path.split("."), [], None
+    annotation: Any = ExperimentConfig
+    for part in parts:
+        where = ".".join(fixed) or "the experiment file"
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+            annotation = args[0]  # X | None
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            fields = annotation.model_fields
+            if part not in fields:
+                near = difflib.get_close_matches(part, fields, n=1)
+                problem = problem or f"{where} has no field {part!r}"
+                if not near:
+                    return f"{problem} (its fields: {', '.join(fields)})"
+                part = near[0]
+            annotation = fields[part].annotation
+        elif origin is dict or annotation in (dict, Any, object):  # a mapping of free keys
+            annotation = args[1] if len(args) == 2 else Any
+            if annotation in (Any, object):  # anything below it is the mapping's own
+                fixed.append(part)
+                break
+        elif origin is list:
+            return problem or f"{where} is a list: a sweep sets it whole, not one of its items"
+        else:
+            return problem or f"{where} is a value ({getattr(annotation, '__name__', annotation)}), not a section with fields"
+        fixed.append(part)
+    if problem is None:
+        return None
+    return f"{problem}: the nearest field is {'.'.join(fixed + parts[len(fixed):])}"
 
 
 def trial_experiment(base: dict, folder: pathlib.Path, params: dict[str, Any], run_dir: pathlib.Path,
