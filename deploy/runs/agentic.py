@@ -106,10 +106,10 @@ def run_agentic(config: ExperimentConfig, console=None, supervisor=None):
     held-out success rate). `supervisor` (deploy.local.supervisor.Supervisor) lets a caller watch its processes."""
     import torch
 
-    from deploy.rl.plan import base_model, finish_run
+    from deploy.local.supervisor import Supervisor
     from deploy.record.progress import Progress
     from deploy.record.run_state import start_run_dir
-    from deploy.local.supervisor import Supervisor
+    from deploy.rl.plan import base_model, finish_run
 
     torch.set_num_threads(1)
     run_dir = pathlib.Path(config.run_dir)
@@ -128,13 +128,13 @@ def _rl(config: ExperimentConfig, plan: Pipeline, eval_tasks, progress, supervis
     """Buffer and rollout, then the runner and the trainer until the budget or max_steps, the held-out success rate
     measured at the start, every evaluation.every_s (or every_steps) and at the end; a deploy.rl.pipeline.PipelineResult."""
     from deploy.local.launcher import LocalLauncher
-    from deploy.record.loggers import writers
-    from deploy.rl.pipeline import TRAINER_STOP_S, PipelineResult, read_jsonl, write_yaml
-    from deploy.rl.config import buffer_overrides, rollout_overrides
     from deploy.local.replicas import RolloutReplicas
+    from deploy.record.loggers import writers
     from deploy.record.service_registry import REGISTRY_FILE
     from deploy.record.status import run_targets
     from deploy.record.tensorboard import RunBoard
+    from deploy.rl.config import buffer_overrides, rollout_overrides
+    from deploy.rl.pipeline import TRAINER_STOP_S, PipelineResult, read_jsonl, write_yaml
     from rollout.envs.runner import evaluate
 
     run_dir, launcher = plan.run_dir, LocalLauncher()

@@ -15,8 +15,8 @@ import logging
 import pathlib
 import sys
 
-from deploy.experiment.schema import ExperimentConfig, load_experiment
 from deploy.experiment.forms import OFFLINE
+from deploy.experiment.schema import ExperimentConfig, load_experiment
 from deploy.rl.plan import add_bos, base_model, finish_run, pipeline_plan
 
 log = logging.getLogger("relayrl.experiment")
@@ -37,8 +37,8 @@ def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.
             progress, resume: bool) -> pathlib.Path:
     """The policy RL starts from: `model_dir`, or with sft.steps its supervised warm-up on the training rows'
     answers (deploy/experiment/warmup.py) in RUN_DIR/model-sft, which a resumed run keeps once whole."""
-    from deploy.record.run_state import whole_model
     from deploy.experiment.warmup import supervised_warmup
+    from deploy.record.run_state import whole_model
 
     sft = config.sft
     if not sft.steps:
@@ -66,12 +66,12 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     from transformers import AutoTokenizer
 
     from deploy.experiment import data as experiment_data
+    from deploy.local.security import secure
+    from deploy.local.supervisor import Supervisor
+    from deploy.record.progress import Progress
+    from deploy.record.run_state import start_run_dir
     from deploy.rl.evaluation import mean_reward
     from deploy.rl.pipeline import run_pipeline
-    from deploy.record.progress import Progress
-    from deploy.local.security import secure
-    from deploy.record.run_state import start_run_dir
-    from deploy.local.supervisor import Supervisor
 
     torch.set_num_threads(1)
     if config.deterministic:  # the SFT warm-up runs in this process

@@ -124,8 +124,8 @@ def train_offline(config, run_dir: pathlib.Path, policy_dir: pathlib.Path, token
     """The offline run of `config` from `policy_dir` (the start, also the reference) on the pairs of `train_rows`,
     measured on those of `eval_rows`; returns deploy.record.run_state.Summary (its accuracy fields hold the held-out
     preference accuracy). The trainer resumes from RUN_DIR/checkpoints when a resumed run left one."""
-    from deploy.rl.plan import add_bos
     from deploy.record.run_state import Summary
+    from deploy.rl.plan import add_bos
     from services.device import resolve_device
     from trainer.dataset import DatasetSource
     from trainer.loop import train
