@@ -43,6 +43,23 @@ def resolve_device(name: str = "auto", local_rank: int | None = None) -> torch.d
     return torch.device(kind_type, local_rank if local_rank is not None else module.current_device())
 
 
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the calling thread's current accelerator device while the block runs; nothing on the CPU.
+
+    What a tensor's device does not name runs on the current device: a Triton launch, a CUDA graph's capture and
+    replay, torch.cuda.synchronize(), a new stream. Each thread starts on device 0, so whatever drives an engine on
+    `cuda:1` (its thread, its capture) enters this first."""
+    if device.type in ("cpu", "meta"):
+        return contextlib.nullcontext()
+    return getattr(torch, device.type).device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (no-op on CPU)."""
+    if device.type not in ("cpu", "meta"):
+        getattr(torch, device.type).synchronize(device)
+
+
 def set_current(device: torch.device) -> None:
     """Make `device` this process's current accelerator device (no-op on CPU)."""
     if device.type != "cpu":

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kv.cache import KVCache
+from rollout.kv.cache import KVCache, to_device
 from rollout.kv.quantized import QuantizedKVCache
 
 BLOCK_N = 32  # context slots per tile
@@ -154,7 +154,7 @@ class TritonAttention:
         width = max(-(-n // block_size) for n in kv_lens)
         rows = [[*table[:width], *[0] * (width - len(table))] for table in block_tables]
         flat = [*itertools.chain.from_iterable(rows), 0, *itertools.accumulate(query_lens), *kv_lens]
-        packed = torch.tensor(flat, dtype=torch.int32, device=device)
+        packed = to_device(flat, torch.int32, device)
         tables = packed[: num_seqs * width].view(num_seqs, width)
         starts = packed[num_seqs * width : num_seqs * width + num_seqs + 1]
         return cls(tables, starts, packed[num_seqs * width + num_seqs + 1 :], max(query_lens), scale)
