@@ -2,8 +2,10 @@
 
 `torch.accelerator` (torch >= 2.6) names the machine's accelerator whatever its kind: CUDA, XPU, or Ascend NPU
 once `torch_npu` is imported (it registers itself as an accelerator). Everything else asks here instead of
-testing `torch.cuda` itself: the trainer's device (`device: auto`), the collective backend that goes with it,
-autocast, the fused optimizer, peak memory.
+testing `torch.cuda` itself: the trainer's and the rollout engine's device (`device: auto`), the collective
+backend that goes with it, the backend that moves weights and KV between processes (`backend: auto`), the
+engine's default dtype, the current device of a thread, autocast, the fused optimizer, peak memory. A new kind of
+accelerator is an entry in the tables below.
 """
 
 import contextlib
@@ -15,6 +17,12 @@ import torch.distributed as dist
 # A device type's collective backend where torch.distributed's own map does not name it (torch_npu adds hccl).
 _BACKENDS = {"npu": "hccl"}
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "npu")
+# The transfer backend (services/weights/, rollout/pd/kv_group.py) that moves weights and KV between processes whose
+# tensors are on a device type; any other type sends host bytes over gloo.
+_TRANSFER_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# The rollout engine's compute dtype where `dtype` is left unset: float32 on the CPU (exact, and CPU bf16 matmuls are
+# slower), bfloat16 on an accelerator (the fast kernels; float32 takes the slowest ones).
+_ENGINE_DTYPES = {"cpu": "float32"}
 
 
 def accelerator_type() -> str | None:
@@ -71,6 +79,19 @@ def collective_backend(device: torch.device | str) -> str:
     hccl (npu), gloo (cpu)."""
     kind = device.type if isinstance(device, torch.device) else device
     return _BACKENDS.get(kind) or dist.Backend.default_device_backend_map.get(kind, "gloo")
+
+
+def transfer_backend(device: torch.device | str) -> str:
+    """The backend for weight updates and KV moved between processes whose tensors are on `device` (or a device
+    type): nccl on CUDA, gloo elsewhere (host bytes)."""
+    kind = device.type if isinstance(device, torch.device) else device.partition(":")[0]
+    return _TRANSFER_BACKENDS.get(kind, "gloo")
+
+
+def engine_dtype(device: torch.device | str) -> str:
+    """The rollout engine's dtype when none is set: float32 on the CPU, bfloat16 on an accelerator."""
+    kind = device.type if isinstance(device, torch.device) else device.partition(":")[0]
+    return _ENGINE_DTYPES.get(kind, "bfloat16")
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:

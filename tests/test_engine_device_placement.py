@@ -185,3 +185,23 @@ def test_a_runner_step_and_a_weight_switch_enter_the_runners_device(tiny_model_d
     engine.compute_logprobs([3, 4], [[5, 6]])
     engine.load_weights(dict(engine.runner.model.named_parameters()), version=1)
     assert len(scopes) >= 4 and set(scopes) == {engine.runner.device}
+
+
+def test_the_engine_takes_its_device_and_dtype_from_the_device_layer(tiny_model_dir, monkeypatch):
+    """`engine.device: auto` as the trainer's `device: auto` (services/device.py): the accelerator when there is one,
+    else the CPU; an unset dtype is float32 on the CPU and bfloat16 on an accelerator (an explicit one stays)."""
+    from rollout.engines.settings import NativeSettings
+    from services import device as devices
+
+    assert (NativeSettings().device, NativeSettings().dtype) == ("auto", None)
+    monkeypatch.setattr(devices, "accelerator_type", lambda: None)
+    on_cpu = EngineConfig(model=str(tiny_model_dir), device="auto")
+    assert (on_cpu.device, on_cpu.torch_dtype) == ("cpu", torch.float32)
+    monkeypatch.setattr(devices, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    on_gpu = EngineConfig(model=str(tiny_model_dir), device="auto")
+    assert (on_gpu.device, on_gpu.torch_dtype) == ("cuda:1", torch.bfloat16)
+    assert EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32").torch_dtype == torch.float32
+    assert EngineConfig(model=str(tiny_model_dir), device="cpu").torch_dtype == torch.float32
+

@@ -260,3 +260,23 @@ def test_the_engines_pause_is_reported_apart_from_the_sync(tied_model_dir):
         assert 0 < report.pause_s == result.pause_s <= report.total_s
         assert result.pause_s >= result.switch_s > 0
     assert {0, 2} <= seen
+
+
+def test_a_float32_update_may_widen_into_a_bf16_engine_and_nothing_else():
+    """A float32 trainer publishing to an engine in bfloat16 (the default on a GPU since issue 34): with `widen` (a
+    receiver that stages the update, the engine casting it at the switch) float32 tensors update bfloat16 / float16
+    parameters; a narrower update, another dtype, or any cast without `widen` is still refused."""
+    from protos.codec import CodecError
+    from rollout.serve.weight_receiver import check_layout
+
+    layout = {"a": ((2, 3), torch.bfloat16), "b": ((4,), torch.float16), "c": ((5,), torch.float32)}
+    widened = plan_buckets([("a", (2, 3), torch.float32), ("b", (4,), torch.float32), ("c", (5,), torch.float32)],
+                           1 << 20)
+    check_layout(widened, layout, widen=True)
+    with pytest.raises(CodecError, match="tensor 'a': the update has \\[2, 3\\] torch.float32, the model"):
+        check_layout(widened, layout)
+    narrowed = plan_buckets([("a", (2, 3), torch.bfloat16), ("b", (4,), torch.float16), ("c", (5,), torch.bfloat16)],
+                            1 << 20)
+    with pytest.raises(CodecError, match="tensor 'c': the update has \\[5\\] torch.bfloat16, the model \\[5\\] "
+                                         "torch.float32"):
+        check_layout(narrowed, layout, widen=True)

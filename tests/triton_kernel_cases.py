@@ -126,7 +126,7 @@ def test_an_engine_on_the_kernel_decodes_as_the_torch_path(sharp_model_dir, cuda
     """The tiny model (4 query / 2 kv heads) in float32 with a 24-token step budget, so long prompts prefill in chunks
     while others decode: greedy tokens equal the torch engine's and their logprobs agree within 1e-5. With
     cuda_graphs the decode steps run the kernel from the static buffers of their batch-size bucket."""
-    config = {"model": str(sharp_model_dir), "device": DEVICE, "block_size": 4, "max_model_len": 96,
+    config = {"model": str(sharp_model_dir), "device": DEVICE, "dtype": "float32", "block_size": 4, "max_model_len": 96,
               "max_num_seqs": 8, "max_n": 2, "max_num_batched_tokens": 24}
     kernel_engine = LLMEngine(EngineConfig(**config, attention_backend="triton", cuda_graphs=cuda_graphs))
     torch_engine = LLMEngine(EngineConfig(**config, attention_backend="torch", cuda_graphs=False))

@@ -108,14 +108,17 @@ class _Update:
     engine_receive_s: float = 0.0  # how long the engine's own receive blocked it (it generates nothing meanwhile)
 
 
-def check_layout(manifest: Manifest, layout: Layout) -> None:
+def check_layout(manifest: Manifest, layout: Layout, widen: bool = False) -> None:
     """Every tensor of the update must be a parameter of the engine with the same shape and dtype,
-    and every parameter must be in the update (a partial update would mix two versions)."""
+    and every parameter must be in the update (a partial update would mix two versions). With `widen`, a float32
+    tensor may update a bfloat16 / float16 parameter: the engine casts it at the switch (a float32 trainer publishing
+    to an engine in bfloat16, the default on a GPU; its float32 LM head then comes from the published tensor)."""
     for slot in manifest.slots:
         if slot.name not in layout:
             raise CodecError(f"tensor {slot.name!r}: the model has no such parameter")
         shape, dtype = layout[slot.name]
-        if tuple(shape) != slot.shape or dtype != slot.dtype:
+        cast = widen and slot.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
+        if tuple(shape) != slot.shape or (dtype != slot.dtype and not cast):
             raise CodecError(
                 f"tensor {slot.name!r}: the update has {list(slot.shape)} {slot.dtype}, the model "
                 f"{list(shape)} {dtype}"
@@ -340,7 +343,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         if checked is not None and request.bucket_sizes == checked[0].bucket_sizes and request.tensors == checked[0].tensors:
             return checked[1]
         manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
-        check_layout(manifest, self.layout)
+        check_layout(manifest, self.layout, widen=not self._engine_receives)  # the engine casts what it is handed
         self._checked = (request, manifest)
         return manifest
 
