@@ -187,3 +187,24 @@ def test_replayed_decode_equals_the_eager_kernel_and_survives_a_changed_update(s
     assert graphs.graphs == captured  # the same graph objects: nothing captured again
     _assert_same(changed, _generate(fresh, prompts, params), atol=1e-4)
     assert [tokens for tokens, _ in changed] != [tokens for tokens, _ in got]  # the update changed what is decoded
+
+
+@pytest.mark.gpu
+def test_bfloat16_by_default_on_cuda_the_kernel_and_graphs_follow_the_torch_path(sharp_wide_model_dir):
+    """The engine's defaults on CUDA since issue 34: bfloat16, the Triton kernel's bfloat16 dots, CUDA graphs with
+    split-K decode at small batches. Against the torch path in bfloat16: every prompt's first greedy token equal, and
+    over the tokens both produced alike logprobs within 0.05 (the same bf16 model, roundings in another order)."""
+    config = {"model": str(sharp_wide_model_dir), "device": "cuda", "block_size": 16, "max_model_len": 256,
+              "max_num_seqs": 16, "max_num_batched_tokens": 64}
+    kernel = LLMEngine(EngineConfig(**config))
+    assert (kernel.config.torch_dtype, kernel.config.attention_kernel, kernel.config.cuda_graphs) == (
+        torch.bfloat16, "triton", True)
+    reference = LLMEngine(EngineConfig(**config, attention_backend="torch"))
+    prompts = _prompts([3, 70, 9, 130, 17, 5], seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    for (tokens, logprobs), (expected, expected_logprobs) in zip(_generate(kernel, prompts, params),
+                                                                 _generate(reference, prompts, params)):
+        assert tokens[0] == expected[0]
+        alike = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(tokens))
+        assert max(abs(a - b) for a, b in zip(logprobs[:alike], expected_logprobs[:alike])) < 0.05
+    assert kernel.runner.graphs.num_replays > 10
