@@ -140,6 +140,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.events.append(
             ("synchronize", devices.current() if device is None else torch.device(device).index)))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", Capture)
 
@@ -163,6 +164,7 @@ def test_every_capture_runs_on_the_engines_device_after_a_side_stream_warm_up(ti
     assert captures == [("capture", 1, "thread_local")] * 3
     assert [on_side for _, on_side in warm_ups] == [True, False] * 3  # warm-up on the side stream, then the capture
     assert all(event[1] == 1 for event in cuda.events if event[0] in ("synchronize", "stream"))
+    assert sorted(graphs.capture_stats) == [1, 2, 4]  # seconds and pool growth of each (bench/engine_gpu.py prints them)
 
 
 def test_a_runner_step_and_a_weight_switch_enter_the_runners_device(tiny_model_dir, monkeypatch):

@@ -21,6 +21,7 @@ Graphs hold the addresses of the weights: a weight update copies the new tensors
 chunked steps, and steps that report attention scores, stay eager.
 """
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -63,6 +64,7 @@ class DecodeGraphs:
             kernel=attention(self.inputs[:bucket, TABLE:], self.inputs[:bucket, CONTEXT], query_starts[: bucket + 1]),
         ) for bucket in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_stats: dict[int, tuple[float, int]] = {}  # bucket -> (seconds, bytes the pool grew) of its capture
         self.pool = None
         self.num_replays = 0  # decode steps run from the static buffers (replays on CUDA, plain calls on CPU)
         self.last_bucket = 0
@@ -102,8 +104,12 @@ class DecodeGraphs:
         graph = self.graphs.get(bucket)
         if graph is None:
             with device_scope(self.device):
+                started, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
                 graph = self._capture(bucket)
+                torch.cuda.synchronize(self.device)
+                grown = torch.cuda.memory_reserved(self.device) - reserved
             self.graphs[bucket] = graph
+            self.capture_stats[bucket] = (time.perf_counter() - started, grown)
         return graph
 
     def _capture(self, bucket: int) -> "torch.cuda.CUDAGraph":
