@@ -64,6 +64,12 @@ class LLMEngine(SessionSteps):
         """Where the model's parameters live, with the CUDA index ("cuda" resolved when they were made)."""
         return next(self.runner.model.parameters()).device
 
+    @property
+    def adopts_weights(self) -> bool:
+        """Whether load_weights(adopt=True) serves the given tensors themselves; not with static decode buffers
+        (CUDA graphs hold the parameters' addresses: the tensors are copied in place, and free afterwards)."""
+        return self.runner.graphs is None
+
     def parameter_layout(self) -> Layout:
         """name -> (shape, dtype) of every parameter a weight update may carry."""
         return {name: (tuple(p.shape), p.dtype) for name, p in self.runner.model.named_parameters()}

@@ -10,7 +10,9 @@ serving its old version and the call says why; nothing here can block the engine
 a deadline.
 
 The engine adopts the staged tensors (serves them without copying), so staging is double-buffered:
-one set holds the served version, the other receives the next; a switch swaps their roles.
+one set holds the served version, the other receives the next; a switch swaps their roles. An engine that copies
+them into its own parameters instead (`adopts_weights` False: the native engine replaying CUDA graphs, whose
+captured parameters must keep their storage) leaves them free once the switch returns: one set serves every update.
 
 An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
 no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
@@ -218,8 +220,11 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
                 pause_s = self.engine.last_pause_s
                 self._pending = None
-                # The engine serves this update's buffers now and none of the replaced version's.
-                self._staging, self._served = self._served, update.staging
+                if getattr(self.engine, "adopts_weights", True):
+                    # The engine serves this update's buffers now and none of the replaced version's.
+                    self._staging, self._served = self._served, update.staging
+                else:  # copied: the buffers are free for the next update
+                    self._staging, self._served = update.staging, None
         log.log(self._log_level.level(), "switched to weight version %d (receive %.3fs, switch %.3fs, paused %.3fs)",
                 update.version, receive_s, switch_s, pause_s)
         return weights_pb2.CommitUpdateResponse(current_version=self.engine.weight_version, receive_s=receive_s,
