@@ -78,3 +78,17 @@ def test_one_table_names_the_transfer_backend_and_engine_dtype_of_each_device_ty
         "cpu": "float32", "cuda": "bfloat16", "xpu": "bfloat16", "npu": "bfloat16"}
     assert KVGroupConfig(master="h:1", world_size=2, rank=0, backend="auto").backend == "auto"
     assert PublishConfig(backend="auto").backend == "auto"
+
+
+def test_the_trainers_publish_backend_auto_follows_its_device():
+    """publish.backend: auto is the transfer backend of the trainer's device: gloo from the CPU, nccl from a GPU."""
+    from trainer.config import TrainerConfig
+    from trainer.run import RolloutPublisher
+
+    config = TrainerConfig(model_path="m", device="cpu", publish={"receivers": ["127.0.0.1:1"], "backend": "auto"})
+    for device, backend in ((torch.device("cpu"), "gloo"), (torch.device("cuda", 0), "nccl")):
+        publisher = RolloutPublisher(config.publish, device)
+        try:
+            assert publisher._broadcaster.broadcaster.config.backend == backend
+        finally:
+            publisher._broadcaster.close()
