@@ -206,6 +206,14 @@ def main() -> int:
               f"{config.attention_kernel}, cuda_graphs {config.cuda_graphs}, {config.num_blocks} blocks of "
               f"{config.block_size}; prompts of {args.prompt_len} tokens, {args.new_tokens} greedy tokens each, median "
               f"of {args.repeats}; started in {time.perf_counter() - started:.1f}s", flush=True)
+        graphs = engine.runner.graphs
+        if graphs is not None and graphs.capture_stats:  # captured at start, largest bucket first, one memory pool
+            stats = graphs.capture_stats
+            print("CUDA graph captures: " + ", ".join(f"bs{bucket} {1e3 * seconds:.0f} ms {grown / 2**20:.0f} MiB"
+                                                      for bucket, (seconds, grown) in sorted(stats.items())))
+            print(f"result: cuda_graph_capture_s = {sum(s for s, _ in stats.values()):.2f} (baseline none: {len(stats)} "
+                  f"buckets up to {max(stats)}, the pool grew {sum(g for _, g in stats.values()) / 2**20:.0f} MiB; "
+                  f"captured once per engine, kept across weight updates)", flush=True)
         print(f"{'B':>4} | {'native tok/s':>12} | {'hf tok/s':>9} | {'x hf':>5} | {'native ms/step':>14} | "
               f"{'hf ms/step':>10} | {'floor ms/step':>13} | {'x floor':>7}", flush=True)
         rows = {}

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from rollout.kv.quantized import block_codec
+from services.device import engine_dtype, resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -166,8 +167,11 @@ class EngineConfig:
     """
 
     model: str  # local Hugging Face folder (config.json + *.safetensors)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # "auto": the checkpoint's dtype
-    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    # "auto": the checkpoint's dtype; None: the device's (services.device.engine_dtype: float32 on the CPU, bfloat16 on
+    # an accelerator)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    # "cpu", "cuda", "cuda:1", ...; "auto": the machine's accelerator, else the CPU (services.device.resolve_device)
+    device: str = "cpu"
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks; None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is None
@@ -216,6 +220,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.model_config = ModelConfig.from_pretrained(self.model)
+        if self.device == "auto":
+            self.device = str(resolve_device("auto"))
+        if self.dtype is None:
+            self.dtype = engine_dtype(torch.device(self.device))
         dtype = self.model_config.dtype if self.dtype == "auto" else self.dtype
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")

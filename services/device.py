@@ -2,8 +2,10 @@
 
 `torch.accelerator` (torch >= 2.6) names the machine's accelerator whatever its kind: CUDA, XPU, or Ascend NPU
 once `torch_npu` is imported (it registers itself as an accelerator). Everything else asks here instead of
-testing `torch.cuda` itself: the trainer's device (`device: auto`), the collective backend that goes with it,
-autocast, the fused optimizer, peak memory.
+testing `torch.cuda` itself: the trainer's and the rollout engine's device (`device: auto`), the collective
+backend that goes with it, the backend that moves weights and KV between processes (`backend: auto`), the
+engine's default dtype, the current device of a thread, autocast, the fused optimizer, peak memory. A new kind of
+accelerator is an entry in the tables below.
 """
 
 import contextlib
@@ -15,6 +17,12 @@ import torch.distributed as dist
 # A device type's collective backend where torch.distributed's own map does not name it (torch_npu adds hccl).
 _BACKENDS = {"npu": "hccl"}
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "npu")
+# The transfer backend (services/weights/, rollout/pd/kv_group.py) that moves weights and KV between processes whose
+# tensors are on a device type; any other type sends host bytes over gloo.
+_TRANSFER_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# The rollout engine's compute dtype where `dtype` is left unset: float32 on the CPU (exact, and CPU bf16 matmuls are
+# slower), bfloat16 on an accelerator (the fast kernels; float32 takes the slowest ones).
+_ENGINE_DTYPES = {"cpu": "float32"}
 
 
 def accelerator_type() -> str | None:
@@ -43,6 +51,23 @@ def resolve_device(name: str = "auto", local_rank: int | None = None) -> torch.d
     return torch.device(kind_type, local_rank if local_rank is not None else module.current_device())
 
 
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the calling thread's current accelerator device while the block runs; nothing on the CPU.
+
+    What a tensor's device does not name runs on the current device: a Triton launch, a CUDA graph's capture and
+    replay, torch.cuda.synchronize(), a new stream. Each thread starts on device 0, so whatever drives an engine on
+    `cuda:1` (its thread, its capture) enters this first."""
+    if device.type in ("cpu", "meta"):
+        return contextlib.nullcontext()
+    return getattr(torch, device.type).device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (no-op on CPU)."""
+    if device.type not in ("cpu", "meta"):
+        getattr(torch, device.type).synchronize(device)
+
+
 def set_current(device: torch.device) -> None:
     """Make `device` this process's current accelerator device (no-op on CPU)."""
     if device.type != "cpu":
@@ -54,6 +79,19 @@ def collective_backend(device: torch.device | str) -> str:
     hccl (npu), gloo (cpu)."""
     kind = device.type if isinstance(device, torch.device) else device
     return _BACKENDS.get(kind) or dist.Backend.default_device_backend_map.get(kind, "gloo")
+
+
+def transfer_backend(device: torch.device | str) -> str:
+    """The backend for weight updates and KV moved between processes whose tensors are on `device` (or a device
+    type): nccl on CUDA, gloo elsewhere (host bytes)."""
+    kind = device.type if isinstance(device, torch.device) else device.partition(":")[0]
+    return _TRANSFER_BACKENDS.get(kind, "gloo")
+
+
+def engine_dtype(device: torch.device | str) -> str:
+    """The rollout engine's dtype when none is set: float32 on the CPU, bfloat16 on an accelerator."""
+    kind = device.type if isinstance(device, torch.device) else device.partition(":")[0]
+    return _ENGINE_DTYPES.get(kind, "bfloat16")
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:

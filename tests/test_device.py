@@ -63,3 +63,32 @@ def test_auto_is_the_gpu_on_a_gpu_machine():
     torch.ones(1024, device=env.device)
     assert devices.peak_memory_bytes(env.device) >= 4096
     assert isinstance(devices.autocast(env.device, "bfloat16"), torch.autocast)
+
+
+def test_one_table_names_the_transfer_backend_and_engine_dtype_of_each_device_type():
+    """Weight updates (trainer publish.backend: auto) and KV between workers (kv_group.backend: auto) take their
+    backend from services.device.transfer_backend; a device type it does not list sends host bytes (gloo)."""
+    from rollout.pd.kv_group import KVGroupConfig
+    from trainer.config.publish import PublishConfig
+
+    assert {kind: devices.transfer_backend(kind) for kind in devices.DEVICE_TYPES} == {
+        "cpu": "gloo", "cuda": "nccl", "xpu": "gloo", "npu": "gloo"}
+    assert devices.transfer_backend(torch.device("cuda", 1)) == "nccl"
+    assert {kind: devices.engine_dtype(kind) for kind in devices.DEVICE_TYPES} == {
+        "cpu": "float32", "cuda": "bfloat16", "xpu": "bfloat16", "npu": "bfloat16"}
+    assert KVGroupConfig(master="h:1", world_size=2, rank=0, backend="auto").backend == "auto"
+    assert PublishConfig(backend="auto").backend == "auto"
+
+
+def test_the_trainers_publish_backend_auto_follows_its_device():
+    """publish.backend: auto is the transfer backend of the trainer's device: gloo from the CPU, nccl from a GPU."""
+    from trainer.config import TrainerConfig
+    from trainer.run import RolloutPublisher
+
+    config = TrainerConfig(model_path="m", device="cpu", publish={"receivers": ["127.0.0.1:1"], "backend": "auto"})
+    for device, backend in ((torch.device("cpu"), "gloo"), (torch.device("cuda", 0), "nccl")):
+        publisher = RolloutPublisher(config.publish, device)
+        try:
+            assert publisher._broadcaster.broadcaster.config.backend == backend
+        finally:
+            publisher._broadcaster.close()

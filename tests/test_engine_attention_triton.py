@@ -21,8 +21,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = Path(__file__).with_name("triton_kernel_cases.py")
-# tests/triton_kernel_cases.py: 6 (dtype x cache) + 1 (multi-head) + 2 (engine, cuda_graphs) + 1 (the choice)
-EXPECTED_PASSED = 10
+# tests/triton_kernel_cases.py: 6 (dtype x cache) + 1 (multi-head) + 2 (engine, cuda_graphs) + 1 (the choice) + 2 (tiles
+# past a chunk) + 3 (split decode) + 1 (the split rule)
+EXPECTED_PASSED = 16
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install triton)", allow_module_level=True)
@@ -80,3 +81,16 @@ def test_no_triton_interpret_in_the_test_process():
     """TRITON_INTERPRET=1 in the pytest process is inherited by every process a test starts (services, torchrun
     ranks): it belongs to the child above alone. If this fails from a shell that exported it, unset it there."""
     assert "TRITON_INTERPRET" not in os.environ, "TRITON_INTERPRET is set in the pytest process"
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_compiled_kernel_equals_the_torch_path_in_bfloat16_and_split(tmp_path):
+    """On CUDA the child runs the compiled kernel: its bfloat16 variant multiplies in bfloat16 (UPCAST off: under the
+    interpreter the dots always run in float32, so only a GPU checks it), within 1e-2 of the torch path in bfloat16;
+    the split-K decode and its merge; the engines on the kernel with and without CUDA graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    done, outcomes = run_cases(tmp_path, "-k", "bfloat16 or split or an_engine_on_the_kernel or tiles_past")
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert sum("bfloat16" in name for name in outcomes) == 4, outcomes
+    assert set(outcomes.values()) == {"passed"} and len(outcomes) >= 10, outcomes

@@ -177,7 +177,8 @@ def test_bfloat16_runs_close_to_transformers(tiny_model_dir):
 @pytest.mark.gpu
 def test_greedy_matches_transformers_on_cuda(tiny_model_dir):
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval().cuda()
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", block_size=4, num_blocks=40, max_model_len=96))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", block_size=4,
+                                    num_blocks=40, max_model_len=96))
     prompts = random_prompts(6, 3, 30, seed=7)
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
     for prompt, out in zip(prompts, outputs):
@@ -222,23 +223,33 @@ def test_compute_logprobs_refuses_bad_ids_and_lengths(tiny_model_dir):
 
 
 def test_a_float32_lm_head_in_a_bf16_engine_gives_float32_logits_and_follows_weight_updates(tiny_model_dir):
-    """engine.lm_head_fp32: the head's matmul in float32 over bf16 hidden states (its logits equal a float32 matmul
-    of the same bf16 weight), re-made after a weight update."""
+    """engine.lm_head_fp32: the head's matmul in float32 over bf16 hidden states, with the published head itself
+    where it arrives in float32 (the float32 checkpoint, a float32 update: unrounded; issue 34 item 7; the old engine
+    made it from the bf16-rounded weight), made again from the served weight after an update in bfloat16."""
     import torch
+    from safetensors.torch import load_file
 
     from rollout.config import EngineConfig
     from rollout.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", lm_head_fp32=True))
     model = engine.runner.model
+    name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    published = load_file(tiny_model_dir / "model.safetensors")[name]
+    assert published.dtype == torch.float32 and not torch.equal(published.bfloat16().float(), published)
     hidden = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
-    weight = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
     logits = model.logits(hidden)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, hidden.float() @ weight.float().T)
-    name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
-    doubled = weight.detach() * 2
+    torch.testing.assert_close(logits, hidden.float() @ published.T)
+    doubled = published * 2 + 1e-3  # float32: served rounded, the head unrounded
     engine.load_weights({name: doubled}, version=1)
-    torch.testing.assert_close(model.logits(hidden), hidden.float() @ doubled.float().T)
+    torch.testing.assert_close(model.logits(hidden), hidden.float() @ doubled.T)
+    rounded = (published * 3).bfloat16()  # bfloat16: the head from the served weight
+    engine.load_weights({name: rounded}, version=2)
+    torch.testing.assert_close(model.logits(hidden), hidden.float() @ rounded.float().T)
+    adopted = {key: value.clone() for key, value in load_file(tiny_model_dir / "model.safetensors").items()}
+    engine.load_weights(adopted, version=3, adopt=True)
+    adopted[name].zero_()  # the head is a copy: the caller may reuse its tensor
+    torch.testing.assert_close(model.logits(hidden), hidden.float() @ published.T)
     plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16"))
     assert plain.runner.model.logits(hidden).dtype == torch.bfloat16

@@ -191,8 +191,8 @@ def test_prefix_caching_can_be_turned_off(tiny_model_dir):
 
 @pytest.mark.gpu
 def test_prefix_cache_and_chunks_match_the_plain_engine_on_cuda(tiny_model_dir):
-    cached = make_engine(tiny_model_dir, True, device="cuda", max_num_batched_tokens=64)
-    plain = make_engine(tiny_model_dir, False, device="cuda")
+    cached = make_engine(tiny_model_dir, True, device="cuda", dtype="float32", max_num_batched_tokens=64)
+    plain = make_engine(tiny_model_dir, False, device="cuda", dtype="float32")
     base = [1] + list(range(10, 80))
     for tail in ([90, 91, 92], [93, 94], [95]):
         params = SamplingParams(temperature=0.0, max_tokens=12, n=2, ignore_eos=True)

@@ -43,7 +43,7 @@ def test_sglang_after_a_weight_update_matches_the_native_engine(sharp_model_dir)
     state = _new_weights(sharp_model_dir, seed=1)
 
     async def main():
-        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", max_model_len=128)))
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", dtype="float32", max_model_len=128)))
         engine = SglangEngine(str(sharp_model_dir), SglangSettings(type="sglang", dtype="float32", max_model_len=128,
                                                                    mem_fraction_static=0.3))
         try:
@@ -88,7 +88,7 @@ def test_sglang_receives_a_publish_through_its_distributed_update_api(sharp_mode
     from services.server import create_server
 
     async def main():
-        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", max_model_len=128)))
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", dtype="float32", max_model_len=128)))
         engine = SglangEngine(str(sharp_model_dir), SglangSettings(type="sglang", dtype="float32", max_model_len=128,
                                                                    mem_fraction_static=0.3))
         server, port = await create_server("127.0.0.1:0", [(weights_pb2_grpc.add_WeightSyncServicer_to_server,

@@ -311,7 +311,7 @@ def test_on_a_gpu_vllm_with_an_fp8_kv_cache_follows_the_native_engine(sharp_mode
     state = _new_weights(sharp_model_dir, seed=1)
 
     async def main():
-        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", max_model_len=128)))
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", dtype="float32", max_model_len=128)))
         vllm = start_vllm(str(sharp_model_dir), VllmSettings(type="vllm", max_model_len=128, kv_cache_dtype="fp8",
                                                              gpu_memory_utilization=0.3))
         try:

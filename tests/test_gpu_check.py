@@ -12,8 +12,13 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = {"env", "vllm", "sglang", "flashinfer", "gpu-tests", "engine-bench", "trainer-step", "quickstart"}
+STEPS = {"env", "vllm", "sglang", "flashinfer", "gpu-tests", "engine-bench", "logprob-mismatch", "trainer-step",
+         "quickstart"}
 VERDICT = re.compile(r"^verdict: (\S+) (PASS|FAIL|SKIP) \((.*)\)$")
+
+
+def summary_text(out: pathlib.Path) -> str:
+    return (out / "summary.txt").read_text()
 
 
 def test_bad_arguments_are_refused_and_help_shows_the_steps():
@@ -21,7 +26,8 @@ def test_bad_arguments_are_refused_and_help_shows_the_steps():
                          check=False)
     assert bad.returncode == 2 and "--device is cuda or cpu" in bad.stderr
     usage = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30, check=False)
-    assert usage.returncode == 0 and all(step in usage.stdout for step in ("gpu-tests", "trainer-step", "quickstart"))
+    assert usage.returncode == 0 and all(step in usage.stdout for step in ("gpu-tests", "logprob-mismatch",
+                                                                          "trainer-step", "quickstart"))
 
 
 @pytest.mark.extended
@@ -43,6 +49,7 @@ def test_the_dry_run_on_cpu_runs_every_step_with_one_verdict_each(tmp_path):
     if not torch.cuda.is_available():
         assert verdicts["gpu-tests"][0] == "SKIP" and "needs a CUDA GPU" in verdicts["gpu-tests"][1]
     assert verdicts["engine-bench"][0] == ("PASS" if (ROOT / "bench" / "engine_gpu.py").exists() else "SKIP")
+    assert verdicts["logprob-mismatch"][0] == "PASS" and "bf16_default_abs_mean" in verdicts["logprob-mismatch"][1]
     assert verdicts["trainer-step"][0] == "PASS" and "trainer_step_vs_plain_torch" in verdicts["trainer-step"][1]
     assert verdicts["quickstart"][0] == "PASS" and " steps, " in verdicts["quickstart"][1]
     counts = {status: sum(v[0] == status for v in verdicts.values()) for status in ("PASS", "FAIL", "SKIP")}
@@ -50,5 +57,7 @@ def test_the_dry_run_on_cpu_runs_every_step_with_one_verdict_each(tmp_path):
                         rf"{re.escape(str(out))}\)", lines[-1])
     summary = (out / "summary.txt").read_text().splitlines()
     assert [line for line in summary if VERDICT.match(line)] == [line for line in lines if VERDICT.match(line)]
-    for log in ("env", "gpu-tests", "trainer-step", "quickstart"):
+    if not torch.cuda.is_available():  # every gpu test listed with its outcome
+        assert "SKIP tests/test_engine_cuda_graphs.py::test_bfloat16_by_default_on_cuda" in summary_text(out)
+    for log in ("env", "gpu-tests", "logprob-mismatch", "trainer-step", "quickstart"):
         assert (out / f"{log}.log").stat().st_size > 0

@@ -40,7 +40,7 @@ def split_equal_to_monolithic(model_dir, tmp_path, port, backend="gloo", devices
     requests) and stops the three at the end."""
     from deploy.local.service_process import start_service
 
-    model = {"model": str(model_dir), **ENGINE}
+    model = {"model": str(model_dir), **ENGINE, "engine.dtype": "float32"}  # float32 on a GPU too (atol)
     group = {"master": f"127.0.0.1:{port}", "world_size": 2, "backend": backend}
     started = []
     try:

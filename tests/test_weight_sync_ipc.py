@@ -191,7 +191,8 @@ def test_a_publish_reaches_a_rollout_service_on_the_trainers_gpu(tiny_model_dir,
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().to("cuda:0")
     gen = torch.Generator().manual_seed(2)
     weights = {name: t + (torch.randn(t.shape, generator=gen) * 0.05).to(t.device) for name, t in model.state_dict().items()}
-    service = start_service("rollout", {"model": str(tiny_model_dir), "engine.device": "cuda:0"}, log_dir=tmp_path)
+    service = start_service("rollout", {"model": str(tiny_model_dir), "engine.device": "cuda:0", "engine.dtype": "float32"},
+                            log_dir=tmp_path)
     try:
         async def publish():
             config = BroadcastConfig(backend="nccl", bucket_mb=0.05, timeout_s=60)

@@ -31,9 +31,11 @@ def tied_model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tied") / "qwen2", seed=3, tie_word_embeddings=True)
 
 
-async def _serve(model_dir):
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), num_blocks=32, max_num_seqs=4, max_n=4)))
+async def _serve(model_dir, **engine_args):
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), num_blocks=32, max_num_seqs=4, max_n=4,
+                                                **engine_args)))
     receiver = WeightReceiver(engine, layout=engine.parameter_layout())
+    engine.receiver = receiver  # for the tests' eyes
     server, port = await create_server(
         "127.0.0.1:0", [(weights_pb2_grpc.add_WeightSyncServicer_to_server, receiver, "relayrl.weights.v1.WeightSync")]
     )
@@ -41,9 +43,9 @@ async def _serve(model_dir):
     return engine, server, f"127.0.0.1:{port}"
 
 
-def _run(model_dir, scenario):
+def _run(model_dir, scenario, **engine_args):
     async def main():
-        engine, server, address = await _serve(model_dir)
+        engine, server, address = await _serve(model_dir, **engine_args)
         try:
             return await scenario(engine, address)
         finally:
@@ -260,3 +262,51 @@ def test_the_engines_pause_is_reported_apart_from_the_sync(tied_model_dir):
         assert 0 < report.pause_s == result.pause_s <= report.total_s
         assert result.pause_s >= result.switch_s > 0
     assert {0, 2} <= seen
+
+
+def test_a_float32_update_may_widen_into_a_bf16_engine_and_nothing_else():
+    """A float32 trainer publishing to an engine in bfloat16 (the default on a GPU since issue 34): with `widen` (a
+    receiver that stages the update, the engine casting it at the switch) float32 tensors update bfloat16 / float16
+    parameters; a narrower update, another dtype, or any cast without `widen` is still refused."""
+    from protos.codec import CodecError
+    from rollout.serve.weight_receiver import check_layout
+
+    layout = {"a": ((2, 3), torch.bfloat16), "b": ((4,), torch.float16), "c": ((5,), torch.float32)}
+    widened = plan_buckets([("a", (2, 3), torch.float32), ("b", (4,), torch.float32), ("c", (5,), torch.float32)],
+                           1 << 20)
+    check_layout(widened, layout, widen=True)
+    with pytest.raises(CodecError, match="tensor 'a': the update has \\[2, 3\\] torch.float32, the model"):
+        check_layout(widened, layout)
+    narrowed = plan_buckets([("a", (2, 3), torch.bfloat16), ("b", (4,), torch.float16), ("c", (5,), torch.bfloat16)],
+                            1 << 20)
+    with pytest.raises(CodecError, match="tensor 'c': the update has \\[5\\] torch.bfloat16, the model \\[5\\] "
+                                         "torch.float32"):
+        check_layout(narrowed, layout, widen=True)
+
+
+def test_an_engine_replaying_graphs_copies_each_update_and_one_staging_set_serves_them_all(tied_model_dir):
+    """With static decode buffers (cuda_graphs; on CPU plain calls on the same buffers) the engine copies every update
+    into the parameters its graphs were captured with: their storage never moves, and the receiver, told so by
+    `adopts_weights`, reuses one staging set instead of holding the served version's beside it."""
+    config = BroadcastConfig(bucket_mb=0.05, timeout_s=20)
+
+    async def scenario(engine, address):
+        model = engine.engine.runner.model
+        storage = {name: param.data_ptr() for name, param in model.named_parameters()}
+        base = {name: param.clone() for name, param in model.named_parameters()}
+        staged = []
+        async with WeightBroadcaster([address], config) as broadcaster:
+            for version in (1, 2, 3):
+                weights = {name: t + 0.01 * version for name, t in base.items()}
+                report = await broadcaster.publish(weights, version)
+                assert report.ok, report.failed
+                assert all(torch.equal(param, weights[name]) for name, param in model.named_parameters())
+                receiver = engine.receiver
+                staged.append((receiver._served, [t.data_ptr() for t in receiver._staging.buffers]))
+        moved = {name for name, param in model.named_parameters() if param.data_ptr() != storage[name]}
+        return engine.adopts_weights, moved, staged
+
+    adopts, moved, staged = _run(tied_model_dir, scenario, cuda_graphs=True)
+    assert not adopts and moved == set()
+    assert [served for served, _ in staged] == [None] * 3
+    assert staged[0][1] == staged[1][1] == staged[2][1]

@@ -79,7 +79,8 @@ def _filled_runner(model: str, dtype: str, kv_cache_dtype: str, shapes: list[tup
     return runner, seqs
 
 
-def _compare(runner: ModelRunner, seqs: list[Sequence], is_prefill: bool, tolerance: float, seed: int = 1) -> None:
+def _compare(runner: ModelRunner, seqs: list[Sequence], is_prefill: bool, tolerance: float, seed: int = 1,
+             splits: int | None = None) -> None:
     m = runner.model.config
     query_lens = [len(seq) - seq.num_cached_tokens for seq in seqs] if is_prefill else None
     _, _, torch_meta, _ = runner._prepare(seqs, is_prefill, query_lens)
@@ -87,6 +88,7 @@ def _compare(runner: ModelRunner, seqs: list[Sequence], is_prefill: bool, tolera
     _, _, triton_meta, _ = runner._prepare(seqs, is_prefill, query_lens)
     runner.attention_kernel = "torch"
     assert torch_meta.kernel is None and triton_meta.kernel is not None and not triton_meta.groups
+    triton_meta.kernel.num_splits = splits
     rows = sum(query_lens) if is_prefill else len(seqs)
     gen = torch.Generator().manual_seed(seed)
     dtype = next(runner.model.parameters()).dtype
@@ -126,7 +128,7 @@ def test_an_engine_on_the_kernel_decodes_as_the_torch_path(sharp_model_dir, cuda
     """The tiny model (4 query / 2 kv heads) in float32 with a 24-token step budget, so long prompts prefill in chunks
     while others decode: greedy tokens equal the torch engine's and their logprobs agree within 1e-5. With
     cuda_graphs the decode steps run the kernel from the static buffers of their batch-size bucket."""
-    config = {"model": str(sharp_model_dir), "device": DEVICE, "block_size": 4, "max_model_len": 96,
+    config = {"model": str(sharp_model_dir), "device": DEVICE, "dtype": "float32", "block_size": 4, "max_model_len": 96,
               "max_num_seqs": 8, "max_n": 2, "max_num_batched_tokens": 24}
     kernel_engine = LLMEngine(EngineConfig(**config, attention_backend="triton", cuda_graphs=cuda_graphs))
     torch_engine = LLMEngine(EngineConfig(**config, attention_backend="torch", cuda_graphs=False))
@@ -161,3 +163,79 @@ def test_auto_takes_the_kernel_on_cuda_and_torch_elsewhere(monkeypatch):
                                          r"interpreter: TRITON_INTERPRET=1\), the engine is on cpu"):
         choose_attention("triton", cpu, torch.float32, 32, "auto")
     assert choose_attention("auto", cpu, torch.float32, 32, "auto") == "torch"
+
+
+class _Programs:
+    """In the interpreter: the grids launched, and the loads each program (seq, kv head, third axis) made."""
+
+    def __init__(self, monkeypatch):
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        self.grids, self.loads = [], {}
+        load, grid = InterpreterBuilder.create_masked_load, InterpreterBuilder.set_grid_dim
+
+        def counted(builder, *args):
+            self.loads[builder.grid_idx] = self.loads.get(builder.grid_idx, 0) + 1
+            return load(builder, *args)
+
+        def recorded(builder, *dims):
+            self.grids.append(dims)
+            return grid(builder, *dims)
+
+        monkeypatch.setattr(InterpreterBuilder, "create_masked_load", counted)
+        monkeypatch.setattr(InterpreterBuilder, "set_grid_dim", recorded)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_prefill_tiles_past_a_sequences_chunk_read_nothing(models, monkeypatch, kv_cache_dtype):
+    """A mixed step's grid has the longest chunk's query tiles for every sequence: a decode row's, or a short chunk's,
+    tiles past its own new tokens load their sequence's bounds and (masked) queries, and no key, value or block
+    table (the old kernel read the whole context there and stored nothing). The output still equals the torch
+    path's. (Loads are counted in the interpreter; on CUDA the comparison alone runs.)"""
+    from rollout.model import attention_triton
+
+    runner, seqs = _filled_runner(models["gqa"], "float32", kv_cache_dtype, SHAPES)
+    programs = _Programs(monkeypatch) if INTERPRET else None
+    _compare(runner, seqs, is_prefill=True, tolerance=1e-5)
+    if not INTERPRET:
+        return
+    shape = getattr(attention_triton, "launch_shape", None)  # (the old kernel: 16 queries per program)
+    block_q = shape(False, 3, 32, 0, True).block_q if shape else attention_triton.PREFILL_BLOCK_Q  # a group of 3
+    new = [n for _, n in SHAPES]
+    assert programs.grids[0] == (len(SHAPES), 2, -(-max(new) // block_q))
+    loads = programs.loads  # (seq, kv head, query tile) -> loads over every layer's launch
+    empty = {idx: count for idx, count in loads.items() if idx[2] * block_q >= new[idx[0]]}
+    full = {idx: count for idx, count in loads.items() if idx[2] * block_q < new[idx[0]]}
+    assert len(empty) == 2 * sum(-(-max(new) // block_q) - -(-n // block_q) for n in new) > 0
+    per_layer = runner.model.config.num_layers
+    assert max(empty.values()) <= 4 * per_layer  # query start and end, context length, the (masked) queries
+    assert min(full.values()) > 4 * per_layer
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("float32", "int4"), ("bfloat16", "int8")])
+def test_a_split_decode_equals_the_torch_path(models, monkeypatch, dtype, kv_cache_dtype):
+    """Decodes over contexts of 1-100 slots, each split into 4 partitions (split-K: one program each, merged by
+    _combine_splits; a context shorter than a partition leaves whole partitions empty) and not split at all: the
+    torch path's output both ways, within 1e-5 in float32 (1e-2 in bfloat16). The grid has a program per partition."""
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    runner, seqs = _filled_runner(models["gqa"], dtype, kv_cache_dtype, [(n, 1) for n in (1, 4, 5, 17, 64, 100)], seed=4)
+    for splits in (4, 1):
+        programs = _Programs(monkeypatch) if INTERPRET else None
+        _compare(runner, seqs, is_prefill=False, tolerance=tolerance, splits=splits)
+        if INTERPRET:
+            layers = runner.model.config.num_layers
+            expected = [(6, 2, 4), (6, 6, 1)] * layers if splits == 4 else [(6, 2, 1)] * layers
+            assert programs.grids == expected
+
+
+def test_decode_splits_fill_the_gpu_with_partitions_of_64_slots_at_least():
+    """The split rule, from shapes alone (a CUDA graph bucket's is fixed): about 256 programs, at most 32 partitions,
+    none under 64 slots; none when the batch's sequences and kv heads already make 256 programs."""
+    from rollout.model.attention_triton import decode_splits
+
+    assert decode_splits(1, 2, 32768) == 32
+    assert decode_splits(1, 2, 256) == 4
+    assert decode_splits(16, 2, 4096) == 8
+    assert decode_splits(64, 2, 4096) == 2
+    assert decode_splits(128, 2, 4096) == decode_splits(256, 2, 32768) == 1
+    assert decode_splits(4, 2, 40) == 1

@@ -11,6 +11,7 @@ import uuid
 import torch
 import transformers
 
+from services.device import transfer_backend
 from services.metrics import start_metrics_endpoint
 from services.runtime import Sparse
 from trainer.buffer_client import BufferClient
@@ -101,12 +102,13 @@ class RolloutPublisher:
         from trainer.broadcast.config import BroadcastConfig
 
         self._log_level = Sparse()
+        backend = transfer_backend(device or "cpu") if config.backend == "auto" else config.backend
         self._broadcaster = BlockingWeightBroadcaster(
             config.receivers,
-            BroadcastConfig(backend=config.backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
+            BroadcastConfig(backend=backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
                             control_timeout_s=config.control_timeout_s, dtype=config.dtype, cuda_ipc=config.cuda_ipc,
                             master_addr=config.master_addr, master_port=config.master_port, client=config.client),
-            device if config.backend != "gloo" else None,
+            device if backend != "gloo" else None,
         )
         self._router = RouterReceivers(config.receivers_from, config.client) if config.receivers_from else None
         # The last publish's sync time (from BeginUpdate until every receiver switched) and the longest time an

@@ -7,6 +7,7 @@ causal scaled-dot-product attention per segment (the same numbers: what tests ch
 `cu_seq_lens_q` (an ordinary padded batch, a reference forward) it is transformers' sdpa attention, mask included.
 """
 
+import functools
 import inspect
 import itertools
 
@@ -61,10 +62,18 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.view(rows, length, heads, dim), None
 
 
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    """The keyword arguments this torch's varlen_attn takes (read once: its signature changed between releases)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _flash(q, k, v, cu_seqlens, max_len, scaling) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_parameters()
     if "enable_gqa" not in params and k.shape[1] != q.shape[1]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -50,6 +50,11 @@ class AsyncEngine(EngineThread):
         """Where the model's parameters live, with the CUDA index (the step engine's)."""
         return self.engine.device
 
+    @property
+    def adopts_weights(self) -> bool:
+        """Whether update_weights(adopt=True) keeps the given tensors (the weight receiver then double-buffers)."""
+        return getattr(self.engine, "adopts_weights", True)
+
     def parameter_layout(self) -> Layout:
         """name -> (shape, dtype) of every parameter a weight update may carry."""
         return self.engine.parameter_layout()

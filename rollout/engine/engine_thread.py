@@ -3,7 +3,8 @@
 
 The thread loops: run the commands queued by callers (add a request, abort, swap weights), then one engine
 step, then hand each request's new tokens to its asyncio queue. Commands therefore run between two steps, which
-is what makes a weight update atomic for in-flight sequences.
+is what makes a weight update atomic for in-flight sequences. The loop runs with the engine's device current
+(services.device.device_scope): Triton launches and CUDA graph replays go to the current device, not their tensors'.
 """
 
 import asyncio
@@ -24,6 +25,7 @@ from rollout.engine.model_info import ModelInfo
 from rollout.engine.outputs import Completion, TokenOutput
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.sequence import Sequence as EngineSequence
+from services.device import device_scope
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,15 @@ class EngineThread:
 
     def _loop(self) -> None:
         try:
-            while not self._stopping.is_set():
-                self._run_commands(block=not self.engine.has_unfinished_requests())
-                if self._transfer_prefills:
-                    self._run_transfer_prefills()
-                self.engine.expire_sessions()
-                if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
-                    self._step_ended = time.perf_counter()
+            with device_scope(self.engine.device):  # a new thread's current device is cuda:0, whatever the engine's
+                while not self._stopping.is_set():
+                    self._run_commands(block=not self.engine.has_unfinished_requests())
+                    if self._transfer_prefills:
+                        self._run_transfer_prefills()
+                    self.engine.expire_sessions()
+                    if self.engine.has_unfinished_requests():
+                        self._deliver(self.engine.step())
+                        self._step_ended = time.perf_counter()
         except BaseException as exc:  # the thread must not die silently: every waiter learns why
             log.exception("rollout engine thread crashed")
             self._error = exc

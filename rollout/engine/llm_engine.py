@@ -21,6 +21,7 @@ from rollout.engine.sampling_params import SamplingParams, logprobs_temperature,
 from rollout.engine.scheduler import Batch, Scheduler
 from rollout.engine.sequence import FinishReason, Sequence
 from rollout.engine.sessions import SessionSteps, SessionTable
+from services.device import device_scope, synchronize
 
 
 class LLMEngine(SessionSteps):
@@ -62,6 +63,12 @@ class LLMEngine(SessionSteps):
     def device(self) -> torch.device:
         """Where the model's parameters live, with the CUDA index ("cuda" resolved when they were made)."""
         return next(self.runner.model.parameters()).device
+
+    @property
+    def adopts_weights(self) -> bool:
+        """Whether load_weights(adopt=True) serves the given tensors themselves; not with static decode buffers
+        (CUDA graphs hold the parameters' addresses: the tensors are copied in place, and free afterwards)."""
+        return self.runner.graphs is None
 
     def parameter_layout(self) -> Layout:
         """name -> (shape, dtype) of every parameter a weight update may carry."""
@@ -235,7 +242,10 @@ class LLMEngine(SessionSteps):
         """Copy tensors into the parameters of the same name, in place, and serve them as `version`.
 
         With `adopt`, the model serves the given tensors themselves instead (a complete update whose
-        memory the caller hands over, see CausalLM.adopt_weights). Sequences in flight continue; their later
+        memory the caller hands over, see CausalLM.adopt_weights), unless decode steps run from static buffers
+        (config.cuda_graphs): captured graphs hold the parameters' addresses, so the tensors are copied into them in
+        place, and the graphs stay valid; the copy is finished when this returns, so the caller may reuse the
+        tensors. Sequences in flight continue; their later
         tokens carry the new version. KV computed with the old weights (config.kv_on_update): with "keep"
         in-flight sequences and idle sessions keep theirs (their kv_version stays the old version); with
         "recompute" it is dropped, and each sequence recomputes its context with the new weights before its
@@ -243,13 +253,12 @@ class LLMEngine(SessionSteps):
         forgets every prefix: KV computed with the old weights is never reused by a new request.
         """
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        with torch.no_grad():
-            if adopt:
+        with torch.no_grad(), device_scope(self.runner.device):
+            if adopt and self.runner.graphs is None:
                 self.runner.model.adopt_weights(items)
-                if self.runner.graphs is not None:  # the graphs hold the old weights' addresses
-                    self.runner.graphs.reset()
             else:
                 self.runner.model.load_weights(items)
+                synchronize(self.runner.device)  # the given tensors are free once this returns
         self.weight_version = version
         if self.config.kv_on_update == "recompute":
             self.scheduler.drop_kv()

@@ -10,7 +10,7 @@ from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.sampler import Sampler, SamplingTensors, completion_key, row_keys
 from rollout.engine.scheduler import Batch
 from rollout.engine.sequence import Sequence
-from rollout.kv.cache import KVCache
+from rollout.kv.cache import KVCache, to_device
 from rollout.kv.quantized import QuantizedKVCache, block_codec
 from rollout.model.attention import (
     AttentionGroup,
@@ -22,6 +22,7 @@ from rollout.model.attention import (
 )
 from rollout.model.attention_flashinfer import FlashInferAttention
 from rollout.model.decoder import CausalLM
+from services.device import device_scope
 
 
 class ModelRunner:
@@ -59,7 +60,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[list[int], list[float]]:
-        """Run the batch; returns the sampled token id and its logprob for each of batch.sampled."""
+        """Run the batch; returns the sampled token id and its logprob for each of batch.sampled. On the engine's
+        device whatever thread calls (services.device.device_scope); the host waits for the device once, for the
+        sampled tokens: every tensor made from host values comes through kv.cache.to_device."""
+        with device_scope(self.device):
+            return self._run(batch)
+
+    def _run(self, batch: Batch) -> tuple[list[int], list[float]]:
         if batch.block_copies:
             src, dst = zip(*batch.block_copies)
             self.cache.copy_blocks(list(src), list(dst))
@@ -80,13 +87,19 @@ class ModelRunner:
         row_of = {id(seq): row for seq, row in zip(computed, last_rows)}
         rows = [row_of[id(seq.prefill_from or seq)] for seq in batch.sampled]
         if rows != list(range(hidden.shape[0])):
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[self._tensor(rows)]
         tokens, logprobs = self.sampler(self.model.logits(hidden), self._sampling_tensors(batch.sampled))
-        return tokens.tolist(), logprobs.tolist()
+        both = torch.cat([tokens.double(), logprobs.double()]).tolist()  # one read (token ids < 2**53 are exact)
+        return [int(token) for token in both[: len(rows)]], both[len(rows) :]
 
-    @torch.inference_mode()
     def score(self, seqs: list[Sequence], starts: list[int], temperature: float = 1.0,
               top: int = 0) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        with device_scope(self.device):
+            return self._score(seqs, starts, temperature, top)
+
+    @torch.inference_mode()
+    def _score(self, seqs: list[Sequence], starts: list[int], temperature: float,
+               top: int) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
         """Logprobs under softmax(logits / temperature) of tokens starts[i]: of each sequence given the tokens before them,
         and at each of those positions the `top` most likely tokens with theirs ([] when top is 0).
 
@@ -242,18 +255,22 @@ class ModelRunner:
                            query_weights=weights)
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return to_device(values, torch.int64, self.device)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        device = self.device
+        """The batch's sampling controls in two host-to-device copies (float32 and int64)."""
+        n = len(seqs)
         temperatures = [seq.params.temperature for seq in seqs]
         top_ps = [seq.params.top_p for seq in seqs]
         top_ks = [seq.params.top_k if seq.params.top_k > 0 else self.vocab_size for seq in seqs]
+        floats = to_device(temperatures + top_ps, torch.float32, self.device)
+        keys = [completion_key(seq.seed, seq.index) for seq in seqs]
+        ints = to_device(top_ks + row_keys(keys, [len(seq) for seq in seqs]), torch.int64, self.device)
         return SamplingTensors(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            row_keys=row_keys([completion_key(seq.seed, seq.index) for seq in seqs], [len(seq) for seq in seqs], device),
+            temperatures=floats[:n],
+            top_ps=floats[n:],
+            top_ks=ints[:n],
+            row_keys=ints[n:],
             any_sampled=any(t > 0 for t in temperatures),
             any_filtered=any(t > 0 and (p < 1 or k < self.vocab_size) for t, p, k in zip(temperatures, top_ps, top_ks)),
         )

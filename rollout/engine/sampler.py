@@ -60,10 +60,10 @@ def row_key(seed: int, index: int, position: int) -> int:
     return as_int64(splitmix64((completion_key(seed, index) + position) & _MASK64))
 
 
-def row_keys(completion_keys: list[int], positions: list[int], device: torch.device) -> torch.Tensor:
-    """row_key of each (completion_key(seed, index), position) pair as one int64 tensor, hashed in one batched op."""
-    keys = torch.tensor([as_int64(k) for k in completion_keys], dtype=torch.int64, device=device)
-    return _splitmix64(keys + torch.tensor(positions, dtype=torch.int64, device=device))  # int64 sums wrap like uint64
+def row_keys(completion_keys: list[int], positions: list[int]) -> list[int]:
+    """row_key of each (completion_key(seed, index), position) pair, as int64 values (hashed on the host: a few
+    hundred rows cost microseconds, and the step's int64 controls then travel in one copy)."""
+    return [as_int64(splitmix64((key + position) & _MASK64)) for key, position in zip(completion_keys, positions)]
 
 
 @dataclass
@@ -151,13 +151,9 @@ def _gumbel(bits: torch.Tensor) -> torch.Tensor:
     return uniform.add_(0.5).mul_(2.0**-23).log_().neg_().log_().neg_()
 
 
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors; masks turn the arithmetic shifts into logical ones."""
-    return _splitmix64_(x.clone())
-
-
 def _splitmix64_(x: torch.Tensor) -> torch.Tensor:
-    """_splitmix64 in place (one temporary of x's size at a time)."""
+    """splitmix64's finaliser on int64 tensors, in place (one temporary of x's size at a time); masks turn the
+    arithmetic shifts into logical ones."""
     x.bitwise_xor_((x >> 30).bitwise_and_((1 << 34) - 1))
     x.mul_(as_int64(_MIX1))
     x.bitwise_xor_((x >> 27).bitwise_and_((1 << 37) - 1))

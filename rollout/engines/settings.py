@@ -15,8 +15,11 @@ class NativeSettings(Strict):
     """The native engine (rollout.engine.async_engine.AsyncEngine; rollout.config.EngineConfig says how each is used)."""
 
     type: Literal["native"] = Field("native", description="The project's own torch engine (the default).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV dtype.")
-    device: str = Field("cpu", description="'cpu', 'cuda', 'cuda:1', ...")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="Weights and KV dtype; 'auto': the checkpoint's; None: the device's, float32 on the CPU and "
+        "bfloat16 on an accelerator (services/device.py).")
+    device: str = Field("auto", description="'auto' (as the trainer's: the machine's accelerator, else the CPU; "
+                        "services/device.py), 'cpu', 'cuda', 'cuda:1', ...")
     block_size: int = Field(16, gt=0, description="Tokens per KV block.")
     num_blocks: int | None = Field(None, gt=0, description="KV blocks; None: sized by kv_cache_memory_bytes.")
     kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget when num_blocks is None.")

@@ -9,14 +9,20 @@ imported as whole tensors (the hook for shipping KV between prefill and decode w
 import torch
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied without making the host wait for the device: built in pinned memory
+    on an accelerator and copied with non_blocking (a copy from pageable memory waits for all the work queued before
+    it). Every host-made tensor of an engine step comes through here (tests/test_engine_host_sync.py)."""
+    pinned = device.type not in ("cpu", "meta")
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+
+
 def device_ids(device: torch.device, *lists: list[int]) -> list[torch.Tensor | None]:
-    """Each list as an int64 tensor on `device` (None when empty), all in one copy that does not make the host wait
-    for the device: from pinned memory on CUDA (a copy from pageable memory synchronizes the stream)."""
+    """Each list as an int64 tensor on `device` (None when empty), all in one copy of to_device."""
     flat = [value for values in lists for value in values]
     if not flat:
         return [None] * len(lists)
-    host = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda")
-    on_device = host.to(device, non_blocking=True)
+    on_device = to_device(flat, torch.int64, device)
     out, start = [], 0
     for values in lists:
         out.append(on_device[start : start + len(values)] if values else None)

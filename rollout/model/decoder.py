@@ -102,7 +102,8 @@ class CausalLM(nn.Module):
         self.config = config
         # The LM head in float32 even when the model computes in bf16/fp16 (the trainer's `lm_head_fp32` twin): a
         # low-precision head alone moves logprobs by tenths of a nat at a large vocabulary. Its float32 weight is
-        # kept beside the served one and made again after every weight update.
+        # kept beside the served one: the published tensor itself when it arrives in float32 (a checkpoint, an
+        # update), else made from the served weight after every update that carries the head.
         self.head_fp32 = head_fp32 and dtype != torch.float32
         self._head32: torch.Tensor | None = None
         self.model = Backbone(config, max_positions, dtype, device)
@@ -120,6 +121,24 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rope, rotary, cache, meta)
         return self.model.norm(x)
+
+    @property
+    def head_name(self) -> str:
+        """The parameter the LM head multiplies by (the embedding when tied)."""
+        return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+
+    def _keep_head(self, loaded: dict[str, torch.Tensor]) -> None:
+        """After loading `loaded` (target name -> the tensor given): the float32 head from the given tensor when it
+        is float32 (unrounded), forgotten (made again from the served weight) when the head came in another dtype."""
+        tensor = loaded.get(self.head_name)
+        if tensor is None or not self.head_fp32:
+            return
+        if tensor.dtype != torch.float32:
+            self._head32 = None
+        elif self._head32 is not None and self._head32.shape == tensor.shape:
+            self._head32.copy_(tensor)
+        else:
+            self._head32 = tensor.to(self.model.norm.weight.device, torch.float32, copy=True).contiguous()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -141,7 +160,7 @@ class CausalLM(nn.Module):
                    if not name.endswith(_IGNORED_SUFFIXES)]
         for _, param, tensor in targets:
             param.copy_(tensor)
-        self._head32 = None
+        self._keep_head({name: tensor for name, _, tensor in targets})
         return {name for name, _, _ in targets}
 
     def adopt_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -155,10 +174,13 @@ class CausalLM(nn.Module):
         """
         params, merged_names = self._adoption_index()
         new: dict[str, torch.Tensor] = {}
+        head = {}
         for name, tensor in named_tensors:
             if not name.endswith(_IGNORED_SUFFIXES):
                 target, param = self._parameter_for(name, tensor, params)
                 new[target] = tensor.detach().to(param.device, param.dtype)
+                if target == self.head_name:
+                    head[target] = tensor
         if len(new) != len(params):
             missing = sorted(set(params) - set(new))
             raise ValueError(f"an adopted update must carry every parameter; it lacks {len(missing)}, e.g. {missing[:3]}")
@@ -169,7 +191,7 @@ class CausalLM(nn.Module):
             rebind_merged(owner, prefix, kind, tensor)
         for param, tensor in singles:
             param.data = tensor
-        self._head32 = None
+        self._keep_head(head)
 
     def _adoption_index(self) -> tuple[dict[str, nn.Parameter], list[tuple[nn.Module, str, str, list[str]]]]:
         """The parameters by name, and (owner, prefix, kind, part parameter names) of every merged matrix.
@@ -193,7 +215,8 @@ class CausalLM(nn.Module):
                 target, param = self._parameter_for(name, tensor, params)
                 param.copy_(tensor)
                 loaded.add(target)
-        self._head32 = None
+                if target == self.head_name:
+                    self._keep_head({target: tensor})
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint {folder} lacks {len(missing)} parameters, e.g. {missing[:3]}")

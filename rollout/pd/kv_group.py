@@ -34,6 +34,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 from services.config import Strict
+from services.device import transfer_backend
 from services.weights.gloo import device_for
 from services.weights.nccl_rendezvous import check_in, gpu_identity, within
 from services.weights.transfer import TransferError
@@ -49,9 +50,10 @@ class KVGroupConfig(Strict):
     world_size: int = Field(ge=2, description="Workers in the group (prefill and decode).")
     rank: int = Field(ge=0, description="This worker's rank in the group.")
     timeout_s: float = Field(60.0, gt=0, description="Joining the group, and each send or recv.")
-    backend: Literal["gloo", "nccl"] = Field(
+    backend: Literal["auto", "gloo", "nccl"] = Field(
         "gloo", description="gloo: host bytes over TCP; nccl: between workers whose engines are on GPUs (each its own "
-        "GPU), the payload through the engine's CUDA device.")
+        "GPU), the payload through the engine's CUDA device; auto: the one for the engine's device "
+        "(services/device.py transfer_backend: nccl on CUDA, gloo elsewhere).")
 
 
 class KVGroupError(RuntimeError):
@@ -68,7 +70,8 @@ class KVGroup:
         self.config = config
         self.rank = config.rank
         self.device = torch.device("cpu")
-        if config.backend == "nccl":
+        self.backend = transfer_backend(device or "cpu") if config.backend == "auto" else config.backend
+        if self.backend == "nccl":
             if device is None or device.type != "cuda" or device.index is None:
                 raise ValueError(f"kv_group.backend 'nccl' moves KV between GPUs: this worker's engine is on {device}, "
                                  "not a CUDA device (cuda:N); use backend 'gloo'")
@@ -86,7 +89,7 @@ class KVGroup:
     @property
     def one_at_a_time(self) -> bool:
         """Transfers between two members must be posted in the same order on both sides (NCCL ignores tags)."""
-        return self.config.backend == "nccl"
+        return self.backend == "nccl"
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
@@ -98,13 +101,13 @@ class KVGroup:
             store = dist.TCPStore(host, int(port), self.config.world_size, is_master=self.rank == 0, timeout=timeout)
             self._store = store  # rank 0 serves it: kept while the other members may still read it, joined or not
             scoped = dist.PrefixStore("relayrl-kv", store)
-            self._pg = self._nccl(scoped) if self.config.backend == "nccl" else self._gloo(scoped, host)
+            self._pg = self._nccl(scoped) if self.backend == "nccl" else self._gloo(scoped, host)
         except (RuntimeError, dist.DistStoreError, TransferError) as exc:
             log.warning("KV group at %s: rank %d could not join (%s); KV goes over gRPC", self.config.master,
                         self.rank, exc)
             return
         log.info("KV group at %s: rank %d of %d joined (%s on %s)", self.config.master, self.rank,
-                 self.config.world_size, self.config.backend, self.device)
+                 self.config.world_size, self.backend, self.device)
         self._ready.set()
 
     def _gloo(self, store: dist.Store, host: str) -> dist.ProcessGroupGloo:
@@ -147,7 +150,7 @@ class KVGroup:
     def _wait(self, start, what: str) -> None:
         try:
             work = start()
-            if self.config.backend == "gloo":
+            if self.backend == "gloo":
                 work.wait(datetime.timedelta(seconds=self.config.timeout_s))
                 return
             # NCCL's wait() only orders CUDA streams: completion is polled so the timeout holds on the host.
@@ -158,7 +161,7 @@ class KVGroup:
                 time.sleep(_POLL_S)
             work.wait()  # raises the work's error, if it failed
         except (RuntimeError, TimeoutError) as exc:
-            if self.config.backend == "nccl":
+            if self.backend == "nccl":
                 self._drop()
             raise KVGroupError(f"KV group {what}: {exc}") from exc
 

@@ -10,7 +10,9 @@ serving its old version and the call says why; nothing here can block the engine
 a deadline.
 
 The engine adopts the staged tensors (serves them without copying), so staging is double-buffered:
-one set holds the served version, the other receives the next; a switch swaps their roles.
+one set holds the served version, the other receives the next; a switch swaps their roles. An engine that copies
+them into its own parameters instead (`adopts_weights` False: the native engine replaying CUDA graphs, whose
+captured parameters must keep their storage) leaves them free once the switch returns: one set serves every update.
 
 An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
 no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
@@ -108,14 +110,17 @@ class _Update:
     engine_receive_s: float = 0.0  # how long the engine's own receive blocked it (it generates nothing meanwhile)
 
 
-def check_layout(manifest: Manifest, layout: Layout) -> None:
+def check_layout(manifest: Manifest, layout: Layout, widen: bool = False) -> None:
     """Every tensor of the update must be a parameter of the engine with the same shape and dtype,
-    and every parameter must be in the update (a partial update would mix two versions)."""
+    and every parameter must be in the update (a partial update would mix two versions). With `widen`, a float32
+    tensor may update a bfloat16 / float16 parameter: the engine casts it at the switch (a float32 trainer publishing
+    to an engine in bfloat16, the default on a GPU; its float32 LM head then comes from the published tensor)."""
     for slot in manifest.slots:
         if slot.name not in layout:
             raise CodecError(f"tensor {slot.name!r}: the model has no such parameter")
         shape, dtype = layout[slot.name]
-        if tuple(shape) != slot.shape or dtype != slot.dtype:
+        cast = widen and slot.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
+        if tuple(shape) != slot.shape or (dtype != slot.dtype and not cast):
             raise CodecError(
                 f"tensor {slot.name!r}: the update has {list(slot.shape)} {slot.dtype}, the model "
                 f"{list(shape)} {dtype}"
@@ -215,8 +220,11 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
                 pause_s = self.engine.last_pause_s
                 self._pending = None
-                # The engine serves this update's buffers now and none of the replaced version's.
-                self._staging, self._served = self._served, update.staging
+                if getattr(self.engine, "adopts_weights", True):
+                    # The engine serves this update's buffers now and none of the replaced version's.
+                    self._staging, self._served = self._served, update.staging
+                else:  # copied: the buffers are free for the next update
+                    self._staging, self._served = update.staging, None
         log.log(self._log_level.level(), "switched to weight version %d (receive %.3fs, switch %.3fs, paused %.3fs)",
                 update.version, receive_s, switch_s, pause_s)
         return weights_pb2.CommitUpdateResponse(current_version=self.engine.weight_version, receive_s=receive_s,
@@ -340,7 +348,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         if checked is not None and request.bucket_sizes == checked[0].bucket_sizes and request.tensors == checked[0].tensors:
             return checked[1]
         manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
-        check_layout(manifest, self.layout)
+        check_layout(manifest, self.layout, widen=not self._engine_receives)  # the engine casts what it is handed
         self._checked = (request, manifest)
         return manifest
 

@@ -72,7 +72,7 @@ class TrainerConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        if self.publish.backend != "gloo" and self.publish.receivers and self.device == "cpu":
+        if self.publish.backend not in ("gloo", "auto") and self.publish.receivers and self.device == "cpu":
             raise ValueError(f"publish.backend {self.publish.backend!r} sends from the trainer's GPU: set device to "
                              "cuda (or auto on a GPU machine), or use backend 'gloo'")
         if self.algorithm.name == "dpo" and self.batch.micro_batch_size % 2:

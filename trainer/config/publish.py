@@ -28,11 +28,12 @@ class PublishConfig(Strict):
         "one buffer laid out as the broadcast, so a publish sends straight from their memory (overlapped: from one "
         "memcpy of it) instead of gathering a state dict and packing it into buckets.",
     )
-    backend: Literal["gloo", "nccl", "cupy_nccl", "cuda_ipc"] = Field(
+    backend: Literal["auto", "gloo", "nccl", "cupy_nccl", "cuda_ipc"] = Field(
         "gloo", description="Collective that carries the tensors: gloo (CPU), or on GPUs nccl (torch's ProcessGroupNCCL) "
         "or cupy_nccl (cupy's NCCL, the `gpu` extra). The NCCL ones send from the trainer's GPU and need every rollout "
         "engine on a GPU of its own (not the trainer's). Rollout engines all on the trainer's GPU get CUDA IPC "
-        "handles instead, whichever is set (see cuda_ipc); cuda_ipc names that explicitly.")
+        "handles instead, whichever is set (see cuda_ipc); cuda_ipc names that explicitly. auto: the one for the "
+        "trainer's device (services/device.py transfer_backend: nccl on CUDA, gloo elsewhere).")
     cuda_ipc: bool = Field(True, description="Hand rollout engines that all stage on the trainer's GPU CUDA IPC handles "
                            "of the buckets (a GPU-to-GPU copy each) instead of a copy through host memory.")
     master_addr: str = Field("127.0.0.1", description="Address of this trainer at which the receivers reach the "
