@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_each_pass_over_the_data_hands_its_samples_out_under_ids_of_its_own():
     """The lease book skips an id it holds as trained and not yet acked: a sample drawn again in the next pass is a new
     one. The first pass's ids are the samples' own."""
-    from deploy.warmup import sft_sample
+    from deploy.experiment.warmup import sft_sample
     from trainer.dataset import DatasetSource
 
     source = DatasetSource([sft_sample(str(i), [1, 5], [6, 2]) for i in range(3)], seed=0)

@@ -1,4 +1,4 @@
-"""One run's start in a process of its own, for tests/test_warmup_determinism.py: the SFT warm-up of deploy/warmup.py
+"""One run's start in a process of its own, for tests/test_warmup_determinism.py: the SFT warm-up of deploy/experiment/warmup.py
 from MODEL on a few additions, then its start metric measured twice.
 
 The start metric is what a run's start evaluation computes: greedy completions of the held-out prompts, as the
@@ -31,7 +31,7 @@ def prompt_ids(tokenizer, a: int, b: int) -> list[int]:
 
 
 def sft_samples(tokenizer) -> list:
-    from deploy.warmup import sft_sample
+    from deploy.experiment.warmup import sft_sample
 
     return [sft_sample(f"{a}+{b}", prompt_ids(tokenizer, a, b),
                        [*tokenizer.encode(str(a + b), add_special_tokens=False), tokenizer.eos_token_id])
@@ -78,12 +78,12 @@ def start_metric(engine, tokenizer) -> tuple[float, list[list[int]]]:
 def main(model: pathlib.Path, out: pathlib.Path, late_acks: bool) -> dict:
     from transformers import AutoTokenizer
 
-    from deploy.warmup import supervised_warmup
+    from deploy.experiment.warmup import supervised_warmup
     from rollout.config import EngineConfig
     from rollout.engine.async_engine import AsyncEngine
     from rollout.engine.llm_engine import LLMEngine
 
-    torch.set_num_threads(1)  # as every caller of the warm-up does (deploy/experiment_run.py)
+    torch.set_num_threads(1)  # as every caller of the warm-up does (deploy/runs/experiment_run.py)
     if late_acks:
         make_acks_late()
     tokenizer = AutoTokenizer.from_pretrained(model)
