@@ -21,7 +21,7 @@ import statistics
 from collections import Counter
 
 from deploy.inspect.doctor import Finding, report
-from deploy.record.run_record import Line, RunRecord
+from deploy.record.run_record import RunRecord, last_error
 
 # Words of a process that ran out of memory (PyTorch, CUDA, the allocator, the kernel, Python).
 OOM = (r"CUDA out of memory|OutOfMemoryError|out of memory|Cannot allocate memory|std::bad_alloc|MemoryError"
@@ -58,7 +58,9 @@ def main(run_dir: str) -> int:
 
 def check_outcome(run: RunRecord, findings: list[Finding]) -> None:
     failed = [row for row in run.events if row.record.get("event") == "failed"]
-    if run.finished:
+    if run.failure:
+        findings.append(_could_not_train(run, failed))
+    elif run.finished:
         s = run.summary
         findings.append(Finding("ok", "outcome", f"finished: {s.get('steps', 0)} optimizer steps in "
                                 f"{s.get('rl_seconds', 0):.0f}s of RL, held-out {s.get('sft_accuracy', 0):.3f} -> "
@@ -74,6 +76,20 @@ def check_outcome(run: RunRecord, findings: list[Finding]) -> None:
         findings.append(Finding("warn", "outcome", "the run did not finish (no summary.json) and no process failed "
                                 f"it: stopped from outside, or still running ({clock.get('rl_seconds', 0):.0f}s of RL "
                                 "recorded)", "`relayrl status RUN_DIR` if it runs; `relayrl run --resume RUN_DIR`"))
+
+
+def _could_not_train(run: RunRecord, failed: list) -> Finding:
+    """The run ended without training: why, as its summary says, quoting the exception's last line from the trainer's
+    log (a summary written before runs said why gets it here)."""
+    cause = run.failure
+    error = last_error(run.log("logs/trainer.log"))
+    if error is not None and error.file not in cause:
+        cause += f": {error.cite(width=600)}"
+    evidence = [f"summary.json: steps {run.summary.get('steps', 0)}, restarts {run.summary.get('restarts') or 'none'}"]
+    evidence += [row.cite("member", "event", "problem") for row in failed]
+    fix = ("the error quoted is the cause (the derived ones, a reward of 0 with no step taken, are not reported): fix "
+           "what it names (`relayrl doctor EXPERIMENT.yaml` checks a file before a run), then run again")
+    return Finding("error", "outcome", f"the run could not train: {cause}", fix, evidence)
 
 
 def _how_it_died(problems: Counter) -> str:
@@ -111,24 +127,15 @@ def check_restarts(run: RunRecord, findings: list[Finding]) -> None:
         starts = run.grep(r"\(pid \d+\)$|listening on", [log]) if (run.dir / log).exists() else []
         if starts:
             evidence.append(f"{log}: {len(starts)} starts ({', '.join(line.text[:19] for line in starts[:6])})")
-        last_error = _last_error(run.log(log))
-        if last_error is not None:
-            evidence.append(last_error.cite())
+        error = last_error(run.log(log))
+        if error is not None:
+            evidence.append(error.cite())
         if member in failed:
             findings.append(Finding("error", "restart loop", f"{member} went down {len(rows)} times ({told}) until "
                                     "its restarts were exhausted", _how_it_died(problems), evidence))
         else:
             findings.append(Finding("warn", "restarts", f"{member} went down {len(rows)} times ({told}) and was "
                                     "restarted", _how_it_died(problems), evidence))
-
-
-def _last_error(lines: list[Line]) -> Line | None:
-    """The last line of a log that names an error (a traceback's last line)."""
-    for line in reversed(lines):
-        text = line.text.strip()
-        if text and (text.split(":")[0].endswith(("Error", "Exception", "Interrupt")) or " ERROR " in text):
-            return line
-    return None
 
 
 def check_memory(run: RunRecord, findings: list[Finding]) -> None:
@@ -163,7 +170,7 @@ def check_weight_versions(run: RunRecord, findings: list[Finding]) -> None:
     switched = run.grep(r"switched to weight version", rollout_logs) if rollout_logs else []
     steps = run.trainer[-1].record.get("step", len(run.trainer)) if run.trainer else 0
     if not steps and not failures:
-        if run.driver or run.finished:
+        if (run.driver or run.finished) and not run.failure:  # a run that could not train: the outcome says why
             findings.append(Finding("error", "weight versions", "the trainer took no optimizer step",
                                     "read the end of logs/trainer.log; `relayrl status RUN_DIR` while it runs "
                                     "shows whether the buffer holds batches", [line.cite() for line in
@@ -249,7 +256,8 @@ def check_rewards(run: RunRecord, findings: list[Finding]) -> None:
                 "room for an answer (training.max_tokens); read logs/reward.log for its errors")
     if not rewards:
         totals = [row for row in run.driver if row.record.get("samples")]
-        if totals and not any(row.record.get("reward_sum") for row in totals):
+        # Not when the run could not train: the outcome names the trainer's error, and a reward of 0 is not its cause.
+        if totals and not any(row.record.get("reward_sum") for row in totals) and not run.failure:
             findings.append(Finding("error", "rewards", f"every one of the {totals[-1].record['samples']} completions "
                                     "scored 0 (no optimizer step was taken)", fix_zero,
                                     [totals[-1].cite("samples", "reward_sum")]))

@@ -125,13 +125,43 @@ def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.
 
 def finish_run(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path, progress, supervisor, rl):
     """Run the RL phase `rl()` (a deploy.rl.pipeline.PipelineResult) under `supervisor`, stop every process it started
-    whatever happens, then export the weights the run ended with and write the run's summary (returned)."""
+    whatever happens, then export the weights the run ended with and write the run's summary (returned).
+
+    A run that could not train is a failed run: its summary (and summary.json) says why in `failure`, with the last
+    error line of the process's log, and nothing is exported. That is a process whose restarts ran out (RunFailed,
+    raised again once the summary is written) or a trainer that took no optimizer step (returned: the caller exits
+    non-zero on a summary with a failure)."""
+    from deploy.local.supervisor import RunFailed
+    from deploy.record.run_record import failure_reason
+    from deploy.rl.pipeline import recorded_result
+
+    failed = None
     try:
         result = rl()
+    except RunFailed as exc:
+        failed = exc
     finally:
         supervisor.stop()
         progress.close()
-    export(config, run_dir, policy_dir, progress)
+    if failed is not None:
+        summary = recorded_result(run_dir, supervisor.restarts()).summary(config.seed, run_dir)
+        summary.failure = failure_reason(run_dir, f"{failed.name} {failed.problem}, and {failed.why}",
+                                         _log_name(run_dir, failed.log_path))
+        progress.finish(summary)
+        raise failed
     summary = result.summary(config.seed, run_dir)
+    if summary.steps:
+        export(config, run_dir, policy_dir, progress)
+    else:
+        summary.failure = failure_reason(run_dir, f"the trainer took no optimizer step in {summary.rl_seconds:.0f}s "
+                                         "of RL")
     progress.finish(summary)
     return summary
+
+
+def _log_name(run_dir: pathlib.Path, log_path: pathlib.Path) -> str:
+    """A process's log as a path in the run folder (logs/trainer.log) where it is one."""
+    try:
+        return str(pathlib.Path(log_path).resolve().relative_to(run_dir.resolve()))
+    except ValueError:
+        return str(log_path)
