@@ -131,6 +131,9 @@ def check_models(config: ExperimentConfig, findings: list[Finding]) -> ModelFact
     others = [("rollout", config.model.rollout_path, None, fix)] if config.model.rollout_path else []
     others += [(name, teacher.path, teacher.made_by, f"give {name}.path a model with the student's tokenizer")
                for name, teacher in teacher_folders(config)]
+    if config.reference is not None:  # the KL reference scores the policy's tokens: the same ids must mean the same
+        others.append(("reference", config.reference.path, config.reference.made_by,
+                       "give reference.path a model with the policy's tokenizer (or drop it: the start is the reference)"))
     for role, path, made_by, fix in others:
         other = _model_facts(pathlib.Path(path), role, findings, made_by)
         if trainer is not None and other is not None:

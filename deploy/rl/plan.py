@@ -47,6 +47,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
     """The RL phase of `config` as deploy.rl.config.Pipeline: what each service, the driver and the trainer are told
     (`prompts_path`: the driver's prompts; None with env, where the episode runner takes the driver's place:
     deploy/runs/agentic.py). Its `evaluate` is left for the caller to set (a run measures the served policy; deploy/cluster/k8s.py renders the rest)."""
+    from deploy.experiment.reference import reference_path
     from deploy.experiment.teachers import teacher_services
     from deploy.rl.config import Pipeline, RLConfig, merged, nested
 
@@ -55,6 +56,9 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
     rollout_overrides = _placement(config, "rollout")
     if config.model.rollout_path and not config.sft.steps:
         rollout_overrides.setdefault("model", config.model.rollout_path)
+    # A KL term's frozen reference: the model RL starts from unless the file names one; the trainer computes its
+    # logprobs in a forward-only pass (deploy/experiment/reference.py).
+    reference = reference_path(config, policy_dir)
     return Pipeline(
         run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
         rl=RLConfig(
@@ -80,7 +84,8 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                                    // config.services.trainer.world_size,
                                    **({"max_tokens_per_micro_batch": training.max_tokens_per_micro_batch}
                                       if training.max_tokens_per_micro_batch else {})},
-                         "checkpoint": {"keep_last": config.checkpoint.keep_last}},
+                         "checkpoint": {"keep_last": config.checkpoint.keep_last},
+                         **({"ref_model_path": reference} if reference else {})},
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,
         evaluate=None,  # type: ignore[arg-type]
