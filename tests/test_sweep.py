@@ -88,6 +88,12 @@ def test_parameters_reach_nested_free_form_sections(project):
     ({"budget": 3}, "budget"),
     ({"set": {"training.time_budget_s": -1}}, "time_budget_s"),
     ({"parallel": 2, "set": {"services.reward.port": 50123}}, "services.reward.port"),
+    # A space that reaches a setting the trainer refuses (issue 41): refused before any trial, the parameter named.
+    ({"params": {"services.trainer.settings.batch.micro_batch_size": {"type": "categorical", "choices": [8, 12]}}},
+     "params.services.trainer.settings.batch.micro_batch_size = 12: invalid experiment"),
+    ({"params": {"training.mini_batches": {"type": "int", "low": 1, "high": 4}}}, "params.training.mini_batches = 3"),
+    ({"set": {"algorithm.kl_coef": 0.04}, "params": {"services.trainer.settings.ref_model_path": {
+        "type": "categorical", "choices": ["model", None]}}}, "needs reference logprobs"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_field(project, tmp_path, fields, complaint):
     with pytest.raises(ConfigError, match=complaint.replace(".", r"\.").replace("(", r"\(")):

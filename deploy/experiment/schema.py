@@ -35,6 +35,7 @@ from deploy.experiment.placement import KubernetesSection, NodeGroup, ServicesSe
 from deploy.experiment.reference import ReferenceSection, reference_problems
 from deploy.experiment.sections import LoggingSection, SuperviseConfig, deterministic_problems
 from deploy.experiment.tiny_model import ModelConfig
+from deploy.experiment.trainer_fit import trainer_problems
 from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
 from services.config import Strict, load_config
@@ -306,6 +307,8 @@ class ExperimentConfig(Strict):
         if self.deterministic:
             problems += deterministic_problems(self.training.max_staleness, self.services.rollout.replicas)
         problems += self._source_problems() + form_problems(self) + reference_problems(self)
+        if not problems:  # what the trainer would refuse of the config the run gives it (once the rest holds)
+            problems = trainer_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self

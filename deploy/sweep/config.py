@@ -28,6 +28,7 @@ QUICKSTART = "quickstart"
 # Field paths a shared warm-up depends on: a parameter among them needs `warmup: per_trial`.
 WARMUP_INPUTS = ("seed", "model", "data", "env", "sft")
 NOT_SEARCHABLE = ("job", "run_dir")
+MAX_CHECKED = 64  # an int parameter's values each checked at load up to this many (its ends beyond)
 
 
 class FloatParam(Strict):
@@ -71,7 +72,9 @@ class IntParam(Strict):
         return self
 
     def bounds(self) -> list[Any]:
-        return [self.low, self.high]
+        """Every value it can take (a grid of up to MAX_CHECKED values), else its ends."""
+        values = list(range(self.low, self.high + 1, self.step))
+        return values if len(values) <= MAX_CHECKED else [self.low, self.high]
 
 
 class CategoricalParam(Strict):
@@ -196,8 +199,10 @@ class Sweep:
                                       "experiment": self.base()}, default=str))
 
     def check(self) -> None:
-        """Every parameter's bounds (and each choice) applied to the base experiment and validated; ConfigError
-        names the parameter and the field's complaint."""
+        """Every parameter's bounds (each choice, each value of a small int range) applied to the base experiment and
+        validated, so a search space that can reach a setting the run would refuse (the experiment file's checks,
+        what the trainer refuses: deploy/experiment/trainer_fit.py) is refused before any trial; ConfigError names
+        the parameter and the field's complaint."""
         run_dir = self.dir / "trial-check"
         services = self.experiment({}, run_dir).services
         fixed = [f"services.{name}.port" for name in ("buffer", "reward", "rollout") if getattr(services, name).port]
