@@ -46,8 +46,8 @@ def test_a_kl_term_without_a_reference_trains_against_the_model_rl_starts_from(p
     (["services.trainer.settings.batch.packing=true", "services.trainer.settings.parallel.tp=2",
       "services.trainer.procs_per_node=2"], "batch.packing: not with parallel.tp > 1"),
     (["algorithm.kl_coef=0.04", "services.trainer.settings.ref_model_path=null"],
-     "services.trainer.settings.ref_model_path: null, but algorithm grpo (kl_coef 0.04, kl_reward_coef 0) needs "
-     "reference logprobs"),
+     ("services.trainer.settings.ref_model_path: null, but algorithm grpo (kl_coef 0.04, kl_reward_coef 0) needs "
+      "reference logprobs")),
     (["algorithm.kl_coef=0.04", "reference.path=model", "services.trainer.settings.ref_model_path=model"],
      "reference and services.trainer.settings.ref_model_path both name the reference"),
     (["algorithm.name=distill", "teacher.path=model", "reference.path=model"],
