@@ -9,8 +9,8 @@
     rewards                all zero, or constant (GRPO's advantages are then zero: nothing is learned)
     entropy collapse       the policy's entropy gone to nothing before its reward got anywhere
     data wait              the trainer waiting for batches most of its time
-    mismatch spikes        rollout-vs-trainer logprob mismatch metrics (`mismatch/*` in trainer_metrics.jsonl),
-                           when the run records them
+    mismatch               rollout-vs-trainer logprob mismatch metrics (`mismatch/*` in trainer_metrics.jsonl),
+                           when the run records them, judged by version lag (deploy/inspect/mismatch.py)
 
 The folder is read by deploy/record/run_record.py; findings print as `relayrl doctor EXPERIMENT.yaml`'s do. Exit 1 when a
 fault (an error) is found, else 0.
@@ -21,6 +21,7 @@ import statistics
 from collections import Counter
 
 from deploy.inspect.doctor import Finding, report
+from deploy.inspect.mismatch import check_mismatch
 from deploy.record.run_record import RunRecord, last_error
 
 # Words of a process that ran out of memory (PyTorch, CUDA, the allocator, the kernel, Python).
@@ -339,28 +340,3 @@ def check_data_wait(run: RunRecord, findings: list[Finding]) -> None:
                             "(training.concurrency), shorter completions (training.max_tokens), or let generation run "
                             "further ahead (training.max_staleness)",
                             [f"trainer_metrics.jsonl:{rows[0].number}-{rows[-1].number}: pull_s / step_s"]))
-
-
-def check_mismatch(run: RunRecord, findings: list[Finding]) -> None:
-    keys = sorted({key for row in run.trainer for key, value in row.record.items()
-                   if "mismatch" in key and isinstance(value, int | float)})
-    for key in keys:
-        series = _series(run.trainer, key)
-        values = [abs(value) for _, value in series]
-        if len(values) < 5:
-            continue
-        median = statistics.median(values)
-        spread = statistics.median(abs(value - median) for value in values) or median or 1e-12
-        spikes = [(number, value) for number, value in series if abs(value) > median + 10 * spread
-                  and abs(value) > 3 * median and abs(value) > 1e-6]
-        if not spikes:
-            findings.append(Finding("ok", "mismatch", f"{key}: median {median:.3g}, no spike over {len(values)} steps"))
-            continue
-        steps = {row.number: row.record.get("step") for row in run.trainer}
-        findings.append(Finding("warn", "mismatch spikes", f"{key} spiked at {len(spikes)} steps (up to "
-                                f"{max(abs(v) for _, v in spikes):.3g}; median {median:.3g}): the rollout's logprobs "
-                                "and the trainer's disagreed there",
-                                "look at what changed at those steps: a weight version switched in mid-sequence, KV "
-                                "kept across it, a dtype cast on publish (publish.dtype); an off-policy correction "
-                                "(algorithm.off_policy) bounds the effect",
-                                [f"trainer_metrics.jsonl:{n}: step {steps.get(n)}, {key} {v:.4g}" for n, v in spikes[:5]]))
