@@ -77,3 +77,18 @@ def test_doctor_checks_a_named_references_tokenizer_like_a_teachers(project, tmp
     assert "give reference.path a model with the policy's tokenizer" in out
     assert doctor(str(project), ["algorithm.kl_coef=0.04", f"reference.path={project.parent / 'model'}"]) == 0
     assert "OK    tokenizer (trainer vs reference): same vocabulary" in capsys.readouterr().out
+
+
+def test_a_failed_run_is_not_finished_and_its_resume_drops_the_failed_summary(tmp_path):
+    """A run that could not train wrote its summary with the reason: `relayrl run --resume` goes on with it (a finished
+    run is refused), and the resumed run, going on, no longer shows the failed attempt's summary."""
+    import json
+
+    from deploy.record.run_state import SUMMARY_FILE, finished, start_run_dir
+
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps({"steps": 0, "failure": "the trainer took no optimizer step"}))
+    assert not finished(tmp_path)
+    start_run_dir(tmp_path, {}, seed=0, resume=True)
+    assert not (tmp_path / SUMMARY_FILE).exists()
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps({"steps": 12, "failure": None}))
+    assert finished(tmp_path)

@@ -45,8 +45,8 @@ class Summary:
 
 
 def start_run_dir(run_dir: pathlib.Path, config: dict, seed: int, resume: bool) -> None:
-    """A fresh run replaces `run_dir` and records its config; a resumed one keeps everything and adds its
-    provenance to the record."""
+    """A fresh run replaces `run_dir` and records its config; a resumed one keeps everything but the summary of a
+    failed attempt (the run is going on: it writes its own at the end) and adds its provenance to the record."""
     import yaml
 
     from deploy.record.private_files import write_private
@@ -57,6 +57,8 @@ def start_run_dir(run_dir: pathlib.Path, config: dict, seed: int, resume: bool) 
             shutil.rmtree(run_dir)
         (run_dir / "logs").mkdir(parents=True)
         write_private(run_dir / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False), private_folder=False)
+    else:
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)  # resumed: not finished, so a failed attempt's
     write_provenance(run_dir, seed, resumed=resume)
 
 
