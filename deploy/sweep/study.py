@@ -96,6 +96,8 @@ def recover(study, sweep: Sweep, console: Console) -> None:
         if summary.is_file():
             ended = json.loads(summary.read_text())
             if untrained(ended):
+                # A trial left running is a FrozenTrial: its attribute is set through the storage (Trial would do
+                # the same), before the tell that finishes it.
                 study._storage.set_trial_user_attr(trial._trial_id, "failed", untrained(ended))
                 study.tell(trial.number, state=TrialState.FAIL)
                 console.print(f"trial-{trial.number}: its run had ended without training: failed")
