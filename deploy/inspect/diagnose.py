@@ -60,7 +60,7 @@ def main(run_dir: str) -> int:
 def check_outcome(run: RunRecord, findings: list[Finding]) -> None:
     failed = [row for row in run.events if row.record.get("event") == "failed"]
     if run.failure:
-        findings.append(_could_not_train(run, failed))
+        findings.append(_failed_run(run, failed))
     elif run.finished:
         s = run.summary
         findings.append(Finding("ok", "outcome", f"finished: {s.get('steps', 0)} optimizer steps in "
@@ -79,18 +79,21 @@ def check_outcome(run: RunRecord, findings: list[Finding]) -> None:
                                 "recorded)", "`relayrl status RUN_DIR` if it runs; `relayrl run --resume RUN_DIR`"))
 
 
-def _could_not_train(run: RunRecord, failed: list) -> Finding:
-    """The run ended without training: why, as its summary says, quoting the exception's last line from the trainer's
-    log (a summary written before runs said why gets it here)."""
+def _failed_run(run: RunRecord, failed: list) -> Finding:
+    """The run ended failed (without training, or a process whose restarts ran out): why, as its summary says, quoting
+    the exception's last line from the process's log (a summary of 0 steps written before runs said why gets the
+    trainer's here)."""
     cause = run.failure
     error = last_error(run.log("logs/trainer.log"))
-    if error is not None and error.file not in cause:
+    if error is not None and ".log:" not in cause:
         cause += f": {error.cite(width=600)}"
     evidence = [f"summary.json: steps {run.summary.get('steps', 0)}, restarts {run.summary.get('restarts') or 'none'}"]
     evidence += [row.cite("member", "event", "problem") for row in failed]
     fix = ("the error quoted is the cause (the derived ones, a reward of 0 with no step taken, are not reported): fix "
-           "what it names (`relayrl doctor EXPERIMENT.yaml` checks a file before a run), then run again")
-    return Finding("error", "outcome", f"the run could not train: {cause}", fix, evidence)
+           "what it names (`relayrl doctor EXPERIMENT.yaml` checks a file before a run), then run again or "
+           "`relayrl run --resume RUN_DIR`")
+    what = "the run failed" if run.summary.get("steps") else "the run could not train"  # it trained, then failed
+    return Finding("error", "outcome", f"{what}: {cause}", fix, evidence)
 
 
 def _how_it_died(problems: Counter) -> str:
