@@ -10,7 +10,7 @@ from deploy.experiment.quickstart import write_data
 from deploy.experiment.schema import load_experiment
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "algorithms"
-EXPERIMENTS = ["sft", "ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp",
+EXPERIMENTS = ["sft", "ppo", "grpo", "grpo_kl", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp",
                "reinforce_pp_baseline"]
 
 

@@ -102,6 +102,50 @@ def test_mismatch_spikes_when_the_run_records_mismatch(tmp_path):
     assert "mismatch/max_abs_logprob_diff: median 0.2, no spike over 30 steps" in named(findings, "ok")["mismatch"]
 
 
+def test_a_healthy_quickstart_run_gets_no_warning(capsys):
+    """tests/data/runs/healthy_quickstart: a trimmed copy of a healthy quickstart run (150 s of RL, held-out 0.205 ->
+    0.590, max_staleness 1; tests/broken_runs.py's trim, its trainer_metrics.jsonl cut to the first 30 and last 10
+    steps, every 25th, and every step whose mismatch the doctor warned of). Its abs_max reached 1.65 (one step of
+    policy change at lag 1), its lag-0 mean 0.037 (tokens sampled over KV kept across an update): "mismatch spikes"
+    before, judged by lag now."""
+    assert relayrl(["doctor", str(RUNS / "healthy_quickstart")]) == 0
+    out = capsys.readouterr().out
+    assert "WARN" not in out and "ERROR" not in out, out
+    assert "mismatch/abs_mean_lag1: median 0.0233, at most 0.0627" in out and "within the ratio the loss clips" in out
+
+
+def _lagged(lag0: float, lag1: float, **spikes) -> list[dict]:
+    """30 steps of the trainer's mismatch figures: the lag-0 and lag-1 means, abs_max 10x the lag-1 mean; `spikes`:
+    {step index: (key, value)}."""
+    records = [{"mismatch/abs_mean_lag0": lag0 * (1 + 0.1 * (i % 3)), "mismatch/abs_mean_lag1": lag1 * (1 + 0.1 * (i % 4)),
+                "mismatch/abs_mean": lag1, "mismatch/abs_max": 10 * lag1 * (1 + 0.1 * (i % 5)), "mismatch/k3": lag1 ** 2}
+               for i in range(30)]
+    for index, (key, value) in spikes.items():
+        records[int(index)][key] = value
+    return records
+
+
+@pytest.mark.parametrize(("records", "warned"), [
+    # The rollout serves the weights cast (publish.dtype) or computes in bf16 against a float32 trainer: every
+    # lag-0 step is off, by a level no spike shows.
+    (_lagged(0.02, 0.03), "disagree on the same weights"),
+    # One step's lag-0 tokens beyond the ratio the loss clips: the same weights disagreed there.
+    (_lagged(2e-5, 0.03, **{"17": ("mismatch/abs_mean_lag0", 0.6)}), "abs_mean_lag0 went beyond the ratio"),
+    # Sampled one version back, the typical token moved beyond the clip: too fast a policy for the staleness.
+    (_lagged(2e-5, 0.03, **{"9": ("mismatch/abs_mean_lag1", 0.5)}), "out of its trust region"),
+])
+def test_a_real_rollout_trainer_disagreement_is_still_named(tmp_path, records, warned):
+    steps(tmp_path, records)
+    warnings = named(diagnose_run(tmp_path), "warn")
+    assert any(warned in text for text in warnings.values()), warnings
+
+
+def test_one_step_of_policy_change_is_no_mismatch_fault(tmp_path):
+    """abs_max 3.5 at lag 1 (one step of policy change under max_staleness 1) and a lag-0 mean near kernel noise."""
+    steps(tmp_path, _lagged(2e-5, 0.03, **{"12": ("mismatch/abs_max", 3.5)}))
+    assert "mismatch spikes" not in named(diagnose_run(tmp_path), "warn")
+
+
 def test_a_served_weight_version_that_stops_moving(tmp_path):
     steps(tmp_path, [{"reward_mean": 0.1 * (i % 5), "weight_version": i} for i in range(1, 31)])
     (tmp_path / "driver_stats.jsonl").write_text("".join(

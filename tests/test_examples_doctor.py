@@ -50,7 +50,7 @@ def test_the_walk_finds_every_kind_of_example():
     assert ROOT / "deploy" / "experiment" / "quickstart_experiment.yaml" in EXPERIMENTS
     folders = {path.relative_to(EXAMPLES).parts[0] for path in EXPERIMENTS if path.is_relative_to(EXAMPLES)}
     assert {"agentic", "algorithms", "experiment", "math_word", "code_task", "cluster"} <= folders
-    assert len([p for p in EXPERIMENTS if p.parent.name == "algorithms"]) == 17  # every family, SFT, DPO, distillation and its grpo_sub teacher
+    assert len([p for p in EXPERIMENTS if p.parent.name == "algorithms"]) == 18  # every family (grpo_kl: GRPO with a KL term), SFT, DPO, distillation and its grpo_sub teacher
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=_id)

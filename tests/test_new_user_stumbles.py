@@ -45,6 +45,35 @@ def test_doctor_names_the_default_unk_token_past_the_embedding_and_the_fix_that_
     assert (model / "model.safetensors").read_bytes() == weights
 
 
+def test_doctor_names_the_tokenizer_file_changes_when_the_default_token_was_saved_into_them(project, tmp_path,
+                                                                                              capsys):
+    """The same folder after `AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`: transformers' default
+    "<|endoftext|>" is now in the tokenizer files (tokenizer_config.json names it unk_token, tokenizer.json lists it
+    among its added_tokens), past the embedding. The fix said only "use the tokenizer the model was trained with, or
+    resize the embeddings"; it names the two files' changes now, and they are the whole fix."""
+    from transformers import AutoTokenizer
+
+    model = write_qwen2_without_unk(tmp_path / "model")
+    AutoTokenizer.from_pretrained(model).save_pretrained(model)
+    assert doctor(str(project), [f"model.path={model}"]) == 1
+    out = capsys.readouterr().out
+    assert "'<|endoftext|>' (id 15) is Qwen2Tokenizer's default unk_token, saved into the tokenizer files" in out, out
+    fix = next(line for line in out.splitlines() if "fix:" in line and "unk_token" in line)
+    assert '"unk_token": "<pad>"' in fix and "tokenizer_config.json" in fix, fix
+    assert """remove the entry of '<|endoftext|>' (id 15) from "added_tokens" in""" in fix and "tokenizer.json" in fix
+    assert "resize" not in fix, fix
+
+    weights = (model / "model.safetensors").read_bytes()
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**settings, "unk_token": "<pad>"}))
+    backend = json.loads((model / "tokenizer.json").read_text())
+    backend["added_tokens"] = [token for token in backend["added_tokens"] if token["content"] != "<|endoftext|>"]
+    (model / "tokenizer.json").write_text(json.dumps(backend))
+    assert doctor(str(project), [f"model.path={model}"]) == 0
+    assert "vocabulary 15 of 15 embedding rows" in capsys.readouterr().out
+    assert (model / "model.safetensors").read_bytes() == weights
+
+
 def users_file(project: pathlib.Path, folder: pathlib.Path, drop: list[str], **sections) -> pathlib.Path:
     """The project's experiment file as a user wrote it: without the fields in `drop` ("data.num_eval"), with
     `sections` laid over (paths absolute: the file lives in `folder`)."""

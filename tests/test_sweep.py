@@ -92,6 +92,12 @@ def test_parameters_reach_nested_free_form_sections(project):
     ({"budget": 3}, "budget"),
     ({"set": {"training.time_budget_s": -1}}, "time_budget_s"),
     ({"parallel": 2, "set": {"services.reward.port": 50123}}, "services.reward.port"),
+    # A space that reaches a setting the trainer refuses (issue 41): refused before any trial, the parameter named.
+    ({"params": {"services.trainer.settings.batch.micro_batch_size": {"type": "categorical", "choices": [8, 12]}}},
+     "params.services.trainer.settings.batch.micro_batch_size = 12: invalid experiment"),
+    ({"params": {"training.mini_batches": {"type": "int", "low": 1, "high": 4}}}, "params.training.mini_batches = 3"),
+    ({"set": {"algorithm.kl_coef": 0.04}, "params": {"services.trainer.settings.ref_model_path": {
+        "type": "categorical", "choices": ["model", None]}}}, "needs reference logprobs"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_field(project, tmp_path, fields, complaint):
     with pytest.raises(ConfigError, match=complaint.replace(".", r"\.").replace("(", r"\(")):
@@ -207,6 +213,38 @@ def test_a_stopped_sweeps_trials_are_kept_completed_or_run_again(project, tmp_pa
     with sweep_lock(sweep.dir), pytest.raises(SweepError, match="another relayrl sweep is running"), \
             sweep_lock(sweep.dir):
         pass
+
+
+def test_a_stopped_sweeps_trial_whose_run_could_not_train_is_failed_with_the_reason(project, tmp_path):
+    """A trial left running whose run ended without training (its summary's failure, or 0 steps) is failed with the
+    reason, counted, and never the best: it was completed with the value its run started from."""
+    pytest.importorskip("optuna")
+    from rich.console import Console
+
+    from deploy.sweep.report import report
+    from deploy.sweep.study import counted, distributions, open_study
+
+    sweep = load_sweep(_sweep_file(tmp_path, project))
+    sweep.dir.mkdir()
+    console = Console(record=True, width=300)
+    study = open_study(sweep, resume=False, console=console)
+    space = distributions(sweep)
+    trained, failed, untrained = study.ask(space), study.ask(space), study.ask(space)
+    for trial, summary in ((trained, {"final_accuracy": 0.3, "best_accuracy": 0.3, "steps": 40}),
+                           (failed, {"final_accuracy": 0.5, "best_accuracy": 0.5, "steps": 0,
+                                     "failure": "the trainer took no optimizer step in 30s of RL: logs/trainer.log:52: "
+                                                "ValueError: needs reference logprobs"}),
+                           (untrained, {"final_accuracy": 0.5, "best_accuracy": 0.5, "steps": 0})):
+        (sweep.dir / f"trial-{trial.number}").mkdir()
+        (sweep.dir / f"trial-{trial.number}" / "summary.json").write_text(json.dumps(summary))
+    study = open_study(sweep, resume=True, console=console)  # the sweep was stopped with the three running
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "FAIL", "FAIL"] and counted(study) == 3
+    best = report(study, sweep.dir, "final", console)
+    assert best["trial"] == 0
+    rows = list(csv.DictReader((sweep.dir / "results.csv").read_text().splitlines()))
+    assert rows[1]["state"] == "fail" and "could not train" in rows[1]["note"] and "ValueError" in rows[1]["note"]
+    assert "could not train: the trainer took no optimizer step" in rows[2]["note"]
+    assert "its run had ended without training: failed" in console.export_text()
 
 
 FAKE_RUN = """

@@ -12,6 +12,7 @@ deploy/rl/pipeline.py. `relayrl doctor EXPERIMENT.yaml` (deploy/inspect/doctor.p
     algorithm:  trainer.config.algorithm.AlgorithmConfig (grpo, ppo, ... and their variants); dpo trains offline on
                 the data's preference pairs instead (data.chosen_field / rejected_field; deploy/experiment/forms.py),
                 distill learns from served teachers (`teacher`, `teachers`: deploy/experiment/teachers.py)
+    reference:  the frozen KL reference when it is not the model RL starts from (deploy/experiment/reference.py)
     training:   the shared RL settings (group size, staleness, learning rate, budget)
     evaluation: held-out mean reward of greedy completions, every so many seconds or steps
     checkpoint: trainer checkpoints and the final export to a Hugging Face folder
@@ -31,8 +32,10 @@ from pydantic import Field, field_validator, model_validator
 
 from deploy.experiment.forms import TeacherSection, form_problems
 from deploy.experiment.placement import KubernetesSection, NodeGroup, ServicesSection, placement_problems
+from deploy.experiment.reference import ReferenceSection, reference_problems
 from deploy.experiment.sections import LoggingSection, SuperviseConfig, deterministic_problems
 from deploy.experiment.tiny_model import ModelConfig
+from deploy.experiment.trainer_fit import trainer_problems
 from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
 from services.config import Strict, load_config
@@ -273,6 +276,9 @@ class ExperimentConfig(Strict):
                                                 "metadata[teacher_key]; `teacher`, if set, teaches the other domains.")
     teacher_key: str = Field("domain", description="With teachers: the prompt metadata field naming its domain (list "
                              "it in data.metadata_fields).")
+    reference: ReferenceSection | None = Field(None, description="The frozen KL reference (algorithm.kl_coef, "
+                                               "kl_reward_coef; DPO's): {path: FOLDER}. None = the model RL starts "
+                                               "from (after the SFT warm-up), frozen (deploy/experiment/reference.py).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="What is optimised "
                                        "(trainer.config.algorithm.AlgorithmConfig; docs/algorithms.md).")
     sft: SFTSection = Field(default_factory=SFTSection)
@@ -300,7 +306,9 @@ class ExperimentConfig(Strict):
                             "mini_batches)")
         if self.deterministic:
             problems += deterministic_problems(self.training.max_staleness, self.services.rollout.replicas)
-        problems += self._source_problems() + form_problems(self)
+        problems += self._source_problems() + form_problems(self) + reference_problems(self)
+        if not problems:  # what the trainer would refuse of the config the run gives it (once the rest holds)
+            problems = trainer_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -350,6 +358,8 @@ class ExperimentConfig(Strict):
         data.reward.python_path = [at(p) for p in self.reward.python_path]
         for teacher in [data.teacher, *data.teachers.values()] if data.teacher else data.teachers.values():
             teacher.path = at(teacher.path)
+        if data.reference is not None:
+            data.reference.path = at(self.reference.path)
         data.reward.model = at(self.reward.model)
         data.checkpoint.export_dir = at(self.checkpoint.export_dir, pathlib.Path(data.run_dir))
         for name in ("buffer", "reward", "rollout"):  # TLS files, token files

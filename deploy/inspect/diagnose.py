@@ -9,8 +9,8 @@
     rewards                all zero, or constant (GRPO's advantages are then zero: nothing is learned)
     entropy collapse       the policy's entropy gone to nothing before its reward got anywhere
     data wait              the trainer waiting for batches most of its time
-    mismatch spikes        rollout-vs-trainer logprob mismatch metrics (`mismatch/*` in trainer_metrics.jsonl),
-                           when the run records them
+    mismatch               rollout-vs-trainer logprob mismatch metrics (`mismatch/*` in trainer_metrics.jsonl),
+                           when the run records them, judged by version lag (deploy/inspect/mismatch.py)
 
 The folder is read by deploy/record/run_record.py; findings print as `relayrl doctor EXPERIMENT.yaml`'s do. Exit 1 when a
 fault (an error) is found, else 0.
@@ -21,7 +21,8 @@ import statistics
 from collections import Counter
 
 from deploy.inspect.doctor import Finding, report
-from deploy.record.run_record import Line, RunRecord
+from deploy.inspect.mismatch import check_mismatch
+from deploy.record.run_record import RunRecord, last_error
 
 # Words of a process that ran out of memory (PyTorch, CUDA, the allocator, the kernel, Python).
 OOM = (r"CUDA out of memory|OutOfMemoryError|out of memory|Cannot allocate memory|std::bad_alloc|MemoryError"
@@ -58,7 +59,9 @@ def main(run_dir: str) -> int:
 
 def check_outcome(run: RunRecord, findings: list[Finding]) -> None:
     failed = [row for row in run.events if row.record.get("event") == "failed"]
-    if run.finished:
+    if run.failure:
+        findings.append(_failed_run(run, failed))
+    elif run.finished:
         s = run.summary
         findings.append(Finding("ok", "outcome", f"finished: {s.get('steps', 0)} optimizer steps in "
                                 f"{s.get('rl_seconds', 0):.0f}s of RL, held-out {s.get('sft_accuracy', 0):.3f} -> "
@@ -74,6 +77,23 @@ def check_outcome(run: RunRecord, findings: list[Finding]) -> None:
         findings.append(Finding("warn", "outcome", "the run did not finish (no summary.json) and no process failed "
                                 f"it: stopped from outside, or still running ({clock.get('rl_seconds', 0):.0f}s of RL "
                                 "recorded)", "`relayrl status RUN_DIR` if it runs; `relayrl run --resume RUN_DIR`"))
+
+
+def _failed_run(run: RunRecord, failed: list) -> Finding:
+    """The run ended failed (without training, or a process whose restarts ran out): why, as its summary says, quoting
+    the exception's last line from the process's log (a summary of 0 steps written before runs said why gets the
+    trainer's here)."""
+    cause = run.failure
+    error = last_error(run.log("logs/trainer.log"))
+    if error is not None and ".log:" not in cause:
+        cause += f": {error.cite(width=600)}"
+    evidence = [f"summary.json: steps {run.summary.get('steps', 0)}, restarts {run.summary.get('restarts') or 'none'}"]
+    evidence += [row.cite("member", "event", "problem") for row in failed]
+    fix = ("the error quoted is the cause (the derived ones, a reward of 0 with no step taken, are not reported): fix "
+           "what it names (`relayrl doctor EXPERIMENT.yaml` checks a file before a run), then run again or "
+           "`relayrl run --resume RUN_DIR`")
+    what = "the run failed" if run.summary.get("steps") else "the run could not train"  # it trained, then failed
+    return Finding("error", "outcome", f"{what}: {cause}", fix, evidence)
 
 
 def _how_it_died(problems: Counter) -> str:
@@ -111,24 +131,15 @@ def check_restarts(run: RunRecord, findings: list[Finding]) -> None:
         starts = run.grep(r"\(pid \d+\)$|listening on", [log]) if (run.dir / log).exists() else []
         if starts:
             evidence.append(f"{log}: {len(starts)} starts ({', '.join(line.text[:19] for line in starts[:6])})")
-        last_error = _last_error(run.log(log))
-        if last_error is not None:
-            evidence.append(last_error.cite())
+        error = last_error(run.log(log))
+        if error is not None:
+            evidence.append(error.cite())
         if member in failed:
             findings.append(Finding("error", "restart loop", f"{member} went down {len(rows)} times ({told}) until "
                                     "its restarts were exhausted", _how_it_died(problems), evidence))
         else:
             findings.append(Finding("warn", "restarts", f"{member} went down {len(rows)} times ({told}) and was "
                                     "restarted", _how_it_died(problems), evidence))
-
-
-def _last_error(lines: list[Line]) -> Line | None:
-    """The last line of a log that names an error (a traceback's last line)."""
-    for line in reversed(lines):
-        text = line.text.strip()
-        if text and (text.split(":")[0].endswith(("Error", "Exception", "Interrupt")) or " ERROR " in text):
-            return line
-    return None
 
 
 def check_memory(run: RunRecord, findings: list[Finding]) -> None:
@@ -163,7 +174,7 @@ def check_weight_versions(run: RunRecord, findings: list[Finding]) -> None:
     switched = run.grep(r"switched to weight version", rollout_logs) if rollout_logs else []
     steps = run.trainer[-1].record.get("step", len(run.trainer)) if run.trainer else 0
     if not steps and not failures:
-        if run.driver or run.finished:
+        if (run.driver or run.finished) and not run.failure:  # a run that could not train: the outcome says why
             findings.append(Finding("error", "weight versions", "the trainer took no optimizer step",
                                     "read the end of logs/trainer.log; `relayrl status RUN_DIR` while it runs "
                                     "shows whether the buffer holds batches", [line.cite() for line in
@@ -249,7 +260,8 @@ def check_rewards(run: RunRecord, findings: list[Finding]) -> None:
                 "room for an answer (training.max_tokens); read logs/reward.log for its errors")
     if not rewards:
         totals = [row for row in run.driver if row.record.get("samples")]
-        if totals and not any(row.record.get("reward_sum") for row in totals):
+        # Not when the run could not train: the outcome names the trainer's error, and a reward of 0 is not its cause.
+        if totals and not any(row.record.get("reward_sum") for row in totals) and not run.failure:
             findings.append(Finding("error", "rewards", f"every one of the {totals[-1].record['samples']} completions "
                                     "scored 0 (no optimizer step was taken)", fix_zero,
                                     [totals[-1].cite("samples", "reward_sum")]))
@@ -331,28 +343,3 @@ def check_data_wait(run: RunRecord, findings: list[Finding]) -> None:
                             "(training.concurrency), shorter completions (training.max_tokens), or let generation run "
                             "further ahead (training.max_staleness)",
                             [f"trainer_metrics.jsonl:{rows[0].number}-{rows[-1].number}: pull_s / step_s"]))
-
-
-def check_mismatch(run: RunRecord, findings: list[Finding]) -> None:
-    keys = sorted({key for row in run.trainer for key, value in row.record.items()
-                   if "mismatch" in key and isinstance(value, int | float)})
-    for key in keys:
-        series = _series(run.trainer, key)
-        values = [abs(value) for _, value in series]
-        if len(values) < 5:
-            continue
-        median = statistics.median(values)
-        spread = statistics.median(abs(value - median) for value in values) or median or 1e-12
-        spikes = [(number, value) for number, value in series if abs(value) > median + 10 * spread
-                  and abs(value) > 3 * median and abs(value) > 1e-6]
-        if not spikes:
-            findings.append(Finding("ok", "mismatch", f"{key}: median {median:.3g}, no spike over {len(values)} steps"))
-            continue
-        steps = {row.number: row.record.get("step") for row in run.trainer}
-        findings.append(Finding("warn", "mismatch spikes", f"{key} spiked at {len(spikes)} steps (up to "
-                                f"{max(abs(v) for _, v in spikes):.3g}; median {median:.3g}): the rollout's logprobs "
-                                "and the trainer's disagreed there",
-                                "look at what changed at those steps: a weight version switched in mid-sequence, KV "
-                                "kept across it, a dtype cast on publish (publish.dtype); an off-policy correction "
-                                "(algorithm.off_policy) bounds the effect",
-                                [f"trainer_metrics.jsonl:{n}: step {steps.get(n)}, {key} {v:.4g}" for n, v in spikes[:5]]))

@@ -9,7 +9,6 @@ Exit 1 on any error, 0 otherwise (warnings included).
 """
 
 import importlib
-import json
 import pathlib
 import shutil
 import socket
@@ -21,6 +20,7 @@ from deploy.experiment.forms import OFFLINE, teacher_folders
 from deploy.experiment.schema import ExperimentConfig
 from deploy.inspect.doctor_files import not_an_experiment, prepared_by
 from deploy.inspect.findings import Finding, report
+from deploy.inspect.vocabulary import beyond_embedding
 
 # ---------------------------------------------------------------- the model and its tokenizer
 
@@ -67,7 +67,7 @@ def _model_facts(path: pathlib.Path, role: str, findings: list[Finding], made_by
         special={name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "pad_token")},
         chat_template=tokenizer.chat_template, weight_bytes=sum(w.stat().st_size for w in weights))
     if facts.tokenizer_size > facts.vocab_size:
-        beyond, fix = _beyond_embedding(tokenizer, path, facts.vocab_size)
+        beyond, fix = beyond_embedding(tokenizer, path, facts.vocab_size)
         findings.append(Finding("error", check, f"the tokenizer has {facts.tokenizer_size} tokens but the model's "
                                 f"embedding has {facts.vocab_size} rows: token ids past it cannot be embedded "
                                 f"({beyond})", fix))
@@ -78,44 +78,6 @@ def _model_facts(path: pathlib.Path, role: str, findings: list[Finding], made_by
     findings.append(Finding("ok", check, f"{path.name}: {config.model_type}, vocabulary {facts.tokenizer_size} of "
                             f"{facts.vocab_size} embedding rows, {facts.weight_bytes / 1e6:.1f} MB of weights"))
     return facts
-
-
-def _beyond_embedding(tokenizer, path: pathlib.Path, rows: int) -> tuple[str, str]:
-    """(Which tokens lie past the embedding's `rows` and where they came from, the fix). transformers gives a
-    tokenizer class's default special tokens to a folder that names none: Qwen2Tokenizer adds "<|endoftext|>" as
-    the unk token of a word-level tokenizer saved without one, one id past a model trained without it."""
-    declared: dict = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        if (path / name).is_file():
-            declared.update(json.loads((path / name).read_text()))
-    vocab = tokenizer.get_vocab()
-    parts, defaulted = [], []
-    for token_id in range(rows, len(tokenizer)):
-        token = tokenizer.convert_ids_to_tokens(token_id)
-        roles = [name for name in ("unk_token", "eos_token", "pad_token", "bos_token")
-                 if getattr(tokenizer, name, None) == token]
-        undeclared = [name for name in roles if declared.get(name) is None]
-        if undeclared:
-            defaulted.append(undeclared[0])
-            parts.append(f"{token!r} (id {token_id}) is {type(tokenizer).__name__}'s default {undeclared[0]}, added "
-                         f"by transformers because {path.name}/tokenizer_config.json names no {undeclared[0]}")
-        else:
-            parts.append(f"{token!r} (id {token_id}) is an added token of the tokenizer files")
-    if len(defaulted) == len(tokenizer) - rows:
-        in_range = [token for token, token_id in sorted(vocab.items(), key=lambda item: item[1]) if token_id < rows]
-        fixes = []
-        for role in defaulted:
-            word = role.removesuffix("_token")
-            candidate = next((t for t in in_range if word in t.lower()), None)
-            if candidate is None:
-                candidate = tokenizer.pad_token if tokenizer.pad_token in in_range else in_range[-1]
-            fixes.append(f'"{role}": "{candidate}"')
-        fix = (f"keep the model and its tokenizer: set {', '.join(fixes)} (a token the vocabulary already has) in "
-               f"{path / 'tokenizer_config.json'}; the tokenizer then loads with {rows} tokens")
-    else:
-        fix = ("use the tokenizer the model was trained with, or resize the embeddings "
-               "(model.resize_token_embeddings(len(tokenizer))) and save again")
-    return "; ".join(parts), fix
 
 
 def check_models(config: ExperimentConfig, findings: list[Finding], maker=lambda path: None) -> ModelFacts | None:
@@ -133,6 +95,9 @@ def check_models(config: ExperimentConfig, findings: list[Finding], maker=lambda
     others = [("rollout", config.model.rollout_path, None, fix)] if config.model.rollout_path else []
     others += [(name, teacher.path, teacher.made_by, f"give {name}.path a model with the student's tokenizer")
                for name, teacher in teacher_folders(config)]
+    if config.reference is not None:  # the KL reference scores the policy's tokens: the same ids must mean the same
+        others.append(("reference", config.reference.path, config.reference.made_by,
+                       "give reference.path a model with the policy's tokenizer (or drop it: the start is the reference)"))
     for role, path, made_by, fix in others:
         other = _model_facts(pathlib.Path(path), role, findings, made_by)
         if trainer is not None and other is not None:

@@ -47,7 +47,7 @@ class RunFailed(RuntimeError):
 
     def __init__(self, name: str, problem: str, log_path: pathlib.Path, tail: str,
                  why: str = "its restarts are exhausted"):
-        self.name = name
+        self.name, self.problem, self.why, self.log_path = name, problem, why, log_path
         super().__init__(f"{name} {problem}, and {why}: the run cannot recover.\n"
                          f"last lines of {log_path}:\n{tail}")
 

@@ -142,14 +142,16 @@ class Progress:
 
     def finish(self, summary: Summary) -> None:
         self.close()
-        table = Table(title=f"{self.title}: summary", show_header=False)
+        table = Table(title=f"{self.title}: summary" + (" (FAILED)" if summary.failure else ""), show_header=False)
         table.add_column("", style="bold")
         table.add_column("", justify="right")
+        failed = [("FAILED: the run could not train", summary.failure)] if summary.failure else []
         for name, value in (
+            *failed,
             ("seed", summary.seed),
-            ("held-out accuracy, start of RL (after SFT)", f"{summary.sft_accuracy:.3f}"),
-            ("held-out accuracy, end of RL", f"{summary.final_accuracy:.3f}"),
-            ("best held-out accuracy", f"{summary.best_accuracy:.3f}"),
+            ("held-out accuracy, start of RL (after SFT)", _fraction(summary.sft_accuracy)),
+            ("held-out accuracy, end of RL", _fraction(summary.final_accuracy)),
+            ("best held-out accuracy", _fraction(summary.best_accuracy)),
             ("optimizer steps", summary.steps),
             ("completions generated", summary.completions),
             ("RL wall-clock", f"{summary.rl_seconds:.0f}s"),
@@ -162,6 +164,10 @@ class Progress:
         self.console.print(table)
         plot(summary.curve, self.run_dir / "progress.png", self.title)
         write_summary(self.run_dir, summary)  # last: the run is finished (deploy/record/run_state.py)
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def plot(curve: list[dict], path: pathlib.Path, title: str) -> None:

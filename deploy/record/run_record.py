@@ -46,6 +46,38 @@ class Row:
         return f"{self.file}:{self.number}: {shown}"
 
 
+def log_lines(run_dir: pathlib.Path, name: str) -> list[Line]:
+    """The lines of the run's log `name` ("logs/trainer.log"); [] when there is none."""
+    path = pathlib.Path(run_dir) / name
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return [Line(name, number, line) for number, line in enumerate(text.splitlines(), 1)]
+
+
+def last_error(lines: list[Line]) -> Line | None:
+    """The exception a log ends on: the last line of its last traceback (`module.SomeError: message`, whatever the
+    exception's name), else the last line that names an error."""
+    exception, in_traceback = None, False
+    for line in lines:
+        if line.text.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line.text.strip() and not line.text[0].isspace():
+            exception, in_traceback = line, False
+    if exception is not None:
+        return exception
+    for line in reversed(lines):
+        text = line.text.strip()
+        if text and (text.split(":")[0].endswith(("Error", "Exception", "Interrupt")) or " ERROR " in text):
+            return line
+    return None
+
+
+def failure_reason(run_dir: pathlib.Path, what: str, log: str = "logs/trainer.log") -> str:
+    """Why a run could not train: `what` happened, and the last error line of the process's `log` (the exception's
+    last line, `file:line: text`) when it names one."""
+    error = last_error(log_lines(run_dir, log))
+    return f"{what}: {error.cite(width=600)}" if error is not None else f"{what} ({log} names no error)"
+
+
 def _number(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -70,7 +102,18 @@ class RunRecord:
 
     @property
     def finished(self) -> bool:
+        """The run ended and wrote its summary (trained or not: see `failure`)."""
         return self.summary is not None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the run could not train, as its summary says; a summary of no optimizer step written before runs said
+        so counts too."""
+        if self.summary is None:
+            return None
+        if self.summary.get("failure"):
+            return self.summary["failure"]
+        return "the trainer took no optimizer step" if self.summary.get("steps") == 0 else None
 
     def rows(self, name: str) -> list[Row]:
         path = self.dir / name
@@ -93,9 +136,7 @@ class RunRecord:
     def log(self, name: str) -> list[Line]:
         """The lines of a log ("logs/trainer.log"); [] when there is none."""
         if name not in self._logs:
-            path = self.dir / name
-            text = path.read_text(errors="replace") if path.exists() else ""
-            self._logs[name] = [Line(name, number, line) for number, line in enumerate(text.splitlines(), 1)]
+            self._logs[name] = log_lines(self.dir, name)
         return self._logs[name]
 
     def grep(self, pattern: str, logs: list[str] | None = None, flags: int = 0) -> list[Line]:

@@ -8,7 +8,8 @@
     driver_position.json  where the driver stands in the prompt stream (rollout/driver/position.py)
     rl_clock.json       seconds of RL spent so far (the time budget counts them)
     metrics.jsonl, trainer_metrics.jsonl, driver_stats.jsonl   appended to: the curve goes on
-    summary.json        written last: the run finished
+    summary.json        written last: the run ended; it finished unless its `failure` says why it could not train
+                        (a run that failed can be resumed once the cause is fixed)
 """
 
 import dataclasses
@@ -26,23 +27,26 @@ RL_CLOCK_FILE = "rl_clock.json"
 @dataclass
 class Summary:
     """What a run reached (summary.json): the held-out metric (an experiment's: mean reward) at the start of RL,
-    after SFT, at its end and at its best, and the work done."""
+    after SFT, at its end and at its best (None: not measured, the run failed first), and the work done. `failure`:
+    why the run could not train (no optimizer step, or a process whose restarts ran out), with the last error line of
+    the process's log; None = it trained."""
 
     seed: int
-    sft_accuracy: float
-    final_accuracy: float
-    best_accuracy: float
+    sft_accuracy: float | None
+    final_accuracy: float | None
+    best_accuracy: float | None
     steps: int
     completions: int
     rl_seconds: float
     curve: list[dict] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
     run_dir: str = ""
+    failure: str | None = None
 
 
 def start_run_dir(run_dir: pathlib.Path, config: dict, seed: int, resume: bool) -> None:
-    """A fresh run replaces `run_dir` and records its config; a resumed one keeps everything and adds its
-    provenance to the record."""
+    """A fresh run replaces `run_dir` and records its config; a resumed one keeps everything but the summary of a
+    failed attempt (the run is going on: it writes its own at the end) and adds its provenance to the record."""
     import yaml
 
     from deploy.record.private_files import write_private
@@ -53,6 +57,8 @@ def start_run_dir(run_dir: pathlib.Path, config: dict, seed: int, resume: bool) 
             shutil.rmtree(run_dir)
         (run_dir / "logs").mkdir(parents=True)
         write_private(run_dir / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False), private_folder=False)
+    else:
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)  # resumed: not finished, so a failed attempt's
     write_provenance(run_dir, seed, resumed=resume)
 
 
@@ -82,4 +88,6 @@ def write_summary(run_dir: pathlib.Path, summary: Summary) -> None:
 
 
 def finished(run_dir: pathlib.Path) -> bool:
-    return (run_dir / SUMMARY_FILE).is_file()
+    """Whether the run ended having trained (a summary that names no failure)."""
+    path = run_dir / SUMMARY_FILE
+    return path.is_file() and not json.loads(path.read_text()).get("failure")

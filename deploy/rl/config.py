@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from deploy.experiment.sections import LoggingSection, SuperviseConfig, deterministic_problems
 from deploy.experiment.teachers import driver_fields
+from deploy.experiment.trainer_fit import merged, nested  # noqa: F401  (the plan's helpers, used from here too)
 from services.config import Strict
 
 
@@ -100,24 +101,6 @@ class Pipeline:
         from services.config import ClientConfig
 
         return ClientConfig(**self.clients.get(name, {}))
-
-
-def merged(base: dict, extra: dict) -> dict:
-    """`base` with `extra` laid over it, section by section (nested dicts merged, anything else replaced)."""
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def nested(overrides: dict) -> dict:
-    """{'engine.dtype': 'bfloat16'} -> {'engine': {'dtype': 'bfloat16'}}, as `--set` applies them."""
-    from services.config import apply_override
-
-    out: dict = {}
-    for key, value in overrides.items():
-        apply_override(out, key.split("."), value)
-    return out
 
 
 def driver_config(plan: Pipeline, addresses: Addresses) -> dict:

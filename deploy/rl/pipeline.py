@@ -36,10 +36,11 @@ TRAINER_STOP_S = 120.0  # a stopped trainer's last publish and checkpoint, befor
 
 @dataclass
 class PipelineResult:
-    """What one RL phase reached: the held-out metric at its start, at its end and over time, and the work done."""
+    """What one RL phase reached: the held-out metric at its start, at its end and over time (None: not measured),
+    and the work done."""
 
-    start_metric: float
-    final_metric: float
+    start_metric: float | None
+    final_metric: float | None
     curve: list[dict]
     rl_seconds: float
     steps: int
@@ -52,9 +53,36 @@ class PipelineResult:
 
         return Summary(
             seed=seed, sft_accuracy=self.start_metric, final_accuracy=self.final_metric,
-            best_accuracy=max(p["accuracy"] for p in self.curve), steps=self.steps, completions=self.completions,
-            rl_seconds=self.rl_seconds, curve=self.curve, run_dir=str(run_dir), restarts=self.restarts,
+            best_accuracy=max((p["accuracy"] for p in self.curve), default=None), steps=self.steps,
+            completions=self.completions, rl_seconds=self.rl_seconds, curve=self.curve, run_dir=str(run_dir),
+            restarts=self.restarts,
         )
+
+
+def recorded_result(run_dir: pathlib.Path, restarts: dict[str, int]) -> PipelineResult:
+    """What an RL phase that failed part-way had reached, read from the files its processes wrote: the held-out points
+    measured, the trainer's last step, the completions (or an environment's episodes) made, the RL clock."""
+    from deploy.record.run_state import rl_seconds
+
+    curve = read_jsonl(run_dir / "metrics.jsonl")
+    return PipelineResult(start_metric=curve[0]["accuracy"] if curve else None,
+                          final_metric=curve[-1]["accuracy"] if curve else None, curve=curve,
+                          rl_seconds=rl_seconds(run_dir), steps=last_step(run_dir), completions=completions(run_dir),
+                          restarts=restarts)
+
+
+def last_step(run_dir: pathlib.Path) -> int:
+    """The trainer's last optimizer step recorded (0: none)."""
+    trainer_metrics = read_jsonl(run_dir / "trainer_metrics.jsonl")
+    return trainer_metrics[-1]["step"] if trainer_metrics else 0
+
+
+def completions(run_dir: pathlib.Path) -> int:
+    """Completions the driver made (an environment's episodes, by its runner). Each process (a new producer id after a
+    restart) counts from zero: their last records are summed."""
+    if (run_dir / "runner_stats.jsonl").exists():
+        return sum({r["producer_id"]: r["episodes"] for r in read_jsonl(run_dir / "runner_stats.jsonl")}.values())
+    return sum({d.get("producer_id"): d["samples"] for d in read_jsonl(run_dir / "driver_stats.jsonl")}.values())
 
 
 def run_pipeline(plan: Pipeline, progress, supervisor, launcher=None) -> PipelineResult:
@@ -211,12 +239,8 @@ def stop_driver_and_trainer(plan: Pipeline, supervisor, started: float) -> float
 def pipeline_result(plan: Pipeline, supervisor, start_metric: float, final: float, curve: list[dict],
                     rl_seconds: float) -> PipelineResult:
     """The phase's numbers: its curve, the trainer's last step, the completions every driver process made."""
-    trainer_metrics = read_jsonl(plan.run_dir / "trainer_metrics.jsonl")
-    driver_stats = read_jsonl(plan.run_dir / "driver_stats.jsonl")
-    # Each driver process (a new producer id after a restart) counts from zero: sum their last records.
-    completions = sum({d.get("producer_id"): d["samples"] for d in driver_stats}.values())
     return PipelineResult(start_metric=start_metric, final_metric=final, curve=curve, rl_seconds=rl_seconds,
-                          steps=trainer_metrics[-1]["step"] if trainer_metrics else 0, completions=completions,
+                          steps=last_step(plan.run_dir), completions=completions(plan.run_dir),
                           restarts=supervisor.restarts())
 
 

@@ -47,6 +47,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
     """The RL phase of `config` as deploy.rl.config.Pipeline: what each service, the driver and the trainer are told
     (`prompts_path`: the driver's prompts; None with env, where the episode runner takes the driver's place:
     deploy/runs/agentic.py). Its `evaluate` is left for the caller to set (a run measures the served policy; deploy/cluster/k8s.py renders the rest)."""
+    from deploy.experiment.reference import reference_path
     from deploy.experiment.teachers import teacher_services
     from deploy.rl.config import Pipeline, RLConfig, merged, nested
 
@@ -55,6 +56,9 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
     rollout_overrides = _placement(config, "rollout")
     if config.model.rollout_path and not config.sft.steps:
         rollout_overrides.setdefault("model", config.model.rollout_path)
+    # A KL term's frozen reference: the model RL starts from unless the file names one; the trainer computes its
+    # logprobs in a forward-only pass (deploy/experiment/reference.py).
+    reference = reference_path(config, policy_dir)
     return Pipeline(
         run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
         rl=RLConfig(
@@ -80,7 +84,8 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                                    // config.services.trainer.world_size,
                                    **({"max_tokens_per_micro_batch": training.max_tokens_per_micro_batch}
                                       if training.max_tokens_per_micro_batch else {})},
-                         "checkpoint": {"keep_last": config.checkpoint.keep_last}},
+                         "checkpoint": {"keep_last": config.checkpoint.keep_last},
+                         **({"ref_model_path": reference} if reference else {})},
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,
         evaluate=None,  # type: ignore[arg-type]
@@ -125,13 +130,43 @@ def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.
 
 def finish_run(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.Path, progress, supervisor, rl):
     """Run the RL phase `rl()` (a deploy.rl.pipeline.PipelineResult) under `supervisor`, stop every process it started
-    whatever happens, then export the weights the run ended with and write the run's summary (returned)."""
+    whatever happens, then export the weights the run ended with and write the run's summary (returned).
+
+    A run that could not train is a failed run: its summary (and summary.json) says why in `failure`, with the last
+    error line of the process's log, and nothing is exported. That is a process whose restarts ran out (RunFailed,
+    raised again once the summary is written) or a trainer that took no optimizer step (returned: the caller exits
+    non-zero on a summary with a failure)."""
+    from deploy.local.supervisor import RunFailed
+    from deploy.record.run_record import failure_reason
+    from deploy.rl.pipeline import recorded_result
+
+    failed = None
     try:
         result = rl()
+    except RunFailed as exc:
+        failed = exc
     finally:
         supervisor.stop()
         progress.close()
-    export(config, run_dir, policy_dir, progress)
+    if failed is not None:
+        summary = recorded_result(run_dir, supervisor.restarts()).summary(config.seed, run_dir)
+        summary.failure = failure_reason(run_dir, f"{failed.name} {failed.problem}, and {failed.why}",
+                                         _log_name(run_dir, failed.log_path))
+        progress.finish(summary)
+        raise failed
     summary = result.summary(config.seed, run_dir)
+    if summary.steps:
+        export(config, run_dir, policy_dir, progress)
+    else:
+        summary.failure = failure_reason(run_dir, f"the trainer took no optimizer step in {summary.rl_seconds:.0f}s "
+                                         "of RL")
     progress.finish(summary)
     return summary
+
+
+def _log_name(run_dir: pathlib.Path, log_path: pathlib.Path) -> str:
+    """A process's log as a path in the run folder (logs/trainer.log) where it is one."""
+    try:
+        return str(pathlib.Path(log_path).resolve().relative_to(run_dir.resolve()))
+    except ValueError:
+        return str(log_path)

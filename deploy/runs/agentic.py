@@ -134,7 +134,13 @@ def _rl(config: ExperimentConfig, plan: Pipeline, eval_tasks, progress, supervis
     from deploy.record.status import run_targets
     from deploy.record.tensorboard import RunBoard
     from deploy.rl.config import buffer_overrides, rollout_overrides
-    from deploy.rl.pipeline import TRAINER_STOP_S, PipelineResult, read_jsonl, write_yaml
+    from deploy.rl.pipeline import (
+        TRAINER_STOP_S,
+        PipelineResult,
+        completions,
+        last_step,
+        write_yaml,
+    )
     from rollout.envs.runner import evaluate
 
     run_dir, launcher = plan.run_dir, LocalLauncher()
@@ -204,9 +210,6 @@ def _rl(config: ExperimentConfig, plan: Pipeline, eval_tasks, progress, supervis
         board.close()
         if replicas is not None:
             replicas.close()
-    steps = read_jsonl(run_dir / "trainer_metrics.jsonl")
-    # Each runner process (a new producer id after a restart) counts from zero: sum their last records.
-    episodes = sum({r["producer_id"]: r["episodes"] for r in read_jsonl(run_dir / "runner_stats.jsonl")}.values())
     return PipelineResult(start_metric=curve[0]["accuracy"], final_metric=curve[-1]["accuracy"], curve=curve,
-                          rl_seconds=rl_seconds, steps=steps[-1]["step"] if steps else 0, completions=episodes,
+                          rl_seconds=rl_seconds, steps=last_step(run_dir), completions=completions(run_dir),
                           restarts=supervisor.restarts())

@@ -148,7 +148,7 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
             except PlacementError as exc:
                 print(f"relayrl run --ray: {exc}", file=sys.stderr)
                 return 2
-        run_experiment(config, resume=resume, launcher=launcher)
+        summary = run_experiment(config, resume=resume, launcher=launcher)
     except DataError as exc:
         print(f"relayrl run: {exc}", file=sys.stderr)
         return 2
@@ -158,6 +158,9 @@ def main(path: str, overrides: list[str] | None = None, resume: bool = False, ra
     finally:
         if launcher is not None:
             launcher.close()
+    if summary.failure:  # it could not train (deploy/rl/plan.py: finish_run): a failed run
+        print(f"relayrl run failed: {summary.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

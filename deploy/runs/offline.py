@@ -5,7 +5,8 @@ process through the training loop RL uses, with no service started.
     -> the policy the run starts from (model, or its SFT warm-up on the chosen responses: deploy/runs/experiment_run.py)
     -> held-out figures on the eval pairs, at the start
     -> trainer.loop.train over trainer.dataset.DatasetSource: training.max_steps steps (or until time_budget_s), the
-       reference = the policy it starts from; checkpoints in RUN_DIR/checkpoints, the weights in checkpoint.export_dir
+       reference = the policy it starts from (or the file's `reference`); checkpoints in RUN_DIR/checkpoints, the
+       weights in checkpoint.export_dir
     -> the same held-out figures at the end, in metrics.jsonl and the summary
 
 The held-out figures: the preference accuracy (the share of eval pairs where the policy gives the chosen response
@@ -97,14 +98,15 @@ def folder_logprobs(folder: pathlib.Path, samples, device) -> list[float]:
 
 def trainer_config(config, run_dir: pathlib.Path, policy_dir: pathlib.Path, export_dir: pathlib.Path):
     """trainer.config.TrainerConfig of the offline run of `config` (deploy.experiment.schema.ExperimentConfig): the policy
-    and its reference both `policy_dir`, a batch of training.groups_per_batch pairs, services.trainer.settings laid
+    `policy_dir`, its reference the same unless the file names one (`reference`), a batch of training.groups_per_batch pairs, services.trainer.settings laid
     over it."""
+    from deploy.experiment.reference import reference_path
     from deploy.rl.config import merged, nested
     from trainer.config import TrainerConfig
 
     training, checkpoint = config.training, config.checkpoint
     return TrainerConfig.model_validate(merged({
-        "model_path": str(policy_dir), "ref_model_path": str(policy_dir),
+        "model_path": str(policy_dir), "ref_model_path": reference_path(config, policy_dir),
         "algorithm": config.algorithm.model_dump(mode="json"),
         "optim": {"lr": training.lr, "warmup_steps": training.warmup_steps, "max_grad_norm": 1.0},
         "batch": {"global_batch_size": training.batch_size, "mini_batches": training.mini_batches,
@@ -136,8 +138,10 @@ def train_offline(config, run_dir: pathlib.Path, policy_dir: pathlib.Path, token
     trainer = trainer_config(config, run_dir, policy_dir, export_dir)
     device = resolve_device(trainer.device)
     beta = config.algorithm.dpo_beta
-    reference = folder_logprobs(policy_dir, held_out, device)
-    start = held_out_figures(reference, reference, beta)  # the policy starts as its reference
+    reference = folder_logprobs(pathlib.Path(trainer.ref_model_path), held_out, device)
+    start_logprobs = reference if trainer.ref_model_path == str(policy_dir) else folder_logprobs(policy_dir, held_out,
+                                                                                                 device)
+    start = held_out_figures(start_logprobs, reference, beta)  # the policy starts as its reference unless one is named
     curve = [_point(progress, 0.0, 0, start)]
     stop = threading.Event()
     timer = threading.Timer(config.training.time_budget_s, stop.set)

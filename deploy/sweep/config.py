@@ -31,6 +31,7 @@ QUICKSTART = "quickstart"
 # Field paths a shared warm-up depends on: a parameter among them needs `warmup: per_trial`.
 WARMUP_INPUTS = ("seed", "model", "data", "env", "sft")
 NOT_SEARCHABLE = ("job", "run_dir")
+MAX_CHECKED = 64  # an int parameter's values each checked at load up to this many (its ends beyond)
 
 
 class FloatParam(Strict):
@@ -74,7 +75,9 @@ class IntParam(Strict):
         return self
 
     def bounds(self) -> list[Any]:
-        return [self.low, self.high]
+        """Every value it can take (a grid of up to MAX_CHECKED values), else its ends."""
+        values = list(range(self.low, self.high + 1, self.step))
+        return values if len(values) <= MAX_CHECKED else [self.low, self.high]
 
 
 class CategoricalParam(Strict):
@@ -199,9 +202,11 @@ class Sweep:
                                       "experiment": self.base()}, default=str))
 
     def check(self) -> None:
-        """Every field path of `set` and `params` a field of the experiment file, and every parameter's bounds (and
-        each choice) applied to the base experiment and validated; ConfigError names the parameter and the field's
-        complaint (for a path that is no field, the nearest that is)."""
+        """Every field path of `set` and `params` a field of the experiment file (for a path that is no field, the
+        nearest that is named), then every parameter's bounds (each choice, each value of a small int range) applied to
+        the base experiment and validated, so a search space that can reach a setting the run would refuse (the
+        experiment file's checks, what the trainer refuses: deploy/experiment/trainer_fit.py) is refused before any
+        trial; ConfigError names the parameter and the field's complaint."""
         problems = [f"{section}.{path}: {problem}" for section in ("set", "params")
                     for path in getattr(self.config, section) if (problem := field_problem(path))]
         if problems:

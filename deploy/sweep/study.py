@@ -94,7 +94,15 @@ def recover(study, sweep: Sweep, console: Console) -> None:
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         summary = trial_dir(sweep.dir, trial.number) / SUMMARY_FILE
         if summary.is_file():
-            study.tell(trial.number, objective(json.loads(summary.read_text()), sweep.config.objective))
+            ended = json.loads(summary.read_text())
+            if untrained(ended):
+                # A trial left running is a FrozenTrial: its attribute is set through the storage (Trial would do
+                # the same), before the tell that finishes it.
+                study._storage.set_trial_user_attr(trial._trial_id, "failed", untrained(ended))
+                study.tell(trial.number, state=TrialState.FAIL)
+                console.print(f"trial-{trial.number}: its run had ended without training: failed")
+                continue
+            study.tell(trial.number, objective(ended, sweep.config.objective))
             console.print(f"trial-{trial.number}: its run had finished: completed")
             continue
         study.tell(trial.number, state=TrialState.FAIL)
@@ -104,6 +112,14 @@ def recover(study, sweep: Sweep, console: Console) -> None:
 
 def objective(summary: dict, which: str) -> float:
     return summary["final_accuracy" if which == "final" else "best_accuracy"]
+
+
+def untrained(summary: dict) -> str | None:
+    """Why a trial's run could not train (its summary's failure; no optimizer step), or None: it trained. Such a trial
+    is failed, never completed with the value it started from."""
+    if summary.get("failure"):
+        return f"could not train: {summary['failure']}"
+    return "could not train: the trainer took no optimizer step" if summary.get("steps") == 0 else None
 
 
 def distributions(sweep: Sweep) -> dict:
@@ -252,18 +268,19 @@ class Trials:
             self.live.discard(process)
         if self.stopping.is_set():  # the sweep is stopping: the trial stays running in the study
             return
-        summary = run_dir / SUMMARY_FILE
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text()) if (run_dir / SUMMARY_FILE).is_file() else None
+        why = untrained(summary) if summary is not None else None
         if process.pruned:
             self.study.tell(trial, state=TrialState.PRUNED)
-        elif code == 0 and summary.is_file():
-            value = objective(json.loads(summary.read_text()), sweep.config.objective)
+        elif code == 0 and summary is not None and why is None:
+            value = objective(summary, sweep.config.objective)
             self.study.tell(trial, value)
             self.console.print(f"trial-{number}: completed, value {value:.4f}")
-        else:
-            trial.set_user_attr("failed", f"relayrl run exited {code}: see trial-{number}.log")
+        else:  # a run that failed, or could not train: never completed with its start value, never the best
+            trial.set_user_attr("failed", f"relayrl run exited {code}: {why or f'see trial-{number}.log'}")
             self.study.tell(trial, state=TrialState.FAIL)
-            self.console.print(f"[red]trial-{number} failed[/] (exit {code}); last lines of its log:\n"
-                               f"{_tail(sweep.dir / f'trial-{number}.log')}")
+            self.console.print(f"[red]trial-{number} failed[/] (exit {code}): {why or 'its run failed'}; last lines "
+                               f"of its log:\n{_tail(sweep.dir / f'trial-{number}.log')}", highlight=False)
 
 
 def _short(value) -> str:
