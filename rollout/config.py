@@ -13,7 +13,8 @@ from rollout.kv.quantized import block_codec
 from services.device import engine_dtype, resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# The model types the native engine serves; each has its model class in rollout/model/registry.py.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 KV_CACHE_DTYPES = ("auto", "int8", "int4")
 
 
@@ -65,7 +66,8 @@ def triton_reasons(device: torch.device) -> list[str]:
     return reasons
 
 
-def choose_cuda_graphs(setting: bool | None, device: torch.device, attention_kernel: str, kv_cache_dtype: str) -> bool:
+def choose_cuda_graphs(setting: bool | None, device: torch.device, attention_kernel: str, kv_cache_dtype: str,
+                       moe: bool = False) -> bool:
     """Whether decode steps run on static buffers, replayed from CUDA graphs on CUDA (rollout/engine/cuda_graphs.py).
 
     None: on where it can run on CUDA. True on CPU runs the same static-buffer path with a plain call instead of a
@@ -76,11 +78,44 @@ def choose_cuda_graphs(setting: bool | None, device: torch.device, attention_ker
                        f"'triton' or 'auto' with triton installed), not {attention_kernel!r}")
     if kv_cache_dtype != "auto":
         reasons.append(f"kv_cache_dtype {kv_cache_dtype!r}: the quantized cache plans its writes on the host each step")
+    if device.type == "cuda" and moe:
+        reasons.append("a mixture-of-experts model groups its tokens by expert on the host each step")
     if setting is None:
         return device.type == "cuda" and not reasons
     if setting and reasons:
         raise ValueError(f"cuda_graphs: {'; '.join(reasons)}")
     return setting
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts facts of a Qwen3-MoE config.json (transformers' Qwen3MoeConfig, its defaults where a
+    field is absent). Layer i is sparse unless listed in mlp_only_layers, when num_experts > 0 and
+    (i + 1) % decoder_sparse_step == 0; the other layers run a dense MLP of the config's intermediate_size.
+    Qwen3-MoE has no shared expert (transformers' Qwen3MoeSparseMoeBlock ignores one a config.json may name)."""
+
+    num_experts: int
+    num_experts_per_tok: int  # the router's top-k
+    moe_intermediate_size: int  # each expert's hidden width
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "MoeConfig":
+        return cls(
+            num_experts=raw.get("num_experts", raw.get("num_local_experts", 128)),  # 5.25 saves num_local_experts
+            num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+            moe_intermediate_size=raw.get("moe_intermediate_size", 768),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+        )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` runs the experts (else a dense MLP), as transformers' Qwen3MoeDecoderLayer decides."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +139,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     eos_token_ids: tuple[int, ...]
     dtype: str  # the checkpoint's own dtype name
+    moe: MoeConfig | None = None  # the experts of a mixture-of-experts model (qwen3_moe); None: dense
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -135,9 +171,10 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=read_eos_token_ids(folder, raw),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            moe=MoeConfig.from_raw(raw) if model_type == "qwen3_moe" else None,
         )
 
 
@@ -257,7 +294,8 @@ class EngineConfig:
         device = torch.device(self.device)
         self.attention_kernel = choose_attention(self.attention_backend, device, self.torch_dtype,
                                                  self.model_config.head_dim, self.kv_cache_dtype)
-        self.cuda_graphs = choose_cuda_graphs(self.cuda_graphs, device, self.attention_kernel, self.kv_cache_dtype)
+        self.cuda_graphs = choose_cuda_graphs(self.cuda_graphs, device, self.attention_kernel, self.kv_cache_dtype,
+                                              self.model_config.moe is not None)
         self.kv_open_blocks = 0 if self.kv_cache_dtype == "auto" else self.max_num_seqs
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.num_blocks is None:

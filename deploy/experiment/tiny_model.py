@@ -11,7 +11,7 @@ from services.config import Strict
 class ModelConfig(Strict):
     """The tiny decoder built in code (rollout.model.tiny.write_tiny_model)."""
 
-    arch: str = Field("qwen2", description="qwen2, qwen3 or llama.")
+    arch: str = Field("qwen2", description="qwen2, qwen3, llama or qwen3_moe (4 experts, top 2).")
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4

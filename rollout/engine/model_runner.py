@@ -21,7 +21,7 @@ from rollout.model.attention import (
     PagedKernel,
 )
 from rollout.model.attention_flashinfer import FlashInferAttention
-from rollout.model.decoder import CausalLM
+from rollout.model.registry import model_class
 from services.device import device_scope
 
 
@@ -31,7 +31,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.vocab_size = model_config.vocab_size
-        self.model = CausalLM(model_config, config.max_model_len, config.torch_dtype, self.device, config.lm_head_fp32)
+        self.model = model_class(model_config.model_type)(model_config, config.max_model_len, config.torch_dtype,
+                                                          self.device, config.lm_head_fp32)
         with torch.no_grad():
             self.model.load_checkpoint(config.model)
         # In the model dtype, or quantized (kv_cache_dtype); with CUDA graphs one more block: the padding rows' scratch

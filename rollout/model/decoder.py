@@ -1,4 +1,6 @@
-"""Qwen2 / Qwen3 / Llama decoder in plain torch, over the paged KV cache.
+"""Qwen2 / Qwen3 / Llama decoder in plain torch, over the paged KV cache; the base other architectures build on
+(rollout/model/registry.py: a family whose layers differ overrides CausalLM.make_mlp and, for checkpoint names
+that are parts of its parameters, CausalLM.weight_alias).
 
 Parameter names equal the Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj.weight`,
 `lm_head.weight`, ...), so checkpoints and trainer state dicts load by name, in place. q/k/v and
@@ -8,7 +10,7 @@ later `.to()` would copy parameters and buffers apart and break those views.
 """
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -69,12 +71,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(config, layer, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding, cache: KVCache,
@@ -85,10 +87,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                 make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, make_mlp(i))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, max_positions, dtype, device)
 
@@ -106,10 +110,19 @@ class CausalLM(nn.Module):
         # update), else made from the served weight after every update that carries the head.
         self.head_fp32 = head_fp32 and dtype != torch.float32
         self._head32: torch.Tensor | None = None
-        self.model = Backbone(config, max_positions, dtype, device)
+        self.model = Backbone(config, max_positions, dtype, device, lambda layer: self.make_mlp(layer, dtype, device))
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         self.requires_grad_(False)
+
+    def make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """The feed-forward block of layer `layer` (x [T, hidden] -> [T, hidden]): a dense gated MLP."""
+        return MLP(self.config, dtype, device)
+
+    def weight_alias(self, name: str) -> tuple[str, tuple] | None:
+        """(parameter name, index) when checkpoint name `name` is a part of a parameter (the part is
+        parameter[index]); None when it names a whole parameter. Dense models have no such names."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -158,10 +171,10 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         targets = [(*self._parameter_for(name, tensor, params), tensor) for name, tensor in named_tensors
                    if not name.endswith(_IGNORED_SUFFIXES)]
-        for _, param, tensor in targets:
-            param.copy_(tensor)
-        self._keep_head({name: tensor for name, _, tensor in targets})
-        return {name for name, _, _ in targets}
+        for _, param, index, tensor in targets:
+            (param if index is None else param[index]).copy_(tensor)
+        self._keep_head({name: tensor for name, _, _, tensor in targets})
+        return {name for name, _, _, _ in targets}
 
     def adopt_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Serve the given tensors as the parameters, without copying them where their layout allows.
@@ -175,14 +188,20 @@ class CausalLM(nn.Module):
         params, merged_names = self._adoption_index()
         new: dict[str, torch.Tensor] = {}
         head = {}
+        part_elements: dict[str, int] = {}  # of parameters given in parts (an expert each): the elements given
         for name, tensor in named_tensors:
             if not name.endswith(_IGNORED_SUFFIXES):
-                target, param = self._parameter_for(name, tensor, params)
-                new[target] = tensor.detach().to(param.device, param.dtype)
+                target, param, index = self._parameter_for(name, tensor, params)
+                if index is None:
+                    new[target] = tensor.detach().to(param.device, param.dtype)
+                else:  # gathered into a new tensor: parts arrive one by one
+                    new.setdefault(target, torch.empty_like(param))[index].copy_(tensor)
+                    part_elements[target] = part_elements.get(target, 0) + tensor.numel()
                 if target == self.head_name:
                     head[target] = tensor
-        if len(new) != len(params):
-            missing = sorted(set(params) - set(new))
+        partial = [name for name, count in part_elements.items() if count != params[name].numel()]
+        if len(new) != len(params) or partial:
+            missing = sorted(set(params) - set(new)) + partial
             raise ValueError(f"an adopted update must carry every parameter; it lacks {len(missing)}, e.g. {missing[:3]}")
         merged = [(owner, prefix, kind, merge_parts([new.pop(name) for name in names]))
                   for owner, prefix, kind, names in merged_names]
@@ -212,8 +231,8 @@ class CausalLM(nn.Module):
         loaded = set()
         for name, tensor in iter_safetensors(folder):  # one tensor at a time: no second copy of the model
             if not name.endswith(_IGNORED_SUFFIXES):
-                target, param = self._parameter_for(name, tensor, params)
-                param.copy_(tensor)
+                target, param, index = self._parameter_for(name, tensor, params)
+                (param if index is None else param[index]).copy_(tensor)
                 loaded.add(target)
                 if target == self.head_name:
                     self._keep_head({target: tensor})
@@ -223,15 +242,18 @@ class CausalLM(nn.Module):
 
     def _parameter_for(
         self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
-    ) -> tuple[str, nn.Parameter]:
+    ) -> tuple[str, nn.Parameter, tuple | None]:
+        """(parameter name, parameter, index of the part `name` is, or None for the whole), shape checked."""
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             name = "model.embed_tokens.weight"
-        if name not in params:
+        target, index = self.weight_alias(name) or (name, None)
+        if target not in params:
             raise ValueError(f"weight {name!r} is not a parameter of this {self.config.model_type} model")
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
-        return name, param
+        param = params[target]
+        shape = tuple(param.shape if index is None else param[index].shape)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != parameter shape {shape}")
+        return target, param, index
 
 
 def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

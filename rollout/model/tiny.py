@@ -1,4 +1,4 @@
-"""Tiny-model kit: a char-level tokenizer and small randomly initialised Qwen2/Qwen3/Llama folders.
+"""Tiny-model kit: a char-level tokenizer and small randomly initialised Qwen2/Qwen3/Llama/Qwen3-MoE folders.
 
 Tests, benchmarks and the quickstart build models here instead of downloading them. A folder
 written by `write_tiny_model` holds config.json, model.safetensors and the tokenizer files, and
@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Printable ASCII (space .. '~'), newline and tab; other characters are dropped when encoding
@@ -39,7 +46,7 @@ CHAT_TEMPLATE = (
     "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}{% endif %}"
     "<eos>\n{% endfor %}{% if add_generation_prompt %}<bos>assistant\n{% endif %}"
 )
-_CONFIG_CLASSES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+_CONFIG_CLASSES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -84,12 +91,19 @@ def write_tiny_model(
     dtype: str = "float32",
     tie_word_embeddings: bool = False,
     rope_theta: float = 10000.0,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: tuple[int, ...] = (),
 ) -> Path:
     """Write a randomly initialised decoder (seeded) plus `char_tokenizer()` to `path`; return it.
 
-    `arch` is "qwen2", "qwen3" (adds q/k RMSNorm) or "llama". Qwen2 derives head_dim from
-    hidden_size / num_heads in vLLM, so for qwen2 the two must agree. `intermediate_size`
-    defaults to 4 * hidden_size.
+    `arch` is "qwen2", "qwen3" (adds q/k RMSNorm), "llama" or "qwen3_moe" (Qwen3 whose layers run
+    `num_experts` experts of width `moe_intermediate_size` (default hidden_size / 2), top `num_experts_per_tok`,
+    save those in `mlp_only_layers`; the other arguments `num_experts` .. `mlp_only_layers` are its alone; saved
+    with per-expert weight names, as transformers writes them). Qwen2 derives head_dim from hidden_size /
+    num_heads in vLLM, so for qwen2 the two must agree. `intermediate_size` defaults to 4 * hidden_size.
     """
     if arch not in _CONFIG_CLASSES:
         raise ValueError(f"arch: expected one of {sorted(_CONFIG_CLASSES)}, got {arch!r}")
@@ -104,6 +118,11 @@ def write_tiny_model(
             f"head_dim: qwen2 needs head_dim * num_heads == hidden_size ({head_dim} * {num_heads} != {hidden_size})"
         )
     tokenizer = char_tokenizer()
+    moe = {}
+    if arch == "qwen3_moe":
+        moe = {"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+               "moe_intermediate_size": moe_intermediate_size or hidden_size // 2, "norm_topk_prob": norm_topk_prob,
+               "mlp_only_layers": list(mlp_only_layers)}
     config = _CONFIG_CLASSES[arch](
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -118,6 +137,7 @@ def write_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **moe,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(_TORCH_DTYPES[dtype])
