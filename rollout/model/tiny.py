@@ -96,12 +96,14 @@ def write_tiny_model(
     moe_intermediate_size: int | None = None,
     norm_topk_prob: bool = True,
     mlp_only_layers: tuple[int, ...] = (),
+    decoder_sparse_step: int = 1,
 ) -> Path:
     """Write a randomly initialised decoder (seeded) plus `char_tokenizer()` to `path`; return it.
 
     `arch` is "qwen2", "qwen3" (adds q/k RMSNorm), "llama" or "qwen3_moe" (Qwen3 whose layers run
     `num_experts` experts of width `moe_intermediate_size` (default hidden_size / 2), top `num_experts_per_tok`,
-    save those in `mlp_only_layers`; the other arguments `num_experts` .. `mlp_only_layers` are its alone; saved
+    save those in `mlp_only_layers` and those i with (i + 1) % decoder_sparse_step != 0; the arguments from
+    `num_experts` on are its alone; saved
     with per-expert weight names, as transformers writes them). Qwen2 derives head_dim from hidden_size /
     num_heads in vLLM, so for qwen2 the two must agree. `intermediate_size` defaults to 4 * hidden_size.
     """
@@ -122,7 +124,7 @@ def write_tiny_model(
     if arch == "qwen3_moe":
         moe = {"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
                "moe_intermediate_size": moe_intermediate_size or hidden_size // 2, "norm_topk_prob": norm_topk_prob,
-               "mlp_only_layers": list(mlp_only_layers)}
+               "mlp_only_layers": list(mlp_only_layers), "decoder_sparse_step": decoder_sparse_step}
     config = _CONFIG_CLASSES[arch](
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
