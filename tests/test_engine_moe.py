@@ -15,6 +15,8 @@ from rollout.engine.llm_engine import LLMEngine
 from rollout.engine.sampling_params import SamplingParams
 from rollout.model.registry import MODEL_CLASSES, model_class
 from rollout.model.tiny import write_tiny_model
+from rollout.serve.weight_receiver import check_layout
+from services.weights import allocate_staging, merge_order, pack_bucket, plan_buckets, unpack_buckets
 
 torch.set_num_threads(1)
 
@@ -106,7 +108,17 @@ def test_a_weight_update_serves_what_transformers_computes_with_the_new_weights(
                           f"{prefix}.{expert}.down_proj.weight": down[expert]}
     engine = make_engine(moe_dir)
     engine.generate(PROMPTS, GREEDY)  # served with the old weights first (and their prefixes cached)
+    if form == "fused_adopted":  # as the weight receiver does: the manifest checked, the staged bytes served
+        manifest = plan_buckets(merge_order([(n, tuple(t.shape), t.dtype) for n, t in state.items()]), 1 << 16)
+        check_layout(manifest, engine.parameter_layout())
+        staging = allocate_staging(manifest, torch.device("cpu"))
+        for index, buffer in enumerate(staging):
+            pack_bucket(manifest, index, state, out=buffer)
+        state = unpack_buckets(manifest, staging)
     engine.load_weights(state, version=1, adopt=form == "fused_adopted")
+    if form == "fused_adopted":
+        experts = engine.runner.model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.data_ptr() == state["model.layers.0.mlp.experts.gate_up_proj"].data_ptr()
     assert engine.weight_version == 1
     assert_matches_transformers(engine, other)
 
