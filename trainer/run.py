@@ -107,9 +107,11 @@ class RolloutPublisher:
             config.receivers,
             BroadcastConfig(backend=backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
                             control_timeout_s=config.control_timeout_s, dtype=config.dtype, cuda_ipc=config.cuda_ipc,
+                            delta=config.delta,
                             master_addr=config.master_addr, master_port=config.master_port, client=config.client),
             device if backend != "gloo" else None,
         )
+        self._delta = config.delta == "auto"
         self._router = RouterReceivers(config.receivers_from, config.client) if config.receivers_from else None
         # The last publish's sync time (from BeginUpdate until every receiver switched) and the longest time an
         # engine stopped generating for it: what the loop reports as sync_s and pause_s.
@@ -138,6 +140,10 @@ class RolloutPublisher:
                 )
             version = retry
         self.timings = {"sync_s": sync_s, "pause_s": report.pause_s}
+        if self._delta and report.full_bytes:
+            # delta sync: what the last version sent against its whole size, and the versions sent whole instead
+            self.timings.update(publish_bytes_ratio=report.bytes / report.full_bytes,
+                                delta_fallbacks=float(report.fallbacks))
         if report.ok:
             log.log(self._log_level.level(), "published weight version %d (%.1f MB) in %.2fs (engines paused %.3fs)",
                     version, report.bytes / 1e6, report.total_s, report.pause_s)

@@ -14,6 +14,11 @@ one set holds the served version, the other receives the next; a switch swaps th
 them into its own parameters instead (`adopts_weights` False: the native engine replaying CUDA graphs, whose
 captured parameters must keep their storage) leaves them free once the switch returns: one set serves every update.
 
+A partial update (base_version set: a delta now, an adapter later; docs/architecture.md) lands in staging as the base
+version's bytes patched by its parts (services/weights/delta.py), checksums verified. Its base is the version the
+receiver's own buffers hold (the served set, or the one set of an engine that copies); a worker that holds any other
+(it missed a version, restarted or joined) takes nothing and answers needs_full: the trainer sends the whole version.
+
 An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
 no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
 sends one broadcast per tensor) and has the engine join the group (once per group); CommitUpdate, which the
@@ -49,6 +54,7 @@ from services.weights import (
     transfer_device,
     unpack_buckets,
 )
+from services.weights.delta import BucketPart, parse_parts, receive_parts
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +109,8 @@ class _Update:
     spec: GroupSpec
     deadline: float
     staging: _Staging | None  # None: the engine receives the tensors itself
+    parts: tuple[BucketPart, ...] = ()  # how each bucket travels (empty: every bucket whole, unchecked)
+    base: list[torch.Tensor] | None = None  # the buffers a partial update patches (None: staging itself)
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: Future = field(default_factory=Future)  # result: seconds the receive took
     joining: asyncio.Future | None = None  # the engine joining the group, when it receives itself: its error or None
@@ -149,9 +157,11 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self._group_lock = threading.Lock()
         self._switch_lock = asyncio.Lock()
         self._log_level = Sparse()
+        self._held: tuple[int, Manifest] | None = None  # the version (and layout) whole in this receiver's buffers
 
     async def BeginUpdate(self, request, context):
         manifest = self._manifest_of(request)
+        parts = parse_parts(manifest, request.parts)
         spec = GroupSpec.from_proto(request.group)
         if not request.timeout_s > 0:
             raise CodecError(f"timeout_s: must be > 0, got {request.timeout_s}")
@@ -169,12 +179,19 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             if request.version <= current:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"version {request.version} is not newer than the served version {current}")
+            if request.base_version and not self._holds_base(request.base_version, manifest, parts):
+                return weights_pb2.BeginUpdateResponse(current_version=current, needs_full=True,
+                                                       partial_updates=not self._engine_receives)
             self._cancel_pending()
             if spec.existing and not self._holds(spec):
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"group {spec.group_name!r} is not held here (restarted?): form a new group")
             staging = None if self._engine_receives else self._take_staging(manifest, device)
-            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging)
+            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging, parts)
+            if request.base_version and self._served is not None:
+                update.base = self._served.buffers
+            elif not self._adopts():
+                self._held = None  # the one set of buffers is being overwritten
             update.done.set_running_or_notify_cancel()  # a waiter that gives up must not cancel it
             self._pending = update
             log.info("receiving weight version %d on group %s (rank %d of %d, %d bytes)", update.version,
@@ -184,7 +201,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             else:
                 threading.Thread(target=self._receive, args=(update,), name=f"weights-v{update.version}",
                                  daemon=True).start()
-        return weights_pb2.BeginUpdateResponse(current_version=current, tensor_broadcasts=self._engine_receives)
+        return weights_pb2.BeginUpdateResponse(current_version=current, tensor_broadcasts=self._engine_receives,
+                                               partial_updates=not self._engine_receives)
 
     async def CommitUpdate(self, request, context):
         update = self._pending
@@ -220,7 +238,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
                 pause_s = self.engine.last_pause_s
                 self._pending = None
-                if getattr(self.engine, "adopts_weights", True):
+                self._held = (update.version, update.manifest)
+                if self._adopts():
                     # The engine serves this update's buffers now and none of the replaced version's.
                     self._staging, self._served = self._served, update.staging
                 else:  # copied: the buffers are free for the next update
@@ -245,7 +264,11 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             group = self._join(update)
             if update.staging.buffers[0].device != group.device:  # formed as CUDA IPC: the trainer is on this GPU
                 update.staging = _Staging(update.manifest, allocate_staging(update.manifest, group.device))
-            receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
+            if update.parts:
+                receive_parts(group, update.manifest, update.parts, update.deadline, update.staging.buffers,
+                              update.base, update.cancelled)
+            else:
+                receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
         except TransferError as exc:
             self._drop_group(update.spec.group_name)
             update.done.set_exception(exc)
@@ -313,6 +336,15 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 return group
         group.close()
         raise TransferError(f"version {update.version}: aborted while joining the group")
+
+    def _adopts(self) -> bool:
+        return getattr(self.engine, "adopts_weights", True)
+
+    def _holds_base(self, base_version: int, manifest: Manifest, parts: tuple[BucketPart, ...]) -> bool:
+        """Whether a partial update on `base_version` can be applied here: this receiver's buffers hold that version
+        whole, in this layout, and the engine serves it."""
+        return (bool(parts) and not self._engine_receives and self._held is not None
+                and self._held[0] == base_version == self.engine.weight_version and self._held[1] == manifest)
 
     def _holds(self, spec: GroupSpec) -> bool:
         held = self._engine_group if self._engine_receives else (self._group.spec if self._group is not None else None)

@@ -25,6 +25,10 @@ say so in their BeginUpdate reply (tensor_broadcasts): their group is formed as 
 group (services/weights/torch_group.py) and carries one broadcast per tensor instead of buckets. One group holds
 receivers of one kind; a publish to both kinds fails for all of them, saying so.
 
+With `delta: auto` a version goes as a change of the last one every receiver took (trainer/broadcast/delta.py):
+BeginUpdate names that base_version and each bucket's part; a receiver that does not hold it answers needs_full, and
+the round starts again with the whole version (counted in PublishReport.fallbacks).
+
 Two ways in: `WeightBroadcaster` (asyncio: `await publish(...)`) and `BlockingWeightBroadcaster` (blocking.py: a
 synchronous training loop: `publish(...)` blocks, the asyncio side runs on a private thread).
 """
@@ -43,6 +47,8 @@ from protos import rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 from services.client import connect
 from services.weights import GroupSpec, Manifest, TransferError, deadline_after, transfer_device
 from trainer.broadcast.config import BroadcastConfig
+from trainer.broadcast.delta import DeltaEncoder, Outgoing
+from trainer.broadcast.gather import ShardedWeights
 from trainer.broadcast.plan import BroadcastPlan
 from trainer.broadcast.transport import Group, Tensors, Transport
 
@@ -76,6 +82,9 @@ class PublishReport:
     commit_s: float = 0.0  # waiting for the CommitUpdate replies after the last bucket went out
     total_s: float = 0.0
     group_reused: bool = False
+    full_bytes: int = 0  # what the whole version weighs (`bytes` is what went out)
+    partial: bool = False  # sent as a change of a base version (delta)
+    fallbacks: int = 0  # so far: partial versions sent whole instead (delta.py)
 
     @property
     def ok(self) -> bool:
@@ -128,6 +137,9 @@ class WeightBroadcaster:
         self._stubs: dict[str, weights_pb2_grpc.WeightSyncStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._channel_of: dict[str, grpc.aio.Channel] = {}
+        self._delta = DeltaEncoder() if self.config.delta == "auto" else None
+        self._partial: dict[str, bool] = {}  # whether each receiver said it applies partial updates
+        self._took: dict[str, int | None] = {}  # the last version each receiver took whole (delta sync's base)
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         """Change who receives from the next publish on (replicas added or removed)."""
@@ -187,36 +199,57 @@ class WeightBroadcaster:
         start = time.perf_counter()
         tensors = self._plan.prepare(named_tensors)
         manifest = self._plan.manifest(tensors)
-        report = PublishReport(version, [], bytes=manifest.total_bytes)
+        forms = None
+        if self._delta is not None and not isinstance(tensors, ShardedWeights):
+            forms = await asyncio.to_thread(self._delta.encode, manifest, tensors, self._partial_ok())
+        report = PublishReport(version, [], bytes=manifest.total_bytes, full_bytes=manifest.total_bytes)
         results: dict[str, ReceiverResult] = {}
 
-        members, group = await self._begin_round(manifest, version, results)
+        members, group, outgoing = await self._begin_round(manifest, version, results, forms)
         report.begin_s = time.perf_counter() - start
         report.group_reused = group is not None and group.transfer is not None
+        if outgoing is not None:
+            report.bytes, report.partial = outgoing.bytes, outgoing.base_version != 0
         if members and group is not None:
-            await self._transfer_and_commit(group, manifest, tensors, version, results, report)
+            await self._transfer_and_commit(group, manifest, tensors, version, results, report, outgoing)
         report.results = [results[address] for address in self.receivers if address in results]
+        if forms is not None:
+            for result in report.results:  # a receiver that failed may hold anything: it gets the next version whole
+                self._took[result.address] = version if result.ok else None
+            if any(result.ok for result in report.results):
+                self._delta.taken(version)
+            report.fallbacks = self._delta.fallbacks
         report.total_s = time.perf_counter() - start
         if report.failed:
             log.warning("publish of version %d: %d/%d receivers failed: %s", version, len(report.failed),
                         len(report.results), report.failed)
         return report
 
+    def _partial_ok(self) -> bool | None:
+        """Whether this version can go partial: True when every receiver took the base; None when one does not apply
+        partial updates (or is new); False when one lacks the base (it missed it or failed it: a fallback)."""
+        if not self.receivers or not all(self._partial.get(address) for address in self.receivers):
+            return None
+        return all(self._took.get(address) == self._delta.base_version for address in self.receivers)
+
     # -- the protocol's steps ----------------------------------------------------------------------
 
     async def _begin_round(
-        self, manifest: Manifest, version: int, results: dict[str, ReceiverResult]
-    ) -> tuple[list[str], Group | None]:
+        self, manifest: Manifest, version: int, results: dict[str, ReceiverResult],
+        forms: tuple[Outgoing, Outgoing] | None = None,
+    ) -> tuple[list[str], Group | None, Outgoing | None]:
         """BeginUpdate to every receiver. If some fail, the others are told to abort and the round starts
-        again on a new group without the failed ones (at most three rounds)."""
+        again on a new group without the failed ones (at most three rounds); if some need the whole version
+        instead of a partial one, again with the whole version (forms: the partial and the whole one)."""
         members = list(self.receivers)
+        outgoing = None if forms is None else forms[0]
         for _ in range(3):
             if not members:
-                return [], None
+                return [], None, outgoing
             group = self._transport.group_for(members)
             reused = group.transfer is not None
             try:
-                errors = await self._begin(group, manifest, version)
+                errors, needs_full = await self._begin(group, manifest, version, outgoing)
             except _MixedGroup as mixed:
                 await self._abort(members, version)
                 self._transport.drop()
@@ -224,9 +257,17 @@ class WeightBroadcaster:
                        "joins the group itself: SGLang), the others buckets; one group cannot carry both")
                 for address in members:
                     results[address] = ReceiverResult(address, False, why)
-                return [], None
+                return [], None, outgoing
+            if needs_full and not errors:
+                log.info("version %d: %s lack base version %d: sending it whole", version, needs_full,
+                         outgoing.base_version)
+                await self._abort(members, version)
+                self._transport.drop()
+                self._delta.fell_back()
+                outgoing = forms[1]
+                continue
             if not errors:
-                return members, group
+                return members, group, outgoing
             await self._abort([m for m in members if m not in errors], version)
             self._transport.drop()
             for address, error in errors.items():
@@ -239,17 +280,20 @@ class WeightBroadcaster:
                     members.remove(address)
         for address in members:
             results[address] = ReceiverResult(address, False, "BeginUpdate kept failing while the group changed")
-        return [], None
+        return [], None, outgoing
 
-    async def _begin(self, group: Group, manifest: Manifest, version: int) -> dict[str, grpc.RpcError]:
-        """BeginUpdate to the group's members, concurrently; the errors by address."""
+    async def _begin(self, group: Group, manifest: Manifest, version: int, outgoing: Outgoing | None = None,
+                     ) -> tuple[dict[str, grpc.RpcError], list[str]]:
+        """BeginUpdate to the group's members, concurrently; the errors by address, and who needs the whole version."""
         specs, bucket_sizes = self._plan.wire(manifest)
         group_specs = await self._transport.member_specs(group)
+        parts = [] if outgoing is None else [part.to_proto() for part in outgoing.parts]
+        base_version = 0 if outgoing is None else outgoing.base_version
 
         async def one(address: str, spec: GroupSpec) -> weights_pb2.BeginUpdateResponse:
             request = weights_pb2.BeginUpdateRequest(
                 version=version, tensors=specs, bucket_sizes=bucket_sizes, group=spec.to_proto(),
-                timeout_s=self.config.timeout_s,
+                timeout_s=self.config.timeout_s, base_version=base_version, parts=parts,
             )
             return await self._stub(address).BeginUpdate(request, timeout=self.config.control_timeout_s)
 
@@ -257,7 +301,7 @@ class WeightBroadcaster:
             *(one(address, spec) for address, spec in zip(group.members, group_specs, strict=True)),
             return_exceptions=True,
         )
-        errors, per_tensor = {}, {}
+        errors, per_tensor, needs_full = {}, {}, []
         for address, reply in zip(group.members, replies, strict=True):
             if isinstance(reply, grpc.RpcError):
                 errors[address] = reply
@@ -265,15 +309,18 @@ class WeightBroadcaster:
                 raise reply
             else:
                 per_tensor[address] = reply.tensor_broadcasts
+                self._partial[address] = reply.partial_updates
+                if reply.needs_full:
+                    needs_full.append(address)
         if not errors and len(set(per_tensor.values())) > 1:
             raise _MixedGroup(sorted(a for a, flag in per_tensor.items() if flag))
         if per_tensor and not errors:
             group.tensor_broadcasts = next(iter(per_tensor.values()))
-        return errors
+        return errors, needs_full
 
     async def _transfer_and_commit(
         self, group: Group, manifest: Manifest, tensors: Tensors, version: int,
-        results: dict[str, ReceiverResult], report: PublishReport,
+        results: dict[str, ReceiverResult], report: PublishReport, outgoing: Outgoing | None = None,
     ) -> None:
         deadline = deadline_after(self.config.timeout_s)
         step = "rendezvous"
@@ -288,6 +335,8 @@ class WeightBroadcaster:
             # CommitUpdate travels with the buckets: a receiver answers once it holds them all and has switched,
             # so no round trip is left to make after the last byte.
             pending = [asyncio.create_task(self._commit(address, version, deadline)) for address in group.members]
+            if outgoing is not None and not group.tensor_broadcasts:
+                manifest, tensors = outgoing.manifest, outgoing.tensors
             await self._transport.send(group, manifest, tensors, deadline)
             report.transfer_s = time.perf_counter() - started
         except TransferError as exc:

@@ -32,6 +32,11 @@ class BroadcastConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to this dtype before sending (the rollout engine's); None = as is."
     )
+    delta: Literal["auto", "off"] = Field(
+        "off", description="auto: once every receiver holds the last version, send each bucket as the words that "
+        "changed since it (positions and values, bit for bit in the sent dtype), or whole when that is smaller, checked "
+        "by a checksum per bucket (trainer/broadcast/delta.py); a receiver that lacks the base gets the whole version. "
+        "Keeps two packed copies of the model on the trainer. off: every version whole.")
     client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers.")
 
     @property

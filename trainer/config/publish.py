@@ -48,6 +48,12 @@ class PublishConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Cast floating tensors to the rollout engine's dtype before sending; None = as trained."
     )
+    delta: Literal["auto", "off"] = Field(
+        "off", description="auto: send each version as the words that changed since the last one every receiver took "
+        "(bit for bit in the sent dtype: set `dtype` to the engine's), bucket by bucket, or whole when that is smaller, "
+        "verified by a checksum per bucket; a receiver that missed a version, restarted or joined gets it whole (counted "
+        "as delta_fallbacks). Costs two packed copies of the model in the trainer's memory. Not for sharded policies "
+        "(FSDP2 gathers into the buckets as they go: those versions go whole). off: every version whole.")
     resync_s: float = Field(
         5.0, gt=0, description="While the trainer waits for a batch, check every this many seconds that every "
         "receiver serves the last published version; one serving an older one (a restarted rollout worker starts at "

@@ -1,0 +1,163 @@
+"""Partial weight updates: how each bucket of a version travels as a change of its base version, and the checksum
+that proves a receiver's bucket equals the sender's once applied. The trainer encodes (encode_bucket), the rollout
+worker applies and verifies (receive_parts); pure tensor code over a Transfer, no gRPC.
+
+A bucket travels WHOLE (its bytes), as a DELTA (the positions of the words that changed since the base, then their
+new values: a word is the smallest element size among the bucket's tensors, so bfloat16 buckets diff by 2-byte
+words, bit for bit) or not at all (UNCHANGED); encode_bucket picks the smallest. Lossless: the receiver's bytes are
+the sender's, which bucket_checksum checks for every bucket of every version.
+"""
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protos import weights_pb2
+from protos.codec import CodecError
+from services.weights.manifest import Manifest, TensorSlot, aligned
+from services.weights.transfer import Transfer, TransferError
+
+WHOLE, DELTA, UNCHANGED = weights_pb2.BUCKET_WHOLE, weights_pb2.BUCKET_DELTA, weights_pb2.BUCKET_UNCHANGED
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_HASH_CHUNK = 1 << 22
+_MASK = (1 << 64) - 1
+
+
+class ChecksumMismatch(TransferError):
+    """A bucket's bytes after applying its part do not hash to what the sender said: the receiver needs a full send."""
+
+
+@dataclass(frozen=True)
+class BucketPart:
+    """One bucket of a version on the wire (the proto's BucketPart)."""
+
+    bucket: int
+    encoding: int
+    wire_bytes: int
+    words: int = 0
+    sender: int = 0
+    checksum: int = 0
+
+    def to_proto(self) -> weights_pb2.BucketPart:
+        return weights_pb2.BucketPart(bucket=self.bucket, encoding=self.encoding, wire_bytes=self.wire_bytes,
+                                      words=self.words, sender=self.sender, checksum=self.checksum)
+
+    @classmethod
+    def from_proto(cls, msg: weights_pb2.BucketPart) -> "BucketPart":
+        return cls(msg.bucket, msg.encoding, msg.wire_bytes, msg.words, msg.sender, msg.checksum)
+
+
+def word_dtype(manifest: Manifest, index: int) -> torch.dtype:
+    """The word a bucket is diffed and hashed by: its smallest element size (every slot is a multiple of it)."""
+    return _WORDS[min(slot.dtype.itemsize for slot in manifest.by_bucket[index])]
+
+
+def _position_dtype(bucket_words: int) -> torch.dtype:
+    return torch.int32 if bucket_words < (1 << 31) else torch.int64
+
+
+def _delta_layout(bucket_bytes: int, word: torch.dtype, count: int) -> tuple[torch.dtype, int, int]:
+    """(position dtype, where the values start, wire bytes) of a delta of `count` words."""
+    positions = _position_dtype(bucket_bytes // word.itemsize)
+    values_at = aligned(count * positions.itemsize)
+    return positions, values_at, values_at + count * word.itemsize
+
+
+@torch.no_grad()
+def bucket_checksum(bucket: torch.Tensor, word: torch.dtype) -> int:
+    """A position-weighted sum of the bucket's words (mod 2^64, never 0): any one changed word changes it."""
+    words = bucket.view(word)
+    total = 0
+    for start in range(0, words.numel(), _HASH_CHUNK):
+        chunk = words[start : start + _HASH_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device) * 2 + 1
+        total += int((chunk * weights).sum())
+    return (total & _MASK) or 1
+
+
+@torch.no_grad()
+def encode_bucket(index: int, current: torch.Tensor, base: torch.Tensor | None, word: torch.dtype
+                  ) -> tuple[BucketPart, torch.Tensor | None]:
+    """The part (and the bytes to broadcast, None when nothing changed) that turns `base` into `current`, both
+    uint8 buckets of the same layout; WHOLE when there is no base or the delta would not be smaller."""
+    checksum = bucket_checksum(current, word)
+    if base is None:
+        return BucketPart(index, WHOLE, current.numel(), checksum=checksum), current
+    now = current.view(word)
+    changed = (now != base.view(word)).nonzero().flatten()
+    count = changed.numel()
+    if count == 0:
+        return BucketPart(index, UNCHANGED, 0, checksum=checksum), None
+    positions, values_at, wire_bytes = _delta_layout(current.numel(), word, count)
+    if wire_bytes >= current.numel():
+        return BucketPart(index, WHOLE, current.numel(), checksum=checksum), current
+    wire = torch.empty(wire_bytes, dtype=torch.uint8, device=current.device)
+    wire[: count * positions.itemsize].view(positions).copy_(changed)
+    wire[values_at:].view(word).copy_(now[changed])
+    return BucketPart(index, DELTA, wire_bytes, count, checksum=checksum), wire
+
+
+def wire_manifest(parts: Sequence[BucketPart]) -> Manifest:
+    """What goes over the group: one uint8 bucket per part that carries bytes, in bucket order."""
+    sent = [part for part in parts if part.wire_bytes]
+    slots = tuple(TensorSlot(f"part.{part.bucket}", (part.wire_bytes,), torch.uint8, index, 0)
+                  for index, part in enumerate(sent))
+    return Manifest(slots, tuple(part.wire_bytes for part in sent))
+
+
+def parse_parts(manifest: Manifest, protos: Sequence[weights_pb2.BucketPart]) -> tuple[BucketPart, ...]:
+    """The request's parts, checked against its manifest (one per bucket, in order, sizes consistent); CodecError."""
+    parts = tuple(BucketPart.from_proto(msg) for msg in protos)
+    if not parts:
+        return parts
+    if [part.bucket for part in parts] != list(range(len(manifest.bucket_sizes))):
+        raise CodecError(f"parts: one per bucket in bucket order, got buckets {[p.bucket for p in parts][:8]}")
+    for part in parts:
+        size = manifest.bucket_sizes[part.bucket]
+        if part.sender != 0:
+            raise CodecError(f"parts: bucket {part.bucket} from rank {part.sender}: only rank 0 sends (not implemented)")
+        if part.encoding == WHOLE:
+            expected = size
+        elif part.encoding == DELTA:
+            expected = _delta_layout(size, word_dtype(manifest, part.bucket), part.words)[2]
+        elif part.encoding == UNCHANGED:
+            expected = 0
+        else:
+            raise CodecError(f"parts: bucket {part.bucket}: unknown encoding {part.encoding}")
+        if part.wire_bytes != expected:
+            raise CodecError(f"parts: bucket {part.bucket}: {part.wire_bytes} wire bytes, its encoding needs {expected}")
+    return parts
+
+
+@torch.no_grad()
+def receive_parts(transfer: Transfer, manifest: Manifest, parts: Sequence[BucketPart], deadline: float,
+                  staging: list[torch.Tensor], base: list[torch.Tensor] | None,
+                  cancelled: threading.Event | None = None) -> None:
+    """Land a version sent as `parts` in `staging`: whole buckets straight into it, the others as `base`'s bucket
+    (staging itself when None) patched by their delta; then verify every checksum (ChecksumMismatch)."""
+    pending, deltas = [], []
+    for part in parts:
+        target = staging[part.bucket]
+        if part.encoding != WHOLE and base is not None and base[part.bucket] is not target:
+            target.copy_(base[part.bucket])
+        if part.encoding == WHOLE:
+            pending.append(transfer.broadcast(target))
+        elif part.encoding == DELTA:
+            wire = torch.empty(part.wire_bytes, dtype=torch.uint8, device=transfer.device)
+            pending.append(transfer.broadcast(wire))
+            deltas.append((part, wire))
+    for work in pending:
+        if cancelled is not None and cancelled.is_set():
+            raise TransferError("update aborted while receiving")
+        work.wait(deadline)
+    for part, wire in deltas:
+        word = word_dtype(manifest, part.bucket)
+        positions, values_at, _ = _delta_layout(manifest.bucket_sizes[part.bucket], word, part.words)
+        wire = wire.to(staging[part.bucket].device)
+        at = wire[: part.words * positions.itemsize].view(positions).to(torch.int64)
+        staging[part.bucket].view(word)[at] = wire[values_at:].view(word)
+    for part in parts:
+        if part.checksum and bucket_checksum(staging[part.bucket], word_dtype(manifest, part.bucket)) != part.checksum:
+            raise ChecksumMismatch(f"bucket {part.bucket}: checksum mismatch after its {part.encoding} part")
