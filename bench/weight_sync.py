@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size (default: BroadcastConfig's)")
     parser.add_argument("--solo-mb", type=float, default=None, help="tensors this large go alone (default: bucket)")
+    parser.add_argument("--delta-steps", type=int, default=200, help="AdamW steps of the delta sync rows (0: none)")
     parser.add_argument("--role", choices=["main", "receiver", "raw"], default="main", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.role == "raw":
         return run_raw_receiver(args)
     if args.quick:
-        args.sizes_mb, args.receivers, args.repeats = [50], [1, 2], 3
+        args.sizes_mb, args.receivers, args.repeats, args.delta_steps = [50], [1, 2], 3, min(args.delta_steps, 20)
 
     import torch
 
@@ -296,6 +297,11 @@ def main(argv: list[str] | None = None) -> None:
                       f"{row['ratio_without_switch']:>12.2f} {copy_s / row['publish']:>8.2f} {row['snapshot']:>8.3f} "
                       f"{row['packed']:>8.3f} {row['packed_ratio']:>10.2f}", flush=True)
                 results.append((size_mb, receivers, ratio, row["packed_ratio"], row["pause"], row["publish"]))
+        if args.delta_steps:
+            from bench.weight_sync_delta import measure_delta
+
+            delta_mb = min(args.sizes_mb)
+            delta = measure_delta(write_model(pathlib.Path(tmp) / "delta", delta_mb), args.delta_steps)
     print("raw/pub = median over rounds of raw gloo time / publish time of the adjacent round (1.0: publishing "
           "costs no more than the bare broadcast); "
           "raw/(pub-sw) = the same without the receivers' switch (the engine taking the staged tensors as its "
@@ -313,6 +319,13 @@ def main(argv: list[str] | None = None) -> None:
               f"(baseline raw gloo broadcast of the same bytes, target >= 0.8)")
         print(f"result: engine_pause_s_{size_mb}mb_{receivers}recv = {pause:.4f} (baseline the sync time, "
               f"{sync:.3f} s, through which the engines generate; target: a small share of it)")
+    if args.delta_steps:
+        what = (f"{args.delta_steps} AdamW steps at lr 1e-6 of the {delta_mb} MB float32 decoder (hidden {HIDDEN}, "
+                f"random init, random tokens) served in bfloat16, 1 receiver, {delta['fallbacks']} fallbacks")
+        print(f"result: delta_publish_bytes_vs_full = {delta['delta_bytes'] / delta['full_bytes']:.4f} "
+              f"(baseline whole bfloat16 publishes, {what}; target <= 0.10)")
+        print(f"result: delta_publish_s_vs_full = {delta['delta_s'] / delta['full_s']:.2f} (baseline whole publishes' "
+              f"seconds, {what})")
 
 
 if __name__ == "__main__":
