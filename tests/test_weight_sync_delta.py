@@ -210,3 +210,32 @@ def test_a_corrupted_delta_fails_its_checksum():
     with pytest.raises(ChecksumMismatch):
         receive_parts(_LocalTransfer([wire]), manifest, [part], 1e18, staging, None)
     assert encode_bucket(0, current.view(torch.uint8), None, word)[0].encoding == WHOLE
+
+
+def test_the_trainers_publisher_reports_delta_bytes_and_fallbacks_against_a_restarted_rollout_process(
+        tiny_model_dir, service_factory):
+    """RolloutPublisher (the trainer's) with publish.delta auto, to a real rollout worker process: the second version
+    goes partial; after the worker restarts (version 0, no base) the next goes whole, counted in delta_fallbacks."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config.publish import PublishConfig
+    from trainer.run import RolloutPublisher
+
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir)})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(3)
+    publisher = RolloutPublisher(PublishConfig(receivers=[rollout.address], timeout_s=30, delta="auto"))
+    timings = []
+    try:
+        for version in (1, 2, 3, 4):
+            if version == 3:
+                rollout.restart()
+            _step(state, generator)
+            assert publisher(state, version) == version
+            timings.append(publisher.timings)
+    finally:
+        publisher.close()
+    assert [t["delta_fallbacks"] for t in timings] == [0, 0, 1, 1]
+    assert [t["publish_bytes_ratio"] == 1.0 for t in timings] == [True, False, True, False]
+    assert timings[1]["publish_bytes_ratio"] < 0.1 and timings[3]["publish_bytes_ratio"] < 0.1
