@@ -178,6 +178,68 @@ def test_a_restarted_replica_answers_needs_full_and_gets_the_version_whole(model
     assert [reports[v].fallbacks for v in range(1, 5)] == [0, 0, 1, 1]
 
 
+class _CopyingEngine:
+    """An engine that copies each update into its own tensors (as the native engine replaying CUDA graphs does):
+    the receiver keeps one set of buffers, which a partial update patches in place."""
+
+    adopts_weights = False
+    device = torch.device("cpu")
+    last_pause_s = 0.0
+
+    def __init__(self, layout):
+        self.weights = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
+        self.weight_version = 0
+
+    def parameter_layout(self):
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.weights.items()}
+
+    async def update_weights(self, weights, version, adopt=False):
+        for name, tensor in weights.items():
+            self.weights[name].copy_(tensor)
+        self.weight_version = version
+        return 0.0
+
+
+def test_an_engine_that_copies_takes_partial_updates_on_its_one_set_of_buffers_and_a_mismatch_falls_back(monkeypatch):
+    from rollout.serve import weight_receiver
+
+    real, calls = weight_receiver.receive_parts, []
+
+    def drifted_once(transfer, manifest, parts, deadline, staging, base, cancelled=None):
+        calls.append(1)
+        if len(calls) == 6:  # version 6: one word of the held base drifted: its checksum fails
+            staging[0].view(torch.int16)[7] += 1
+        real(transfer, manifest, parts, deadline, staging, base, cancelled)
+
+    monkeypatch.setattr(weight_receiver, "receive_parts", drifted_once)
+    generator = torch.Generator().manual_seed(4)
+    state = {"a.weight": torch.randn(96, 64, generator=generator), "b.bias": torch.randn(333, generator=generator)}
+    engine = _CopyingEngine({name: (tuple(t.shape), torch.bfloat16) for name, t in state.items()})
+
+    async def main():
+        receiver = WeightReceiver(engine)
+        server, port = await create_server("127.0.0.1:0", [(weights_pb2_grpc.add_WeightSyncServicer_to_server,
+                                                            receiver, "relayrl.weights.v1.WeightSync")])
+        await server.start()
+        try:
+            async with WeightBroadcaster([f"127.0.0.1:{port}"], _config()) as broadcaster:
+                reports = []
+                for version in range(1, 11):
+                    _step(state, generator, fraction=0.02)
+                    reports.append(await broadcaster.publish(state, version))
+            return reports
+        finally:
+            await server.stop(1)
+
+    reports = asyncio.run(main())
+    assert [r.ok for r in reports] == [True] * 5 + [False] + [True] * 4
+    assert "checksum mismatch" in reports[5].failed[next(iter(reports[5].failed))]
+    assert [r.partial for r in reports] == [False] + [True] * 5 + [False] + [True] * 3  # version 7 goes whole
+    assert [r.fallbacks for r in reports] == [0] * 6 + [1] * 4
+    for name, tensor in state.items():
+        assert torch.equal(engine.weights[name], tensor.to(torch.bfloat16)), name
+
+
 class _LocalTransfer:
     """A one-member 'group' that hands the receiver the sender's wire buckets in order."""
 
