@@ -1,7 +1,7 @@
 """Weight sync shared by trainer and rollout: the manifest and bucket layout (manifest.py, buckets.py),
 the process group that carries the bytes (the interface in transfer.py, one backend each in gloo.py / nccl.py /
 cupy_nccl.py, picked by backends.py; torch_group.py for members that form it as torch.distributed does, SGLang's
-scheduler), and the bucket stream."""
+scheduler), the bucket stream, and partial updates (delta.py: a version as a change of its base, checksummed)."""
 
 from services.weights.backends import make_group
 from services.weights.bucket_stream import (
