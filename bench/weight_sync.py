@@ -19,6 +19,9 @@ takes) and 1, 2 and 4 receiver processes, one run measures:
             plain processes, then a barrier (so the time covers arrival everywhere). Each kind of publish
             alternates with its own raw rounds.
   copy      one in-memory Tensor.copy_ of the same bytes (a single thread).
+  delta     `--delta-steps` (200; --quick 20) real AdamW steps at lr 1e-6 of the smallest model, each published in
+            bfloat16 with `delta: auto` and whole, to engines serving bfloat16 (bench/weight_sync_delta.py): rows
+            delta_publish_bytes_vs_full and delta_publish_s_vs_full.
 
 Raw and publish rounds alternate, and medians are quoted, because the machine is shared.
 `--quick` runs the 50 MB model with 1 and 2 receivers and few repeats (< 1 minute).
