@@ -69,6 +69,13 @@ def _step(state, generator, fraction=0.01):
             tensor.add_(mask * tensor * 0.02 * torch.sign(torch.randn(tensor.shape, generator=generator)))
 
 
+async def _publish_steps(broadcaster, state, generator, versions, reports) -> None:
+    """One optimizer-like step of `state`, then its publish, per version; each publish's report in `reports`."""
+    for version in versions:
+        _step(state, generator)
+        reports[version] = await broadcaster.publish(state, version)
+
+
 def _assert_serves(engine, state):
     params = dict(engine.engine.runner.model.named_parameters())
     assert params
@@ -112,16 +119,12 @@ def test_a_replica_that_missed_a_version_gets_it_whole_counted_and_an_old_client
     async def scenario(engines, addresses):
         reports = {}
         async with WeightBroadcaster(addresses, _config()) as broadcaster:
-            for version in (1, 2):
-                _step(state, generator)
-                reports[version] = await broadcaster.publish(state, version)
+            await _publish_steps(broadcaster, state, generator, (1, 2), reports)
             broadcaster.set_receivers(addresses[:1])  # the second replica misses version 3
             _step(state, generator)
             reports[3] = await broadcaster.publish(state, 3)
             broadcaster.set_receivers(addresses)
-            for version in (4, 5):
-                _step(state, generator)
-                reports[version] = await broadcaster.publish(state, version)
+            await _publish_steps(broadcaster, state, generator, (4, 5), reports)
             for engine in engines:
                 _assert_serves(engine, state)
         # An old client: no base_version, no parts (what every trainer sent before delta sync): a whole update.
@@ -147,9 +150,7 @@ def test_a_restarted_replica_answers_needs_full_and_gets_the_version_whole(model
     async def scenario(engines, addresses):
         reports = {}
         async with WeightBroadcaster(addresses, _config()) as broadcaster:
-            for version in (1, 2):
-                _step(state, generator)
-                reports[version] = await broadcaster.publish(state, version)
+            await _publish_steps(broadcaster, state, generator, (1, 2), reports)
             # The replica restarts at the same address: its base weights at version 0, no buffers, no group.
             engine, server, address = served[0]
             await server.stop(0)
