@@ -94,12 +94,10 @@ def test_a_version_refused_as_not_newer_is_published_again_above_the_workers(tin
         publisher.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch(tiny_model_dir, tmp_path,
-                                                                                service_factory, overlap):
-    """A rollout worker that restarts serves version 0; with the buffer empty no step (and so no publish)
-    comes, and the driver admits nothing for a worker that far behind: the trainer must publish again. With
-    `publish.overlap` too: the last step's publish ran on its thread and ended, its outcome not yet collected."""
+def restart_while_the_trainer_waits(model, tmp_path, service_factory, overlap: bool, staleness: int | None,
+                                    late_version: int):
+    """Train 2 steps: after the first, restart the worker while the buffer is empty (the trainer must publish again),
+    then put a batch generated at `late_version`; the trainer's state, or the error it ended with."""
     import threading
     import time
 
@@ -109,16 +107,24 @@ def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch
     from trainer.parallel import init_distributed
     from trainer.run import RolloutPublisher
 
-    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
-    rollout = service_factory("rollout", {"model": str(tiny_model_dir)})
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "max_staleness": staleness})
+    rollout = service_factory("rollout", {"model": str(model)})
     config = TrainerConfig.model_validate({
-        "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 120},
+        "model_path": str(model), "buffer": {"address": buffer.address, "max_wait_s": 120},
         "batch": {"global_batch_size": BATCH, "micro_batch_size": 4}, "optim": {"lr": 1e-2}, "max_steps": 2,
+        "max_staleness": staleness, "metrics_path": str(tmp_path / "metrics.jsonl"),
         "publish": {"receivers": [rollout.address], "timeout_s": 30, "resync_s": 0.5, "overlap": overlap},
     })
     client, publisher = BufferClient(config.buffer), RolloutPublisher(config.publish)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(state=train(config, init_distributed("cpu"), client, publisher)))
+
+    def run() -> None:
+        try:
+            result["state"] = train(config, init_distributed("cpu"), client, publisher)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            result["error"] = error
+
+    worker = threading.Thread(target=run)
     try:
         put_generated_at(buffer.address, 0, "a")
         worker.start()
@@ -131,13 +137,35 @@ def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch
         while served_version(rollout.address) < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert served_version(rollout.address) == 2  # the trainer's weights again, under the next version
-        put_generated_at(buffer.address, 2, "b")
+        put_generated_at(buffer.address, late_version, "b")
         worker.join(120)
-        assert not worker.is_alive() and result["state"].step == 2
+        assert not worker.is_alive()
+        return result.get("state") or result["error"]
     finally:
         worker.join(1)
         client.close()
         publisher.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_restarted_worker_gets_the_weights_while_the_trainer_waits_for_a_batch(tiny_model_dir, tmp_path,
+                                                                                service_factory, overlap):
+    """A rollout worker that restarts serves version 0; with the buffer empty no step (and so no publish)
+    comes, and the driver admits nothing for a worker that far behind: the trainer must publish again. With
+    `publish.overlap` too: the last step's publish ran on its thread and ended, its outcome not yet collected."""
+    state = restart_while_the_trainer_waits(tiny_model_dir, tmp_path, service_factory, overlap, None, 2)
+    assert state.step == 2
+
+
+def test_a_batch_pulled_before_a_resync_is_judged_at_the_version_it_was_pulled_at(tiny_model_dir, tmp_path,
+                                                                                 service_factory):
+    """CI's netns run (2026-12-07) failed here: the pull after step 1 was made at version 1 (max_staleness 1 admits
+    version 0); while it waited, the worker was republished the same weights as version 2, and the batch that then
+    came was judged 2 versions old: "the buffer handed out a sample 2 versions old". No weights changed in between."""
+    state = restart_while_the_trainer_waits(tiny_model_dir, tmp_path, service_factory, False, 1, 0)
+    assert not isinstance(state, Exception), state
+    assert state.step == 2
+    assert [r["staleness_max"] for r in records(tmp_path / "metrics.jsonl")] == [0, 1]
 
 
 def test_a_resumed_trainer_continues_above_the_versions_the_job_used_before():

@@ -15,38 +15,21 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent import futures
-from concurrent.futures import Future
+from collections.abc import Sequence
 from pathlib import Path
-
-import torch
 
 from protos.sample import Sample
 from services.determinism import canonical_key
-from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtype
-from trainer.checkpoint import (
-    TrainState,
-    export_hf,
-    hf_state_dict,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    ties_embeddings,
-)
+from trainer.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
 from trainer.parallel import DistEnv
+from trainer.publishing import Background, Publisher, Publishing, policy_weights
 
 log = logging.getLogger(__name__)
 
-# publish(named_tensors, version) -> the version the receivers serve now (None: not known, e.g. no receivers):
-# hand new weights (Hugging Face names) to the rollout side. It may publish under a higher version than asked
-# when the receivers refuse `version` as not newer (RolloutPublisher); the trainer's counter follows.
-Publisher = Callable[[dict[str, torch.Tensor], int], int | None]
 # The ledger of samples trained and not yet acknowledged, in TrainState.extra (see trainer/leases.py).
 LEDGER_KEY = "unacked_samples"
 # What rank 0 hands every rank instead of a batch when a receiver fell behind while no batch came.
@@ -54,44 +37,6 @@ RESYNC = "resync"
 # What rank 0 hands every rank instead of a batch when the trainer was asked to stop (SIGTERM): the loop ends as
 # at its last step, so the weights it ended with are published, checkpointed and exported.
 STOP = "stop"
-
-
-class Background:
-    """One call at a time on a daemon thread; its result or exception comes back from `wait`.
-
-    Daemon: a call stuck in a wait of its own (a pull for a batch that never comes) cannot keep a
-    stopping process alive; each such call has its own deadline too.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._future: Future | None = None
-
-    @property
-    def busy(self) -> bool:
-        return self._future is not None
-
-    def start(self, fn: Callable, *args) -> None:
-        if self._future is not None:
-            raise RuntimeError(f"{self.name}: a call is already in flight")
-        future = self._future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller of wait(), who re-raises it
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name=self.name, daemon=True).start()
-
-    def done(self, timeout_s: float) -> bool:
-        """Whether the call in flight has finished, waiting up to `timeout_s` for it (True when none is)."""
-        return self._future is None or not futures.wait([self._future], timeout_s).not_done
-
-    def wait(self, timeout_s: float):
-        """The call's result (its exception is raised here); None when nothing is in flight."""
-        future, self._future = self._future, None
-        return None if future is None else future.result(timeout_s)
 
 
 def train(config: TrainerConfig, env: DistEnv, source: LeaseSource | None, publish: Publisher | None = None,
@@ -128,6 +73,9 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         publisher(state)
     pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack
     prefetch = Background("relayrl-prefetch")
+    # Versions RESYNC added while the batch awaited was in flight: the same weights under new numbers, so no drift.
+    # That pull's admission (its samples at most max_staleness behind) was judged at the version it was made at.
+    resynced = 0
     while not _finished(config, state):
         started = time.monotonic()
         work = None
@@ -141,6 +89,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
             break
         if work == RESYNC:  # the same weights under the next version: every receiver takes them
             state.weight_version += 1
+            resynced += 1
             publisher(state)
             continue
         if config.deterministic:  # sums over the batch (losses, gradients) add up in one order in every run
@@ -148,7 +97,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         steps_before = state.step
         if work.train:
             batch_stats = {
-                **measure_staleness(work.train, state.weight_version, config.max_staleness),
+                **measure_staleness(work.train, state.weight_version - resynced, config.max_staleness),
                 "reward_mean": sum(s.reward for s in work.train) / len(work.train),
                 "failed": float(work.failed),
                 "already_trained": float(len(work.already_trained)),
@@ -158,7 +107,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
             }
             mini_batches = learner.prepare(work.train)
             for index, mini_batch in enumerate(mini_batches):
-                metrics = learner.train_step(mini_batch, state.step, state.weight_version)
+                metrics = learner.train_step(mini_batch, state.step, state.weight_version - resynced)
                 check_mismatch(config.mismatch, metrics, state.step)
                 state.step += 1
                 state.weight_version += 1
@@ -167,6 +116,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 report(config, env, state, {**metrics, **batch_stats, **counters, "step_s": time.monotonic() - started},
                        work, last)
             state.samples_trained += len(work.train)
+        resynced = 0
         if env.is_main:
             book.consumed(work, state.weight_version)
             if config.buffer.prefetch and not _finished(config, state) and not (stop is not None and stop.is_set()):
@@ -189,7 +139,7 @@ def _finished(config: TrainerConfig, state: TrainState) -> bool:
     return config.max_steps is not None and state.step >= config.max_steps
 
 
-def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publisher: "Publishing",
+def next_work(config: TrainerConfig, book: LeaseBook, prefetch: Background, publisher: Publishing,
               pull_wait_s: float, version: int, stop: threading.Event | None = None):
     """Rank 0: the next batch's work; RESYNC when, while no batch came, a receiver fell behind the last publish;
     STOP when `stop` was set meanwhile.
@@ -245,79 +195,6 @@ def continue_versions(state: TrainState, book: LeaseBook | None, publish: Publis
     return state.weight_version != held
 
 
-class Publishing:
-    """Publishes the policy as weight versions (collective); one overlapped publish may be in flight.
-
-    A publish that landed under a higher version than asked (the receivers refused it as not newer) moves the
-    trainer's counter by as much, on every rank.
-    """
-
-    def __init__(self, weights: Callable[[], dict[str, torch.Tensor] | ShardedWeights] | None, publish: Publisher | None,
-                 overlap: bool, env: DistEnv, wait_s: float) -> None:
-        self.weights, self.publish, self.env, self.wait_s = weights, publish, env, wait_s
-        self.sending = Background("relayrl-publish") if overlap and env.is_main else None
-        self._requested = 0
-        self.published: int | None = None  # the version the last publish went out as (rank 0)
-        self.seconds = 0.0  # the last publish's duration, reported with the steps after it
-
-    def __call__(self, state: TrainState) -> None:
-        started = time.monotonic()
-        self._wait(state)  # the previous overlapped publish, if any
-        tensors = self.weights()
-        try:
-            if self.env.is_main:
-                if self.sending is not None:
-                    self._requested = state.weight_version
-                    self.sending.start(self.publish, tensors, state.weight_version)
-                else:
-                    self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
-                self.published = state.weight_version
-        finally:  # sharded weights: the other ranks gather every tensor now, rank 0 what its publish did not reach
-            finish_gather(tensors)
-        state.weight_version = self.env.broadcast_object(state.weight_version)
-        self.seconds = time.monotonic() - started
-
-    def timings(self) -> dict[str, float]:
-        """Rank 0: the last publish that ended: sync_s, from BeginUpdate until every receiver switched, and pause_s,
-        the longest an engine generated nothing for it (zeros before the first, or from a publisher that does not
-        say). publish_s is what the publish cost this loop: all of sync_s, or with `overlap` the gather alone."""
-        return {"sync_s": 0.0, "pause_s": 0.0, **getattr(self.publish, "timings", {})}
-
-    def receivers_behind(self) -> bool:
-        """Rank 0, no publish in flight: whether a receiver serves an older version than the last publish.
-
-        An overlapped publish that has ended is not in flight, though its outcome is collected only at the next
-        publish: the one after the last step (failed, say, while a receiver's host was unreachable) ends before a
-        wait for a batch that may never come unless that receiver gets the weights again."""
-        if self.published is None or (self.sending is not None and not self.sending.done(0)):
-            return False
-        served = getattr(self.publish, "served_versions", dict)()
-        behind = {address: v for address, v in served.items() if v is not None and v < self.published}
-        if behind:
-            log.warning("receivers %s serve older versions than %d (restarted?): publishing again", behind,
-                        self.published)
-        return bool(behind)
-
-    def finish(self, state: TrainState) -> None:
-        """Wait for an overlapped publish still in flight (collective)."""
-        self._wait(state)
-        state.weight_version = self.env.broadcast_object(state.weight_version)
-
-    def _wait(self, state: TrainState) -> None:
-        if self.sending is not None and self.sending.busy:
-            landed = self.sending.wait(self.wait_s)
-            self._adopt(state, self._requested, landed)
-            if landed is not None and landed > self._requested:
-                self.published = landed
-
-    @staticmethod
-    def _adopt(state: TrainState, requested: int, landed: int | None) -> None:
-        if landed is not None and landed > requested:
-            log.warning("weight version %d landed as %d: trainer versions move on by %d", requested, landed,
-                        landed - requested)
-            state.weight_version += landed - requested
-
-
 def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
     """The state of the latest checkpoint (model and optimizer loaded), or a fresh start."""
     path = latest_checkpoint(config.checkpoint.dir)
@@ -326,37 +203,6 @@ def resume(config: TrainerConfig, learner: Learner, env: DistEnv) -> TrainState:
     state = load_checkpoint(path, learner.policy, learner.optimizer, env)
     log.info("resumed from %s at step %d (weight version %d)", path, state.step, state.weight_version)
     return state
-
-
-def policy_weights(
-    learner: Learner, env: DistEnv, publish: Publisher | None, config: PublishConfig
-) -> Callable[[], dict[str, torch.Tensor] | ShardedWeights]:
-    """What each publish sends: the policy under Hugging Face names (collective).
-
-    A trainer that holds its policy whole (one process) and sends it uncast binds the parameters to the
-    broadcast's layout (`publish.bind`, see PublishConfig.bind): each publish then goes straight from their
-    memory, or, overlapped with the next step, from a one-copy snapshot of it. Otherwise each publish sends
-    ShardedWeights over the policy's state as this rank holds it (FSDP2 shards): every tensor is gathered on the
-    trainer's device straight into its bucket as the bucket goes out (trainer/broadcast/gather.py), never into
-    a state dict in host memory. Overlapped with the next step, the publish cannot gather while that step runs
-    its own collectives: every tensor is gathered first, on the device, into a copy (the model's size, on rank 0).
-    """
-    tied = ties_embeddings(learner.policy)
-    can_bind = not env.distributed and config.bind and config.dtype is None
-    if can_bind and hasattr(publish, "bind"):
-        parameters = hf_state_dict(dict(learner.policy.named_parameters()), tied)
-        if set(parameters) == set(hf_state_dict(learner.policy.state_dict(), tied)):
-            publish.bind(parameters)
-            return publish.snapshot if config.overlap else lambda: parameters
-        log.info("publishing gathered state dicts: the policy's state holds tensors that are not parameters")
-    dtype = publish_dtype(config.dtype)
-
-    def sharded() -> ShardedWeights:
-        return ShardedWeights(hf_state_dict(learner.policy.state_dict(), tied), env.device, dtype)
-
-    if config.overlap:
-        return lambda: sharded().gathered_copy(keep=env.is_main)
-    return sharded
 
 
 def measure_staleness(samples: Sequence[Sample], trainer_version: int, max_staleness: int | None) -> dict[str, float]:
