@@ -19,8 +19,9 @@ from test_trainer_step import config, local, make_samples, with_true_logprobs
 
 from trainer.batch import collate
 from trainer.config.algorithm import AlgorithmConfig
+from trainer.corrections import is_weight_moments
 from trainer.learner import Learner
-from trainer.losses import is_weight_moments, loss_weights
+from trainer.losses import loss_weights
 from trainer.model import run_policy
 
 VERL = json.loads((pathlib.Path(__file__).parent / "data" / "reference" / "verl.json").read_text())

@@ -1,4 +1,4 @@
-"""The configurable algorithm paths that sum over ranks (rejection's kept-token counts, batch-normalised
+"""The configurable algorithm paths that sum over ranks (rejection's kept-token counts, M2PO's mask, batch-normalised
 importance weights, KL-in-reward sequence scores of groups split over ranks, REINFORCE++ whitening) give on
 2 gloo ranks (FSDP2) the single-process steps. Run as a script, as tests/test_trainer_parallel.py is."""
 
@@ -23,6 +23,8 @@ RUNS = {
                             "policy_loss": "reinforce", "rejection": [{"statistic": "token_k2", "upper": 0.05}]},
     "ppo-rejection": {"name": "ppo", "off_policy": "tis", "kl_reward_coef": 0.05,
                       "rejection": [{"statistic": "seq_max_k3", "upper": 0.2}]},
+    # M2PO's mask is taken over each whole mini-batch: the tokens it drops do not depend on the split over ranks.
+    "grpo-m2po": {"off_policy": "recompute", "m2_threshold": 0.05},
 }
 
 
@@ -72,7 +74,7 @@ def test_two_ranks_follow_single_process_steps(tiny_model_dir, tmp_path, free_po
     for name, algorithm in RUNS.items():
         assert len(single[name]) == 2 * STEPS and len(fsdp[name]) == 2 * STEPS, name
         np.testing.assert_allclose(fsdp[name], single[name], rtol=0, atol=1e-5, err_msg=name)
-        if algorithm.get("rejection"):
+        if algorithm.get("rejection") or algorithm.get("m2_threshold"):
             assert any(step[2] > 0 for step in single[name]), f"{name}: no token rejected, the path is not exercised"
 
 

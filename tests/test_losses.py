@@ -15,21 +15,23 @@ from trainer.advantages import (
     terminal_rewards,
     whiten,
 )
+from trainer.corrections import (
+    decoupled_weights,
+    is_weight_moments,
+    normalize_is_weights,
+    rejection_mask,
+    tis_weights,
+)
 from trainer.losses import (
     aggregate,
-    decoupled_weights,
     distill_reverse_kl,
     dpo_loss,
     entropy_from_logits,
-    is_weight_moments,
     kl_penalty,
     loss_weights,
     masked_mean,
-    normalize_is_weights,
     ppo_policy_loss,
-    rejection_mask,
     sft_loss,
-    tis_weights,
     value_loss,
 )
 

@@ -24,19 +24,16 @@ from trainer.advantages import (
     rloo_advantages,
     whiten,
 )
+from trainer.corrections import is_weight_moments, normalize_is_weights, rejection_mask, tis_weights
 from trainer.losses import (
     aggregate,
     cispo_policy_loss,
     gspo_policy_loss,
-    is_weight_moments,
     kl_penalty,
     loss_weights,
-    normalize_is_weights,
     ppo_policy_loss,
     reinforce_loss,
-    rejection_mask,
     sapo_policy_loss,
-    tis_weights,
     value_loss,
 )
 

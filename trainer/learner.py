@@ -36,15 +36,15 @@ from trainer.batch import (
     split_packs,
 )
 from trainer.config import TrainerConfig
-from trainer.losses import (
+from trainer.corrections import (
     chained_rejection_mask,
     decoupled_weights,
     is_weight_moments,
-    loss_totals,
-    loss_weights,
+    m2po_mask,
     normalize_is_weights,
     tis_weights,
 )
+from trainer.losses import loss_totals, loss_weights
 from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
 from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
 from trainer.objectives import objective
@@ -123,7 +123,7 @@ class Learner:
         rows = self._local_rows(len(chunks), per_step)
         local = batch.select(rows)
         self._recompute(local)
-        if self.algo.rejection and self.algo.off_policy != "bypass":
+        if (self.algo.rejection or self.algo.m2_threshold is not None) and self.algo.off_policy != "bypass":
             self._reject(local, per_step // self.env.dp_size, longest)
         if self.algo.advantage_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
             self._sequence_advantages(local, batch, real, rows)
@@ -172,7 +172,10 @@ class Learner:
     def _reject(self, batch: TrainBatch, per_rank: int, longest: list[torch.Tensor]) -> None:
         """Rejection sampling on pi_prox vs pi_rollout (this rank's rows): rejected tokens leave the loss mask, and
         the loss weights are recomputed with each mini-batch's kept-token counts summed over ranks."""
-        kept = chained_rejection_mask(batch.old_logprobs - batch.rollout_logprobs, batch.loss_mask, self.algo.rejection)
+        log_ratio = batch.old_logprobs - batch.rollout_logprobs
+        kept = chained_rejection_mask(log_ratio, batch.loss_mask, self.algo.rejection)
+        if self.algo.m2_threshold is not None:
+            kept = kept * self._m2po_mask(log_ratio, batch.loss_mask, per_rank)
         batch.rejected = batch.loss_mask - kept
         batch.loss_mask = kept
         steps = range(0, batch.num_rows, per_rank)
@@ -186,6 +189,20 @@ class Learner:
                 (tokens, seqs, longest[m]),
             )
             batch.token_weights[rows] = loss_weights(kept[rows], "token_mean", totals=(tokens, seqs, longest[m]))
+
+    def _m2po_mask(self, log_ratio: torch.Tensor, mask: torch.Tensor, per_rank: int) -> torch.Tensor:
+        """M2PO's mask of this rank's rows, taken over each whole mini-batch: every rank's rows of it are gathered
+        (a sum of zero-padded copies), so the tokens dropped do not depend on the data-parallel split."""
+        dp, rank = self.env.dp_size, self.env.dp_rank
+        shared = torch.zeros(2, dp, *mask.shape, dtype=torch.float64)
+        shared[0, rank], shared[1, rank] = log_ratio.double() * mask, mask.double()
+        ratios, masks = self.env.all_reduce_sum(shared).unbind()
+        kept = torch.empty_like(mask)
+        for start in range(0, mask.shape[0], per_rank):
+            rows = slice(start, start + per_rank)
+            step_kept = m2po_mask(ratios[:, rows].flatten(0, 1), masks[:, rows].flatten(0, 1), self.algo.m2_threshold)
+            kept[rows] = step_kept.view(dp, -1, mask.shape[1])[rank].to(mask.dtype)
+        return kept
 
     def _local_rows(self, steps: int, per_step: int) -> torch.Tensor:
         """Indices of this rank's rows: its data-parallel group's contiguous share of every mini-batch."""

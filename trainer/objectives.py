@@ -9,9 +9,9 @@ import torch
 
 from trainer.batch import TrainBatch
 from trainer.config.algorithm import AlgorithmConfig
+from trainer.corrections import chained_rejection_mask, tis_weights
 from trainer.losses import (
     LOG_RATIO_BOUND,
-    chained_rejection_mask,
     cispo_policy_loss,
     distill_reverse_kl,
     dpo_loss,
@@ -21,7 +21,6 @@ from trainer.losses import (
     reinforce_loss,
     sapo_policy_loss,
     sft_loss,
-    tis_weights,
     value_loss,
 )
 from trainer.model import PolicyOutput

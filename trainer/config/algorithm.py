@@ -52,6 +52,12 @@ class RejectionRule(Strict):
         return self
 
 
+# Named sets of rejection rules (`rejection: <name>`). IcePop (Ling team, Ring-1T): a token's gradient is dropped when its
+# train/inference probability ratio pi_trainer / pi_rollout leaves [0.5, 5], i.e. pi_rollout / pi_trainer outside
+# [0.2, 2]; with `off_policy: recompute` the trainer's side is the policy before the update.
+REJECTION_PRESETS: dict[str, list[dict]] = {"icepop": [{"statistic": "token_k1", "lower": 0.2, "upper": 2.0}]}
+
+
 class AlgorithmConfig(Strict):
     """What is optimised. RLVR is `grpo` or `ppo` fed by verifiable rewards (the reward service).
 
@@ -183,8 +189,28 @@ class AlgorithmConfig(Strict):
         description="Rejection sampling (verl's rollout_rs, chained): tokens or sequences whose divergence from the "
         "rollout policy is out of bounds are masked out of the loss, the advantages and the normalisation (tis, "
         "decoupled, recompute: on pi_prox, counts summed over ranks per mini-batch; bypass: on the current policy "
-        "per micro-batch, out of the loss but still in its normalisation). Counted as metric rejected_tokens.",
+        "per micro-batch, out of the loss but still in its normalisation). Counted as metric rejected_tokens. "
+        "A name instead of a list: a preset (icepop = token_k1 with lower 0.2, upper 2.0: pi_trainer / pi_rollout "
+        "kept within [0.5, 5]).",
     )
+    m2_threshold: float | None = Field(
+        None,
+        gt=0,
+        description="M2PO (second-moment trust region, arXiv 2510.01161): over each mini-batch's trained tokens (all "
+        "ranks), the tokens of largest (log pi_prox - log pi_rollout)^2 are masked out of the loss, the advantages "
+        "and the normalisation until the mean of the rest is below this (the paper's 0.04). Needs off_policy tis, "
+        "decoupled or recompute; the policy loss and its clipping stay as configured. Counted in rejected_tokens.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rejection_preset(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("rejection"), str):
+            name = data["rejection"]
+            if name not in REJECTION_PRESETS:
+                raise ValueError(f"rejection: unknown preset {name!r} (presets: {', '.join(REJECTION_PRESETS)})")
+            data = {**data, "rejection": REJECTION_PRESETS[name]}
+        return data
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> "AlgorithmConfig":
@@ -206,6 +232,8 @@ class AlgorithmConfig(Strict):
             raise ValueError("off_policy bypass: grpo and ppo only")
         if self.rejection and self.off_policy == "none":
             raise ValueError("rejection: needs off_policy tis, decoupled, recompute or bypass (a policy to compare)")
+        if self.m2_threshold is not None and not self.recomputes_logprobs:
+            raise ValueError("m2_threshold: M2PO needs off_policy tis, decoupled or recompute (pi_prox vs the rollout)")
         if self.is_batch_normalize and self.off_policy not in ("tis", "decoupled"):
             raise ValueError("is_batch_normalize: off_policy tis or decoupled (weights taken before the update)")
         return self
