@@ -54,6 +54,19 @@ def choose_attention(backend: str, device: torch.device, dtype: torch.dtype, hea
     return "flashinfer"
 
 
+def choose_moe_kernel(backend: str, device: torch.device) -> str:
+    """'triton' or 'torch' for an engine's `moe_backend`: 'auto' takes the fused Triton kernel on CUDA when triton is
+    importable; 'triton' asked for where it cannot run: ValueError says why."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"moe_backend: {backend!r} is not one of auto, torch, triton")
+    if backend == "torch":
+        return "torch"
+    reasons = triton_reasons(device)
+    if backend == "triton" and reasons:
+        raise ValueError(f"moe_backend 'triton': {'; '.join(reasons)}")
+    return "triton" if not reasons and (device.type == "cuda" or backend == "triton") else "torch"
+
+
 def triton_reasons(device: torch.device) -> list[str]:
     """Why the Triton kernel (rollout/model/attention_triton.py) cannot run on `device`; [] when it can. On CPU it runs
     in Triton's interpreter, which must be on (TRITON_INTERPRET=1) before triton is first imported: for tests."""
@@ -226,6 +239,10 @@ class EngineConfig:
     # interpreter), "flashinfer" (FlashInfer's paged kernel: CUDA, float16/bfloat16, head_dim 64/128/256,
     # kv_cache_dtype auto), "auto": triton on CUDA when triton is importable, else torch.
     attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
+    # Who runs a mixture-of-experts layer's experts (rollout/model/moe.py): "torch" (grouped: one matmul pair per
+    # expert), "triton" (the fused grouped GEMMs of rollout/model/moe_triton.py: CUDA; on CPU only in Triton's
+    # interpreter), "auto": triton on CUDA when triton is importable, else torch. Dense models ignore it.
+    moe_backend: Literal["auto", "torch", "triton"] = "auto"
     # Decode steps on static buffers replayed from CUDA graphs, one per batch-size bucket (rollout/engine/cuda_graphs.py);
     # prefill and chunked steps stay eager. None: on for CUDA with the Triton kernel and kv_cache_dtype auto. True on
     # CPU runs the static-buffer path with plain calls (tests).
@@ -254,6 +271,7 @@ class EngineConfig:
     kv_open_blocks: int = field(init=False)
     torch_dtype: torch.dtype = field(init=False)  # derived from dtype
     attention_kernel: str = field(init=False)  # derived: "torch", "triton" or "flashinfer": what attention_backend chose
+    moe_kernel: str = field(init=False)  # derived: "torch" or "triton": what moe_backend chose
 
     def __post_init__(self) -> None:
         self.model_config = ModelConfig.from_pretrained(self.model)
@@ -294,6 +312,7 @@ class EngineConfig:
         device = torch.device(self.device)
         self.attention_kernel = choose_attention(self.attention_backend, device, self.torch_dtype,
                                                  self.model_config.head_dim, self.kv_cache_dtype)
+        self.moe_kernel = choose_moe_kernel(self.moe_backend, device)
         self.cuda_graphs = choose_cuda_graphs(self.cuda_graphs, device, self.attention_kernel, self.kv_cache_dtype,
                                               self.model_config.moe is not None)
         self.kv_open_blocks = 0 if self.kv_cache_dtype == "auto" else self.max_num_seqs

@@ -152,13 +152,14 @@ for pkg in vllm sglang flashinfer; do
 done
 
 # ---------------------------------------------------------------- gpu-tests
-# Issue 34's gpu tests (the native engine's CUDA paths): on CUDA each must pass, not skip.
+# Issue 34's gpu tests (the native engine's CUDA paths) and issue 35's fused-MoE kernel: on CUDA each must pass, not skip.
 ISSUE34_TESTS=(
   "tests/test_engine_cuda_graphs.py::test_replayed_decode_equals_the_eager_kernel_and_survives_a_changed_update"
   "tests/test_engine_cuda_graphs.py::test_bfloat16_by_default_on_cuda_the_kernel_and_graphs_follow_the_torch_path"
   "tests/test_engine_attention_triton.py::test_on_cuda_the_compiled_kernel_equals_the_torch_path_in_bfloat16_and_split"
   "tests/test_engine_host_sync.py::test_on_cuda_a_whole_step_synchronizes_once"
   "tests/test_engine_host_sync.py::test_on_cuda_a_step_forward_does_not_synchronize"
+  "tests/test_engine_moe_triton.py::test_on_cuda_the_compiled_moe_kernels_equal_the_torch_experts"  # issue 35
 )
 mapfile -t GPU_FILES < <(grep -l "pytest.mark.gpu" tests/test_*.py | sort)
 PYTEST_OPTS=(-q -rA -m gpu -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml")

@@ -38,7 +38,7 @@ attention_triton.paged_attention_triton = lambda *args: right(*args) * 1.01
 """
 
 
-def run_cases(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+def run_cases(tmp_path: Path, *args: str, cases: Path = CASES) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
     """Run the cases in a child pytest, TRITON_INTERPRET=1 in its environment alone when there is no CUDA; tmp_path
     leads its PYTHONPATH. Returns the child's result and each case's outcome (passed, failure, error, skipped)
     read from its JUnit report."""
@@ -48,7 +48,7 @@ def run_cases(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     report = tmp_path / "cases.xml"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                           *args, str(CASES)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
+                           *args, str(cases)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
                           check=False)
     assert report.exists(), done.stdout[-6000:] + done.stderr[-2000:]
     outcomes = {}

@@ -21,6 +21,7 @@ from rollout.model.attention import (
     PagedKernel,
 )
 from rollout.model.attention_flashinfer import FlashInferAttention
+from rollout.model.moe import set_moe_kernel
 from rollout.model.registry import model_class
 from services.device import device_scope
 
@@ -35,6 +36,7 @@ class ModelRunner:
                                                           self.device, config.lm_head_fp32)
         with torch.no_grad():
             self.model.load_checkpoint(config.model)
+        set_moe_kernel(self.model, config.moe_kernel)
         # In the model dtype, or quantized (kv_cache_dtype); with CUDA graphs one more block: the padding rows' scratch
         self.cache = make_kv_cache(config, self.device)
         self.attention_kernel = config.attention_kernel  # "torch", "triton" or "flashinfer" (rollout/model/attention.py)

@@ -36,7 +36,10 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """E gated SiLU MLPs stored stacked; forward runs each expert once over the rows routed to it."""
+    """E gated SiLU MLPs stored stacked; forward runs each expert once over the rows routed to it, in torch or, with
+    `kernel` "triton" (set_moe_kernel), as the fused grouped GEMMs of rollout/model/moe_triton.py."""
+
+    kernel = "torch"
 
     def __init__(self, hidden_size: int, moe: MoeConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -48,6 +51,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert[experts[t, k]](x[t]), for x [T, hidden]."""
+        if self.kernel == "triton":
+            from rollout.model.moe_triton import fused_experts  # triton imported only where the kernel runs
+
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
         top_k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # rows grouped by expert; within one, in token order
@@ -78,6 +85,13 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
         return self.experts(x, weights, experts)
+
+
+def set_moe_kernel(model: nn.Module, kernel: str) -> None:
+    """Who runs every experts layer of `model`: "torch" or "triton" (EngineConfig.moe_kernel)."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.kernel = kernel
 
 
 def expert_alias(name: str, moe: MoeConfig) -> tuple[str, tuple] | None:
