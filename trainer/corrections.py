@@ -13,6 +13,19 @@ from trainer.config.algorithm import RejectionStatistic
 from trainer.losses import LOG_RATIO_BOUND, ISLevel, masked_mean, masked_sum
 
 
+def _level_log_ratio(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor | None,
+                     level: ISLevel) -> torch.Tensor:
+    """log pi_prox - log pi_behav per token, or per sequence (its sum over `mask`, on each of its tokens)."""
+    log_ratio = proximal_logprobs - behaviour_logprobs
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("sequence-level importance weights need the loss mask")
+        return masked_sum(log_ratio, mask, -1).unsqueeze(-1).expand_as(proximal_logprobs)
+    if level != "token":
+        raise ValueError(f"is_level: unknown level {level!r}")
+    return log_ratio
+
+
 def tis_weights(
     proximal_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -28,13 +41,7 @@ def tis_weights(
     (needs `mask`). Log-ratios are clamped to +-20 (per token, or the sequence's sum) before exp.
     Masked-out tokens get weight 0 when `mask` is given.
     """
-    log_ratio = proximal_logprobs - behaviour_logprobs
-    if level == "sequence":
-        if mask is None:
-            raise ValueError("sequence-level importance weights need the loss mask")
-        log_ratio = masked_sum(log_ratio, mask, -1).unsqueeze(-1).expand_as(proximal_logprobs)
-    elif level != "token":
-        raise ValueError(f"is_level: unknown level {level!r}")
+    log_ratio = _level_log_ratio(proximal_logprobs, behaviour_logprobs, mask, level)
     weights = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     if mask is not None:
         weights = weights * mask
@@ -130,14 +137,9 @@ def decoupled_weights(
     `level` as `tis_weights`: sequence = the product of the sequence's token ratios, the whole sequence
     dropped when it exceeds the cap (needs `mask`). Masked-out tokens get weight 0 when `mask` is given.
     """
-    log_ratio = proximal_logprobs - behaviour_logprobs
+    log_ratio = _level_log_ratio(proximal_logprobs, behaviour_logprobs, mask, level)
     if level == "sequence":
-        if mask is None:
-            raise ValueError("sequence-level importance weights need the loss mask")
-        log_ratio = masked_sum(log_ratio, mask, -1).unsqueeze(-1).expand_as(proximal_logprobs)
         log_ratio = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    elif level != "token":
-        raise ValueError(f"is_level: unknown level {level!r}")
     weights = torch.exp(log_ratio).detach()
     weights = torch.where(weights <= cap, weights, torch.zeros_like(weights))
     return weights * mask if mask is not None else weights
