@@ -154,3 +154,22 @@ def test_replay_refuses_a_sample_without_routes(moe_dir):
     samples[2].routed_experts = Sample.routed_experts_unset()
     with pytest.raises(ValueError, match="sample s2 carries no routed_experts.*vLLM and SGLang"):
         learner.prepare(samples)
+
+
+def test_the_experiment_file_turns_replay_on_and_refuses_an_engine_without_routes(tmp_path):
+    import pathlib
+
+    import yaml
+
+    from deploy.experiment.schema import ExperimentConfig
+    from deploy.rl.plan import pipeline_plan
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "deploy" / "experiment"
+    raw = yaml.safe_load((folder / "quickstart_experiment.yaml").read_text())
+    raw["training"] = {**raw.get("training", {}), "routing_replay": "rollout"}
+    config = ExperimentConfig.model_validate(raw)
+    plan = pipeline_plan(config, tmp_path, tmp_path / "policy", tmp_path / "prompts.jsonl")
+    assert plan.trainer["moe"] == {"routing_replay": "rollout"}
+    raw["services"] = {"rollout": {"settings": {"engine.type": "vllm"}}}
+    with pytest.raises(ValueError, match="routing_replay: rollout, but the vllm rollout engine"):
+        ExperimentConfig.model_validate(raw)
