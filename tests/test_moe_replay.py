@@ -3,10 +3,14 @@ gates are the router's probabilities at them (so `router.weight.grad` is nonzero
 alike, the routes survive collation, the data-parallel split and micro-batching, and every step reports the MoE
 metrics (router agreement from the trainer's own top-k even under replay, expert load, the load-balancing loss)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
+from deploy.inspect.status_table import _caption, trainer_summary
 from protos.sample import Sample
 from rollout.model.tiny import write_tiny_model
 from trainer.batch import collate, local_rows, pad_rows, plan_mini_batches
@@ -126,7 +130,7 @@ def trainer_config(model, **fields) -> TrainerConfig:
     return TrainerConfig.model_validate({**base, **fields})
 
 
-def test_every_step_reports_router_agreement_expert_load_and_the_balancing_loss(moe_dir):
+def test_every_step_reports_router_agreement_expert_load_and_the_balancing_loss(moe_dir, tmp_path):
     env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
     learner = Learner(trainer_config(moe_dir, moe={"routing_replay": "rollout", "aux_loss_coef": 0.01}), env)
     samples = make_samples(4)
@@ -138,13 +142,17 @@ def test_every_step_reports_router_agreement_expert_load_and_the_balancing_loss(
         sample.routed_experts = row[: sample.prompt_ids.size + sample.response_ids.size - 1].numpy().astype(np.uint8)
     (mini_batch,) = learner.prepare(samples)
     metrics = learner.train_step(mini_batch, 0)
-    assert metrics["moe_router_agreement"] == 1.0
-    assert metrics["moe_aux_loss"] >= 1.0 - 1e-6  # 1 when balanced, more otherwise
-    assert metrics["moe_load_max_over_mean"] >= 1.0
-    assert {f"moe_load_max_over_mean/{layer}" for layer in range(LAYERS)} <= set(metrics)
+    assert metrics["moe/router_agreement"] == 1.0
+    assert metrics["moe/aux_loss"] >= 1.0 - 1e-6  # 1 when balanced, more otherwise
+    assert metrics["moe/load_max_over_mean"] >= 1.0
+    assert {f"moe/load_max_over_mean/{layer}" for layer in range(LAYERS)} <= set(metrics)
+    assert REGISTRY.get_sample_value("relayrl_trainer_moe", {"stat": "router_agreement"}) == 1.0
+    (tmp_path / "trainer_metrics.jsonl").write_text(json.dumps({"step": 0, "weight_version": 0, **metrics}) + "\n")
+    caption = _caption(trainer_summary(tmp_path))
+    assert "MoE router agreement 1; expert load max/mean" in caption and "load-balancing loss" in caption
     random = make_samples(4)  # routes drawn at random: the routers agree on about 1 pair in 6
     (mini_batch,) = learner.prepare(random)
-    assert learner.train_step(mini_batch, 1)["moe_router_agreement"] < 0.6
+    assert learner.train_step(mini_batch, 1)["moe/router_agreement"] < 0.6
 
 
 def test_replay_refuses_a_sample_without_routes(moe_dir):

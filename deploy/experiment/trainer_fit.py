@@ -81,9 +81,9 @@ def _routing_problems(config, trainer) -> list[str]:
     """Routing replay needs routes from the rollout: only the native engine records them."""
     engine = nested(config.services.rollout.settings).get("engine", {}).get("type", "native")
     if trainer.moe.routing_replay == "rollout" and engine != "native":
-        return [f"training.routing_replay: rollout, but the {engine} rollout engine (services.rollout.settings."
-                "engine.type) does not report the experts each token was routed to; only the native engine does: "
-                "serve the policy with it, or set routing_replay: off"]
+        return [(f"training.routing_replay: rollout, but the {engine} rollout engine (services.rollout.settings."
+                 "engine.type) does not report the experts each token was routed to; only the native engine does: "
+                 "serve the policy with it, or set routing_replay: off")]
     return []
 
 

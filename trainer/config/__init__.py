@@ -45,7 +45,7 @@ class TrainerConfig(Strict):
                                      "logprob mismatch reported every step (mismatch/* in the metrics).")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     moe: MoeConfig = Field(default_factory=MoeConfig, description="A mixture-of-experts policy's routing replay "
-                           "(R3) and load-balancing loss (moe_* in the metrics).")
+                           "(R3) and load-balancing loss (moe/* in the metrics).")
     seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
     deterministic: bool = Field(False, description="A deterministic run (deploy/experiment/schema.py): deterministic torch "
                                 "kernels on num_threads threads (services/determinism.py), and each batch trained in "

@@ -17,5 +17,5 @@ class MoeConfig(Strict):
         "trainer/moe/routing.py); a sample without routes is an error (a dense model, or an engine that records "
         "none: vLLM, SGLang). off: the trainer's own routers choose.")
     aux_loss_coef: float = Field(
-        0.0, ge=0, description="Weight of the load-balancing loss (moe_aux_loss in the metrics, Switch Transformer's "
+        0.0, ge=0, description="Weight of the load-balancing loss (moe/aux_loss in the metrics, Switch Transformer's "
         "per layer, 1 when balanced) added to the objective; 0 = reported, not trained on (as Qwen3 RL recipes).")

@@ -1,19 +1,24 @@
 """What a mixture-of-experts policy's routers did in a step: agreement with the rollout, expert load, and the
-load-balancing loss (trainer_metrics.jsonl's moe_* figures; docs/moe.md).
+load-balancing loss (trainer_metrics.jsonl's moe/* figures, also on TensorBoard, Prometheus's relayrl_trainer_moe and `relayrl
+status`; docs/moe.md).
 
-- moe_router_agreement: of the (token, sparse layer) pairs the rollout routed, the share whose top-k set the
+- moe/router_agreement: of the (token, sparse layer) pairs the rollout routed, the share whose top-k set the
   trainer's own router picks too, taken from the router's own top-k whether or not the step replays the rollout's
   (with R3 the experts run are the rollout's; this says how far the routers would stray without it).
-- moe_load_max_over_mean/L: in sparse layer L, the most tokens any expert got over the mean per expert (1 =
-  balanced), by the router's own top-k over the step's tokens; moe_load_max_over_mean: the worst layer's.
-- moe_aux_loss: Switch Transformer's load-balancing loss, per layer E / (N k) * sum_e count_e * P_e (count_e the
+- moe/load_max_over_mean/L: in sparse layer L, the most tokens any expert got over the mean per expert (1 =
+  balanced), by the router's own top-k over the step's tokens; moe/load_max_over_mean: the worst layer's.
+- moe/aux_loss: Switch Transformer's load-balancing loss, per layer E / (N k) * sum_e count_e * P_e (count_e the
   top-k slots given to expert e among the N tokens, the experts the layer ran; P_e its mean router probability),
   averaged over the layers: 1 when balanced. moe.aux_loss_coef times it joins the loss.
 """
 
 import torch
+from prometheus_client import Gauge
 
 from trainer.moe.routing import RouterHooks
+
+MOE = Gauge("relayrl_trainer_moe", "A mixture-of-experts policy's routers in the last step: router_agreement (with the "
+            "rollout), load_max_over_mean (the worst layer's), aux_loss", ["stat"])
 
 
 class MoeStats:
@@ -46,15 +51,18 @@ class MoeStats:
         return loss
 
     def finish(self, env) -> dict[str, float]:
-        """The step's moe_* metrics, summed over every rank (a collective: every rank calls it)."""
+        """The step's moe/* metrics, summed over every rank (a collective: every rank calls it)."""
         totals = env.all_reduce_sum(torch.cat([self.agree, self.aux, self.load.flatten()]))
         agree, aux, load = totals[:2], totals[2:4], totals[4:].view_as(self.load)
         imbalance = load.amax(-1) / load.mean(-1).clamp_min(1e-12)
-        metrics = {"moe_aux_loss": float(aux[0] / aux[1].clamp_min(1)),
-                   "moe_load_max_over_mean": float(imbalance.max())}
-        metrics.update({f"moe_load_max_over_mean/{layer}": float(value) for layer, value in enumerate(imbalance)})
+        metrics = {"moe/aux_loss": float(aux[0] / aux[1].clamp_min(1)),
+                   "moe/load_max_over_mean": float(imbalance.max())}
+        metrics.update({f"moe/load_max_over_mean/{layer}": float(value) for layer, value in enumerate(imbalance)})
         if agree[1] > 0:
-            metrics["moe_router_agreement"] = float(agree[0] / agree[1])
+            metrics["moe/router_agreement"] = float(agree[0] / agree[1])
+        for name in ("router_agreement", "load_max_over_mean", "aux_loss"):
+            if f"moe/{name}" in metrics:
+                MOE.labels(stat=name).set(metrics[f"moe/{name}"])
         return metrics
 
 
