@@ -97,3 +97,18 @@ def test_a_session_keeps_its_routes_across_turns_and_a_weight_update(moe_dir, hf
 def test_a_dense_model_reports_no_routes(tmp_path):
     engine = make_engine(write_tiny_model(tmp_path / "d", arch="qwen3"))
     assert engine.generate([[1, 5, 6]], GREEDY)[0].completions[0].routed_experts is None
+
+
+def test_a_re_run_chunk_cut_by_the_router_keeps_its_routes():
+    from protos import rollout_pb2
+    from protos.codec import decode_tensor, encode_array, encode_tensor
+    from protos.sample import ROUTE_DTYPES
+    from rollout.router.service import _tail
+
+    routes = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)
+    chunk = rollout_pb2.GenerateChunk(request_id="r", index=0, token_ids=encode_array([5, 6, 7], "int32"),
+                                      weight_versions=encode_array([2, 2, 3], "int64"),
+                                      finish_reason=rollout_pb2.FINISH_REASON_STOP,
+                                      routed_experts=encode_tensor(routes, "uint8"))
+    cut = decode_tensor(_tail(chunk, 2).routed_experts, "routed_experts", ROUTE_DTYPES, 3)
+    assert (cut == routes).all()  # the routes cover the whole context: the cut keeps them all

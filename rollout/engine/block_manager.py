@@ -96,10 +96,9 @@ class BlockManager:
         seq.num_registered_blocks = num_full
 
     def _keep_routes(self, seq: Sequence, index: int, block_id: int) -> None:
-        size = self.block_size
-        rows = seq.routes.prefix((index + 1) * size) if seq.routes is not None else None
+        rows = seq.routes.block(index, self.block_size) if seq.routes is not None else None
         if rows is not None:
-            self.block_routes[block_id] = rows[index * size :]
+            self.block_routes[block_id] = rows
 
     def take_private(self, count: int) -> list[int]:
         """`count` fresh blocks for KV that is not a plain prefix of tokens (a compacted sequence, see

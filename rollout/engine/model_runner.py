@@ -105,7 +105,7 @@ class ModelRunner:
         record(computed, [seq.num_cached_tokens for seq in computed],
                [batch.num_new_tokens[seq.seq_id] for seq in computed], rows)
         for seq in batch.seqs:
-            if seq.prefill_from is not None:
+            if seq.prefill_from is not None and seq.prefill_from.routes is not None:
                 seq.routes = seq.prefill_from.routes.copy()
 
     def score(self, seqs: list[Sequence], starts: list[int], temperature: float = 1.0,

@@ -42,6 +42,12 @@ class RouteLog:
         """A copy of the routes of positions [0, num_positions), or None when some of them are not recorded."""
         return self.rows[:num_positions].copy() if self.known >= num_positions else None
 
+    def block(self, index: int, size: int) -> np.ndarray | None:
+        """A copy of the routes of block `index` (positions [index * size, (index + 1) * size)); None when some of
+        its positions (or of those before it) are not recorded."""
+        end = (index + 1) * size
+        return self.rows[end - size : end].copy() if self.known >= end else None
+
     def copy(self) -> "RouteLog":
         return RouteLog(self.rows[: self.known].copy(), self.known)
 
