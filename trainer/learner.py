@@ -321,8 +321,8 @@ class Learner:
                 micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
                 self._set_off_policy_correction(micro)
             loss, metrics = objective(self.algo, micro, out)
-            if moe is not None:  # the load-balancing loss, its mean over micro-batches (trainer/moe/metrics.py)
-                loss = loss + self.config.moe.aux_loss_coef / len(micro_batches) * moe.add()
+            if moe is not None:  # the load-balancing loss, its mean over micro-batches and ranks (trainer/moe/metrics.py)
+                loss = loss + self.config.moe.aux_loss_coef / (len(micro_batches) * self.env.dp_size) * moe.add()
             # FSDP averages gradients over the data-parallel ranks; every one's loss is its share of the global sum.
             (loss * self.env.dp_size).backward()
             metrics["tokens"] = micro.loss_mask.sum()
