@@ -9,7 +9,8 @@ status`; docs/moe.md).
   balanced), by the router's own top-k over the step's tokens; moe/load_max_over_mean: the worst layer's.
 - moe/aux_loss: Switch Transformer's load-balancing loss, per layer E / (N k) * sum_e count_e * P_e (count_e the
   top-k slots given to expert e among the N tokens, the experts the layer ran; P_e its mean router probability),
-  averaged over the layers: 1 when balanced. moe.aux_loss_coef times it joins the loss.
+  averaged over the layers: 1 when balanced. Taken per micro-batch (so it depends on how the batch is split);
+  moe.aux_loss_coef times its mean over micro-batches and ranks joins the loss.
 """
 
 import torch
