@@ -1,4 +1,5 @@
-"""Bulk payloads on the wire: 1-D numpy arrays as raw little-endian bytes, metadata as msgpack."""
+"""Bulk payloads on the wire: numpy arrays as raw little-endian bytes (1-D, or shaped: encode_tensor), metadata as
+msgpack."""
 
 import functools
 from typing import Any
@@ -15,6 +16,7 @@ _DTYPES: dict[int, np.dtype] = {
     common_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
     common_pb2.DTYPE_UINT8: np.dtype("u1"),
     common_pb2.DTYPE_FLOAT64: np.dtype("<f8"),
+    common_pb2.DTYPE_UINT16: np.dtype("<u2"),
 }
 _CODES: dict[str, int] = {dt.str.lstrip("<|"): code for code, dt in _DTYPES.items()}
 # bfloat16 has no numpy type: it travels as uint16 bit patterns (see torch_dtype helpers).
@@ -56,6 +58,29 @@ def encode_array(values: Any, dtype: np.dtype | str) -> common_pb2.Array:
 @functools.lru_cache(maxsize=64)
 def _little_endian(dtype: np.dtype | str) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")
+
+
+def encode_tensor(values: np.ndarray, dtype: np.dtype | str) -> common_pb2.Array:
+    """Encode an array of any number of dimensions (row-major) as a wire Array with its shape; an empty array
+    encodes as an unset Array."""
+    arr = np.ascontiguousarray(values, dtype=_little_endian(dtype))
+    if arr.size == 0:
+        return common_pb2.Array()
+    return common_pb2.Array(dtype=dtype_code(arr.dtype), length=arr.size, data=arr.tobytes(), shape=arr.shape)
+
+
+def decode_tensor(msg: common_pb2.Array, field: str, expect: tuple[str, ...], ndim: int) -> np.ndarray:
+    """Decode a shaped wire Array of `ndim` dimensions whose dtype is one of `expect`; an unset Array decodes to an
+    empty array of shape (0,) * ndim."""
+    if msg.dtype == common_pb2.DTYPE_UNSPECIFIED and msg.length == 0 and not msg.data:
+        return np.empty((0,) * ndim, dtype=np.dtype(expect[0]))
+    dt = _DTYPES.get(msg.dtype)
+    if dt is None or dt not in [_little_endian(e) for e in expect]:
+        raise CodecError(f"{field}: expected dtype {' or '.join(expect)}, got dtype code {msg.dtype}")
+    shape = tuple(msg.shape)
+    if len(shape) != ndim or int(np.prod(shape)) != msg.length:
+        raise CodecError(f"{field}: shape {list(shape)} is not {ndim}-dimensional with {msg.length} elements")
+    return decode_array(msg, field, dt).reshape(shape)
 
 
 def decode_array(msg: common_pb2.Array, field: str = "array", expect: np.dtype | str | None = None) -> np.ndarray:

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,6 +17,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
     DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_UINT16: _ClassVar[DType]
 
 class SampleStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +34,7 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_UINT8: DType
 DTYPE_FLOAT64: DType
+DTYPE_UINT16: DType
 SAMPLE_STATUS_UNSPECIFIED: SampleStatus
 SAMPLE_STATUS_COMPLETED: SampleStatus
 SAMPLE_STATUS_TRUNCATED: SampleStatus
@@ -40,17 +42,19 @@ SAMPLE_STATUS_ABORTED: SampleStatus
 SAMPLE_STATUS_FAILED: SampleStatus
 
 class Array(_message.Message):
-    __slots__ = ("dtype", "length", "data")
+    __slots__ = ("dtype", "length", "data", "shape")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     length: int
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "prompt_id", "group_id", "group_size", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "reward_details", "turn_rewards", "status", "reason", "prompt_text", "response_text", "metadata", "ref_logprobs", "values", "advantages", "temperature", "kv_version")
+    __slots__ = ("sample_id", "prompt_id", "group_id", "group_size", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "reward_details", "turn_rewards", "status", "reason", "prompt_text", "response_text", "metadata", "ref_logprobs", "values", "advantages", "temperature", "kv_version", "routed_experts")
     class RewardDetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +84,7 @@ class Sample(_message.Message):
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     KV_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     prompt_id: str
     group_id: str
@@ -102,4 +107,5 @@ class Sample(_message.Message):
     advantages: Array
     temperature: float
     kv_version: int
-    def __init__(self, sample_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Union[Array, _Mapping]] = ..., response_ids: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., weight_versions: _Optional[_Union[Array, _Mapping]] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., turn_rewards: _Optional[_Union[Array, _Mapping]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reason: _Optional[str] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., metadata: _Optional[bytes] = ..., ref_logprobs: _Optional[_Union[Array, _Mapping]] = ..., values: _Optional[_Union[Array, _Mapping]] = ..., advantages: _Optional[_Union[Array, _Mapping]] = ..., temperature: _Optional[float] = ..., kv_version: _Optional[int] = ...) -> None: ...
+    routed_experts: Array
+    def __init__(self, sample_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Union[Array, _Mapping]] = ..., response_ids: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., weight_versions: _Optional[_Union[Array, _Mapping]] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., turn_rewards: _Optional[_Union[Array, _Mapping]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reason: _Optional[str] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., metadata: _Optional[bytes] = ..., ref_logprobs: _Optional[_Union[Array, _Mapping]] = ..., values: _Optional[_Union[Array, _Mapping]] = ..., advantages: _Optional[_Union[Array, _Mapping]] = ..., temperature: _Optional[float] = ..., kv_version: _Optional[int] = ..., routed_experts: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...

@@ -60,7 +60,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text", "logprobs_temperature", "kv_version")
+    __slots__ = ("index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text", "logprobs_temperature", "kv_version", "routed_experts")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class Completion(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     KV_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _common_pb2.Array
     logprobs: _common_pb2.Array
@@ -77,7 +78,8 @@ class Completion(_message.Message):
     text: str
     logprobs_temperature: float
     kv_version: int
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., logprobs_temperature: _Optional[float] = ..., kv_version: _Optional[int] = ...) -> None: ...
+    routed_experts: _common_pb2.Array
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., logprobs_temperature: _Optional[float] = ..., kv_version: _Optional[int] = ..., routed_experts: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "completions", "prompt_tokens")
@@ -102,7 +104,7 @@ class GenerateManyResponse(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text", "kv_version")
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text", "kv_version", "routed_experts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class GenerateChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     KV_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _common_pb2.Array
@@ -119,7 +122,8 @@ class GenerateChunk(_message.Message):
     finish_reason: FinishReason
     text: str
     kv_version: int
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., kv_version: _Optional[int] = ...) -> None: ...
+    routed_experts: _common_pb2.Array
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., kv_version: _Optional[int] = ..., routed_experts: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

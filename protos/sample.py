@@ -7,7 +7,17 @@ from typing import Any
 import numpy as np
 
 from protos import common_pb2
-from protos.codec import CodecError, decode_array, encode_array, pack_metadata, unpack_metadata
+from protos.codec import (
+    CodecError,
+    decode_array,
+    decode_tensor,
+    encode_array,
+    encode_tensor,
+    pack_metadata,
+    unpack_metadata,
+)
+
+ROUTE_DTYPES = ("uint8", "uint16")  # of routed_experts: uint16 for models with more than 256 experts
 
 
 class SampleStatus(enum.IntEnum):
@@ -54,10 +64,19 @@ class Sample:
     # The oldest weight version of the KV its tokens were sampled on (common.proto says exactly what it bounds: a
     # token of version w attended to KV of versions in [min(w, kv_version), w]); None: the producer does not know
     kv_version: int | None = None
+    # Routing replay (R3): the experts each token of prompt_ids + response_ids was routed to by the rollout engine,
+    # [tokens, sparse layers, top_k] uint8/uint16, over all tokens or all but the last (common.proto says exactly);
+    # empty (shape [0, 0, 0]): not recorded
+    routed_experts: np.ndarray = field(default_factory=lambda: Sample.routed_experts_unset())
 
     def __post_init__(self) -> None:
         if not self.group_id:
             self.group_id = self.prompt_id
+
+    @staticmethod
+    def routed_experts_unset() -> np.ndarray:
+        """routed_experts when not recorded."""
+        return np.empty((0, 0, 0), np.uint8)
 
     @property
     def oldest_version(self) -> int:
@@ -81,6 +100,13 @@ class Sample:
             size = getattr(self, name).size
             if size not in (0, n):
                 raise CodecError(f"{name}: has {size} entries for {n} response tokens")
+        routes, total = self.routed_experts, self.prompt_ids.size + n
+        if routes.ndim != 3 or routes.dtype.name not in ROUTE_DTYPES:
+            raise CodecError(f"routed_experts: must be [tokens, layers, top_k] uint8/uint16, got {routes.dtype.name} "
+                             f"of shape {list(routes.shape)}")
+        if routes.shape[0] and not total - 1 <= routes.shape[0] <= total:
+            raise CodecError(f"routed_experts: has {routes.shape[0]} rows for {total} tokens (prompt + response; "
+                             "all of them or all but the last)")
 
     def to_proto(self) -> common_pb2.Sample:
         return common_pb2.Sample(
@@ -106,6 +132,7 @@ class Sample:
             advantages=encode_array(self.advantages, "float32"),
             temperature=self.temperature,
             kv_version=self.kv_version,
+            routed_experts=encode_tensor(self.routed_experts, self.routed_experts.dtype),
         )
 
     @classmethod
@@ -140,6 +167,7 @@ class Sample:
             advantages=arr("advantages", "float32"),
             temperature=msg.temperature,
             kv_version=msg.kv_version if msg.HasField("kv_version") else None,
+            routed_experts=decode_tensor(msg.routed_experts, "routed_experts", ROUTE_DTYPES, 3),
         )
         sample.validate()
         return sample

@@ -42,6 +42,9 @@ class TrainBatch:
     loss_weights: torch.Tensor | None = None  # per token, see losses.loss_weights
     token_weights: torch.Tensor | None = None  # per token, token-mean weights for metrics
     row_weights: torch.Tensor | None = None  # per row, 1 / rows (DPO pairs)
+    # [rows, tokens, layers, top_k] int16: the experts the rollout routed each input token to (Sample.routed_experts);
+    # -1 where it has none (padding, a sample's last token); None: no sample carries routes
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -65,7 +68,7 @@ class TrainBatch:
         def trim(name: str, value: torch.Tensor) -> torch.Tensor:
             if value.dim() == 1:
                 return value
-            return value[:, :length] if name in ("input_ids", "attention_mask") else value[:, : length - 1]
+            return value[:, :length] if name in ("input_ids", "attention_mask", "routed_experts") else value[:, : length - 1]
 
         return self._map(trim)
 
@@ -115,7 +118,23 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> TrainBatch:
         group_index=group_indices([s.group_id for s in samples]),
         temperatures=torch.tensor([s.temperature or 1.0 for s in samples], dtype=torch.float32),
         ref_logprobs=torch.from_numpy(ref_logprobs) if carries_ref else None,
+        routed_experts=collate_routes(samples, tokens),
     )
+
+
+def collate_routes(samples: Sequence[Sample], tokens: int) -> torch.Tensor | None:
+    """[rows, tokens, layers, top_k] int16 of the samples' routed experts, -1 where a sample has none; None when no
+    sample carries routes. Samples whose routes differ in shape (another model) are an error."""
+    shapes = {s.routed_experts.shape[1:] for s in samples if s.routed_experts.shape[0]}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"samples carry routed_experts of different shapes {sorted(shapes)} (layers, top_k)")
+    routes = np.full((len(samples), tokens, *shapes.pop()), -1, dtype=np.int16)
+    for i, sample in enumerate(samples):
+        rows = sample.routed_experts
+        routes[i, : rows.shape[0]] = rows
+    return torch.from_numpy(routes)
 
 
 def order_preference_pairs(samples: Sequence[Sample]) -> list[Sample]:
@@ -182,6 +201,14 @@ def plan_mini_batches(num_rows: int, mini_batches: int, world_size: int, unit: i
     chunks = [range(start * unit, (start + size) * unit) for start, size in zip(starts, sizes, strict=True)]
     step_units = -(-sizes[0] // world_size) * world_size
     return chunks, step_units * unit
+
+
+def local_rows(steps: int, per_step: int, dp_size: int, dp_rank: int) -> torch.Tensor:
+    """Indices of a rank's rows in a batch of `steps` mini-batches of `per_step` rows (pad_rows): its data-parallel
+    group's contiguous share of every mini-batch."""
+    per_rank = per_step // dp_size
+    starts = [m * per_step + dp_rank * per_rank for m in range(steps)]
+    return torch.cat([torch.arange(start, start + per_rank) for start in starts])
 
 
 def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatch:

@@ -29,6 +29,7 @@ from trainer.batch import (
     TrainBatch,
     collate,
     group_indices,
+    local_rows,
     order_preference_pairs,
     pack_by_tokens,
     pad_rows,
@@ -47,6 +48,8 @@ from trainer.corrections import (
 from trainer.losses import loss_totals, loss_weights
 from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
 from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
+from trainer.moe.metrics import MoeStats
+from trainer.moe.routing import check_routes
 from trainer.objectives import objective
 from trainer.packing import pack_by_token_sum
 from trainer.parallel import DistEnv, build_policy
@@ -82,6 +85,8 @@ class Learner:
         algo = self.algo
         self.proximal_in_step = (algo.recomputes_logprobs and algo.name != "ppo" and config.batch.mini_batches == 1
                                  and not algo.rejection and not algo.is_batch_normalize and algo.kl_reward_coef == 0)
+        # Routing replay (R3): a mixture-of-experts policy runs the experts the rollout routed each token to
+        self.replays_routes = config.moe.routing_replay == "rollout" and self.policy.router_hooks is not None
         optim = config.optim
         # Dynamic sampling's counts: the last pulled batch's (added to each of its steps' metrics) and running totals.
         self.batch_metrics: dict[str, float] = {}
@@ -113,6 +118,8 @@ class Learner:
             return []
         if self.algo.name == "dpo":
             samples = order_preference_pairs(samples)
+        if self.replays_routes:
+            check_routes(samples)
         batch = collate(samples, self.pad_id)
         chunks, per_step = plan_mini_batches(
             batch.num_rows, self.config.batch.mini_batches, self.env.dp_size, unit=2 if self.algo.name == "dpo" else 1
@@ -205,10 +212,7 @@ class Learner:
         return kept
 
     def _local_rows(self, steps: int, per_step: int) -> torch.Tensor:
-        """Indices of this rank's rows: its data-parallel group's contiguous share of every mini-batch."""
-        per_rank = per_step // self.env.dp_size
-        starts = [m * per_step + self.env.dp_rank * per_rank for m in range(steps)]
-        return torch.cat([torch.arange(start, start + per_rank) for start in starts])
+        return local_rows(steps, per_step, self.env.dp_size, self.env.dp_rank)
 
     @torch.no_grad()
     def _recompute(self, batch: TrainBatch) -> None:
@@ -242,8 +246,12 @@ class Learner:
 
     def _forward(self, model: PolicyModel, micro: TrainBatch, entropy_grad: bool = False,
                  entropy: bool = True) -> PolicyOutput:
+        real = micro.attention_mask
+        if micro.row_weights is not None:  # a padding row (a copy of a real one) counts in no routing metric
+            real = real * (micro.row_weights > 0)[:, None]
         return run_policy(model, micro.input_ids, micro.attention_mask, self._temperatures(micro), entropy_grad,
-                          packing=self.packing, entropy=entropy)
+                          packing=self.packing, entropy=entropy, routes=micro.routed_experts,
+                          replay=self.replays_routes and model is self.policy, token_mask=real)
 
     def _temperatures(self, batch: TrainBatch) -> torch.Tensor | None:
         """RL objectives score the sampled tokens under the distribution they were drawn from (logits / T);
@@ -321,6 +329,7 @@ class Learner:
         sums: dict[str, torch.Tensor] = {}
         largest_mismatch = torch.zeros((), dtype=torch.float64)
         measures_mismatch = self.algo.name in ("grpo", "ppo", "distill")
+        moe = MoeStats(self.policy.router_hooks) if self.policy.router_hooks is not None else None
         for index, (_, micro) in enumerate(micro_batches):
             self._sync_gradients(index == len(micro_batches) - 1)
             with self._autocast():
@@ -329,6 +338,8 @@ class Learner:
                 micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
                 self._set_off_policy_correction(micro)
             loss, metrics = objective(self.algo, micro, out)
+            if moe is not None:  # the load-balancing loss, its mean over micro-batches and ranks (trainer/moe/metrics.py)
+                loss = loss + self.config.moe.aux_loss_coef / (len(micro_batches) * self.env.dp_size) * moe.add()
             # FSDP averages gradients over the data-parallel ranks; every one's loss is its share of the global sum.
             (loss * self.env.dp_size).backward()
             metrics["tokens"] = micro.loss_mask.sum()
@@ -348,6 +359,8 @@ class Learner:
         result = dict(zip(names, totals.tolist(), strict=True))
         result.update(mismatch_metrics(result, largest_over_ranks(self.env, largest_mismatch)))
         result.update(grad_norm=grad_norm, lr=lr, **self.batch_metrics)
+        if moe is not None:
+            result.update(moe.finish(self.env))
         return result
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[slice | torch.Tensor, TrainBatch]]:

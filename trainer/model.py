@@ -8,6 +8,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from trainer.lm_head import head_token_stats
+from trainer.moe.routing import router_hooks
 from trainer.packing import pack_rows
 
 # Names of the value head's parameters in the policy's state dict (never exported to HF).
@@ -33,6 +34,8 @@ class PolicyModel(nn.Module):
             # A zero critic: the first advantages are the plain returns, the same on every rank.
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
+        # A mixture-of-experts LM's routers, hooked for routing replay and their metrics (trainer/moe/); None: dense
+        self.router_hooks = router_hooks(lm)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -112,6 +115,9 @@ def run_policy(
     *,
     packing: Packing | None = None,
     entropy: bool = True,
+    routes: torch.Tensor | None = None,
+    replay: bool = False,
+    token_mask: torch.Tensor | None = None,
 ) -> PolicyOutput:
     """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked; None if not `entropy`),
     values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed.
@@ -119,16 +125,28 @@ def run_policy(
     Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
     (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
     logprobs of (rollout/engine/sampler.py, logprobs_mode "tempered"), as verl divides its logits too.
+
+    A mixture-of-experts model learns the rollout's `routes` of the input tokens ([B, T, layers, top_k], -1 where
+    none) and replays them with `replay` (trainer/moe/routing.py); `token_mask` [B, T] (default attention_mask) says
+    which tokens its routing metrics count.
     """
+    hooks = model.router_hooks
+    tokens = attention_mask if token_mask is None else token_mask
     inv = None
     if temperatures is not None and bool((temperatures != 1.0).any()):
         inv = 1.0 / temperatures.to(input_ids.device, torch.float32)
     if packing is None:
         inv_tokens = inv[:, None].expand(-1, input_ids.shape[1] - 1) if inv is not None else None
+        if hooks is not None:
+            flat = routes.reshape(-1, *routes.shape[2:]).to(input_ids.device) if routes is not None else None
+            hooks.prepare(flat, tokens.reshape(-1).bool(), replay)
         logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy)
         values = values[:, :-1, 0].float() if values is not None else None
     else:
         rows = pack_rows(input_ids, attention_mask.sum(-1).tolist(), packing.row_tokens, packing.pad_id)
+        if hooks is not None:
+            hooks.prepare(rows.pack_tokens(routes.to(input_ids.device), -1) if routes is not None else None,
+                          rows.pack_tokens(tokens, 0).bool(), replay)
         logprobs, entropies, values = model(rows.input_ids, None, rows.position_ids,
                                             rows.spread(inv) if inv is not None else None, entropy,
                                             **rows.attention_kwargs())

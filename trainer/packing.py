@@ -30,6 +30,16 @@ class PackedRows:
     max_seqlen: int  # the longest segment
     index: torch.Tensor  # [n, T - 1] int64: each sample column's place in the flattened [R, L - 1] outputs
     valid: torch.Tensor  # [n, T - 1] bool: the columns a sample has (its length - 1)
+    token_src: torch.Tensor | None = None  # each packed token's place in the flattened [n, T] inputs
+    token_dst: torch.Tensor | None = None  # ... and in the flattened [R, L] packed rows
+
+    def pack_tokens(self, per_input: torch.Tensor, fill: float) -> torch.Tensor:
+        """[n, T, ...] values of the input tokens (e.g. routed experts) -> [R * L, ...], as the packed tokens lie
+        flattened row by row; `fill` where no sample's token is (a row's padding tail)."""
+        flat = per_input.reshape(-1, *per_input.shape[2:])
+        out = flat.new_full((self.input_ids.numel(), *per_input.shape[2:]), fill)
+        out[self.token_dst.to(out.device)] = flat[self.token_src.to(flat.device)]
+        return out
 
     def unpack(self, per_token: torch.Tensor) -> torch.Tensor:
         """[R, L - 1] per-token outputs of the packed rows -> [n, T - 1] in the padded layout (0 where no column)."""
@@ -112,6 +122,8 @@ def pack_rows(input_ids: torch.Tensor, lengths: Sequence[int], row_tokens: int |
         max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
         index=index.view(n, width - 1).to(device),
         valid=valid.view(n, width - 1).to(device),
+        token_src=src_t,
+        token_dst=dst_t,
     )
 
 

@@ -212,6 +212,10 @@ class TrainingSection(Strict):
     publish_overlap: bool = Field(True, description="Send new weights while the next step computes.")
     metrics_sample_ids: bool = Field(False, description="List each step's sample ids in trainer_metrics.jsonl "
                                      "(audits what was trained, e.g. across restarts and resumes).")
+    routing_replay: Literal["off", "rollout"] = Field(
+        "off", description="A mixture-of-experts policy: rollout = the trainer runs, for each token, the experts the "
+        "rollout engine routed it to (R3, docs/moe.md; the native engine records them, vLLM and SGLang do not); "
+        "off = the trainer's routers choose.")
 
     @property
     def batch_size(self) -> int:

@@ -51,13 +51,14 @@ def trainer_problems(config) -> list[str]:
         "batch": {"global_batch_size": training.batch_size, "mini_batches": training.mini_batches,
                   "micro_batch_size": max(1, training.batch_size // training.mini_batches // world)},
         "publish": {"receivers": ["<the rollout>"]},
+        **({"moe": {"routing_replay": training.routing_replay}} if training.routing_replay != "off" else {}),
         **({"ref_model_path": reference} if reference else {}),
     }
     try:
         trainer = TrainerConfig.model_validate(merged(planned, settings))
     except ValidationError as exc:
         return [_named(err) for err in exc.errors()]
-    problems = []
+    problems = _routing_problems(config, trainer)
     tp = trainer.parallel.tp
     if world % tp:
         problems.append(f"{SETTINGS}.parallel.tp={tp}: does not divide the trainer's {world} processes "
@@ -74,6 +75,16 @@ def trainer_problems(config) -> list[str]:
                         "reference logprobs: remove it (the model RL starts from is the reference) or name one with "
                         "reference: {path: FOLDER}")
     return problems
+
+
+def _routing_problems(config, trainer) -> list[str]:
+    """Routing replay needs routes from the rollout: only the native engine records them."""
+    engine = nested(config.services.rollout.settings).get("engine", {}).get("type", "native")
+    if trainer.moe.routing_replay == "rollout" and engine != "native":
+        return [(f"training.routing_replay: rollout, but the {engine} rollout engine (services.rollout.settings."
+                 "engine.type) does not report the experts each token was routed to; only the native engine does: "
+                 "serve the policy with it, or set routing_replay: off")]
+    return []
 
 
 def _named(err: dict) -> str:

@@ -37,9 +37,13 @@ def _cells(row: ServiceStatus) -> tuple[str, ...]:
             _pairs(row.throughput, "{:.1f}"), errors)
 
 
+# A mixture-of-experts policy's figures the summary keeps (trainer/moe/metrics.py)
+MOE_SUMMARY = ("moe/router_agreement", "moe/load_max_over_mean", "moe/aux_loss")
+
+
 def trainer_summary(run_dir: pathlib.Path | None) -> dict | None:
-    """The trainer's last step in a run folder (trainer_metrics.jsonl's last line): step, version and the
-    rollout-vs-trainer logprob mismatch (trainer/mismatch.py); None without one."""
+    """The trainer's last step in a run folder (trainer_metrics.jsonl's last line): step, version, the
+    rollout-vs-trainer logprob mismatch (trainer/mismatch.py) and a MoE policy's routing figures; None without one."""
     path = run_dir / "trainer_metrics.jsonl" if run_dir is not None else None
     if path is None or not path.exists() or path.stat().st_size == 0:
         return None
@@ -52,7 +56,7 @@ def trainer_summary(run_dir: pathlib.Path | None) -> dict | None:
         except ValueError:
             continue  # a line cut by the seek, or still being written
         return {key: value for key, value in record.items()
-                if key in ("step", "weight_version") or key.startswith("mismatch/")}
+                if key in ("step", "weight_version", *MOE_SUMMARY) or key.startswith("mismatch/")}
     return None
 
 
@@ -63,6 +67,11 @@ def _caption(trainer: dict | None) -> str | None:
     if "mismatch/abs_mean" in trainer:
         text += (f"; rollout-vs-trainer logprob mismatch mean {trainer['mismatch/abs_mean']:.3g}, max "
                  f"{trainer['mismatch/abs_max']:.3g}, k3 {trainer['mismatch/k3']:.3g}")
+    if "moe/router_agreement" in trainer:
+        text += f"; MoE router agreement {trainer['moe/router_agreement']:.3g}"
+    if "moe/load_max_over_mean" in trainer:
+        text += (f"; expert load max/mean {trainer['moe/load_max_over_mean']:.3g}, load-balancing loss "
+                 f"{trainer['moe/aux_loss']:.3g}")
     return text
 
 

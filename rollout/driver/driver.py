@@ -25,8 +25,8 @@ import numpy as np
 from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from protos.codec import decode_array, encode_array
-from protos.sample import Sample, SampleStatus
+from protos.codec import decode_array, decode_tensor, encode_array
+from protos.sample import ROUTE_DTYPES, Sample, SampleStatus
 from rollout.driver.call_merger import CallMerger
 from rollout.driver.producer import GroupProducer, run_producer
 from rollout.driver.trajectory_log import TrajectoryLogConfig
@@ -211,6 +211,7 @@ class Driver(GroupProducer):
                 weight_versions=versions,
                 temperature=completion.logprobs_temperature,
                 kv_version=completion.kv_version if completion.HasField("kv_version") else None,
+                routed_experts=decode_tensor(completion.routed_experts, "routed_experts", ROUTE_DTYPES, 3),
                 status=_STATUS.get(completion.finish_reason, SampleStatus.FAILED),
                 reason=rollout_pb2.FinishReason.Name(completion.finish_reason),
                 prompt_text=prompt.text,

@@ -17,6 +17,9 @@ from array import array
 from collections import OrderedDict, deque
 from hashlib import blake2b
 
+import numpy as np
+
+from rollout.engine.routes import RouteLog
 from rollout.engine.sequence import Sequence
 
 
@@ -31,6 +34,9 @@ class BlockManager:
         self.block_hashes: list[bytes | None] = [None] * num_blocks  # the prefix hash a block is registered under
         self.cached_block_ids: dict[bytes, int] = {}  # prefix hash -> the block holding its KV
         self.block_epochs = [0] * num_blocks  # the weights epoch in which a block's KV was computed
+        # Of a mixture-of-experts model: the routes of a registered block's tokens, handed with its KV to the
+        # sequences that reuse it (rollout/engine/routes.py)
+        self.block_routes: dict[int, object] = {}
         self.epoch = 0  # bumped by reset_prefix_cache
         self.num_queried_tokens = 0  # tokens of the sequences looked up in the prefix cache
         self.num_hit_tokens = 0  # of them, tokens whose KV the cache supplied
@@ -65,6 +71,9 @@ class BlockManager:
             seq.block_table = hits
             seq.num_registered_blocks = len(hits)
             seq.num_cached_tokens = len(hits) * self.block_size
+            routes = [self.block_routes.get(block_id) for block_id in hits]
+            if hits and all(rows is not None for rows in routes):
+                seq.routes = RouteLog.written(seq.routes, 0, np.concatenate(routes))
             self.num_queried_tokens += len(seq)
             self.num_hit_tokens += seq.num_cached_tokens
         seq.block_table += [self._take() for _ in range(self.blocks_missing(seq))]
@@ -83,7 +92,13 @@ class BlockManager:
                 if self.block_hashes[block_id] is None and block_hash not in self.cached_block_ids:
                     self.block_hashes[block_id] = block_hash
                     self.cached_block_ids[block_hash] = block_id
+                    self._keep_routes(seq, index, block_id)
         seq.num_registered_blocks = num_full
+
+    def _keep_routes(self, seq: Sequence, index: int, block_id: int) -> None:
+        rows = seq.routes.block(index, self.block_size) if seq.routes is not None else None
+        if rows is not None:
+            self.block_routes[block_id] = rows
 
     def take_private(self, count: int) -> list[int]:
         """`count` fresh blocks for KV that is not a plain prefix of tokens (a compacted sequence, see
@@ -105,6 +120,7 @@ class BlockManager:
         self.free_block_ids.extend(self.evictable_block_ids)
         self.evictable_block_ids.clear()
         self.cached_block_ids.clear()
+        self.block_routes.clear()
         self.block_hashes = [None] * self.num_blocks
         self.epoch += 1
 
@@ -184,6 +200,7 @@ class BlockManager:
             block_id, _ = self.evictable_block_ids.popitem(last=False)
             del self.cached_block_ids[self.block_hashes[block_id]]
             self.block_hashes[block_id] = None
+            self.block_routes.pop(block_id, None)
         self.ref_counts[block_id] = 1
         self.block_epochs[block_id] = self.epoch
         return block_id

@@ -185,7 +185,7 @@ class EngineThread:
 
 def _completion(seq: EngineSequence) -> Completion:
     return Completion(seq.index, seq.output_ids, list(seq.logprobs), list(seq.weight_versions), seq.finish_reason,
-                      seq.kv_version)
+                      seq.kv_version, getattr(seq, "routed_experts", None))
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, list[TokenOutput]]]) -> None:

@@ -159,7 +159,8 @@ class LLMEngine(SessionSteps):
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
                 self._finish(seq)
-                outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT, seq.kv_version))
+                outputs.append(TokenOutput(request_id, seq.index, None, None, None, FinishReason.ABORT, seq.kv_version,
+                                           seq.routed_experts))
         return outputs
 
     def compute_logprobs(
@@ -309,15 +310,15 @@ class LLMEngine(SessionSteps):
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             seq.append(token_id, logprob, self.weight_version)
             reason = self._finish_reason(seq, token_id)
-            kv_version = None
+            kv_version = routes = None
             if reason is not None:
-                kv_version = seq.kv_version
+                kv_version, routes = seq.kv_version, seq.routed_experts
                 seq.finish_reason = reason
                 self._finish(seq)
                 if all(s.is_finished for s in self.requests[seq.request_id]):
                     del self.requests[seq.request_id]
             outputs.append(TokenOutput(seq.request_id, seq.index, token_id, logprob, self.weight_version, reason,
-                                       kv_version))
+                                       kv_version, routes))
         return outputs
 
     def _finish(self, seq: Sequence) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.engine.cuda_graphs import DecodeGraphs
+from rollout.engine.routes import host_routes, record
 from rollout.engine.sampler import Sampler, SamplingTensors, completion_key, row_keys
 from rollout.engine.scheduler import Batch
 from rollout.engine.sequence import Sequence
@@ -85,6 +86,7 @@ class ModelRunner:
             input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens, batch.observe)
             hidden = self.model(input_ids, positions, self.cache, meta)
             self.observations = meta.observations
+            self._record_routes(batch, computed)
         if not batch.sampled:  # every sequence is mid-prefill
             return [], []
         row_of = {id(seq): row for seq, row in zip(computed, last_rows)}
@@ -94,6 +96,19 @@ class ModelRunner:
         tokens, logprobs = self.sampler(self.model.logits(hidden), self._sampling_tensors(batch.sampled))
         both = torch.cat([tokens.double(), logprobs.double()]).tolist()  # one read (token ids < 2**53 are exact)
         return [int(token) for token in both[: len(rows)]], both[len(rows) :]
+
+    def _record_routes(self, batch: Batch, computed: list[Sequence]) -> None:
+        """A mixture-of-experts model's routes of this step's tokens, kept on their sequences (rollout/engine/routes.py);
+        a fork that samples from its sibling's prefill takes the sibling's."""
+        experts = self.model.routed_experts()
+        if experts is None:
+            return
+        rows = host_routes(experts, self.model.config.moe.num_experts)
+        record(computed, [seq.num_cached_tokens for seq in computed],
+               [batch.num_new_tokens[seq.seq_id] for seq in computed], rows)
+        for seq in batch.seqs:
+            if seq.prefill_from is not None and seq.prefill_from.routes is not None:
+                seq.routes = seq.prefill_from.routes.copy()
 
     def score(self, seqs: list[Sequence], starts: list[int], temperature: float = 1.0,
               top: int = 0) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:

@@ -1,7 +1,7 @@
 """What the engine hands back: per-step token outputs and, for offline use, whole completions."""
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from rollout.engine.sequence import FinishReason
 
@@ -20,6 +20,8 @@ class TokenOutput(NamedTuple):
     weight_version: int | None  # policy version that produced the token
     finish_reason: FinishReason | None  # None while the completion continues
     kv_version: int | None = None  # on a completion's last output: Sequence.kv_version (None: unknown)
+    # On a completion's last output, of a mixture-of-experts model: Sequence.routed_experts (None: not recorded)
+    routed_experts: Any = None
 
 
 @dataclass
@@ -34,6 +36,9 @@ class Completion:
     # Once finished: the oldest weight version of the KV its tokens were sampled on (Sequence.kv_version);
     # None: unknown (the engine does not say, or no KV was computed)
     kv_version: int | None = None
+    # Once finished, of a mixture-of-experts model: the experts each token of prompt + completion but the last was
+    # routed to, np.ndarray [tokens, layers, top_k] (Sequence.routed_experts); None: not recorded
+    routed_experts: Any = None
 
     def add(self, output: TokenOutput) -> None:
         if output.token_id is not None:
@@ -42,6 +47,7 @@ class Completion:
             self.weight_versions.append(output.weight_version)
         self.finish_reason = output.finish_reason
         self.kv_version = output.kv_version
+        self.routed_experts = output.routed_experts
 
 
 @dataclass

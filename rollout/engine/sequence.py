@@ -65,6 +65,8 @@ class Sequence:
         # `stale_kv_version`: the oldest context_version a token was sampled on with newer weights, if one was.
         self.context_version: int | None = None
         self.stale_kv_version: int | None = None
+        # Of a mixture-of-experts model: the experts each position was routed to (rollout/engine/routes.py's RouteLog)
+        self.routes = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -96,6 +98,11 @@ class Sequence:
         own weights, or else of the KV it holds: a token of weight version w was sampled on KV computed with
         versions in [min(w, kv_version), w]. None: it computed no KV."""
         return oldest(self.context_version, self.stale_kv_version)
+
+    @property
+    def routed_experts(self):
+        """The routes of every position but the last (np.ndarray [len - 1, layers, top_k]); None when not recorded."""
+        return self.routes.prefix(len(self.token_ids) - 1) if self.routes is not None else None
 
     def append(self, token_id: int, logprob: float, weight_version: int) -> None:
         self.token_ids.append(token_id)

@@ -54,6 +54,7 @@ class Session:
     kv_recomputes: int = 0
     context_version: int | None = None  # of the KV the last turn left (Sequence.context_version)
     stale_kv_version: int | None = None  # the oldest of its turns' (Sequence.stale_kv_version)
+    routes: object = None  # of a mixture-of-experts model: its context's routes, kept with its KV (Sequence.routes)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class SessionRecord:
     # in [min(w, kv_version), w]. None: no KV was computed (no policy turn, or an engine that does not say: vLLM,
     # SGLang).
     kv_version: int | None = None
+    # Of a mixture-of-experts model: the experts each token of prompt + response but the last was routed to, as its
+    # KV was computed (np.ndarray [tokens, layers, top_k]); None: not recorded
+    routed_experts: object = None
 
 
 class SessionTable:
@@ -158,6 +162,7 @@ class SessionTable:
         seq.block_table, session.block_table = session.block_table, []
         seq.num_cached_tokens = session.num_cached_tokens
         seq.context_version = session.context_version if session.num_cached_tokens else None
+        seq.routes = session.routes
         session.turn = seq
         session.turn_prefill_tokens.append(0)
 
@@ -174,6 +179,7 @@ class SessionTable:
         if seq.context_version is not None:  # (a turn aborted before it computed any KV leaves the last one)
             session.context_version = seq.context_version
         session.stale_kv_version = oldest(session.stale_kv_version, seq.stale_kv_version)
+        session.routes = seq.routes
         session.finish_reason = seq.finish_reason
         session.turn = None
         session.turns += 1
@@ -192,6 +198,7 @@ class SessionTable:
             temperature=session.temperature or 0.0, turns=session.turns, prefill_tokens=session.prefill_tokens,
             turn_prefill_tokens=session.turn_prefill_tokens, kv_recomputes=session.kv_recomputes,
             kv_version=oldest(session.context_version, session.stale_kv_version),
+            routed_experts=session.routes.prefix(len(session.token_ids) - 1) if session.routes is not None else None,
         )
 
     def state(self, session_id: str, weight_version: int) -> SessionState:

@@ -124,6 +124,11 @@ class CausalLM(nn.Module):
         parameter[index]); None when it names a whole parameter. Dense models have no such names."""
         return None
 
+    def routed_experts(self) -> torch.Tensor | None:
+        """The experts each token of the last forward was routed to, [T, sparse layers, top_k], of a
+        mixture-of-experts model (routing replay, R3); None for a dense one."""
+        return None
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:

@@ -81,9 +81,11 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = TopKRouter(hidden_size, moe, dtype, device)
         self.experts = Experts(hidden_size, moe, dtype, device)
+        self.routed: torch.Tensor | None = None  # the experts [T, k] of the last forward (routing replay, R3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
+        self.routed = experts
         return self.experts(x, weights, experts)
 
 

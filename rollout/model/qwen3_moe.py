@@ -17,3 +17,8 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def weight_alias(self, name: str) -> tuple[str, tuple] | None:
         return expert_alias(name, self.config.moe)
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """The experts each token of the last forward was routed to, [T, sparse layers, top_k] (routing replay)."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        return torch.stack([block.routed for block in blocks], dim=1) if blocks else None

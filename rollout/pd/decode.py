@@ -160,6 +160,7 @@ class DecodeServicer(RolloutServicer):
             done.logprobs += delta.logprobs
             done.weight_versions += delta.weight_versions
             done.finish_reason, done.kv_version = delta.finish_reason, delta.kv_version
+            done.routed_experts = delta.routed_experts  # None: the imported KV brought no routes
         return completions
 
     async def Continue(self, request_iterator, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:

@@ -293,6 +293,7 @@ def _tail(chunk: rollout_pb2.GenerateChunk, skip: int) -> rollout_pb2.GenerateCh
     out.weight_versions.CopyFrom(encode_array(decode_array(chunk.weight_versions, expect="int64")[skip:], "int64"))
     if chunk.HasField("kv_version"):
         out.kv_version = chunk.kv_version
+    out.routed_experts.CopyFrom(chunk.routed_experts)  # over the whole context: nothing to cut
     return out
 
 

@@ -177,6 +177,7 @@ class _Endpoint:
             "prompt_ids": record.prompt_ids, "response_ids": record.response_ids, "loss_mask": record.loss_mask,
             "logprobs": record.logprobs, "weight_versions": record.weight_versions, "kv_version": record.kv_version,
             "turn_rewards": record.turn_rewards, "temperature": record.temperature,
+            "routed_experts": record.routed_experts.tolist() if record.routed_experts is not None else None,
             "finish_reason": FINISH_REASONS.get(record.finish_reason),
             "stats": {"turns": record.turns, "prefill_tokens": record.prefill_tokens,
                       "turn_prefill_tokens": record.turn_prefill_tokens, "kv_recomputes": record.kv_recomputes},

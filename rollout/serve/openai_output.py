@@ -3,13 +3,15 @@
 A Choice gathers one completion's deltas: its tokens exactly as generated, and its text settled as far
 as later tokens cannot change it (stop strings cut, as OpenAI leaves them out; tool calls parsed out
 when the request gave tools). The shapes follow OpenAI's API, plus per choice `token_ids` and
-`weight_versions` (the policy version of each token).
+`weight_versions` (the policy version of each token), and on its last delta, of a mixture-of-experts model,
+`routed_experts` ([tokens][sparse layers][top_k] over prompt + completion but the last token; routing replay).
 """
 
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout.engine.outputs import Completion
 from rollout.engine.sequence import FinishReason
@@ -36,6 +38,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    routed_experts: Any = None  # of the finished completion (Completion.routed_experts)
     pieces: list[str | ToolCall] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     text: str = ""  # the decoded text, as far as its last character is complete
@@ -48,6 +51,7 @@ class Choice:
         self.logprobs += delta.logprobs
         self.weight_versions += delta.weight_versions
         self.finish_reason = delta.finish_reason
+        self.routed_experts = delta.routed_experts
         final = delta.finish_reason is not None
         self._detokenize(final)
         text = self._settle(final)
@@ -61,7 +65,7 @@ class Choice:
     def whole(self) -> Update:
         """Everything so far as one update (a reply that is not streamed)."""
         return Update(self, self.pieces, Completion(self.index, self.token_ids, self.logprobs, self.weight_versions,
-                                                    self.finish_reason))
+                                                    self.finish_reason, routed_experts=self.routed_experts))
 
     def content_and_calls(self) -> tuple[str, list[ToolCall]]:
         return _content(self.pieces), _calls(self.pieces)
@@ -151,6 +155,8 @@ class Reply:
         out.setdefault("logprobs", None)
         out["finish_reason"] = choice.openai_finish_reason if delta.finish_reason is not None else None
         out["token_ids"], out["weight_versions"] = delta.token_ids, delta.weight_versions
+        if delta.routed_experts is not None:
+            out["routed_experts"] = delta.routed_experts.tolist()
         return out
 
 

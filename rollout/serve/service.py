@@ -19,7 +19,14 @@ from rollout.engine.errors import DuplicateRequest, EngineDead, InvalidRequest, 
 from rollout.engine.sampling_params import SamplingParams, logprobs_temperature
 from rollout.serve.config import ReplicaConfig
 from rollout.serve.session_service import SessionRPCs
-from rollout.serve.wire import FINISH_REASONS, REFUSAL_CODES, SERVICE_NAME, TOKENS_GENERATED, generate_chunk
+from rollout.serve.wire import (
+    FINISH_REASONS,
+    REFUSAL_CODES,
+    SERVICE_NAME,
+    TOKENS_GENERATED,
+    generate_chunk,
+    routes_array,
+)
 
 if TYPE_CHECKING:
     from rollout.engine.outputs import Completion
@@ -111,6 +118,7 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
                 text=self.decode_text(completion.token_ids),
                 logprobs_temperature=logprobs_t,
                 kv_version=completion.kv_version,
+                routed_experts=routes_array(completion.routed_experts),
             ))
         return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
 

@@ -155,6 +155,8 @@ class SessionRPCs:
             metadata={**metadata, "session_id": record.session_id, "turns": record.turns},
             temperature=record.temperature,
             kv_version=record.kv_version,
+            routed_experts=(record.routed_experts if record.routed_experts is not None
+                            else Sample.routed_experts_unset()),
         )
 
     async def submit_episode(self, record: SessionRecord, reward: float, group_id: str, group_size: int) -> bool:

@@ -4,8 +4,8 @@ name, the finish reasons and refusal codes on the wire, and the count of tokens 
 import grpc
 from prometheus_client import Counter
 
-from protos import rollout_pb2
-from protos.codec import encode_array
+from protos import common_pb2, rollout_pb2
+from protos.codec import encode_array, encode_tensor
 from rollout.engine.errors import DuplicateRequest, InvalidRequest, QueueFull
 from rollout.engine.sequence import FinishReason
 
@@ -38,4 +38,10 @@ def generate_chunk(request_id: str, delta, with_logprobs: bool, text: str) -> ro
         finish_reason=FINISH_REASONS[delta.finish_reason],
         text=text,
         kv_version=delta.kv_version,
+        routed_experts=routes_array(delta.routed_experts),
     )
+
+
+def routes_array(routes) -> common_pb2.Array | None:
+    """A completion's routed experts (np.ndarray [tokens, layers, top_k]) on the wire; None: not recorded."""
+    return encode_tensor(routes, routes.dtype) if routes is not None else None

@@ -2,7 +2,7 @@
 
 TrainerConfig is the whole of a run's config (`python -m trainer --config FILE`); each of its sections is a
 model of its own, in a module named after it: model, algorithm, optim (and batch), checkpoint, buffer, publish,
-mismatch, parallel.
+mismatch, parallel, moe.
 """
 
 from typing import Literal
@@ -15,6 +15,7 @@ from trainer.config.buffer import BufferClientConfig
 from trainer.config.checkpoint import CheckpointConfig
 from trainer.config.mismatch import MismatchConfig
 from trainer.config.model import ModelConfig
+from trainer.config.moe import MoeConfig
 from trainer.config.optim import BatchConfig, OptimConfig
 from trainer.config.parallel import ParallelConfig
 from trainer.config.publish import PublishConfig
@@ -43,6 +44,8 @@ class TrainerConfig(Strict):
     mismatch: MismatchConfig = Field(default_factory=MismatchConfig, description="A bound on the rollout-vs-trainer "
                                      "logprob mismatch reported every step (mismatch/* in the metrics).")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig, description="A mixture-of-experts policy's routing replay "
+                           "(R3) and load-balancing loss (moe/* in the metrics).")
     seed: int = Field(0, description="Seed for torch (value-head init, dropout).")
     deterministic: bool = Field(False, description="A deterministic run (deploy/experiment/schema.py): deterministic torch "
                                 "kernels on num_threads threads (services/determinism.py), and each batch trained in "
