@@ -38,10 +38,8 @@ from trainer.batch import (
 )
 from trainer.config import TrainerConfig
 from trainer.corrections import (
-    chained_rejection_mask,
     decoupled_weights,
     is_weight_moments,
-    m2po_mask,
     normalize_is_weights,
     tis_weights,
 )
@@ -53,6 +51,7 @@ from trainer.moe.routing import check_routes
 from trainer.objectives import objective
 from trainer.packing import pack_by_token_sum
 from trainer.parallel import DistEnv, build_policy
+from trainer.rejection import reject
 from trainer.varlen import use_varlen
 
 
@@ -131,7 +130,7 @@ class Learner:
         local = batch.select(rows)
         self._recompute(local)
         if (self.algo.rejection or self.algo.m2_threshold is not None) and self.algo.off_policy != "bypass":
-            self._reject(local, per_step // self.env.dp_size, longest)
+            reject(local, self.algo, self.env, per_step // self.env.dp_size, longest)
         if self.algo.advantage_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
             self._sequence_advantages(local, batch, real, rows)
         elif self.algo.advantage_estimator is not None:
@@ -175,41 +174,6 @@ class Learner:
             batch.row_weights[rows] = real[rows] / real[rows].sum()
             longest.append(loss_totals(mask)[2])
         return longest
-
-    def _reject(self, batch: TrainBatch, per_rank: int, longest: list[torch.Tensor]) -> None:
-        """Rejection sampling on pi_prox vs pi_rollout (this rank's rows): rejected tokens leave the loss mask, and
-        the loss weights are recomputed with each mini-batch's kept-token counts summed over ranks."""
-        log_ratio = batch.old_logprobs - batch.rollout_logprobs
-        kept = chained_rejection_mask(log_ratio, batch.loss_mask, self.algo.rejection)
-        if self.algo.m2_threshold is not None:
-            kept = kept * self._m2po_mask(log_ratio, batch.loss_mask, per_rank)
-        batch.rejected = batch.loss_mask - kept
-        batch.loss_mask = kept
-        steps = range(0, batch.num_rows, per_rank)
-        counts = torch.stack([torch.stack(loss_totals(kept[start : start + per_rank])[:2]) for start in steps]).double()
-        counts = self.env.all_reduce_sum(counts)
-        for m, start in enumerate(steps):
-            rows = slice(start, start + per_rank)
-            tokens, seqs = counts[m].to(kept.dtype).unbind()
-            batch.loss_weights[rows] = loss_weights(
-                kept[rows], self.algo.loss_agg, self.algo.loss_norm_length, self.algo.loss_norm_seqs,
-                (tokens, seqs, longest[m]),
-            )
-            batch.token_weights[rows] = loss_weights(kept[rows], "token_mean", totals=(tokens, seqs, longest[m]))
-
-    def _m2po_mask(self, log_ratio: torch.Tensor, mask: torch.Tensor, per_rank: int) -> torch.Tensor:
-        """M2PO's mask of this rank's rows, taken over each whole mini-batch: every rank's rows of it are gathered
-        (a sum of zero-padded copies), so the tokens dropped do not depend on the data-parallel split."""
-        dp, rank = self.env.dp_size, self.env.dp_rank
-        shared = torch.zeros(2, dp, *mask.shape, dtype=torch.float64)
-        shared[0, rank], shared[1, rank] = log_ratio.double() * mask, mask.double()
-        ratios, masks = self.env.all_reduce_sum(shared).unbind()
-        kept = torch.empty_like(mask)
-        for start in range(0, mask.shape[0], per_rank):
-            rows = slice(start, start + per_rank)
-            step_kept = m2po_mask(ratios[:, rows].flatten(0, 1), masks[:, rows].flatten(0, 1), self.algo.m2_threshold)
-            kept[rows] = step_kept.view(dp, -1, mask.shape[1])[rank].to(mask.dtype)
-        return kept
 
     def _local_rows(self, steps: int, per_step: int) -> torch.Tensor:
         return local_rows(steps, per_step, self.env.dp_size, self.env.dp_rank)
