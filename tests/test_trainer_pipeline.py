@@ -63,10 +63,51 @@ def _capture_gradients(learner, env, into: dict) -> None:
     learner.optimizer.register_step_pre_hook(hook)
 
 
+def publish_to_engine(model: str, learner, env) -> dict | None:
+    """The trainer's publish path (trainer/publishing.py: with stages, every stage's tensors gathered to rank 0;
+    collective), then rank 0 publishes them to a native rollout engine behind its gRPC WeightSync server: whether
+    it landed, and which of the tensors the engine then serves differ from the trainer's."""
+    import asyncio
+
+    from protos import weights_pb2_grpc
+    from rollout.config import EngineConfig
+    from rollout.engine.async_engine import AsyncEngine
+    from rollout.engine.llm_engine import LLMEngine
+    from rollout.serve.weight_receiver import WeightReceiver
+    from services.server import create_server
+    from trainer.broadcast.broadcaster import WeightBroadcaster
+    from trainer.broadcast.config import BroadcastConfig
+    from trainer.config.publish import PublishConfig
+    from trainer.publishing import policy_weights
+
+    weights = policy_weights(learner, env, None, PublishConfig())()
+    if not env.is_main:
+        return None
+
+    async def main():
+        engine = AsyncEngine(LLMEngine(EngineConfig(model=model, num_blocks=32, max_num_seqs=2, max_n=1)))
+        registration = (weights_pb2_grpc.add_WeightSyncServicer_to_server, WeightReceiver(engine),
+                        "relayrl.weights.v1.WeightSync")
+        server, port = await create_server("127.0.0.1:0", [registration])
+        await server.start()
+        try:
+            async with WeightBroadcaster([f"127.0.0.1:{port}"], BroadcastConfig(timeout_s=60)) as broadcaster:
+                report = await broadcaster.publish(weights, 1)
+            return report, dict(engine.engine.runner.model.named_parameters())
+        finally:
+            await server.stop(1)
+            engine.shutdown()
+
+    report, served = asyncio.run(main())
+    return {"ok": report.ok, "served": len(served), "sent": len(weights),
+            "differ": sorted(name for name, tensor in served.items() if not torch.equal(tensor, weights[name]))}
+
+
 def train(model: str, env, algorithms: list[str], schedule: str, micro_batch_size: int, *, save: Path | None = None,
-          resume: Path | None = None) -> dict:
+          resume: Path | None = None, publish: bool = False) -> dict:
     """Per algorithm: each step's loss and grad norm, the first step's gradients, the final weights and the
-    schedule class that ran; with `resume`: from that checkpoint root, the steps after it."""
+    schedule class that ran; with `resume`: from that checkpoint root, the steps after it; with `publish`: the
+    final weights published to a rollout engine (publish_to_engine)."""
     from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from trainer.learner import Learner
     from trainer.parallel import gather_model_state
@@ -92,13 +133,15 @@ def train(model: str, env, algorithms: list[str], schedule: str, micro_batch_siz
         pipeline = learner.pipeline
         results[name] = {"steps": steps, "grads": grads, "weights": gather_model_state(learner.policy, env),
                          "schedule": type(pipeline.last_schedule).__name__ if pipeline else None,
-                         "bubble": learner.pipeline and metrics["pp_bubble"]}
+                         "bubble": learner.pipeline and metrics["pp_bubble"],
+                         "published": publish_to_engine(model, learner, env) if publish else None}
     return results
 
 
 def worker(args) -> None:
     """Under torchrun: rank 0 alone trains a world of one (pp 1) first, saving a checkpoint; then every rank with
-    pp stages, each schedule (the 1F1B run saving a checkpoint), and resumes from the pp 1 checkpoint; then rank 0
+    pp stages, each schedule (the 1F1B run saving a checkpoint and publishing its weights to a rollout engine), and
+    resumes from the pp 1 checkpoint; then rank 0
     alone resumes from the staged checkpoint. One launch: a process's imports cost more than its training."""
     torch.set_num_threads(1)
     from trainer.parallel import DistEnv, init_distributed, shutdown_distributed
@@ -112,7 +155,7 @@ def worker(args) -> None:
     env.barrier()
     for schedule in SCHEDULES:
         results[schedule] = train(args.model, env, algorithms, schedule, mbs,
-                                  save=ckpt / "staged" if schedule == "1f1b" else None)
+                                  save=ckpt / "staged" if schedule == "1f1b" else None, publish=schedule == "1f1b")
     results["staged_resumed"] = train(args.model, env, algorithms, "1f1b", mbs, resume=ckpt / "pp1")
     if env.is_main:
         results["single_resumed"] = train(args.model, one, algorithms, "1f1b", mbs, resume=ckpt / "staged")
@@ -154,6 +197,10 @@ def _run_and_check(model: Path, tmp_path: Path, port: int, algorithms: list[str]
             assert results[schedule][name]["schedule"] == kind, (schedule, name)
             assert 0 <= results[schedule][name]["bubble"] < 1
             _assert_same(results[schedule][name], single[name], f"{schedule} {name}")
+    for name in algorithms:  # the staged policy published (gathered to rank 0) lands whole and bit-exact
+        published = results["1f1b"][name]["published"]
+        assert published["ok"] and published["served"] == published["sent"] > 40, published
+        assert published["differ"] == [], published
     for name in algorithms:  # resumed runs train the steps after SAVE_AT: the saving run's next losses
         for got, want in ((results["single_resumed"][name], results["1f1b"][name]),
                           (results["staged_resumed"][name], single[name])):
