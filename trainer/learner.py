@@ -48,6 +48,7 @@ from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
 from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
 from trainer.objectives import objective
 from trainer.parallel import DistEnv, build_policy
+from trainer.parallel.fsdp import uses_fsdp
 from trainer.parallel.pipeline import Pipeline
 from trainer.varlen import use_varlen
 
@@ -387,7 +388,7 @@ class Learner:
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        fsdp_casts = self.env.distributed and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py
+        fsdp_casts = uses_fsdp(self.env) and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py
         return contextlib.nullcontext() if fsdp_casts else autocast(self.env.device, self.config.dtype)
 
 

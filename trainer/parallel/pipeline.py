@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from trainer.batch import TrainBatch
 from trainer.config.parallel import ParallelConfig
 from trainer.model import PolicyOutput
-from trainer.parallel.fsdp import mixed_precision_policy
+from trainer.parallel.fsdp import mixed_precision_policy, uses_fsdp
 from trainer.parallel.mesh import DistEnv
 
 SCHEDULES = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -76,7 +76,7 @@ class Pipeline:
         self.last_rank = (config.stages() - 1) % env.pp_size  # the pp rank holding the last stage
         self.holds_last = env.pp_rank == self.last_rank
         mp = mixed_precision_policy(dtype, env.device, config.mixed_precision)  # FSDP's casts set the stream's
-        self.hidden_dtype = mp.param_dtype or torch.float32
+        self.hidden_dtype = (mp.param_dtype if uses_fsdp(env) else None) or torch.float32
         self.last_schedule: Any = None
         self.timing = (0.0, 0.0)  # (busy seconds, wall seconds) of the last run
 

@@ -20,7 +20,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from trainer.config.parallel import ParallelConfig
 from trainer.lm_head import head_token_stats
-from trainer.parallel.fsdp import mixed_precision_policy
+from trainer.parallel.fsdp import mixed_precision_policy, uses_fsdp
 from trainer.parallel.mesh import DistEnv
 
 
@@ -117,7 +117,7 @@ def split_stages(policy: nn.Module, env: DistEnv, config: ParallelConfig) -> Non
 
 def shard_stages(policy: nn.Module, env: DistEnv, config: ParallelConfig, dtype: str, checkpointing: bool) -> None:
     """Per stage, in compose.py's order: activation checkpointing of each layer, then FSDP over "dp" (each layer
-    a unit, the stage the root)."""
+    a unit, the stage the root) when there is more than one data-parallel rank (fsdp.uses_fsdp)."""
     mp_policy = mixed_precision_policy(dtype, env.device, config.mixed_precision)
     dp_mesh = env.mesh["dp"]
     for stage in policy.pipeline_stages:
@@ -126,6 +126,8 @@ def shard_stages(policy: nn.Module, env: DistEnv, config: ParallelConfig, dtype:
 
             for layer in stage.layers.values():
                 checkpoint(layer, preserve_rng_state=False)  # dropout is off: no random state to replay
+        if not uses_fsdp(env):
+            continue
         for layer in stage.layers.values():
             fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
         fully_shard(stage, mesh=dp_mesh, mp_policy=mp_policy)
