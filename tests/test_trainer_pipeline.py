@@ -214,6 +214,34 @@ def test_two_stages_follow_single_process(four_layers, tmp_path, free_port):
     _run_and_check(four_layers, tmp_path, free_port, ["grpo"])
 
 
+def test_stages_split_at_layer_boundaries():
+    from trainer.config.parallel import ParallelConfig
+    from trainer.parallel.stages import stage_layers
+
+    assert stage_layers(7, ParallelConfig(pp=2)) == [range(4), range(4, 7)]  # balanced, the first one longer
+    interleaved = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b")  # rank 0: stages 0, 2; rank 1: 1, 3
+    assert stage_layers(8, interleaved) == [range(2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layers(8, ParallelConfig(pp=2, pp_split=[3, 5])) == [range(3), range(3, 8)]
+    with pytest.raises(ValueError, match="sums to 7, the model has 8 layers"):
+        stage_layers(8, ParallelConfig(pp=2, pp_split=[3, 4]))
+    with pytest.raises(ValueError, match="2 stages of at least one layer each"):
+        ParallelConfig(pp=2, pp_split=[8])
+    with pytest.raises(ValueError, match="4 stages need at least as many decoder layers"):
+        stage_layers(3, interleaved)
+
+
+def test_pp_refuses_what_it_cannot_do_yet(tiny_model_dir):
+    from trainer.config import TrainerConfig
+    from trainer.learner import Learner
+    from trainer.parallel import DistEnv
+
+    base = {"model_path": str(tiny_model_dir), "parallel": {"pp": 2}}
+    with pytest.raises(ValueError, match="not with batch.packing or parallel.tp > 1"):
+        TrainerConfig.model_validate({**base, "batch": {"packing": True}})
+    with pytest.raises(ValueError, match="pp=2, but the process group was made with tp=1, pp=1"):
+        Learner(TrainerConfig.model_validate(base), DistEnv(rank=0, world_size=1, device=torch.device("cpu")))
+
+
 @pytest.mark.slow
 def test_two_stages_ppo_dpo(four_layers, tmp_path, free_port):
     _run_and_check(four_layers, tmp_path, free_port, ["ppo", "dpo"], schedules=tuple(SCHEDULES))
