@@ -9,9 +9,11 @@ rest is below the threshold; every token when none is. The expected masks below 
 import pytest
 import torch
 from test_algorithms_off_policy import REJECTION, learner_for, reference_samples, response, with_log_ratio
+from test_trainer_step import local
 
 from trainer.config.algorithm import AlgorithmConfig, RejectionRule
 from trainer.corrections import m2po_mask
+from trainer.learner import Learner
 
 # M2 of the trained tokens: 0.25, 0.09, 0.01 | 0.0, 0.04 (the 9.9 is not trained). Largest first: 0.25, 0.09, 0.04,
 # 0.01, 0.0; the means of what is left after dropping the first k: k=0 0.078, k=1 0.035, k=2 0.0167, k=3 0.005, k=4 0.
@@ -52,6 +54,8 @@ def test_m2po_in_the_learner_masks_the_mini_batch_and_counts_what_it_dropped(tin
     assert (response(mini_batch.advantages, 6)[kept == 0] == 0).all()
     metrics = learner.train_step(mini_batch, 0)
     assert metrics["rejected_tokens"] == 2.0 and metrics["tokens"] == float(kept.sum())
+    # The mask needs the whole mini-batch's pi_prox before the step: even with one step per batch, a forward of its own.
+    assert not Learner(learner.config, local()).proximal_in_step
 
 
 def test_icepop_is_the_rejection_preset_of_its_ratio_band(tiny_model_dir):

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from protos.sample import Sample
+from trainer.packing import pack_by_token_sum
 
 
 @dataclass
@@ -228,3 +229,22 @@ def pad_rows(batch: TrainBatch, chunks: list[range], per_step: int) -> TrainBatc
     padding = padded.row_weights == 0
     padded.loss_mask[padding] = 0.0
     return padded
+
+
+def micro_batch_rows(batch: TrainBatch, cfg, unit: int, agree: Callable[[int], int]) -> list[slice | torch.Tensor]:
+    """This rank's micro-batches of `batch` (the trainer's `batch:` config `cfg`): micro_batch_size rows each, or
+    packed by length under max_tokens_per_micro_batch, a unit of `unit` rows (DPO's pairs) kept whole; `agree(n)`
+    is the largest n over the ranks (collective with a token budget: every rank runs as many)."""
+    if cfg.max_tokens_per_micro_batch is None:
+        size = cfg.micro_batch_size
+        return [slice(start, start + size) for start in range(0, batch.num_rows, size)]
+    per_unit = batch.attention_mask.sum(-1).view(-1, unit)
+    max_units = max(1, cfg.micro_batch_size // unit)
+    if cfg.packing:  # the budget counts real tokens: packed rows hold no padding
+        lengths = per_unit.sum(-1).tolist()
+        packs = pack_by_token_sum(lengths, cfg.max_tokens_per_micro_batch, max_units)
+    else:
+        lengths = per_unit.amax(-1).tolist()
+        packs = pack_by_tokens(lengths, cfg.max_tokens_per_micro_batch // unit, max_units)
+    packs = split_packs(packs, lengths, agree(len(packs)), packed=cfg.packing)
+    return [torch.tensor([u * unit + j for u in pack for j in range(unit)], dtype=torch.int64) for pack in packs]

@@ -30,11 +30,10 @@ from trainer.batch import (
     collate,
     group_indices,
     local_rows,
+    micro_batch_rows,
     order_preference_pairs,
-    pack_by_tokens,
     pad_rows,
     plan_mini_batches,
-    split_packs,
 )
 from trainer.config import TrainerConfig
 from trainer.corrections import (
@@ -49,8 +48,9 @@ from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
 from trainer.moe.metrics import MoeStats
 from trainer.moe.routing import check_routes
 from trainer.objectives import objective
-from trainer.packing import pack_by_token_sum
 from trainer.parallel import DistEnv, build_policy
+from trainer.parallel.fsdp import uses_fsdp
+from trainer.parallel.pipeline import Pipeline
 from trainer.rejection import reject
 from trainer.varlen import use_varlen
 
@@ -59,8 +59,9 @@ class Learner:
     """Owns the (sharded) policy, the frozen reference if any, and the optimizer."""
 
     def __init__(self, config: TrainerConfig, env: DistEnv) -> None:
-        if config.parallel.tp != env.tp_size:
-            raise ValueError(f"parallel.tp={config.parallel.tp}, but the process group was made with tp={env.tp_size}")
+        if (config.parallel.tp, config.parallel.pp) != (env.tp_size, env.pp_size):
+            raise ValueError(f"parallel.tp={config.parallel.tp}, pp={config.parallel.pp}, but the process group was "
+                             f"made with tp={env.tp_size}, pp={env.pp_size}")
         config.batch.check_divisible(env.dp_size)
         self.config = config
         self.algo = config.algorithm
@@ -74,16 +75,23 @@ class Learner:
         if config.ref_model_path is not None and self.algo.needs_reference:
             self.reference = build_policy(config.ref_model_path, env, config.parallel, config.model, trainable=False,
                                           dtype=config.dtype)
+        if env.pp_size > 1 and self.policy.router_hooks is not None:
+            raise ValueError("parallel.pp > 1: a mixture-of-experts policy's routing replay and router metrics run on "
+                             "one stage's hooks; pipeline stages do not carry them yet (use pp 1)")
+        self.pipelines = {id(model): Pipeline(model, env, config.parallel, self.pad_id, config.dtype)  # pp > 1
+                          for model in filter(None, (self.policy, self.reference)) if env.pp_size > 1}
+        self.pipeline = self.pipelines.get(id(self.policy))
         if self.packing is not None and config.batch.packed_attention == "varlen":
             for model in filter(None, (self.policy, self.reference)):
                 use_varlen(model.lm)
         # One optimizer step per pulled batch: the proximal policy is the one the step starts from, so its
         # logprobs are the training forward's, detached (verl's on_policy path), not a second forward pass. Not
-        # when something needs them before the step: rejection or batch-normalised weights (whole mini-batch),
+        # when something needs them before the step: rejection, M2PO or batch-normalised weights (whole mini-batch),
         # a KL reward penalty (advantages), PPO's values.
         algo = self.algo
         self.proximal_in_step = (algo.recomputes_logprobs and algo.name != "ppo" and config.batch.mini_batches == 1
-                                 and not algo.rejection and not algo.is_batch_normalize and algo.kl_reward_coef == 0)
+                                 and not algo.rejection and algo.m2_threshold is None and not algo.is_batch_normalize
+                                 and algo.kl_reward_coef == 0)
         # Routing replay (R3): a mixture-of-experts policy runs the experts the rollout routed each token to
         self.replays_routes = config.moe.routing_replay == "rollout" and self.policy.router_hooks is not None
         optim = config.optim
@@ -195,18 +203,27 @@ class Learner:
             batch.ref_logprobs = torch.zeros_like(batch.loss_mask)
         if not (needs_policy or needs_reference):
             return
-        for rows, micro in self._micro_batches(batch):
-            width = micro.input_ids.shape[1] - 1
-            if needs_policy:
-                with self._autocast():
-                    out = self._forward(self.policy, micro)
+        micro_batches = list(self._micro_batches(batch))
+        if needs_policy:
+            for (rows, micro), out in self._forward_all(self.policy, micro_batches):
+                width = micro.input_ids.shape[1] - 1
                 batch.old_logprobs[rows, :width] = _masked(out.logprobs, micro)
                 if out.values is not None:
                     batch.old_values[rows, :width] = _masked(out.values, micro)
-            if needs_reference:
-                with self._autocast():
-                    out = self._forward(self.reference, micro, entropy=False)
-                batch.ref_logprobs[rows, :width] = _masked(out.logprobs, micro)
+        if needs_reference:
+            for (rows, micro), out in self._forward_all(self.reference, micro_batches, entropy=False):
+                batch.ref_logprobs[rows, :micro.input_ids.shape[1] - 1] = _masked(out.logprobs, micro)
+        if self.pipeline is not None:  # the last stage's figures on every stage
+            self.pipeline.share(batch.old_logprobs, batch.old_values, batch.ref_logprobs)
+
+    def _forward_all(self, model: PolicyModel, micro_batches: list, entropy: bool = True):
+        """(micro-batch, its forward's output) of each micro-batch (with stages: on the last stage only)."""
+        with self._autocast():
+            if id(model) in self.pipelines:
+                yield from zip(micro_batches, self.pipelines[id(model)].run(micro_batches, self._temperatures,
+                                                                            entropy=entropy) or [])
+            else:
+                yield from (((rows, micro), self._forward(model, micro, entropy=entropy)) for rows, micro in micro_batches)
 
     def _forward(self, model: PolicyModel, micro: TrainBatch, entropy_grad: bool = False,
                  entropy: bool = True) -> PolicyOutput:
@@ -294,18 +311,16 @@ class Learner:
         largest_mismatch = torch.zeros((), dtype=torch.float64)
         measures_mismatch = self.algo.name in ("grpo", "ppo", "distill")
         moe = MoeStats(self.policy.router_hooks) if self.policy.router_hooks is not None else None
-        for index, (_, micro) in enumerate(micro_batches):
-            self._sync_gradients(index == len(micro_batches) - 1)
-            with self._autocast():
-                out = self._forward(self.policy, micro, entropy_grad=self.algo.entropy_coef > 0)
+
+        def micro_loss(index: int, out: PolicyOutput) -> torch.Tensor:
+            nonlocal largest_mismatch
+            micro = micro_batches[index][1]
             if self.proximal_in_step:
                 micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
                 self._set_off_policy_correction(micro)
             loss, metrics = objective(self.algo, micro, out)
             if moe is not None:  # the load-balancing loss, its mean over micro-batches and ranks (trainer/moe/metrics.py)
                 loss = loss + self.config.moe.aux_loss_coef / (len(micro_batches) * self.env.dp_size) * moe.add()
-            # FSDP averages gradients over the data-parallel ranks; every one's loss is its share of the global sum.
-            (loss * self.env.dp_size).backward()
             metrics["tokens"] = micro.loss_mask.sum()
             if measures_mismatch:
                 mismatch, largest = mismatch_sums(out.logprobs, micro.rollout_logprobs, self._trained_mask(micro),
@@ -314,6 +329,19 @@ class Learner:
                 largest_mismatch = torch.maximum(largest_mismatch, largest.detach().double().cpu())
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().double().cpu()
+            # FSDP averages gradients over the data-parallel ranks; every one's loss is its share of the global sum.
+            return loss * self.env.dp_size
+
+        entropy_grad = self.algo.entropy_coef > 0
+        if self.pipeline is not None:  # the losses on the last stage; its sums to every stage
+            with self._autocast():
+                self.pipeline.run(micro_batches, self._temperatures, micro_loss, entropy_grad=entropy_grad)
+            sums = self.pipeline.from_last(sums)
+        for index, (_, micro) in enumerate(micro_batches if self.pipeline is None else []):
+            self._sync_gradients(index == len(micro_batches) - 1)
+            with self._autocast():
+                out = self._forward(self.policy, micro, entropy_grad=entropy_grad)
+            micro_loss(index, out).backward()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -325,6 +353,8 @@ class Learner:
         result.update(grad_norm=grad_norm, lr=lr, **self.batch_metrics)
         if moe is not None:
             result.update(moe.finish(self.env))
+        if self.pipeline is not None:
+            result.update(self.pipeline.step_metrics())
         return result
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[slice | torch.Tensor, TrainBatch]]:
@@ -333,21 +363,8 @@ class Learner:
             yield rows, batch.select(rows).trimmed().to(self.env.device)
 
     def _micro_rows(self, batch: TrainBatch) -> list[slice | torch.Tensor]:
-        cfg = self.config.batch
-        if cfg.max_tokens_per_micro_batch is None:
-            size = cfg.micro_batch_size
-            return [slice(start, start + size) for start in range(0, batch.num_rows, size)]
         unit = 2 if self.algo.name == "dpo" else 1  # a (chosen, rejected) pair stays in one micro-batch
-        per_unit = batch.attention_mask.sum(-1).view(-1, unit)
-        max_units = max(1, cfg.micro_batch_size // unit)
-        if cfg.packing:  # the budget counts real tokens: packed rows hold no padding
-            lengths = per_unit.sum(-1).tolist()
-            packs = pack_by_token_sum(lengths, cfg.max_tokens_per_micro_batch, max_units)
-        else:
-            lengths = per_unit.amax(-1).tolist()
-            packs = pack_by_tokens(lengths, cfg.max_tokens_per_micro_batch // unit, max_units)
-        packs = split_packs(packs, lengths, self.env.all_reduce_max(len(packs)), packed=cfg.packing)
-        return [torch.tensor([u * unit + j for u in pack for j in range(unit)], dtype=torch.int64) for pack in packs]
+        return micro_batch_rows(batch, self.config.batch, unit, self.env.all_reduce_max)
 
     def _set_learning_rate(self, step: int) -> float:
         optim = self.config.optim
@@ -363,11 +380,13 @@ class Learner:
 
     def _clip_gradients(self) -> float:
         max_norm = self.config.optim.max_grad_norm
+        if self.pipeline is not None:
+            return self.pipeline.clip_gradients(max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm if max_norm is not None else float("inf"))
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        fsdp_casts = self.env.distributed and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py
+        fsdp_casts = uses_fsdp(self.env) and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py
         return contextlib.nullcontext() if fsdp_casts else autocast(self.env.device, self.config.dtype)
 
 

@@ -16,7 +16,7 @@ from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtyp
 from trainer.checkpoint import TrainState, hf_state_dict, ties_embeddings
 from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
-from trainer.parallel import DistEnv
+from trainer.parallel import DistEnv, gather_model_state
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ def policy_weights(
             return publish.snapshot if config.overlap else lambda: parameters
         log.info("publishing gathered state dicts: the policy's state holds tensors that are not parameters")
     dtype = publish_dtype(config.dtype)
+    if env.pp_size > 1:  # pipeline stages: every stage's tensors gathered whole to rank 0, the one sender today
+        cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+        return lambda: {name: cast(t) for name, t in hf_state_dict(gather_model_state(learner.policy, env), tied).items()}
 
     def sharded() -> ShardedWeights:
         return ShardedWeights(hf_state_dict(learner.policy.state_dict(), tied), env.device, dtype)

@@ -1,12 +1,14 @@
 """The `parallel:` section of the trainer config: how the policy is split over the trainer's processes."""
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from services.config import Strict
 
 
 class ParallelConfig(Strict):
-    """Parallelism over the torchrun processes: a (dp, tp) device mesh (trainer/parallel/)."""
+    """Parallelism over the torchrun processes: a (pp, dp, tp) device mesh (trainer/parallel/)."""
 
     tp: int = Field(
         1, ge=1, description="Tensor-parallel degree: each decoder layer's heads and MLP columns are split over this "
@@ -20,3 +22,37 @@ class ParallelConfig(Strict):
         "float32 shards (master weights). False: float32 parameters with bfloat16 autocast. A CPU trainer computes "
         "in float32 either way.",
     )
+    pp: int = Field(
+        1, ge=1, description="Pipeline-parallel degree: the decoder's layers are split at layer boundaries into this "
+        "many stages (trainer/parallel/stages.py; the embedding with the first, the final norm, the LM head and the "
+        "value head with the last), one group of ranks each, outermost on the mesh (pp, dp, tp). Each optimizer "
+        "step's micro-batches run through the stages by `pp_schedule`; parameter names stay the whole model's, so "
+        "checkpoints resume on any pp. It must divide the processes; not with tied embeddings, tp > 1 or packing "
+        "yet.",
+    )
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = Field(
+        "1f1b", description="With pp > 1, torch.distributed.pipelining's schedule: 1f1b (Schedule1F1B: one stage "
+        "per rank, at least pp micro-batches a step), interleaved_1f1b (ScheduleInterleaved1F1B: "
+        "`pp_virtual_stages` stages per rank, a smaller bubble), interleaved_zero_bubble "
+        "(ScheduleInterleavedZeroBubble: the weight gradients fill the bubble).",
+    )
+    pp_virtual_stages: int = Field(
+        2, ge=1, description="With an interleaved schedule, the stages each rank holds (rank r: stages r, r + pp, "
+        "...); 1f1b holds one.",
+    )
+    pp_split: list[int] | None = Field(
+        None, description="With pp > 1, the decoder layers of each stage in order (pp entries, pp * "
+        "pp_virtual_stages with an interleaved schedule), summing to the model's layers; None = balanced by layer "
+        "count (the first stages take one more when it does not divide).",
+    )
+
+    @model_validator(mode="after")
+    def _check_pp(self) -> "ParallelConfig":
+        if self.pp_split is not None and (len(self.pp_split) != self.stages() or min(self.pp_split) < 1):
+            raise ValueError(f"parallel.pp_split: {self.stages()} stages of at least one layer each, got "
+                             f"{self.pp_split}")
+        return self
+
+    def stages(self) -> int:
+        """How many pipeline stages the model is split into (pp, or pp * virtual stages when interleaved)."""
+        return self.pp * (self.pp_virtual_stages if self.pp_schedule != "1f1b" else 1)

@@ -1,9 +1,11 @@
-"""Parallelism: one (dp, tp) device mesh, the policy split over it in one place, loaded and saved in shards.
+"""Parallelism: one (pp, dp, tp) device mesh, the policy split over it in one place, loaded and saved in shards.
 
 mesh.py      the process group and the mesh; DistEnv, this rank's place in it
+stages.py    pipeline stages over "pp": the layers split at layer boundaries, global parameter names kept
+pipeline.py  a step's micro-batches through the stages (torch.distributed.pipelining schedules), bubble metrics
 tp.py        tensor + sequence parallelism of the Hugging Face decoders over "tp"
 fsdp.py      FSDP2 and its mixed precision over "dp"
-compose.py   parallelize(): TP, then activation checkpointing, then FSDP
+compose.py   parallelize(): stages, then TP, then activation checkpointing, then FSDP
 loading.py   meta-device init and sharded loading from safetensors
 state.py     state dicts whole (gathered to rank 0) or sharded (DCP)
 """

@@ -1,5 +1,8 @@
-"""The one place that splits the policy over the mesh, in a fixed order: TP, then activation checkpointing,
-then FSDP.
+"""The one place that splits the policy over the mesh, in a fixed order: pipeline stages, then TP, then
+activation checkpointing, then FSDP.
+
+Stages first (parallel.pp > 1, trainer/parallel/stages.py): each rank keeps only its stages' layers, and what
+follows applies per stage.
 
 TP first: it replaces each split weight by a DTensor on the "tp" mesh; activation checkpointing wraps whole
 decoder layers (so a recomputed layer redoes its TP collectives); FSDP last shards every parameter, TP-split
@@ -12,6 +15,7 @@ from trainer.config.parallel import ParallelConfig
 from trainer.model import PolicyModel
 from trainer.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from trainer.parallel.mesh import DistEnv
+from trainer.parallel.stages import shard_stages, split_stages
 from trainer.parallel.tp import apply_tp, pad_sequences
 
 
@@ -22,10 +26,14 @@ def parallelize(
     dtype: str = "float32",
     checkpoint_layers: Callable[[PolicyModel], None] | None = None,
 ) -> PolicyModel:
-    """Split `policy` in place over env's (dp, tp) mesh; a world of one keeps it whole (activation checkpointing
+    """Split `policy` in place over env's (pp, dp, tp) mesh; a world of one keeps it whole (activation checkpointing
     still applies). Works on a model on the meta device (trainer/parallel/loading.py materialises and loads it
     afterwards)."""
     config = config or ParallelConfig()
+    if env.pp_size > 1:  # TP within stages is not there yet (trainer/config refuses pp with tp)
+        split_stages(policy, env, config)
+        shard_stages(policy, env, config, dtype, checkpointing=checkpoint_layers is not None)
+        return policy
     if env.distributed and env.tp_size > 1:
         apply_tp(policy, env.mesh["tp"])
     if checkpoint_layers is not None:

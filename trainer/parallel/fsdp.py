@@ -22,6 +22,12 @@ def mixed_precision_policy(dtype: str, device: torch.device, enabled: bool) -> M
     return MixedPrecisionPolicy()
 
 
+def uses_fsdp(env) -> bool:
+    """Whether the policy is sharded by FSDP2 (and so cast by its mixed precision): under torchrun, except pipeline
+    stages with one data-parallel rank (FSDP over one rank would only add unsharded copies of the parameters)."""
+    return env.distributed and (env.pp_size == 1 or env.dp_size > 1)
+
+
 def apply_fsdp(policy: PolicyModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
     """Shard `policy` over `mesh` (the "dp" dimension) in place: each decoder layer, then the root."""
     for layer in policy.decoder_layers:

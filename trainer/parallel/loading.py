@@ -81,7 +81,8 @@ def load_hf_shards(lm: nn.Module, path: str | Path) -> int:
     saved = reader.read_metadata().state_dict_metadata
     state = lm.state_dict()
     missing = set(state) - set(saved)
-    tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()  # None on the stages without them
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
     if tied:  # saved once, under the input embedding's name
         missing.discard("lm_head.weight")
         state.pop("lm_head.weight", None)

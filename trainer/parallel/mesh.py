@@ -1,11 +1,13 @@
-"""The process group and the one device mesh every parallelism is laid over: ("dp", "tp").
+"""The process group and the one device mesh every parallelism is laid over: ("pp", "dp", "tp").
 
 Under `torchrun` (WORLD_SIZE in the environment) the trainer joins a process group (the device's
-backend, services/device.py: gloo on CPU, nccl on GPU) and lays its ranks out as a 2-D mesh of `world / tp` data-parallel groups of `tp`
-tensor-parallel ranks (rank = dp_rank * tp + tp_rank: the ranks of one TP group are neighbours,
-on one node). Ranks of one TP group see the same rows and compute the same losses; sums over the
-batch (metrics, normalisers) run over "dp" only. Run as a plain process it is a world of one with
-no mesh and the same code path otherwise.
+backend, services/device.py: gloo on CPU, nccl on GPU) and lays its ranks out as a 3-D mesh of `pp` pipeline
+stages, each `world / (pp * tp)` data-parallel groups of `tp` tensor-parallel ranks (rank = (pp_rank * dp +
+dp_rank) * tp + tp_rank: the ranks of one TP group are neighbours, on one node; pipeline stages are outermost,
+their point-to-point activations the cheapest traffic to send between nodes; expert parallelism, when it comes,
+splits "dp"). Ranks of one TP group, and the stages of one pipeline, see the same rows; sums over the batch
+(metrics, normalisers) run over "dp" only. Run as a plain process it is a world of one with no mesh and the same
+code path otherwise.
 """
 
 import os
@@ -19,12 +21,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from services.device import collective_backend, resolve_device, set_current
 
-MESH_DIMS = ("dp", "tp")
+MESH_DIMS = ("pp", "dp", "tp")
 
 
 @dataclass
 class DistEnv:
-    """This process's place in the world: global rank, the device, and the (dp, tp) mesh (None: a world of one)."""
+    """This process's place in the world: global rank, the device, and the (pp, dp, tp) mesh (None: a world of
+    one)."""
 
     rank: int
     world_size: int
@@ -44,8 +47,17 @@ class DistEnv:
         return self.mesh["tp"].size() if self.distributed else 1
 
     @property
+    def pp_size(self) -> int:
+        """How many pipeline stages the policy's layers are split into (trainer/parallel/pipeline.py)."""
+        return self.mesh["pp"].size() if self.distributed else 1
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank() if self.distributed else 0
+
+    @property
     def dp_size(self) -> int:
-        """How many ways the batch is split (world / tp)."""
+        """How many ways the batch is split (world / (pp * tp))."""
         return self.mesh["dp"].size() if self.distributed else 1
 
     @property
@@ -83,12 +95,14 @@ class DistEnv:
             dist.barrier()
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 1800.0, tp: int = 1) -> DistEnv:
-    """Join the torchrun process group if there is one, as a (world / tp, tp) mesh; otherwise a world of one.
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0, tp: int = 1, pp: int = 1) -> DistEnv:
+    """Join the torchrun process group if there is one, as a (pp, world / (pp * tp), tp) mesh; otherwise a world
+    of one.
     `device` as services/device.py resolves it (auto = the machine's accelerator, else the CPU)."""
     if "WORLD_SIZE" not in os.environ:
-        if tp != 1:
-            raise ValueError(f"parallel.tp={tp} needs that many processes: start the trainer under torchrun")
+        if tp != 1 or pp != 1:
+            raise ValueError(f"parallel.tp={tp}, parallel.pp={pp} need tp * pp processes: start the trainer under "
+                             "torchrun")
         # With its index: the weight broadcast's NCCL group is made on exactly this device.
         return DistEnv(rank=0, world_size=1, device=resolve_device(device))
     torch_device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -96,9 +110,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0, tp: int = 
     if not dist.is_initialized():
         dist.init_process_group(collective_backend(torch_device), timeout=timedelta(seconds=timeout_s))
     world_size = dist.get_world_size()
-    if world_size % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide the {world_size} processes")
-    mesh = init_device_mesh(torch_device.type, (world_size // tp, tp), mesh_dim_names=MESH_DIMS)
+    if world_size % (tp * pp):
+        raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide the {world_size} processes")
+    mesh = init_device_mesh(torch_device.type, (pp, world_size // (tp * pp), tp), mesh_dim_names=MESH_DIMS)
     return DistEnv(rank=dist.get_rank(), world_size=world_size, device=torch_device, mesh=mesh)
 
 

@@ -4,6 +4,7 @@ checkpoint format) or sharded (each rank its own DTensor shards: torch.distribut
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,15 +24,31 @@ _SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 def _reshard(model: nn.Module) -> None:
     # After forward-only passes FSDP2 may hold unsharded parameters; loading a state dict
     # into that state fails with "mixed torch.Tensor and DTensor".
-    if isinstance(model, FSDPModule):
-        model.reshard()
+    for module in (model, *getattr(model, "pipeline_stages", ())):  # pipeline stages: FSDP roots of their own
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def gather_model_state(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU state dict on rank 0, {} on other ranks. Collective: every rank calls it."""
     if not env.distributed:
         return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+    if env.pp_size > 1:
+        return _gather_stages(model, env)
     return get_model_state_dict(model, options=_GATHER)
+
+
+def _gather_stages(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
+    """Pipeline stages: each stage's whole tensors (gathered over its "dp" shards), then every stage's to rank 0
+    by the first data-parallel, tensor-parallel rank of each stage (rank 0's pp group)."""
+    _reshard(model)
+    own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    own = {name: tensor.detach().cpu() for name, tensor in own.items()}
+    if env.dp_rank != 0 or env.mesh["tp"].get_local_rank() != 0:
+        return {}
+    parts: list[Any] = [None] * env.pp_size if env.is_main else None
+    dist.gather_object(own, parts, group=env.mesh["pp"].get_group(), group_dst=0)
+    return {name: tensor for part in parts for name, tensor in part.items()} if env.is_main else {}
 
 
 def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict[str, Any]:
