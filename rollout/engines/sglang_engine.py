@@ -313,8 +313,8 @@ class SglangEngine:
                                 turn_reward: float | None = None) -> int:
         return append_checked(self.sessions, self.info, session_id, token_ids, self.weight_version, turn_reward)
 
-    async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
-                                  ) -> AsyncIterator[Completion]:
+    async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False,
+                                  expected_idle_s: float | None = None) -> AsyncIterator[Completion]:
         session = self.sessions.idle(session_id)
         params = turn_params(session, params, self.info)
         turn = _Turn(f"session/{session_id}/{uuid.uuid4().hex[:8]}", session.token_ids)
