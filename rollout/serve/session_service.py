@@ -86,7 +86,11 @@ class SessionRPCs:
                                 ) -> AsyncIterator[rollout_pb2.GenerateChunk]:
         params = self._params(request.params)
         async with _refusals(context):
-            async for delta in self.engine.generate_in_session(request.session_id, params, whole=request.whole_turn):
+            if request.HasField("expected_idle_s") and not 0 <= request.expected_idle_s < float("inf"):
+                raise InvalidRequest("expected_idle_s", f"seconds >= 0, got {request.expected_idle_s}")
+            idle_s = request.expected_idle_s if request.HasField("expected_idle_s") else None
+            async for delta in self.engine.generate_in_session(request.session_id, params, whole=request.whole_turn,
+                                                               expected_idle_s=idle_s):
                 TOKENS_GENERATED.inc(len(delta.token_ids))
                 yield generate_chunk(request.session_id, delta, request.params.logprobs,
                                      self.decode_text(delta.token_ids))
