@@ -36,7 +36,8 @@ class LLMEngine(SessionSteps):
                                      policy=config.session_policy, pin_ttl_s=config.session_pin_ttl_s,
                                      admission=config.session_admission,
                                      admission_wait_s=config.session_admission_wait_s)
-        self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle)
+        self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle,
+                                   restore=self.sessions.restore)
         self.evictor = (KVEvictor(config, self.block_manager, self.runner.cache)
                         if config.kv_eviction != "none" else None)
         self.requests: dict[str, list[Sequence]] = {}
@@ -111,8 +112,8 @@ class LLMEngine(SessionSteps):
 
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams,
                             expected_idle_s: float | None = None) -> None:
-        """Queue the session's next policy turn (one completion, max_tokens cut to the context left); its KV comes
-        back from the host tier first if it went there. `expected_idle_s`: how long the caller's tool will take after
+        """Queue the session's next policy turn (one completion, max_tokens cut to the context left); KV of it that
+        went to the host tier comes back when the turn starts (Scheduler.restore). `expected_idle_s`: how long the caller's tool will take after
         this turn (engine.session_policy kv_aware schedules by it)."""
         session, params = self._turn(session_id, params)
         context = len(session.token_ids)
@@ -120,7 +121,6 @@ class LLMEngine(SessionSteps):
             raise ContextFull(f"the session's context + max_tokens ({context + params.max_tokens} tokens) exceeds "
                               f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
         [seq] = self._new_sequences(request_id, session.token_ids, params)
-        self.sessions.restore(session)
         session.next_idle_s = expected_idle_s
         self.sessions.start_turn(session, seq, logprobs_temperature(self.config.logprobs_mode, params.temperature))
         self.scheduler.add(seq)

@@ -165,7 +165,8 @@ class SessionTable:
         if session.temperature is not None and temperature != session.temperature:
             raise InvalidRequest("params.temperature", f"the session's logprobs are at temperature "
                                  f"{session.temperature:g}; every turn must use it (got {temperature:g})")
-        if session.turns and session.num_cached_tokens == 0:
+        tiered = self.tier is not None and session.session_id in self.tier.entries  # restore() brings it back
+        if session.turns and session.num_cached_tokens == 0 and not tiered:
             session.kv_recomputes += 1
         self.policy.turn_started(session)
         session.temperature = temperature
@@ -215,10 +216,10 @@ class SessionTable:
         session = self.get(session_id)
         return SessionState(len(session.token_ids), session.finish_reason, session.turn is not None, weight_version)
 
-    def evict_idle(self, keep: Session | None = None) -> bool:
-        """Free the KV blocks of one idle session that holds any (but `keep`), the policy's choice: into the host tier
-        when there is one, else dropped. Whether one did."""
-        holders = [s for s in self.sessions.values() if s.turn is None and s.block_table and s is not keep]
+    def evict_idle(self) -> bool:
+        """Free the KV blocks of one idle session that holds any, the policy's choice: into the host tier when there is
+        one, else dropped. Whether one did."""
+        holders = [s for s in self.sessions.values() if s.turn is None and s.block_table]
         if not holders:
             return False
         victim = self.policy.victim(holders)
@@ -228,25 +229,28 @@ class SessionTable:
         self.num_evictions += 1
         return True
 
-    def restore(self, session: Session) -> None:
-        """Bring an idle session's KV back from the host tier into fresh blocks (its next turn is about to start),
-        moving other idle sessions out for room; without room it stays out and the turn recomputes it."""
-        if self.tier is None or session.block_table:
-            return
-        entry = self.tier.take(session.session_id)
-        if entry is None:
+    def restore(self, seq: Sequence, must: bool) -> None:
+        """Bring the KV of a session turn about to start (`seq`, holding no blocks) back from the host tier into fresh
+        blocks, moving idle sessions out for room. Without room it stays in the tier (the turn waits for blocks), or
+        with `must` (nothing runs that would free blocks) it is given up and the turn recomputes it."""
+        session = seq.session
+        if self.tier is None or session is None or seq.block_table or session.session_id not in self.tier.entries:
             return
         manager = self.block_manager
-        needed = manager.blocks_for(entry.num_tokens)
-        while manager.num_free_blocks < needed and self.evict_idle(keep=session):
+        needed = manager.blocks_for(self.tier.entries[session.session_id].num_tokens)
+        while manager.num_free_blocks < needed and self.evict_idle():
             pass
         if manager.num_free_blocks < needed:
-            self.num_tier_misses += 1
+            if must:
+                self.tier.discard(session.session_id)
+                self.num_tier_misses += 1
+                session.kv_recomputes += 1
             return
-        session.block_table = manager.take_private(needed)  # not offered to the prefix cache (maybe lossy or stale)
-        self.tier.restore(entry, session.block_table)
-        session.num_cached_tokens = entry.num_tokens
-        session.context_version = entry.kv_version
+        entry = self.tier.take(session.session_id)
+        seq.block_table = manager.take_private(needed)  # not offered to the prefix cache (maybe lossy or stale)
+        self.tier.restore(entry, seq.block_table)
+        seq.num_cached_tokens = entry.num_tokens
+        seq.context_version = entry.kv_version
 
     def drop_kv(self) -> None:
         """Drop every idle session's KV (new weights, kv_on_update recompute), in the cache and in the tier: each
