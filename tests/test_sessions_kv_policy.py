@@ -90,6 +90,18 @@ def test_a_pin_lasts_at_most_its_ttl_and_unknown_waits_are_learned():
     stranger = Session("stranger", [1], 1, clock.now)  # no history of its own: every session's mean so far
     policy.turn_ended(stranger, None)
     assert stranger.expected_back == pytest.approx(clock.now + policy.mean_idle_s)
+    # Per tool: a search that took 40 s teaches the policy; a later turn that called it is expected back in 40 s.
+    learner.expected_back = None
+    policy.tool_called(learner, "search")
+    clock.now += 40.0
+    policy.turn_started(learner)
+    assert policy.tool_idle_s == {"search": pytest.approx(40.0)}
+    policy.turn_ended(stranger, None)
+    policy.tool_called(stranger, "search")
+    assert stranger.expected_back == pytest.approx(clock.now + 40.0)
+    policy.turn_ended(stranger, 2.0)  # what the caller says wins over what was learned
+    policy.tool_called(stranger, "search")
+    assert stranger.expected_back == pytest.approx(clock.now + 2.0)
 
 
 def test_admission_queues_while_the_working_set_does_not_fit_and_bounds_the_wait(tiny_model_dir):

@@ -214,6 +214,10 @@ class AsyncEngine(EngineThread):
     async def session_state(self, session_id: str) -> SessionState:
         return await self._call(lambda: self.engine.session_state(session_id))
 
+    async def session_tool(self, session_id: str, tool: str) -> None:
+        """The session's last turn called `tool` (engine.session_policy learns waits per tool)."""
+        await self._call(lambda: self.engine.session_tool(session_id, tool))
+
     async def close_session(self, session_id: str) -> SessionRecord:
         """Close a session (aborting a running turn) and return its episode."""
         return await self._call(lambda: self._close_session(session_id))

@@ -2,7 +2,8 @@
 
 Between two turns a session waits on its tool. Its caller may say how long (`expected_idle_s` with the turn:
 GenerateInSession, or the OpenAI path's session header); otherwise the engine learns it from history: the session's
-own earlier waits (a moving average), else the mean wait of every session so far. `engine.session_policy`:
+own earlier waits (a moving average), else the mean wait of every session so far; once the service has read which
+tool the turn called (`tool_called`), that tool's mean wait so far, when it has one. `engine.session_policy`:
 
 - `lru` (the default): the idle session used least recently gives up its KV first.
 - `kv_aware`: the idle session expected back last gives up its KV first; a session expected back within
@@ -30,11 +31,13 @@ class SessionPolicy:
         self.pin_ttl_s = pin_ttl_s
         self.clock = clock
         self.mean_idle_s: float | None = None  # over every session's observed waits
+        self.tool_idle_s: dict[str, float] = {}  # tool name -> the mean wait of the turns that called it
 
     def turn_ended(self, session: Session, expected_idle_s: float | None) -> None:
         """The session went idle now; when it is expected back: as its caller said, else as learned."""
         now = self.clock()
         session.idle_since = now
+        session.told = expected_idle_s is not None
         guess = expected_idle_s if expected_idle_s is not None else session.mean_idle_s
         if guess is None:
             guess = self.mean_idle_s
@@ -47,7 +50,18 @@ class SessionPolicy:
         waited = self.clock() - session.idle_since
         session.mean_idle_s = _average(session.mean_idle_s, waited)
         self.mean_idle_s = _average(self.mean_idle_s, waited)
-        session.idle_since = session.expected_back = None
+        if session.tool is not None:
+            self.tool_idle_s[session.tool] = _average(self.tool_idle_s.get(session.tool), waited)
+        session.idle_since = session.expected_back = session.tool = None
+
+    def tool_called(self, session: Session, tool: str) -> None:
+        """The session's last turn called `tool`: its wait is learned as that tool's, and expected from that tool's
+        history when its caller said nothing."""
+        if session.idle_since is None:
+            return
+        session.tool = tool
+        if not session.told and tool in self.tool_idle_s:
+            session.expected_back = session.idle_since + self.tool_idle_s[tool]
 
     def victim(self, holders: Iterable[Session]) -> Session:
         """Of idle sessions holding KV, the one whose KV leaves first."""

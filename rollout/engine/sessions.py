@@ -62,6 +62,8 @@ class Session:
     idle_since: float | None = None  # when its last turn ended (None while it has not ended one since it was back)
     expected_back: float | None = None  # when its next turn is expected (SessionPolicy)
     mean_idle_s: float | None = None  # its waits between turns so far (a moving average)
+    told: bool = False  # its caller said expected_idle_s for the last turn
+    tool: str | None = None  # the tool its last turn called, when the service read it (SessionPolicy.tool_called)
 
 
 @dataclass(frozen=True)
@@ -365,6 +367,12 @@ class SessionSteps:
 
     def session_state(self, session_id: str) -> SessionState:
         return self.sessions.state(session_id, self.weight_version)
+
+    def session_tool(self, session_id: str, tool: str) -> None:
+        """The session's last turn called `tool` (the service parsed it): learn and expect its wait by tool."""
+        session = self.sessions.sessions.get(session_id)
+        if session is not None and session.turn is None:
+            self.sessions.policy.tool_called(session, tool)
 
     def close_session(self, session_id: str) -> SessionRecord:
         """Close the session (aborting a running turn first) and return its episode; frees its blocks."""

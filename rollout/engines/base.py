@@ -109,6 +109,9 @@ class RolloutEngine(Protocol):
 
     async def session_state(self, session_id: str) -> SessionState: ...
 
+    async def session_tool(self, session_id: str, tool: str) -> None:
+        """The session's last turn called `tool`: an engine that schedules idle sessions' KV learns each tool's wait."""
+
     async def close_session(self, session_id: str) -> SessionRecord: ...
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

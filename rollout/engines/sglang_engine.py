@@ -337,6 +337,9 @@ class SglangEngine:
     async def session_state(self, session_id: str) -> SessionState:
         return self.sessions.state(session_id, self.weight_version)
 
+    async def session_tool(self, session_id: str, tool: str) -> None:
+        """Nothing to schedule: SGLang's radix cache keeps the sessions' KV."""
+
     async def close_session(self, session_id: str) -> SessionRecord:
         """Close a session. A running turn is aborted, and its stream ends it once the abort lands; if that has
         not happened within `abort_timeout_s`, the turn is ended here as aborted and the session closed."""
