@@ -16,7 +16,8 @@ open session waits on a tool).
 
 Pressure: total KV bytes = PRESSURE x the workload's working set (CONCURRENCY full contexts, in float32 blocks);
 lru: all of it as cache; kv_aware: 60% cache, 40% int8 tier (rollout/kv/host_tier.py), session_admission kv (wait
-bound 5 s). No pressure: total = 2 x the working set, split the same way.
+bound 5 s). No pressure: total = 2 x the working set, split the same way. Under pressure a third run, lru+tier
+(lru's order over kv_aware's cache and tier, no admission), says how much of the difference is the tier's.
 
 - recomputed tokens: prefill tokens beyond what a session that never lost its KV computes (its prompt once, then
   the last sampled token and the observation per turn).
@@ -87,12 +88,13 @@ def tokens(seed: int, what: str, count: int) -> list[int]:
 
 def run(model_dir: Path, shape: Shape, policy: str, total_bytes: int, seed: int) -> dict:
     bytes_per_block = 2 * 4 * BLOCK * 2 * 64 * 4  # keys and values, 4 layers, 2 kv heads, head_dim 64, float32
-    settings = {"session_policy": policy}
+    settings = {"session_policy": "kv_aware" if policy == "kv_aware" else "lru"}
     cache_bytes = total_bytes
-    if policy == "kv_aware":
+    if policy != "lru":
         cache_bytes = int(total_bytes * 0.6)
-        settings |= {"session_kv_tier_bytes": total_bytes - cache_bytes, "session_kv_tier_codec": "int8",
-                     "session_admission": "kv", "session_admission_wait_s": ADMISSION_WAIT_S}
+        settings |= {"session_kv_tier_bytes": total_bytes - cache_bytes, "session_kv_tier_codec": "int8"}
+    if policy == "kv_aware":
+        settings |= {"session_admission": "kv", "session_admission_wait_s": ADMISSION_WAIT_S}
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=BLOCK, num_blocks=cache_bytes // bytes_per_block,
                                     max_model_len=shape.context + BLOCK, max_num_seqs=shape.concurrency,
                                     max_num_batched_tokens=4096, seed=seed, **settings))
@@ -183,7 +185,7 @@ def main() -> None:
                                      head_dim=64, max_position_embeddings=2048, seed=args.seed)
         results = {}
         for label, total in (("pressure", int(working_set * PRESSURE)), ("roomy", working_set * 2)):
-            for policy in ("lru", "kv_aware"):
+            for policy in ("lru", "kv_aware", "lru+tier") if label == "pressure" else ("lru", "kv_aware"):
                 r = results[label, policy] = run(model_dir, shape, policy, total, args.seed)
                 print(f"{label:8s} {policy:8s} total KV {total / 2**20:6.1f} MiB, cache {r['cache_blocks']} blocks: "
                       f"{r['turns_per_s']:.2f} turns/s over {r['seconds']:.1f} s, recomputed {r['recomputed']} tokens, "
@@ -199,6 +201,9 @@ def main() -> None:
     for policy, r in (("lru", lru), ("kv_aware", aware)):
         print(f"result: episode_latency_{policy} = p50 {r['p50']:.2f} s, p95 {r['p95']:.2f} s; longest admission "
               f"wait {r['max_wait']:.2f} s (under pressure)")
+    tiered = results["pressure", "lru+tier"]
+    print(f"result: lru_with_tier_vs_lru_turns_per_s = {tiered['turns_per_s'] / lru['turns_per_s']:.2f} (baseline lru; "
+          f"recomputed tokens {tiered['recomputed'] / max(lru['recomputed'], 1):.3f} of lru's: the tier alone)")
     roomy_lru, roomy_aware = results["roomy", "lru"], results["roomy", "kv_aware"]
     print(f"result: kv_aware_vs_lru_turns_per_s_no_pressure = "
           f"{roomy_aware['turns_per_s'] / roomy_lru['turns_per_s']:.3f} (baseline lru {roomy_lru['turns_per_s']:.2f} "
