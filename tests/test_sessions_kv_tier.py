@@ -149,3 +149,18 @@ def test_settings_are_checked(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir), session_kv_tier_codec="int2")
     with pytest.raises(ValueError, match="session_kv_tier_bytes"):
         EngineConfig(model=str(tiny_model_dir), session_kv_tier_bytes=-1)
+
+
+def test_a_turn_queued_while_running_requests_hold_the_blocks_waits_for_its_tiered_kv(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_blocks=12, session_kv_tier_bytes=1 << 22)
+    engine.open_session("s", [1] + list(range(30, 60)))
+    turn(engine, "s", "t1")
+    assert engine.sessions.evict_idle()  # its 39 tokens (5 blocks) go to the tier
+    engine.add_request("busy", [2] * 60, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.step()  # the plain request holds 8 of the 12 blocks, and grows
+    engine.append_to_session("s", [5, 6, 7])
+    assert engine.block_manager.num_free_blocks < 5
+    after = turn(engine, "s", "t2")  # queued behind it: its KV comes back once blocks are free, not recomputed
+    record = engine.close_session("s")
+    assert len(after) == GREEDY.max_tokens and record.kv_recomputes == 0
+    assert engine.stats["session_tier_hits"] == 1 and engine.stats["session_tier_misses"] == 0
