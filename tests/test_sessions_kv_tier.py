@@ -164,3 +164,21 @@ def test_a_turn_queued_while_running_requests_hold_the_blocks_waits_for_its_tier
     record = engine.close_session("s")
     assert len(after) == GREEDY.max_tokens and record.kv_recomputes == 0
     assert engine.stats["session_tier_hits"] == 1 and engine.stats["session_tier_misses"] == 0
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", {"b", "c"}), ("kv_aware", {"a", "b"})])
+def test_a_full_tier_drops_by_the_policy(tiny_model_dir, policy, kept):
+    # Room in the tier for two of the three sessions. lru moves them out oldest first (a, b, c) and the tier drops its
+    # oldest entry (a); kv_aware moves out c (back in ten minutes) first, then b, then a, and the full tier drops the
+    # session back last (c), not the oldest entry.
+    probe = make_engine(tiny_model_dir, num_blocks=64, session_kv_tier_bytes=1 << 22)
+    engine = make_engine(tiny_model_dir, num_blocks=64, session_kv_tier_bytes=2 * probe.sessions.tier.nbytes_for(39),
+                         session_policy=policy)
+    for name, idle_s in (("a", 5.0), ("b", 20.0), ("c", 600.0)):
+        engine.open_session(name, [1] + [20 + (ord(name) + i) % 70 for i in range(30)])
+        engine.add_session_request(name, name, GREEDY, idle_s)
+        while name in engine.requests:
+            engine.step()
+    for _ in "abc":
+        assert engine.sessions.evict_idle()
+    assert set(engine.sessions.tier.entries) == kept

@@ -78,6 +78,20 @@ class SessionPolicy:
         return max(holders, key=order)
 
 
+    def tier_drop_first(self, sessions: dict[str, Session]) -> Callable[[list[str]], str] | None:
+        """What the host tier drops first when full (HostKVTier.put): lru its oldest entry (None); kv_aware the
+        session expected back last among its entries and the newcomer (then the newcomer is not kept), never one whose
+        turn waits to start while another can go."""
+        if self.policy == "lru":
+            return None
+
+        def drop_first(ids: list[str]) -> str:
+            candidates = [sessions[i] for i in ids]
+            return self.victim([s for s in candidates if s.turn is None] or candidates).session_id
+
+        return drop_first
+
+
 class Admission:
     """engine.session_admission: 'none' admits every session (max_sessions aside); 'kv' queues those that do not fit."""
 

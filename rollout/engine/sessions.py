@@ -226,7 +226,8 @@ class SessionTable:
             return False
         victim = self.policy.victim(holders)
         if self.tier is not None and victim.num_cached_tokens:
-            self.tier.put(victim.session_id, victim.block_table, victim.num_cached_tokens, victim.context_version)
+            self.tier.put(victim.session_id, victim.block_table, victim.num_cached_tokens, victim.context_version,
+                          self.policy.tier_drop_first(self.sessions))
         self._free(victim, keep_tier=True)
         self.num_evictions += 1
         return True

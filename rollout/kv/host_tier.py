@@ -6,11 +6,13 @@ them (rollout/kv/codecs.py: `none` keeps plain copies, bit-exact; `int8` / `int4
 byte a value plus float16 group parameters, with codecs.py's error bound). At the session's next turn the KV comes back
 into fresh blocks by copy (and dequantization) instead of a prefill over its whole context.
 
-A full tier makes room by dropping its oldest entries (those sessions recompute, as without a tier); an entry larger
-than the whole budget is not kept. Entries live on the CPU whatever the cache's device.
+A full tier makes room by dropping entries (those sessions recompute, as without a tier): the oldest first, or as
+the caller's `drop_first` chooses (engine.session_policy kv_aware: the session expected back last, which may be the
+newcomer: then it is not kept). An entry larger than the whole budget is not kept. Entries live on the CPU whatever the cache's device.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,16 +65,20 @@ class HostKVTier:
         """Full blocks of KV the whole budget holds."""
         return self.budget_bytes // self.nbytes_for(self.block_size)
 
-    def put(self, session_id: str, block_ids: list[int], num_tokens: int, kv_version: int | None) -> bool:
+    def put(self, session_id: str, block_ids: list[int], num_tokens: int, kv_version: int | None,
+            drop_first: Callable[[list[str]], str] | None = None) -> bool:
         """Copy the KV of the first `num_tokens` slots of `block_ids` into the tier (replacing what `session_id` had
-        there), dropping the oldest entries for room; whether it was kept."""
+        there), dropping entries for room: the oldest, or `drop_first(candidates)`'s pick among the entries and
+        `session_id` (picked: not kept). Whether it was kept."""
         self.discard(session_id)
         nbytes = self.nbytes_for(num_tokens)
         if num_tokens <= 0 or nbytes > self.budget_bytes:
             return False
         while self.bytes_used + nbytes > self.budget_bytes:
-            _, dropped = self.entries.popitem(last=False)
-            self.bytes_used -= dropped.nbytes
+            gone = next(iter(self.entries)) if drop_first is None else drop_first([*self.entries, session_id])
+            if gone == session_id:
+                return False
+            self.bytes_used -= self.entries.pop(gone).nbytes
             self.num_dropped += 1
         keys, values = self.cache.export_blocks(block_ids)  # [layers, blocks, block_size, heads, head_dim]
         keys, values = (t.flatten(1, 2)[:, :num_tokens] for t in (keys, values))
