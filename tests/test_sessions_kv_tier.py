@@ -182,3 +182,17 @@ def test_a_full_tier_drops_by_the_policy(tiny_model_dir, policy, kept):
     for _ in "abc":
         assert engine.sessions.evict_idle()
     assert set(engine.sessions.tier.entries) == kept
+
+
+def test_sessions_moved_out_to_make_room_for_a_restore_never_push_its_kv_out_of_the_tier(tiny_model_dir):
+    probe = make_engine(tiny_model_dir, num_blocks=12, session_kv_tier_bytes=1 << 22)
+    engine = make_engine(tiny_model_dir, num_blocks=12, session_kv_tier_bytes=probe.sessions.tier.nbytes_for(60))
+    engine.open_session("s", [1] + list(range(30, 60)))
+    turn(engine, "s", "s1")
+    assert engine.sessions.evict_idle()  # s's KV fills most of the tier
+    for name in "tu":  # two idle sessions hold 10 of the 12 blocks
+        engine.open_session(name, [1] + [20 + (ord(name) + i) % 70 for i in range(30)])
+        turn(engine, name, f"{name}1")
+    engine.append_to_session("s", [5, 6, 7])
+    turn(engine, "s", "s2")  # its restore moves t out; t does not fit the tier beside s and is dropped, not s
+    assert engine.stats["session_tier_hits"] == 1 and engine.close_session("s").kv_recomputes == 0

@@ -241,8 +241,12 @@ class SessionTable:
             return
         manager = self.block_manager
         needed = manager.blocks_for(self.tier.entries[session.session_id].num_tokens)
-        while manager.num_free_blocks < needed and self.evict_idle():
-            pass
+        self.tier.pinned.add(session.session_id)  # the sessions moved out for room must not push it out of the tier
+        try:
+            while manager.num_free_blocks < needed and self.evict_idle():
+                pass
+        finally:
+            self.tier.pinned.discard(session.session_id)
         if manager.num_free_blocks < needed:
             if must:
                 self.tier.discard(session.session_id)

@@ -47,6 +47,7 @@ class HostKVTier:
         self.layout = (num_layers, num_kv_heads, head_dim)
         self.dtype = dtype
         self.entries: OrderedDict[str, TierEntry] = OrderedDict()  # oldest first
+        self.pinned: set[str] = set()  # entries never dropped for room (a turn is bringing them back)
         self.bytes_used = 0
         self.num_puts = 0  # sessions whose KV went into the tier
         self.num_hits = 0  # sessions whose KV came back from it
@@ -75,7 +76,10 @@ class HostKVTier:
         if num_tokens <= 0 or nbytes > self.budget_bytes:
             return False
         while self.bytes_used + nbytes > self.budget_bytes:
-            gone = next(iter(self.entries)) if drop_first is None else drop_first([*self.entries, session_id])
+            droppable = [i for i in self.entries if i not in self.pinned]
+            if not droppable:
+                return False
+            gone = droppable[0] if drop_first is None else drop_first([*droppable, session_id])
             if gone == session_id:
                 return False
             self.bytes_used -= self.entries.pop(gone).nbytes
