@@ -119,6 +119,13 @@ class RolloutEngine(Protocol):
         ...
 
 
+class KeepsItsOwnSessionKV:
+    """Mixed into an engine whose own cache keeps its sessions' KV (SGLang's radix cache): nothing to schedule."""
+
+    async def session_tool(self, session_id: str, tool: str) -> None:
+        """Nothing to learn: the engine does not schedule its sessions' KV."""
+
+
 class ReceivesFromGroup(Protocol):
     """What an engine that joins the trainer's weight-update group itself adds (SGLang, whose scheduler receives
     into GPU memory): the weight receiver uses it instead of update_weights when `receives_from_group` is true."""

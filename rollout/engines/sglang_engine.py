@@ -55,7 +55,7 @@ from rollout.engine.sessions import (
     open_checked,
     turn_params,
 )
-from rollout.engines.base import checkpoint_layout, generate_each
+from rollout.engines.base import KeepsItsOwnSessionKV, checkpoint_layout, generate_each
 from rollout.engines.settings import SglangSettings
 from services.weights import GroupSpec, Manifest
 
@@ -83,7 +83,7 @@ class _Turn:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-class SglangEngine:
+class SglangEngine(KeepsItsOwnSessionKV):
     """The engine interface (rollout/engines/base.py) over `sglang.Engine`; make it inside the event loop."""
 
     def __init__(self, model: str, settings: SglangSettings):
@@ -336,9 +336,6 @@ class SglangEngine:
 
     async def session_state(self, session_id: str) -> SessionState:
         return self.sessions.state(session_id, self.weight_version)
-
-    async def session_tool(self, session_id: str, tool: str) -> None:
-        """Nothing to schedule: SGLang's radix cache keeps the sessions' KV."""
 
     async def close_session(self, session_id: str) -> SessionRecord:
         """Close a session. A running turn is aborted, and its stream ends it once the abort lands; if that has
