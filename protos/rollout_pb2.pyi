@@ -232,14 +232,16 @@ class AppendToSessionResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GenerateInSessionRequest(_message.Message):
-    __slots__ = ("session_id", "params", "whole_turn")
+    __slots__ = ("session_id", "params", "whole_turn", "expected_idle_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     WHOLE_TURN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     params: SamplingParams
     whole_turn: bool
-    def __init__(self, session_id: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., whole_turn: _Optional[bool] = ...) -> None: ...
+    expected_idle_s: float
+    def __init__(self, session_id: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., whole_turn: _Optional[bool] = ..., expected_idle_s: _Optional[float] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "reward", "submit", "group_id", "group_size", "prompt_id", "sample_id", "reward_details", "metadata")

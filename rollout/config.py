@@ -266,6 +266,14 @@ class EngineConfig:
     # "keep": running sequences and idle sessions go on over it (each completion says so in its kv_version);
     # "recompute": it is dropped, and each context is recomputed with the new weights before its next token.
     kv_on_update: Literal["keep", "recompute"] = "keep"
+    # Idle sessions' KV scheduling (docs/sessions.md, "KV under pressure"; rollout/engine/session_policy.py):
+    # the host tier their KV goes to when it must leave the cache (rollout/kv/host_tier.py), 0: none (recomputed)
+    session_kv_tier_bytes: int = 0
+    session_kv_tier_codec: Literal["none", "int8", "int4"] = "none"  # plain copies, or quantized (rollout/kv/codecs.py)
+    session_policy: Literal["lru", "kv_aware"] = "lru"  # whose KV leaves first: least recently used, or back last
+    session_pin_ttl_s: float = 30.0  # kv_aware: a session expected back within this is pinned, for at most this long
+    session_admission: Literal["none", "kv"] = "none"  # kv: new sessions queue while the working set does not fit
+    session_admission_wait_s: float = 30.0  # the longest a session queues before it is admitted anyway
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)
     kv_open_blocks: int = field(init=False)
@@ -295,7 +303,8 @@ class EngineConfig:
         if self.kv_sink_tokens < 0:
             raise ValueError(f"kv_sink_tokens: must be >= 0, got {self.kv_sink_tokens}")
         for name in ("block_size", "kv_observation_window", "max_num_seqs", "max_queue", "max_n",
-                     "kv_cache_memory_bytes", "max_sessions", "session_idle_timeout_s"):
+                     "kv_cache_memory_bytes", "max_sessions", "session_idle_timeout_s", "session_pin_ttl_s",
+                     "session_admission_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -307,6 +316,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.kv_on_update not in ("keep", "recompute"):
             raise ValueError(f"kv_on_update: {self.kv_on_update!r} is not one of keep, recompute")
+        for name, allowed in (("session_kv_tier_codec", ("none", "int8", "int4")), ("session_policy", ("lru", "kv_aware")),
+                              ("session_admission", ("none", "kv"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.session_kv_tier_bytes < 0:
+            raise ValueError(f"session_kv_tier_bytes: must be >= 0, got {self.session_kv_tier_bytes}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
         device = torch.device(self.device)

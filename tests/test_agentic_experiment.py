@@ -70,12 +70,12 @@ def test_the_plan_carries_the_experiment_fields_to_the_runner_and_the_trainer(tm
         "training.buffer_capacity_batches=7", "training.max_tokens_per_micro_batch=1024", "checkpoint.interval=3",
         "checkpoint.keep_last=4", "trajectory_log.every_n_groups=2", "services.rollout.replicas=2",
         "services.rollout.settings={engine.torch_threads: 2}", "services.buffer.settings={fsync: never}",
-        "services.trainer.settings={num_threads: 3}", "seed=7"])
+        "services.trainer.settings={num_threads: 3}", "seed=7", "env.episode_retries=4"])
     run_dir, policy = tmp_path / "run", tmp_path / "model-sft"
     plan = agentic_plan(config, run_dir, policy)
     runner, trainer = agentic_configs(config, plan, Addresses(buffer="b:1", reward="", rollout="router:3"))
     assert runner["rollout"] == "router:3" and runner["buffer"] == "b:1" and runner["env"] == "tool_use"
-    assert runner["env_config"]["num_eval"] == 100 and runner["seed"] == 7
+    assert runner["env_config"]["num_eval"] == 100 and runner["seed"] == 7 and runner["episode_retries"] == 4
     assert (runner["group_size"], runner["groups_per_batch"], runner["max_staleness"]) == (4, 6, 2)
     assert runner["versions_per_batch"] == 2 and runner["max_tokens"] == 70 and runner["temperature"] == 0.8
     assert runner["concurrency"] == (2 + 1) * 6  # training.concurrency unset: admission control alone bounds them

@@ -188,3 +188,47 @@ def test_episodes_are_played_again_when_the_rollout_restarts(services, tmp_path)
     samples = pull(buffer.address, 8)
     assert sorted(s.sample_id for s in samples) == sorted({s.sample_id for s in samples})
     assert len(samples) == 8 and {len([t for t in samples if t.group_id == s.group_id]) for s in samples} == {2}
+
+
+class FlakyGuess(environment_class("guess_number")):
+    """guess_number whose step raises: on the first instance's first step only (`once`), or on every instance that
+    plays the task `doomed`."""
+
+    once = True
+    doomed: str | None = None
+
+    def step(self, action: str):
+        if FlakyGuess.once or self.task.task_id == FlakyGuess.doomed:
+            FlakyGuess.once = False
+            raise RuntimeError("the tool's sandbox crashed")
+        return super().step(action)
+
+
+def test_an_environment_that_raises_is_retried_with_a_fresh_instance_and_a_group_out_of_retries_is_dropped(
+        services, tmp_path):
+    buffer, rollout = services
+    tasks = environment_class("guess_number").tasks(environment_class("guess_number").Config(**ENV), 0)[0]
+
+    async def play(groups: int, retries: int) -> dict:
+        config = RunnerConfig(rollout=rollout.address, buffer=buffer.address, env="guess_number", env_config=ENV,
+                              group_size=2, groups_per_batch=4, max_staleness=4, max_tokens=4, max_groups=groups,
+                              concurrency=1, episode_retries=retries)
+        runner = Runner(config)
+        runner.env_cls = FlakyGuess
+        await asyncio.wait_for(runner.run(tasks[:groups]), 120)
+        await runner.close()
+        return runner.stats
+
+    FlakyGuess.once, FlakyGuess.doomed = True, None
+    stats = asyncio.run(play(groups=1, retries=2))
+    assert stats["groups"] == 1 and stats["replays_by_cause"] == {"env_error": 1} and stats["dropped_groups"] == 0
+    samples = pull(buffer.address, 2, ack=True)
+    # The retried episode trains (its session is attempt ~1); the failed attempt's session never reached the buffer.
+    sessions = sorted(unpack_metadata(s.metadata)["session_id"].rsplit("~", 1)[1] for s in samples)
+    assert len(samples) == 2 and sessions == ["0", "1"]
+    assert len({s.sample_id for s in samples}) == 2
+
+    FlakyGuess.once, FlakyGuess.doomed = False, tasks[0].task_id
+    stats = asyncio.run(play(groups=2, retries=1))  # the first group's episodes fail twice each: it is dropped alone
+    assert stats["dropped_groups"] == 1 and stats["drops_by_cause"] == {"env_error": 1}
+    assert stats["groups"] == 1 and stats["replays_by_cause"] == {"env_error": 2}

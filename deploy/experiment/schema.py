@@ -176,6 +176,10 @@ class EnvSection(Strict):
     config: dict = Field(default_factory=dict, description="The environment's Config fields (its tasks, turns, "
                          "rewards; rollout/envs/<name>.py).")
     eval_concurrency: int = Field(32, gt=0, description="Greedy held-out episodes in flight.")
+    episode_retries: int = Field(30, ge=0, description="Times the episode runner plays an episode again, with a fresh "
+                                 "environment, after it failed for an infrastructure reason or its environment "
+                                 "raised; a group whose episode runs out of them is dropped alone (rollout/envs/"
+                                 "runner.py).")
 
     @model_validator(mode="after")
     def _known(self) -> "EnvSection":

@@ -132,6 +132,9 @@ def _from_metrics(poll: Poll, samples: dict[tuple[str, tuple], float]) -> None:
     if poll.kind == "rollout":
         poll.queue = {"running": int(_sum(samples, "relayrl_rollout_running_sequences")),
                       "waiting": int(_sum(samples, "relayrl_rollout_waiting_sequences"))}
+        queued = int(_sum(samples, "relayrl_rollout_sessions_queued"))  # engine.session_admission kv
+        if queued:
+            poll.queue["sessions queued"] = queued
         poll.counters["tokens"] = _sum(samples, "relayrl_rollout_generated_tokens_total")
     elif poll.kind == "reward":
         poll.counters["scored"] = _sum(samples, "relayrl_reward_score_count")

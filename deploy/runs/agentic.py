@@ -67,7 +67,8 @@ def agentic_configs(config: ExperimentConfig, plan: Pipeline, addresses: Address
     training, run_dir, policy_dir = config.training, plan.run_dir, plan.policy_dir
     runner = {
         "rollout": addresses.rollout, "buffer": addresses.buffer, "env": config.env.name,
-        "env_config": config.env.config, "group_size": training.group_size,
+        "env_config": config.env.config, "episode_retries": config.env.episode_retries,
+        "group_size": training.group_size,
         "groups_per_batch": training.groups_per_batch, "max_staleness": training.max_staleness,
         "versions_per_batch": training.mini_batches,  # one weight version per optimizer step
         "temperature": training.temperature, "max_tokens": training.max_tokens, "concurrency": config.concurrency,

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 import torch
 
 from rollout.engine.engine_thread import EngineThread, Stream
+from rollout.engine.errors import NotAdmitted
 from rollout.engine.kv_handoff import add_prefilled_request, budget_batches, prefill_many_for_transfer
 from rollout.engine.model_info import Layout
 from rollout.engine.outputs import Completion, TokenOutput
@@ -26,6 +27,8 @@ from rollout.engine.sessions import SessionRecord, SessionState
 from rollout.kv.prefilled import PrefilledPrompt
 
 log = logging.getLogger(__name__)
+
+_ADMISSION_POLL_S = 0.02  # how often a session queued for admission asks again
 
 
 class AsyncEngine(EngineThread):
@@ -174,23 +177,33 @@ class AsyncEngine(EngineThread):
     # ---- sessions (rollout/engine/sessions.py); refusals raise the engine's errors (rollout/engine/errors.py)
 
     async def open_session(self, session_id: str, prompt_ids: Sequence[int]) -> int:
-        """Open a session on its initial context; returns the context length."""
+        """Open a session on its initial context; returns the context length. Under engine.session_admission kv it
+        waits in the admission queue (asking again every _ADMISSION_POLL_S) until it is admitted."""
         prompt = list(prompt_ids)
-        return await self._call(lambda: self.engine.open_session(session_id, prompt))
+        try:
+            while True:
+                try:
+                    return await self._call(lambda: self.engine.open_session(session_id, prompt))
+                except NotAdmitted:
+                    await asyncio.sleep(_ADMISSION_POLL_S)
+        except asyncio.CancelledError:  # the caller gave up: it leaves the queue
+            self._commands.put((lambda: self.engine.sessions.admission.forget(session_id), Future()))
+            raise
 
     async def append_to_session(self, session_id: str, token_ids: Sequence[int], turn_reward: float | None = None) -> int:
         """Append observation tokens (loss mask 0); returns the context length."""
         tokens = list(token_ids)
         return await self._call(lambda: self.engine.append_to_session(session_id, tokens, turn_reward))
 
-    async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
-                                  ) -> AsyncIterator[Completion]:
+    async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False,
+                                  expected_idle_s: float | None = None) -> AsyncIterator[Completion]:
         """Yield the deltas of the session's next turn (index 0), like generate(), or with `whole` the turn in one
-        delta once it has finished (one hand-over instead of one per step); leaving early aborts the turn."""
+        delta once it has finished (one hand-over instead of one per step); leaving early aborts the turn.
+        `expected_idle_s`: how long the caller's tool will take after the turn (engine.session_policy)."""
         request_id = f"session/{session_id}/{uuid.uuid4().hex[:8]}"
 
         def add() -> None:
-            self.engine.add_session_request(request_id, session_id, params)
+            self.engine.add_session_request(request_id, session_id, params, expected_idle_s)
 
         if whole:
             yield (await self._whole([(request_id, add)]))[0][0]
@@ -200,6 +213,10 @@ class AsyncEngine(EngineThread):
 
     async def session_state(self, session_id: str) -> SessionState:
         return await self._call(lambda: self.engine.session_state(session_id))
+
+    async def session_tool(self, session_id: str, tool: str) -> None:
+        """The session's last turn called `tool` (engine.session_policy learns waits per tool)."""
+        await self._call(lambda: self.engine.session_tool(session_id, tool))
 
     async def close_session(self, session_id: str) -> SessionRecord:
         """Close a session (aborting a running turn) and return its episode."""

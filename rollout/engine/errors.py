@@ -53,3 +53,8 @@ class KVWeightVersionMismatch(RuntimeError):
         super().__init__(message)
         self.kv_version = kv_version
         self.served_version = served_version
+
+
+class NotAdmitted(QueueFull):
+    """engine.session_admission kv: the sessions' KV working set does not fit now; the session queues
+    (AsyncEngine asks again until it is admitted, at the latest after session_admission_wait_s)."""

@@ -21,6 +21,7 @@ from rollout.engine.sampling_params import SamplingParams, logprobs_temperature,
 from rollout.engine.scheduler import Batch, Scheduler
 from rollout.engine.sequence import FinishReason, Sequence
 from rollout.engine.sessions import SessionSteps, SessionTable
+from rollout.kv.host_tier import TIER_STATS, HostKVTier
 from services.device import device_scope, synchronize
 
 
@@ -31,8 +32,12 @@ class LLMEngine(SessionSteps):
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.sessions = SessionTable(self.block_manager, config.max_model_len, config.max_sessions,
-                                     config.session_idle_timeout_s)
-        self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle)
+                                     config.session_idle_timeout_s, tier=host_tier(config, self.runner.cache),
+                                     policy=config.session_policy, pin_ttl_s=config.session_pin_ttl_s,
+                                     admission=config.session_admission,
+                                     admission_wait_s=config.session_admission_wait_s)
+        self.scheduler = Scheduler(config, self.block_manager, reclaim=self.sessions.evict_idle,
+                                   restore=self.sessions.restore)
         self.evictor = (KVEvictor(config, self.block_manager, self.runner.cache)
                         if config.kv_eviction != "none" else None)
         self.requests: dict[str, list[Sequence]] = {}
@@ -105,14 +110,18 @@ class LLMEngine(SessionSteps):
 
     # ---- sessions (rollout/engine/sessions.py)
 
-    def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
-        """Queue the session's next policy turn (one completion, max_tokens cut to the context left)."""
+    def add_session_request(self, request_id: str, session_id: str, params: SamplingParams,
+                            expected_idle_s: float | None = None) -> None:
+        """Queue the session's next policy turn (one completion, max_tokens cut to the context left); KV of it that
+        went to the host tier comes back when the turn starts (Scheduler.restore). `expected_idle_s`: how long the caller's tool will take after
+        this turn (engine.session_policy kv_aware schedules by it)."""
         session, params = self._turn(session_id, params)
         context = len(session.token_ids)
         if self.block_manager.blocks_for(context + params.max_tokens) > self.block_manager.num_blocks:
             raise ContextFull(f"the session's context + max_tokens ({context + params.max_tokens} tokens) exceeds "
                               f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
         [seq] = self._new_sequences(request_id, session.token_ids, params)
+        session.next_idle_s = expected_idle_s
         self.sessions.start_turn(session, seq, logprobs_temperature(self.config.logprobs_mode, params.temperature))
         self.scheduler.add(seq)
         self.requests[request_id] = [seq]
@@ -287,7 +296,9 @@ class LLMEngine(SessionSteps):
         """Gauges for metrics: running and waiting sequences, free KV blocks (cached ones nobody holds included),
         preemptions and prefill tokens so far, the tokens looked up in the prefix cache so far and those it
         supplied (hit rate = hits / queried), open sessions and the blocks they hold between turns, their KV
-        evictions and expiries, and the KV cache's bytes per token as stored (config.kv_cache_dtype says how)."""
+        evictions and expiries, the KV cache's bytes per token as stored (config.kv_cache_dtype says how), the host
+        tier's counters (HostKVTier.stats; zeros without one) and turns whose tiered KV found no room, and the session
+        admission queue's (Admission.stats)."""
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -303,6 +314,9 @@ class LLMEngine(SessionSteps):
             "sessions_expired": self.sessions.num_expired,
             "kv_evicted_tokens": self.evictor.num_evicted_tokens if self.evictor is not None else 0,
             "kv_cache_bytes_per_token": self.config.kv_bytes_per_block / self.config.block_size,
+            **(self.sessions.tier.stats if self.sessions.tier is not None else dict.fromkeys(TIER_STATS, 0)),
+            "session_tier_misses": self.sessions.num_tier_misses,
+            **self.sessions.admission.stats,
         }
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[TokenOutput]:
@@ -342,3 +356,12 @@ class LLMEngine(SessionSteps):
         window = max(len(s) for s in seq.params.stop) + 1
         text = self.tokenizer.decode(seq.output_ids[-window:])
         return any(stop in text for stop in seq.params.stop)
+
+
+def host_tier(config: EngineConfig, cache) -> HostKVTier | None:
+    """The host tier of config.session_kv_tier_bytes over `cache` (rollout/kv/host_tier.py); None when 0."""
+    if not config.session_kv_tier_bytes:
+        return None
+    m = config.model_config
+    return HostKVTier(cache, config.session_kv_tier_bytes, config.session_kv_tier_codec, config.block_size,
+                      m.num_layers, m.num_kv_heads, m.head_dim, config.torch_dtype)

@@ -7,7 +7,8 @@ steps while the running sequences keep decoding, and prompts that arrive one by 
 decode instead of each costing a step of its own. A sequence samples in the step that computes its last
 token; the other completions of its request fork its blocks in that step and sample from its logits.
 When a decode cannot get a block, the most recently started sequence is preempted: its blocks are freed
-and it waits to be recomputed (prompt + output so far, from whatever prefix the cache still holds). A weight
+and it waits to be recomputed (prompt + output so far, from whatever prefix the cache still holds). A session turn whose
+KV went to the host tier gets it back as it starts (`restore`, rollout/engine/sessions.py). A weight
 update with kv_on_update recompute preempts every running sequence so (drop_kv).
 """
 
@@ -38,11 +39,13 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, reclaim: Callable[[], bool] = lambda: False):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, reclaim: Callable[[], bool] = lambda: False,
+                 restore: Callable[[Sequence, bool], None] = lambda seq, must: None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.reclaim = reclaim  # frees some cached blocks nobody is running (idle sessions'); whether it did
+        self.restore = restore  # brings a session turn's KV back from the host tier (SessionTable.restore)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -134,6 +137,8 @@ class Scheduler:
             group = 1 + len(seq.forks)  # the forks join when its prefill completes; their slots are kept now
             if num_seqs + group > self.max_num_seqs:
                 break
+            if seq.session is not None and not seq.block_table:
+                self.restore(seq, not self.running)
             if not self.block_manager.can_allocate(seq):
                 if self.reclaim() or (not self.running and self._drop_waiting_cache()):
                     continue

@@ -3,10 +3,12 @@
 A session holds the exact token ids generation saw and produced (token in, token out): its initial
 tokens, then policy turns (loss mask 1, each token with its logprob and weight version) and
 observation tokens (loss mask 0). Between turns the session owns the KV blocks of its context, so the
-next turn prefills only the tokens added since. When the cache runs short the blocks of the idle
-session used least recently are dropped (`evict_idle`); its next turn recomputes them from its tokens. A weight
-update with kv_on_update recompute drops every idle session's blocks so (`drop_kv`); with keep, the next turn
-reuses them, and its kv_version says how old they are (rollout/engine/sequence.py).
+next turn prefills only the tokens added since. When the cache runs short the blocks of an idle session are
+dropped (`evict_idle`: which one, engine.session_policy, rollout/engine/session_policy.py); with a host tier
+(rollout/kv/host_tier.py) their KV is copied there first and copied back at the session's next turn (`restore`),
+else that turn recomputes it from its tokens. A weight update with kv_on_update recompute drops every idle session's
+KV so, the tier's too (`drop_kv`); with keep, the next turn reuses it, and its kv_version says how old it is
+(rollout/engine/sequence.py).
 
 The table is engine state: only the engine thread touches it (see LLMEngine).
 """
@@ -29,6 +31,8 @@ from rollout.engine.errors import (
 )
 from rollout.engine.sampling_params import SamplingParams, validate_prompt
 from rollout.engine.sequence import FinishReason, Sequence, oldest
+from rollout.engine.session_policy import Admission, SessionPolicy
+from rollout.kv.host_tier import HostKVTier
 
 _EXPIRED_IDS_KEPT = 10_000  # ids remembered after expiry, so a late call hears "expired", not "unknown"
 
@@ -55,6 +59,12 @@ class Session:
     context_version: int | None = None  # of the KV the last turn left (Sequence.context_version)
     stale_kv_version: int | None = None  # the oldest of its turns' (Sequence.stale_kv_version)
     routes: object = None  # of a mixture-of-experts model: its context's routes, kept with its KV (Sequence.routes)
+    next_idle_s: float | None = None  # the running turn's caller: how long its tool will take after the turn
+    idle_since: float | None = None  # when its last turn ended (None while it has not ended one since it was back)
+    expected_back: float | None = None  # when its next turn is expected (SessionPolicy)
+    mean_idle_s: float | None = None  # its waits between turns so far (a moving average)
+    told: bool = False  # its caller said expected_idle_s for the last turn
+    tool: str | None = None  # the tool its last turn called, when the service read it (SessionPolicy.tool_called)
 
 
 @dataclass(frozen=True)
@@ -96,8 +106,12 @@ class SessionTable:
     whose own prefix cache keeps a context's KV (vLLM, SGLang: a turn sends the whole context)."""
 
     def __init__(self, block_manager: BlockManager | None, max_model_len: int, max_sessions: int, idle_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, tier: HostKVTier | None = None, policy: str = "lru",
+                 pin_ttl_s: float = 30.0, admission: str = "none", admission_wait_s: float = 30.0):
         self.block_manager = block_manager
+        self.tier = tier  # the host tier idle sessions' KV goes to; None: dropped, recomputed
+        self.policy = SessionPolicy(policy, pin_ttl_s, clock)
+        self.admission = Admission(admission, admission_wait_s, clock)
         self.max_model_len = max_model_len
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -106,6 +120,7 @@ class SessionTable:
         self._expired: OrderedDict[str, None] = OrderedDict()
         self.num_expired = 0
         self.num_evictions = 0
+        self.num_tier_misses = 0  # sessions back whose tiered KV found no free blocks (recomputed)
 
     def open(self, session_id: str, prompt_ids: list[int]) -> Session:
         if session_id in self.sessions:
@@ -116,6 +131,7 @@ class SessionTable:
         if len(prompt_ids) >= self.max_model_len:
             raise ContextFull(f"the initial context ({len(prompt_ids)} tokens) leaves no room to generate within "
                               f"the context length {self.max_model_len}")
+        self.admission.admit(session_id, lambda: self._fits(len(prompt_ids)))
         self._expired.pop(session_id, None)
         session = Session(session_id, list(prompt_ids), len(prompt_ids), self.clock())
         self.sessions[session_id] = session
@@ -155,8 +171,10 @@ class SessionTable:
         if session.temperature is not None and temperature != session.temperature:
             raise InvalidRequest("params.temperature", f"the session's logprobs are at temperature "
                                  f"{session.temperature:g}; every turn must use it (got {temperature:g})")
-        if session.turns and session.num_cached_tokens == 0:
+        tiered = self.tier is not None and session.session_id in self.tier.entries  # restore() brings it back
+        if session.turns and session.num_cached_tokens == 0 and not tiered:
             session.kv_recomputes += 1
+        self.policy.turn_started(session)
         session.temperature = temperature
         seq.session = session
         seq.block_table, session.block_table = session.block_table, []
@@ -184,6 +202,8 @@ class SessionTable:
         session.turn = None
         session.turns += 1
         session.last_used = self.clock()
+        self.policy.turn_ended(session, session.next_idle_s)
+        session.next_idle_s = None
         seq.session = None
 
     def close(self, session_id: str) -> SessionRecord:
@@ -206,20 +226,54 @@ class SessionTable:
         return SessionState(len(session.token_ids), session.finish_reason, session.turn is not None, weight_version)
 
     def evict_idle(self) -> bool:
-        """Drop the KV blocks of the least recently used idle session that holds any; whether one did."""
+        """Free the KV blocks of one idle session that holds any, the policy's choice: into the host tier when there is
+        one, else dropped. Whether one did."""
         holders = [s for s in self.sessions.values() if s.turn is None and s.block_table]
         if not holders:
             return False
-        self._free(min(holders, key=lambda s: s.last_used))
+        victim = self.policy.victim(holders)
+        if self.tier is not None and victim.num_cached_tokens:
+            self.tier.put(victim.session_id, victim.block_table, victim.num_cached_tokens, victim.context_version,
+                          self.policy.tier_drop_first(self.sessions))
+        self._free(victim, keep_tier=True)
         self.num_evictions += 1
         return True
 
+    def restore(self, seq: Sequence, must: bool) -> None:
+        """Bring the KV of a session turn about to start (`seq`, holding no blocks) back from the host tier into fresh
+        blocks, moving idle sessions out for room. Without room it stays in the tier (the turn waits for blocks), or
+        with `must` (nothing runs that would free blocks) it is given up and the turn recomputes it."""
+        session = seq.session
+        if self.tier is None or session is None or seq.block_table or session.session_id not in self.tier.entries:
+            return
+        manager = self.block_manager
+        needed = manager.blocks_for(self.tier.entries[session.session_id].num_tokens)
+        self.tier.pinned.add(session.session_id)  # the sessions moved out for room must not push it out of the tier
+        try:
+            while manager.num_free_blocks < needed and self.evict_idle():
+                pass
+        finally:
+            self.tier.pinned.discard(session.session_id)
+        if manager.num_free_blocks < needed:
+            if must:
+                self.tier.discard(session.session_id)
+                self.num_tier_misses += 1
+                session.kv_recomputes += 1
+            return
+        entry = self.tier.take(session.session_id)
+        seq.block_table = manager.take_private(needed)  # not offered to the prefix cache (maybe lossy or stale)
+        self.tier.restore(entry, seq.block_table)
+        seq.num_cached_tokens = entry.num_tokens
+        seq.context_version = entry.kv_version
+
     def drop_kv(self) -> None:
-        """Drop every idle session's KV (new weights, kv_on_update recompute): each recomputes its context with the
-        weights of its next turn. A running turn's KV is the scheduler's to drop."""
+        """Drop every idle session's KV (new weights, kv_on_update recompute), in the cache and in the tier: each
+        recomputes its context with the weights of its next turn. A running turn's KV is the scheduler's to drop."""
         for session in self.sessions.values():
             if session.turn is None:
                 self._free(session)
+        if self.tier is not None:
+            self.tier.clear()
 
     def expire(self) -> list[str]:
         """Close the sessions idle for longer than idle_timeout_s (not those running a turn); their ids."""
@@ -237,11 +291,23 @@ class SessionTable:
     def num_blocks_held(self) -> int:
         return sum(len(s.block_table) for s in list(self.sessions.values()))  # read by the metrics thread too
 
-    def _free(self, session: Session) -> None:
+    def _free(self, session: Session, keep_tier: bool = False) -> None:
         if self.block_manager is not None:
             self.block_manager.release(session.block_table)
+        if self.tier is not None and not keep_tier:
+            self.tier.discard(session.session_id)
         session.block_table = []
         session.num_cached_tokens = 0
+
+    def _fits(self, num_new_tokens: int) -> bool:
+        """Whether the contexts of every open session and of a new one of `num_new_tokens` fit in the cache and the
+        host tier together (blocks)."""
+        manager = self.block_manager
+        if manager is None:
+            return True
+        working = sum(manager.blocks_for(len(s.token_ids)) for s in self.sessions.values())
+        room = manager.num_blocks + (self.tier.capacity_blocks if self.tier is not None else 0)
+        return working + manager.blocks_for(num_new_tokens) <= room
 
 
 def open_checked(sessions: SessionTable, info, session_id: str, prompt_ids: Seq[int]) -> int:
@@ -313,6 +379,12 @@ class SessionSteps:
 
     def session_state(self, session_id: str) -> SessionState:
         return self.sessions.state(session_id, self.weight_version)
+
+    def session_tool(self, session_id: str, tool: str) -> None:
+        """The session's last turn called `tool` (the service parsed it): learn and expect its wait by tool."""
+        session = self.sessions.sessions.get(session_id)
+        if session is not None and session.turn is None:
+            self.sessions.policy.tool_called(session, tool)
 
     def close_session(self, session_id: str) -> SessionRecord:
         """Close the session (aborting a running turn first) and return its episode; frees its blocks."""

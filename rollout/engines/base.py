@@ -104,16 +104,26 @@ class RolloutEngine(Protocol):
     async def append_to_session(self, session_id: str, token_ids: Sequence[int],
                                 turn_reward: float | None = None) -> int: ...
 
-    def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
-                            ) -> AsyncIterator[Completion]: ...
+    def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False,
+                            expected_idle_s: float | None = None) -> AsyncIterator[Completion]: ...
 
     async def session_state(self, session_id: str) -> SessionState: ...
+
+    async def session_tool(self, session_id: str, tool: str) -> None:
+        """The session's last turn called `tool`: an engine that schedules idle sessions' KV learns each tool's wait."""
 
     async def close_session(self, session_id: str) -> SessionRecord: ...
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop serving; open streams end with EngineDead."""
         ...
+
+
+class KeepsItsOwnSessionKV:
+    """Mixed into an engine whose own cache keeps its sessions' KV (SGLang's radix cache): nothing to schedule."""
+
+    async def session_tool(self, session_id: str, tool: str) -> None:
+        """Nothing to learn: the engine does not schedule its sessions' KV."""
 
 
 class ReceivesFromGroup(Protocol):

@@ -75,6 +75,23 @@ class NativeSettings(Strict):
         "oldest weight version of the KV its tokens were sampled on. 'recompute' (AReaL's interruptible "
         "generation): that KV is dropped; each sequence in flight recomputes its context with the new weights "
         "before its next token, each session at its next turn. Either way no new request reuses old KV.")
+    session_kv_tier_bytes: int = Field(0, ge=0, description="Host memory for idle sessions' KV that must leave the "
+                                       "cache (rollout/kv/host_tier.py): copied back at the session's next turn "
+                                       "instead of recomputed; 0: no tier (dropped, recomputed).")
+    session_kv_tier_codec: Literal["none", "int8", "int4"] = Field(
+        "none", description="How the tier keeps KV: 'none' plain copies (bit-exact), 'int8' / 'int4' quantized "
+        "(rollout/kv/codecs.py: 2-8x more sessions per byte, within its error bound).")
+    session_policy: Literal["lru", "kv_aware"] = Field(
+        "lru", description="Whose KV leaves the cache first (rollout/engine/session_policy.py): 'lru' the idle "
+        "session used least recently; 'kv_aware' the one expected back last (expected_idle_s, else learned), with "
+        "sessions expected back within session_pin_ttl_s pinned.")
+    session_pin_ttl_s: float = Field(30.0, gt=0, description="kv_aware: a session expected back within this is "
+                                     "pinned, for at most this long after its turn.")
+    session_admission: Literal["none", "kv"] = Field(
+        "none", description="'kv': a new session opens only while the open sessions' contexts and its own fit the "
+        "cache plus the tier; the others queue, each at most session_admission_wait_s.")
+    session_admission_wait_s: float = Field(30.0, gt=0, description="The longest a session queues for admission; "
+                                            "then it is admitted anyway (no starvation).")
 
 
 class VllmSettings(Strict):

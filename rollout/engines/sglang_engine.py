@@ -55,7 +55,7 @@ from rollout.engine.sessions import (
     open_checked,
     turn_params,
 )
-from rollout.engines.base import checkpoint_layout, generate_each
+from rollout.engines.base import KeepsItsOwnSessionKV, checkpoint_layout, generate_each
 from rollout.engines.settings import SglangSettings
 from services.weights import GroupSpec, Manifest
 
@@ -83,7 +83,7 @@ class _Turn:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-class SglangEngine:
+class SglangEngine(KeepsItsOwnSessionKV):
     """The engine interface (rollout/engines/base.py) over `sglang.Engine`; make it inside the event loop."""
 
     def __init__(self, model: str, settings: SglangSettings):
@@ -313,8 +313,8 @@ class SglangEngine:
                                 turn_reward: float | None = None) -> int:
         return append_checked(self.sessions, self.info, session_id, token_ids, self.weight_version, turn_reward)
 
-    async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
-                                  ) -> AsyncIterator[Completion]:
+    async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False,
+                                  expected_idle_s: float | None = None) -> AsyncIterator[Completion]:
         session = self.sessions.idle(session_id)
         params = turn_params(session, params, self.info)
         turn = _Turn(f"session/{session_id}/{uuid.uuid4().hex[:8]}", session.token_ids)

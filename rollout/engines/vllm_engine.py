@@ -285,8 +285,10 @@ class VllmCore(SessionSteps):
 
     # ---- sessions (rollout/engine/sessions.py)
 
-    def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
-        """Queue the session's next policy turn: its whole context as the prompt (the prefix cache has the KV)."""
+    def add_session_request(self, request_id: str, session_id: str, params: SamplingParams,
+                            expected_idle_s: float | None = None) -> None:
+        """Queue the session's next policy turn: its whole context as the prompt (the prefix cache has the KV; the
+        tool's `expected_idle_s` schedules nothing here)."""
         session, params = self._turn(session_id, params)
         context = len(session.token_ids)
         temperature = logprobs_temperature(self.info.logprobs_mode, params.temperature)

@@ -9,10 +9,13 @@ The episodes of one task form one GRPO group. A group starts only when admission
 that generates it. Group and sample ids carry a producer id (fresh at each start), so a restarted runner
 never reuses an id the buffer holds.
 
-An episode whose session is lost (the rollout restarted: UNAVAILABLE, NOT_FOUND) or refused for now
-(RESOURCE_EXHAUSTED: too many sessions) is played again from the start on a fresh session, under the same
-sample id (the buffer drops a second copy of one it stored). A context that fills up (OUT_OF_RANGE) ends
-the episode where it is.
+Retry, never silently skip: an episode that fails for an infrastructure reason (its replica lost: UNAVAILABLE; its
+session lost with its KV: NOT_FOUND; a deadline: DEADLINE_EXCEEDED; refused for now: RESOURCE_EXHAUSTED) or whose
+environment raises is played again from the start with a fresh environment instance on a fresh session, under the
+same sample id (the buffer drops a second copy of one it stored), up to `episode_retries` times; the failed attempt's
+session is closed unsubmitted, so it never trains. A group whose episode runs out of retries is dropped alone (its
+members already stored are dropped by the buffer as an incomplete group); the run goes on. `stats` counts retries
+and dropped groups by cause. A context that fills up (OUT_OF_RANGE) ends the episode where it is.
 """
 
 import asyncio
@@ -40,6 +43,21 @@ from services.config import Strict
 log = logging.getLogger("relayrl.runner")
 
 _REPLAY = (*RETRYABLE, grpc.StatusCode.NOT_FOUND)  # the session is gone or was never opened: play again
+_CAUSES = {grpc.StatusCode.UNAVAILABLE: "replica_lost", grpc.StatusCode.NOT_FOUND: "session_lost",
+           grpc.StatusCode.DEADLINE_EXCEEDED: "deadline", grpc.StatusCode.RESOURCE_EXHAUSTED: "refused"}
+ENV_ERROR = "env_error"  # the environment raised
+
+
+class EnvironmentFailed(Exception):
+    """The environment's reset or step raised (the cause is chained)."""
+
+
+class EpisodeFailed(Exception):
+    """An episode failed on every attempt; `cause` is the last one's (_CAUSES' values or ENV_ERROR)."""
+
+    def __init__(self, sample_id: str, cause: str, detail: str):
+        super().__init__(f"episode {sample_id}: {cause}: {detail}")
+        self.cause = cause
 
 
 class RunnerConfig(Strict):
@@ -67,7 +85,8 @@ class RunnerConfig(Strict):
     concurrency: int = Field(8, ge=1, description="Groups in flight at once (each plays group_size episodes).")
     max_groups: int = Field(0, ge=0, description="Stop after this many groups (0 = run until stopped).")
     episode_retries: int = Field(
-        30, ge=0, description="Times one episode is played again after its session was lost or refused.")
+        30, ge=0, description="Times one episode is played again, with a fresh environment, after it failed for an "
+        "infrastructure reason (its replica or session lost, a deadline, refused) or its environment raised.")
     seed: int = 0
     stats_path: str | None = Field(None, description="Append a JSON line of runner stats here every 2 s.")
     rpc_timeout_s: float = Field(120.0, gt=0, description="Deadline of each rollout/buffer call.")
@@ -108,7 +127,7 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
     """One episode on one session, closed with `close`'s fields (its reward filled in here).
 
     Raises grpc.aio.AioRpcError for what the caller must decide (a lost session, a bad request)."""
-    opening = env.reset()
+    opening = _env_call(env.reset)
     await stub.OpenSession(rollout_pb2.OpenSessionRequest(session_id=session_id, messages=_messages(opening)),
                            timeout=timeout_s)
     reward, tokens, done, truncated = 0.0, 0, False, False
@@ -128,7 +147,10 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
             truncated = True
             break
         transcript.append({"role": "assistant", "text": "".join(text)})
-        observation, step_reward, done = await env.astep(transcript[-1]["text"])
+        try:
+            observation, step_reward, done = await env.astep(transcript[-1]["text"])
+        except Exception as exc:  # the environment's own code: whatever it raises, the episode is played again
+            raise EnvironmentFailed(f"{type(env).__name__}.step raised {exc!r}") from exc
         transcript.append({"role": "environment", "messages": list(observation), "reward": step_reward, "done": done})
         reward += step_reward
         if not done:
@@ -148,6 +170,13 @@ async def play_episode(stub: rollout_pb2_grpc.RolloutStub, env: Environment, ses
                    transcript)
 
 
+def _env_call(call):
+    try:
+        return call()
+    except Exception as exc:  # the environment's own code (see play_episode)
+        raise EnvironmentFailed(f"{call.__qualname__} raised {exc!r}") from exc
+
+
 class Runner(GroupProducer):
     def __init__(self, config: RunnerConfig):
         super().__init__(config, [connect(config.rollout), connect(config.buffer)])
@@ -155,10 +184,12 @@ class Runner(GroupProducer):
         self.rollout = rollout_pb2_grpc.RolloutStub(self.channels[0])
         self.buffer = buffer_pb2_grpc.BufferStub(self.channels[1])
         self.stats = {"groups": 0, "episodes": 0, "solved": 0, "reward_sum": 0.0, "turns_sum": 0, "tokens": 0,
-                      "truncated": 0, "submitted": 0, "put_here": 0, "replays": 0, "retries": 0}
+                      "truncated": 0, "submitted": 0, "put_here": 0, "replays": 0, "retries": 0,
+                      "replays_by_cause": {}, "dropped_groups": 0, "drops_by_cause": {}}
 
     async def run_episode(self, task: Task, group_id: str, index: int, group_index: int) -> Episode:
-        """One episode of the group, played again from the start while its session is lost."""
+        """One episode of the group, played again from the start with a fresh environment while it fails (see the
+        module docstring); EpisodeFailed once it has failed 1 + episode_retries times."""
         cfg = self.config
         sample_id = f"{group_id}/{index}"
         attempt = 0
@@ -174,19 +205,25 @@ class Runner(GroupProducer):
             try:
                 episode = await play_episode(self.rollout, env, session_id, params, close, cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _REPLAY or attempt >= cfg.episode_retries:
+                if exc.code() not in _REPLAY:
                     raise
-                self.stats["replays"] += 1
-                log.info("episode %s: %s (%s); playing it again", session_id, exc.code().name, exc.details())
-                await self._discard(session_id)
-                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
-                attempt += 1
-                continue
-            if not episode.submitted:  # the rollout gave up on the buffer: put the episode there from here
-                log.warning("episode %s: the rollout did not store it; putting it into the buffer", sample_id)
-                await self._call(self.buffer.Put, buffer_pb2.PutRequest(samples=[episode.sample]))
-                self.stats["put_here"] += 1
-            return episode
+                cause, detail = _CAUSES[exc.code()], f"{exc.code().name} ({exc.details()})"
+            except EnvironmentFailed as exc:
+                cause, detail = ENV_ERROR, str(exc)
+            else:
+                if not episode.submitted:  # the rollout gave up on the buffer: put the episode there from here
+                    log.warning("episode %s: the rollout did not store it; putting it into the buffer", sample_id)
+                    await self._call(self.buffer.Put, buffer_pb2.PutRequest(samples=[episode.sample]))
+                    self.stats["put_here"] += 1
+                return episode
+            await self._discard(session_id)  # the failed attempt is never submitted: it does not train
+            if attempt >= cfg.episode_retries:
+                raise EpisodeFailed(sample_id, cause, detail)
+            self.stats["replays"] += 1
+            _count(self.stats["replays_by_cause"], cause)
+            log.info("episode %s: %s: %s; playing it again with a fresh environment", session_id, cause, detail)
+            await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+            attempt += 1
 
     async def _discard(self, session_id: str) -> None:
         """Close a session given up on, if the rollout still holds it (else it expires by itself)."""
@@ -198,8 +235,18 @@ class Runner(GroupProducer):
     async def run_group(self, task: Task, group_index: int) -> None:
         cfg = self.config
         group_id = f"{task.task_id}#{self.producer_id}.{group_index}"
-        episodes = await asyncio.gather(*(self.run_episode(task, group_id, i, group_index)
-                                          for i in range(cfg.group_size)))
+        results = await asyncio.gather(*(self.run_episode(task, group_id, i, group_index)
+                                         for i in range(cfg.group_size)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, EpisodeFailed):
+                raise result
+        failed = [result for result in results if isinstance(result, EpisodeFailed)]
+        if failed:  # dropped alone: the run goes on
+            self.stats["dropped_groups"] += 1
+            _count(self.stats["drops_by_cause"], failed[0].cause)
+            log.warning("group %s dropped: %s", group_id, failed[0])
+            return
+        episodes = results
         self.log_group("episodes", group_index, lambda: [Sample.from_proto(e.sample) for e in episodes],
                        prompt={"messages": episodes[0].opening, "metadata": {}},
                        extra=lambda: [episode_turns(e) for e in episodes])
@@ -227,6 +274,10 @@ class Runner(GroupProducer):
             "samples": s["episodes"], "completions_per_s": s["episodes"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0, "trajectory_log": self.trajectories.stats,
         }
+
+def _count(counts: dict[str, int], cause: str) -> None:
+    counts[cause] = counts.get(cause, 0) + 1
+
 
 def episode_turns(episode: Episode) -> dict:
     """An episode's turns for the trajectory log: each policy turn's text and tool calls, each answer of the

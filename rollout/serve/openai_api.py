@@ -46,7 +46,13 @@ from rollout.serve.openai_schema import (
     OpenAISettings,
     RewardRequest,
 )
-from rollout.serve.openai_sessions import ChatSession, HistoryDiverged, SessionBook, session_key
+from rollout.serve.openai_sessions import (
+    ChatSession,
+    HistoryDiverged,
+    SessionBook,
+    expected_idle,
+    session_key,
+)
 from rollout.serve.tool_calls import ToolCallParser
 
 log = logging.getLogger(__name__)
@@ -147,9 +153,13 @@ class _Endpoint:
             return await self._respond(reply, deltas, body)
         if body.n != 1:
             raise APIError(400, "n: a session turn generates one completion (n must be 1)", "n")
+        try:
+            idle_s = expected_idle(request.headers)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "x-session-expected-idle-s") from exc
         session, keys, added = await self._advance(key, body)
         reply = self._reply(f"chatcmpl-{uuid.uuid4().hex}", body, len(added), body.logprobs, chat=True)
-        deltas = self.engine.generate_in_session(key, self._params(body, max_tokens, 0))
+        deltas = self.engine.generate_in_session(key, self._params(body, max_tokens, 0), expected_idle_s=idle_s)
         return await self._respond(reply, deltas, body, lambda: self._record_reply(session, keys, reply.choices[0]))
 
     async def set_reward(self, session_id: str, body: RewardRequest) -> dict:

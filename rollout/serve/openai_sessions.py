@@ -24,6 +24,21 @@ def session_key(headers, by_api_key: bool) -> str | None:
     return None
 
 
+def expected_idle(headers) -> float | None:
+    """The `X-Session-Expected-Idle-S` header: how long the agent expects to stay away after this turn (its tool's
+    run), in seconds, for the engine's session_policy kv_aware; None when absent. ValueError when not a number >= 0."""
+    value = headers.get("x-session-expected-idle-s")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"X-Session-Expected-Idle-S: seconds >= 0, got {value!r}")
+    return seconds
+
+
 class HistoryDiverged(ValueError):
     """A call's messages do not continue the session's conversation (400)."""
 

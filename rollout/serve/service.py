@@ -49,12 +49,28 @@ KV_BYTES_PER_TOKEN = Gauge("relayrl_rollout_kv_cache_bytes_per_token", "KV cache
                            "layer, keys and values), labelled by engine.kv_cache_dtype", ["kv_cache_dtype"])
 SESSION_EVICTIONS = Gauge("relayrl_rollout_session_kv_evictions", "Idle sessions whose KV was dropped so far "
                           "(recomputed on their next turn)")
+# Idle sessions' KV under pressure (engine.session_*: rollout/kv/host_tier.py, rollout/engine/session_policy.py)
+SESSION_TIER_GAUGES = {key: Gauge(f"relayrl_rollout_{key}", doc) for key, doc in {
+    "session_tier_puts": "Idle sessions whose KV went to the host tier so far",
+    "session_tier_hits": "Session turns whose KV came back from the host tier so far (instead of a recompute)",
+    "session_tier_dropped": "Host tier entries dropped for room so far (those sessions recompute)",
+    "session_tier_misses": "Session turns whose tiered KV found no free blocks so far (recomputed)",
+    "session_tier_bytes_out": "Bytes copied into the host tier so far",
+    "session_tier_bytes_in": "Bytes copied back from the host tier so far",
+    "session_tier_bytes": "Bytes the host tier holds now",
+    "session_tier_tokens_restored": "Tokens whose KV came back from the host tier instead of being recomputed so far",
+    "sessions_queued": "Sessions waiting for admission now (session_admission kv)",
+    "sessions_queued_total": "Sessions that waited for admission so far",
+    "sessions_admitted_late": "Sessions admitted at their wait bound though the working set did not fit, so far",
+    "session_admission_wait_s": "Seconds sessions waited for admission so far (all of them)",
+    "session_admission_max_wait_s": "The longest a session waited for admission so far",
+}.items()}
 
 _STATS_GAUGES = {  # engine.stats key -> its gauge
     "running": RUNNING_SEQS, "waiting": WAITING_SEQS, "free_blocks": FREE_BLOCKS, "prefill_tokens": PREFILL_TOKENS,
     "prefix_cache_queried_tokens": PREFIX_QUERIED_TOKENS, "prefix_cache_hit_tokens": PREFIX_HIT_TOKENS,
     "sessions": OPEN_SESSIONS, "session_blocks": SESSION_BLOCKS, "session_evictions": SESSION_EVICTIONS,
-    "kv_evicted_tokens": KV_EVICTED_TOKENS,
+    "kv_evicted_tokens": KV_EVICTED_TOKENS, **SESSION_TIER_GAUGES,
 }
 
 MAX_VERSION_WAIT_S = 60.0  # the longest GetWeightVersion watch

@@ -29,6 +29,7 @@ from rollout.engine.errors import (
 from rollout.engine.sequence import FinishReason
 from rollout.engine.sessions import SessionRecord
 from rollout.serve.chat import NoChatTemplate, render_continuation, render_prompt
+from rollout.serve.tool_calls import split_tool_calls
 from rollout.serve.wire import TOKENS_GENERATED, generate_chunk
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,18 @@ class SessionRPCs:
                                 ) -> AsyncIterator[rollout_pb2.GenerateChunk]:
         params = self._params(request.params)
         async with _refusals(context):
-            async for delta in self.engine.generate_in_session(request.session_id, params, whole=request.whole_turn):
+            if request.HasField("expected_idle_s") and not 0 <= request.expected_idle_s < float("inf"):
+                raise InvalidRequest("expected_idle_s", f"seconds >= 0, got {request.expected_idle_s}")
+            idle_s = request.expected_idle_s if request.HasField("expected_idle_s") else None
+            text = []
+            async for delta in self.engine.generate_in_session(request.session_id, params, whole=request.whole_turn,
+                                                               expected_idle_s=idle_s):
                 TOKENS_GENERATED.inc(len(delta.token_ids))
-                yield generate_chunk(request.session_id, delta, request.params.logprobs,
-                                     self.decode_text(delta.token_ids))
+                text.append(self.decode_text(delta.token_ids))
+                yield generate_chunk(request.session_id, delta, request.params.logprobs, text[-1])
+            _, calls = split_tool_calls("".join(text))
+            if calls:  # the engine learns this tool's waits (engine.session_policy)
+                await self.engine.session_tool(request.session_id, calls[0].name)
 
     async def CloseSession(self, request: rollout_pb2.CloseSessionRequest, context) -> rollout_pb2.CloseSessionResponse:
         metadata = unpack_metadata(request.metadata)  # CodecError (INVALID_ARGUMENT) before the session is gone
