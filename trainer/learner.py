@@ -36,6 +36,7 @@ from trainer.batch import (
     split_packs,
 )
 from trainer.config import TrainerConfig
+from trainer.lora import adapter_disabled
 from trainer.losses import (
     chained_rejection_mask,
     decoupled_weights,
@@ -65,11 +66,14 @@ class Learner:
         self.env = env
         torch.manual_seed(config.seed)
         self.policy: PolicyModel = build_policy(config.model_path, env, config.parallel, config.model,
-                                                value_head=self.algo.name == "ppo", dtype=config.dtype)
+                                                value_head=self.algo.name == "ppo", dtype=config.dtype, seed=config.seed)
         self.pad_id = self.policy.lm.config.pad_token_id or 0
         self.packing = Packing(config.batch.pack_row_tokens, self.pad_id) if config.batch.packing else None
         self.reference: PolicyModel | None = None
-        if config.ref_model_path is not None and self.algo.needs_reference:
+        # LoRA: the reference is the policy itself with its adapters off (no second model), unless a different one
+        # (a distillation teacher) is named.
+        self.adapter_reference = config.model.lora is not None and config.ref_model_path in (None, config.model_path)
+        if config.ref_model_path is not None and self.algo.needs_reference and not self.adapter_reference:
             self.reference = build_policy(config.ref_model_path, env, config.parallel, config.model, trainable=False,
                                           dtype=config.dtype)
         if self.packing is not None and config.batch.packed_attention == "varlen":
@@ -89,7 +93,7 @@ class Learner:
         # The fused kernel: one pass over each parameter instead of a dozen ops (~1 ms of the quickstart's 27 ms
         # step on one CPU thread); the same update up to float rounding.
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            [p for p in self.policy.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
             fused=fused_optimizer(env.device),
         )
 
@@ -198,7 +202,7 @@ class Learner:
         """Forward-only passes before the update: proximal logprobs, critic values, reference logprobs."""
         needs_policy = (self.algo.recomputes_logprobs and not self.proximal_in_step) or self.algo.name == "ppo"
         needs_reference = self.algo.needs_reference and batch.ref_logprobs is None
-        if needs_reference and self.reference is None:
+        if needs_reference and self.reference is None and not self.adapter_reference:
             raise ValueError(
                 f"algorithm {self.algo.name} (kl_coef={self.algo.kl_coef}) needs reference logprobs: the samples "
                 "carry no ref_logprobs and ref_model_path is not set"
@@ -219,9 +223,15 @@ class Learner:
                 if out.values is not None:
                     batch.old_values[rows, :width] = _masked(out.values, micro)
             if needs_reference:
-                with self._autocast():
-                    out = self._forward(self.reference, micro, entropy=False)
+                with self._autocast(), self._reference_model() as reference:
+                    out = self._forward(reference, micro, entropy=False)
                 batch.ref_logprobs[rows, :width] = _masked(out.logprobs, micro)
+
+    def _reference_model(self) -> contextlib.AbstractContextManager[PolicyModel]:
+        """The reference policy: its own model, or (LoRA) the policy with its adapters off while in the block."""
+        if self.adapter_reference:
+            return adapter_disabled(self.policy)
+        return contextlib.nullcontext(self.reference)
 
     def _forward(self, model: PolicyModel, micro: TrainBatch, entropy_grad: bool = False,
                  entropy: bool = True) -> PolicyOutput:
