@@ -91,6 +91,8 @@ def test_checkpoint_and_export_hold_the_adapter(tiny_model_dir, tmp_path):
         TrainState,
         export_checkpoint_hf,
         export_hf,
+        latest_checkpoint,
+        load_checkpoint,
         read_model_state,
         save_checkpoint,
     )
@@ -129,6 +131,11 @@ def test_checkpoint_and_export_hold_the_adapter(tiny_model_dir, tmp_path):
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     with pytest.raises(ValueError, match="LoRA checkpoint"):
         export_checkpoint_hf(next((tmp_path / "ckpt").glob("step_*")), tiny_model_dir, tmp_path / "bad")
+
+    resumed = Learner(_config(tiny_model_dir, RUNS["grpo-kl"]), env)  # a fresh adapter, then the checkpoint's
+    load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), resumed.policy, resumed.optimizer, env)
+    losses = [model.train_step(model.prepare(samples)[0], 1)["loss"] for model in (learner, resumed)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)  # the adapter and its Adam moments came back
 
 
 def test_unknown_target_is_refused(tiny_model_dir):
