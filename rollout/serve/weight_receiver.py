@@ -212,7 +212,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             else:
                 receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
             if any(is_adapter(slot.name) for slot in update.manifest.slots):  # LoRA: W + B @ A, the base kept whole
-                update.weights = merged_weights(update.staging.views())
+                update.weights = merged_weights(update.manifest, update.staging.buffers)
         except TransferError as exc:
             self._drop_group(update.spec.group_name)
             update.done.set_exception(exc)

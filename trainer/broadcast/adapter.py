@@ -3,8 +3,9 @@ alone, a partial update on the version every receiver took (services/weights/del
 
 The published tensors are the frozen base under Hugging Face names, then every adapter (`<module>.lora_A.weight`,
 `<module>.lora_B.weight`, B pre-scaled by alpha / rank): merge_order keeps the adapters' modules after the base's, so
-they fill the last buckets. A bucket without an adapter never changes: its checksum is taken once, and after the
-base is taken it travels as UNCHANGED. A bucket with adapters is encoded against its bytes of the base version
+they fill the last buckets. A bucket without an adapter never changes: its checksum is taken once (the whole form
+carries it), and after the base is taken it travels as UNCHANGED, unchecked (the receiver copies it from the base it
+checked when the base came: hashing the whole base at every version would cost more than the adapter's transfer). A bucket with adapters is encoded against its bytes of the base version
 (whole, or the changed words when the bucket also holds base tensors): the trainer keeps two copies of those
 buckets only. The whole form (no base, or a receiver lacks it) is the plain layout: every bucket whole.
 """
@@ -56,8 +57,8 @@ class AdapterEncoder:
             return whole, whole
         parts, wire = [], {}
         for index in range(count):
-            if index in self._frozen:
-                parts.append(BucketPart(index, UNCHANGED, 0, checksum=checksums[index]))
+            if index in self._frozen:  # unchecked: the receiver copies it from its base, checked when it came
+                parts.append(BucketPart(index, UNCHANGED, 0))
                 continue
             part, data = encode_bucket(index, self._current[index], self._base[index], word_dtype(manifest, index))
             parts.append(part)
