@@ -92,8 +92,9 @@ class Learner:
         self.dropped_totals = {"dropped_groups_total": 0.0, "dropped_samples_total": 0.0}
         # The fused kernel: one pass over each parameter instead of a dozen ops (~1 ms of the quickstart's 27 ms
         # step on one CPU thread); the same update up to float rounding.
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters (+ value head)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
             fused=fused_optimizer(env.device),
         )
 
