@@ -22,6 +22,9 @@ takes) and 1, 2 and 4 receiver processes, one run measures:
   delta     `--delta-steps` (200; --quick 20) real AdamW steps at lr 1e-6 of the smallest model, each published in
             bfloat16 with `delta: auto` and whole, to engines serving bfloat16 (bench/weight_sync_delta.py): rows
             delta_publish_bytes_vs_full and delta_publish_s_vs_full.
+  lora      `--lora-versions` (5; --quick 2) versions of a LoRA policy at Qwen2.5-0.5B's shape, rank 16 on every
+            linear layer, published adapter-only and then whole (merged), in bfloat16 to an engine serving bfloat16
+            (bench/weight_sync_lora.py): rows lora_publish_bytes_vs_full, lora_publish_s_vs_full, lora_engine_pause_s.
 
 Raw and publish rounds alternate, and medians are quoted, because the machine is shared.
 `--quick` runs the 50 MB model with 1 and 2 receivers and few repeats (< 1 minute).
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size (default: BroadcastConfig's)")
     parser.add_argument("--solo-mb", type=float, default=None, help="tensors this large go alone (default: bucket)")
     parser.add_argument("--delta-steps", type=int, default=200, help="AdamW steps of the delta sync rows (0: none)")
+    parser.add_argument("--lora-versions", type=int, default=5, help="versions of the LoRA rows (0: none)")
     parser.add_argument("--role", choices=["main", "receiver", "raw"], default="main", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         return run_raw_receiver(args)
     if args.quick:
         args.sizes_mb, args.receivers, args.repeats, args.delta_steps = [50], [1, 2], 3, min(args.delta_steps, 20)
+        args.lora_versions = min(args.lora_versions, 2)
 
     import torch
 
@@ -305,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
 
             delta_mb = min(args.sizes_mb)
             delta = measure_delta(write_model(pathlib.Path(tmp) / "delta", delta_mb), args.delta_steps)
+        if args.lora_versions:
+            from bench.weight_sync_lora import measure_lora
+
+            lora = measure_lora(pathlib.Path(tmp) / "lora", args.lora_versions)
     print("raw/pub = median over rounds of raw gloo time / publish time of the adjacent round (1.0: publishing "
           "costs no more than the bare broadcast); "
           "raw/(pub-sw) = the same without the receivers' switch (the engine taking the staged tensors as its "
@@ -329,6 +338,18 @@ def main(argv: list[str] | None = None) -> None:
               f"(baseline whole bfloat16 publishes, {what}; target <= 0.10)")
         print(f"result: delta_publish_s_vs_full = {delta['delta_s'] / delta['full_s']:.2f} (baseline whole publishes' "
               f"seconds, {what})")
+
+
+    if args.lora_versions:
+        what = (f"{args.lora_versions} versions after the first of Qwen2.5-0.5B's shape ({lora['params'] / 1e6:.0f}M "
+                f"parameters, random init), rank 16 on every linear layer ({lora['adapter_params'] / 1e6:.2f}M), every "
+                f"adapter element moved per version, bfloat16 to 1 engine, {lora['fallbacks']} fallbacks")
+        print(f"result: lora_publish_bytes_vs_full = {lora['lora_bytes'] / lora['full_bytes']:.4f} (baseline whole "
+              f"publishes of the merged model, {what}; target <= 0.02)")
+        print(f"result: lora_publish_s_vs_full = {lora['lora_s'] / lora['full_s']:.3f} (baseline whole publishes' "
+              f"seconds, {lora['full_s'] / args.lora_versions:.2f} s each; {what})")
+        print(f"result: lora_engine_pause_s = {lora['lora_pause_s']:.4f} (baseline a whole publish's pause, "
+              f"{lora['full_pause_s']:.4f} s; mean per version)")
 
 
 if __name__ == "__main__":

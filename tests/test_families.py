@@ -125,6 +125,37 @@ def test_grpo_with_a_kl_term_learns_against_its_start_and_logs_the_kl(sft_run, t
     assert late >= early + REWARD_RISE and summary.final_accuracy >= summary.sft_accuracy + REWARD_RISE, report
 
 
+# GRPO's recorded held-out gain (docs/algorithms.md, "Each family shown learning": 0.505 -> 0.690).
+GRPO_HELD_OUT_GAIN = 0.185
+
+
+@pytest.mark.timeout(600)
+def test_lora_quickstart_learns_most_of_what_grpo_does(sft_run, tmp_path):
+    """examples/lora/quickstart_lora.yaml (rank-8 adapters on every linear layer, the base frozen, adapter-only
+    publishes) from the SFT checkpoint, in GRPO's 400 steps: the held-out accuracy gains at least 0.8 of GRPO's
+    recorded gain (issue 36's bar), the mean training reward rises, most versions send the adapter alone, and the
+    export holds the PEFT adapter folder."""
+    from deploy.runs.experiment_run import run_experiment
+
+    run_dir = tmp_path / "lora"
+    config = load_experiment(EXAMPLES.parent / "lora" / "quickstart_lora.yaml", [
+        f"run_dir={run_dir}", f"model.path={sft_run.checkpoint}", "model.tiny=null", "sft.steps=0"])
+    summary = run_experiment(config, console=_console())
+    steps = read_jsonl(run_dir / "trainer_metrics.jsonl")
+    early, late = windows(steps, "reward_mean")
+    ratios = [step["publish_bytes_ratio"] for step in steps if "publish_bytes_ratio" in step]
+    report = (f"lora: mean reward {early:.3f} -> {late:.3f} over {len(steps)} steps in {summary.rl_seconds:.0f} s; "
+              f"held-out accuracy {summary.sft_accuracy:.3f} -> {summary.final_accuracy:.3f}; publish bytes vs whole "
+              f"{sorted(ratios)[len(ratios) // 2] if ratios else float('nan'):.3f} (median)")
+    print(report)
+    # The issue's bar is the held-out gain; the training reward must rise, though by less than the families' margin
+    # here (2026-12-07, 400 steps from the SFT checkpoint: reward 0.405 -> 0.442, held-out 0.505 -> 0.730).
+    assert summary.failure is None and late > early, report
+    assert summary.final_accuracy - summary.sft_accuracy >= 0.8 * GRPO_HELD_OUT_GAIN, report
+    assert ratios and sorted(ratios)[len(ratios) // 2] < 0.2, report  # most versions: the adapter alone
+    assert (run_dir / "export" / "adapter" / "adapter_config.json").exists(), report
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
 def test_dpo_raises_preference_accuracy_and_margin(loss_type, sft_run, tmp_path):

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoTokenizer
 
+from trainer.lora import is_adapter, lora_settings, write_adapter_export
 from trainer.model import LM_PREFIX, PolicyModel
 from trainer.parallel import (
     DistEnv,
@@ -58,7 +59,8 @@ class TrainState:
 
 
 def hf_state_dict(full_state: dict[str, torch.Tensor], tied_embeddings: bool) -> dict[str, torch.Tensor]:
-    """The language model's tensors under Hugging Face names (no value head; no tied lm_head copy)."""
+    """The language model's tensors under Hugging Face names (no value head; no tied lm_head copy). A LoRA policy's
+    are its wrapped names (`q_proj.base_layer.weight`, `q_proj.lora_A.weight`: trainer/lora.py)."""
     lm_state = {name.removeprefix(LM_PREFIX): t for name, t in full_state.items() if name.startswith(LM_PREFIX)}
     if tied_embeddings:
         lm_state.pop("lm_head.weight", None)
@@ -220,7 +222,8 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def export_hf(out_dir: str | Path, policy: PolicyModel, tokenizer_dir: str | Path, env: DistEnv) -> Path:
-    """Write the policy as a Hugging Face folder (config, model.safetensors, tokenizer); collective."""
+    """Write the policy as a Hugging Face folder (config, model.safetensors, tokenizer); collective. A LoRA policy's
+    model.safetensors holds the merged weights (W + scale * B @ A), and `adapter/` the PEFT adapter folder."""
     out_dir = Path(out_dir)
     full_state = gather_model_state(policy, env)
     if env.is_main:
@@ -229,6 +232,9 @@ def export_hf(out_dir: str | Path, policy: PolicyModel, tokenizer_dir: str | Pat
         staging.mkdir(parents=True)
         policy.lm.config.save_pretrained(staging)
         tensors = hf_state_dict(full_state, ties_embeddings(policy))
+        lora = lora_settings(policy)
+        if lora is not None:  # the PEFT adapter folder in staging/adapter, and the merged model
+            tensors = write_adapter_export(staging, tensors, *lora, base_model=str(tokenizer_dir))
         save_file({name: t.contiguous() for name, t in tensors.items()}, staging / "model.safetensors", metadata={"format": "pt"})
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -237,9 +243,11 @@ def export_hf(out_dir: str | Path, policy: PolicyModel, tokenizer_dir: str | Pat
     return out_dir
 
 
-def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir: str | Path,
+                         lora: tuple[float, float] | None = None) -> Path:
     """Write a saved checkpoint's policy as a Hugging Face folder: the model folder's config and tokenizer with the
-    checkpoint's weights (a trainer stopped at a time budget exports this way, from its latest checkpoint)."""
+    checkpoint's weights (a trainer stopped at a time budget exports this way, from its latest checkpoint). A LoRA
+    checkpoint's needs `lora` = (alpha, dropout): merged weights, and the PEFT adapter folder in `adapter/`."""
     from transformers import AutoConfig
 
     out_dir = Path(out_dir)
@@ -249,6 +257,10 @@ def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir
     staging = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    if any(is_adapter(name) for name in tensors):
+        if lora is None:
+            raise ValueError(f"{checkpoint}: a LoRA checkpoint: give its (alpha, dropout) to merge it")
+        tensors = write_adapter_export(staging, tensors, *lora, base_model=str(model_path))
     config.save_pretrained(staging)
     save_file({name: t.contiguous() for name, t in tensors.items()}, staging / "model.safetensors", metadata={"format": "pt"})
     AutoTokenizer.from_pretrained(model_path).save_pretrained(staging)

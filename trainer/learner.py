@@ -36,22 +36,17 @@ from trainer.batch import (
     plan_mini_batches,
 )
 from trainer.config import TrainerConfig
-from trainer.corrections import (
-    decoupled_weights,
-    is_weight_moments,
-    normalize_is_weights,
-    tis_weights,
-)
+from trainer.lora import adapter_disabled
 from trainer.losses import loss_totals, loss_weights
 from trainer.mismatch import largest_over_ranks, mismatch_metrics, mismatch_sums
 from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
 from trainer.moe.metrics import MoeStats
 from trainer.moe.routing import check_routes
 from trainer.objectives import objective
+from trainer.off_policy import reject, set_off_policy_correction
 from trainer.parallel import DistEnv, build_policy
 from trainer.parallel.fsdp import uses_fsdp
 from trainer.parallel.pipeline import Pipeline
-from trainer.rejection import reject
 from trainer.varlen import use_varlen
 
 
@@ -68,11 +63,14 @@ class Learner:
         self.env = env
         torch.manual_seed(config.seed)
         self.policy: PolicyModel = build_policy(config.model_path, env, config.parallel, config.model,
-                                                value_head=self.algo.name == "ppo", dtype=config.dtype)
+                                                value_head=self.algo.name == "ppo", dtype=config.dtype, seed=config.seed)
         self.pad_id = self.policy.lm.config.pad_token_id or 0
         self.packing = Packing(config.batch.pack_row_tokens, self.pad_id) if config.batch.packing else None
         self.reference: PolicyModel | None = None
-        if config.ref_model_path is not None and self.algo.needs_reference:
+        # LoRA: the reference is the policy itself with its adapters off (no second model), unless a different one
+        # (a distillation teacher) is named.
+        self.adapter_reference = config.model.lora is not None and config.ref_model_path in (None, config.model_path)
+        if config.ref_model_path is not None and self.algo.needs_reference and not self.adapter_reference:
             self.reference = build_policy(config.ref_model_path, env, config.parallel, config.model, trainable=False,
                                           dtype=config.dtype)
         if env.pp_size > 1 and self.policy.router_hooks is not None:
@@ -100,8 +98,9 @@ class Learner:
         self.dropped_totals = {"dropped_groups_total": 0.0, "dropped_samples_total": 0.0}
         # The fused kernel: one pass over each parameter instead of a dozen ops (~1 ms of the quickstart's 27 ms
         # step on one CPU thread); the same update up to float rounding.
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters (+ value head)
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
             fused=fused_optimizer(env.device),
         )
 
@@ -144,7 +143,7 @@ class Learner:
         elif self.algo.advantage_estimator is not None:
             self._token_advantages(local)
         if self.algo.name in ("grpo", "ppo", "distill") and not self.proximal_in_step:
-            self._set_off_policy_correction(local)
+            set_off_policy_correction(local, self.algo, self.env, self._trained_mask(local))
         per_rank = per_step // self.env.dp_size
         return [local.select(slice(m * per_rank, (m + 1) * per_rank)) for m in range(len(chunks))]
 
@@ -191,7 +190,7 @@ class Learner:
         """Forward-only passes before the update: proximal logprobs, critic values, reference logprobs."""
         needs_policy = (self.algo.recomputes_logprobs and not self.proximal_in_step) or self.algo.name == "ppo"
         needs_reference = self.algo.needs_reference and batch.ref_logprobs is None
-        if needs_reference and self.reference is None:
+        if needs_reference and self.reference is None and not self.adapter_reference:
             raise ValueError(
                 f"algorithm {self.algo.name} (kl_coef={self.algo.kl_coef}) needs reference logprobs: the samples "
                 "carry no ref_logprobs and ref_model_path is not set"
@@ -211,8 +210,9 @@ class Learner:
                 if out.values is not None:
                     batch.old_values[rows, :width] = _masked(out.values, micro)
         if needs_reference:
-            for (rows, micro), out in self._forward_all(self.reference, micro_batches, entropy=False):
-                batch.ref_logprobs[rows, :micro.input_ids.shape[1] - 1] = _masked(out.logprobs, micro)
+            with self._reference_model() as reference:
+                for (rows, micro), out in self._forward_all(reference, micro_batches, entropy=False):
+                    batch.ref_logprobs[rows, :micro.input_ids.shape[1] - 1] = _masked(out.logprobs, micro)
         if self.pipeline is not None:  # the last stage's figures on every stage
             self.pipeline.share(batch.old_logprobs, batch.old_values, batch.ref_logprobs)
 
@@ -224,6 +224,12 @@ class Learner:
                                                                             entropy=entropy) or [])
             else:
                 yield from (((rows, micro), self._forward(model, micro, entropy=entropy)) for rows, micro in micro_batches)
+
+    def _reference_model(self) -> contextlib.AbstractContextManager[PolicyModel]:
+        """The reference policy: its own model, or (LoRA) the policy with its adapters off while in the block."""
+        if self.adapter_reference:
+            return adapter_disabled(self.policy)
+        return contextlib.nullcontext(self.reference)
 
     def _forward(self, model: PolicyModel, micro: TrainBatch, entropy_grad: bool = False,
                  entropy: bool = True) -> PolicyOutput:
@@ -282,24 +288,6 @@ class Learner:
     def _whiten(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return whiten(values, mask, self.env.all_reduce_sum(masked_moments(values, mask)))
 
-    def _set_off_policy_correction(self, batch: TrainBatch) -> None:
-        """The policy the ratio is taken against, and importance weights for asynchronous data (docs/algorithms.md).
-
-        Weights are taken on the mask before rejection and batch-normalised over it (verl's order), then
-        rejected tokens weigh 0. bypass's weights and rejection are the objective's (current policy)."""
-        if self.algo.off_policy in ("none", "bypass"):
-            batch.old_logprobs = batch.rollout_logprobs
-            return
-        if self.algo.off_policy == "recompute":
-            return
-        mask = self._trained_mask(batch)
-        weights = tis_weights if self.algo.off_policy == "tis" else decoupled_weights
-        is_weights = weights(batch.old_logprobs, batch.rollout_logprobs, self.algo.is_cap, mask, self.algo.is_level)
-        if self.algo.is_batch_normalize:
-            moments = self.env.all_reduce_sum(is_weight_moments(is_weights, mask, self.algo.is_level))
-            is_weights = normalize_is_weights(is_weights, moments)
-        batch.is_weights = is_weights * batch.loss_mask
-
     # -- one optimizer step -------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, step: int, version: int = 0) -> dict[str, float]:
@@ -317,7 +305,7 @@ class Learner:
             micro = micro_batches[index][1]
             if self.proximal_in_step:
                 micro.old_logprobs = out.logprobs.detach() * micro.loss_mask
-                self._set_off_policy_correction(micro)
+                set_off_policy_correction(micro, self.algo, self.env, self._trained_mask(micro))
             loss, metrics = objective(self.algo, micro, out)
             if moe is not None:  # the load-balancing loss, its mean over micro-batches and ranks (trainer/moe/metrics.py)
                 loss = loss + self.config.moe.aux_loss_coef / (len(micro_batches) * self.env.dp_size) * moe.add()

@@ -26,7 +26,7 @@ from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
 from trainer.parallel import DistEnv
-from trainer.publishing import Background, Publisher, Publishing, policy_weights
+from trainer.publishing import Background, Publisher, Publishing, adapter_gate, policy_weights
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     if env.is_main:
         book.source.set_version(state.weight_version)
         book.checkpointed(state.weight_version)  # the resumed checkpoint holds its ledger's training: ack it
-    publisher = Publishing(weights, publish, config.publish.overlap, env, config.publish.timeout_s + 60.0)
+    publisher = Publishing(weights, publish, config.publish.overlap, env, config.publish.timeout_s + 60.0,
+                           adapter_gate(learner, env, config.publish) if publishing else None)
     if publishing and publish_now:
         publisher(state)
     pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack

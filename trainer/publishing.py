@@ -12,10 +12,12 @@ from concurrent.futures import Future
 
 import torch
 
+from trainer.adapter_publish import AdapterGate, AdapterWeights
 from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtype
 from trainer.checkpoint import TrainState, hf_state_dict, ties_embeddings
 from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
+from trainer.lora import has_lora
 from trainer.parallel import DistEnv, gather_model_state
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,13 @@ class Publishing:
     """
 
     def __init__(self, weights: Callable[[], dict[str, torch.Tensor] | ShardedWeights] | None, publish: Publisher | None,
-                 overlap: bool, env: DistEnv, wait_s: float) -> None:
+                 overlap: bool, env: DistEnv, wait_s: float, gate: Callable[[], bool] | None = None) -> None:
         self.weights, self.publish, self.env, self.wait_s = weights, publish, env, wait_s
+        # LoRA (trainer/adapter_publish.py): whether the adapter moved since the last publish (collective); a step
+        # that did not move it publishes nothing, and its version is the last published one (same weights).
+        self.gate = gate
+        self.skipped = 0
+        self._behind = False  # rank 0: receivers_behind() found a receiver behind: the next publish goes regardless
         self.sending = Background("relayrl-publish") if overlap and env.is_main else None
         self._requested = 0
         self.published: int | None = None  # the version the last publish went out as (rank 0)
@@ -82,6 +89,13 @@ class Publishing:
     def __call__(self, state: TrainState) -> None:
         started = time.monotonic()
         self._wait(state)  # the previous overlapped publish, if any
+        if self.gate is not None:
+            force, published = self.env.broadcast_object((self._behind, self.published))
+            self._behind = False
+            if not self.gate() and not force and published is not None:
+                state.weight_version = published
+                self.skipped += 1
+                return
         tensors = self.weights()
         try:
             if self.env.is_main:
@@ -112,6 +126,7 @@ class Publishing:
             return False
         served = getattr(self.publish, "served_versions", dict)()
         behind = {address: v for address, v in served.items() if v is not None and v < self.published}
+        self._behind = bool(behind)
         if behind:
             log.warning("receivers %s serve older versions than %d (restarted?): publishing again", behind,
                         self.published)
@@ -150,6 +165,8 @@ def policy_weights(
     a state dict in host memory. Overlapped with the next step, the publish cannot gather while that step runs
     its own collectives: every tensor is gathered first, on the device, into a copy (the model's size, on rank 0).
     """
+    if has_lora(learner.policy):  # the base once, then the adapter (trainer/adapter_publish.py)
+        return AdapterWeights(learner.policy, env, publish_dtype(config.dtype))
     tied = ties_embeddings(learner.policy)
     can_bind = not env.distributed and config.bind and config.dtype is None
     if can_bind and hasattr(publish, "bind"):
@@ -169,3 +186,10 @@ def policy_weights(
     if config.overlap:
         return lambda: sharded().gathered_copy(keep=env.is_main)
     return sharded
+
+
+def adapter_gate(learner: Learner, env: DistEnv, config: PublishConfig) -> Callable[[], bool] | None:
+    """A LoRA policy's publish gate (AdapterGate.moved); None for a policy without adapters."""
+    if not has_lora(learner.policy):
+        return None
+    return AdapterGate(learner.policy, env, config.adapter_min_change).moved

@@ -56,7 +56,7 @@ def run(config: TrainerConfig) -> TrainState:
             source = BufferClient(config.buffer.model_copy(update={"consumer": consumer}))
             cleanup.callback(source.close)
             if config.publish.receivers or config.publish.receivers_from:
-                publisher = RolloutPublisher(config.publish, env.device)
+                publisher = RolloutPublisher(config.publish, env.device, adapter=config.model.lora is not None)
                 cleanup.callback(publisher.close)
         return train(config, env, source, publisher, stop)
 
@@ -96,8 +96,9 @@ class RolloutPublisher:
     (the loop's counter follows); refused again, WeightVersionConflict is raised.
     """
 
-    def __init__(self, config: PublishConfig, device: torch.device | None = None) -> None:
-        """`device`: the trainer's; the NCCL backends send from it (gloo sends from the CPU)."""
+    def __init__(self, config: PublishConfig, device: torch.device | None = None, adapter: bool = False) -> None:
+        """`device`: the trainer's; the NCCL backends send from it (gloo sends from the CPU). `adapter`: a LoRA
+        policy's tensors (trainer/adapter_publish.py): the base once, then the adapter alone."""
         from trainer.broadcast.blocking import BlockingWeightBroadcaster
         from trainer.broadcast.config import BroadcastConfig
 
@@ -107,11 +108,11 @@ class RolloutPublisher:
             config.receivers,
             BroadcastConfig(backend=backend, bucket_mb=config.bucket_mb, timeout_s=config.timeout_s,
                             control_timeout_s=config.control_timeout_s, dtype=config.dtype, cuda_ipc=config.cuda_ipc,
-                            delta=config.delta,
+                            delta=config.delta, adapter=adapter,
                             master_addr=config.master_addr, master_port=config.master_port, client=config.client),
             device if backend != "gloo" else None,
         )
-        self._delta = config.delta == "auto"
+        self._delta = config.delta == "auto" or adapter
         self._router = RouterReceivers(config.receivers_from, config.client) if config.receivers_from else None
         # The last publish's sync time (from BeginUpdate until every receiver switched) and the longest time an
         # engine stopped generating for it: what the loop reports as sync_s and pause_s.

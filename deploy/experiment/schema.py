@@ -40,6 +40,7 @@ from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
 from services.config import Strict, load_config
 from trainer.config.algorithm import AlgorithmConfig
+from trainer.config.model import LoraConfig
 
 DataFormat = Literal["auto", "jsonl", "parquet", "datasets"]
 HELD_OUT_DEFAULT = 64  # rows held out of train without an eval file or data.num_eval
@@ -57,6 +58,11 @@ class ModelSection(Strict):
     rollout_path: str | None = Field(
         None, description="A different folder for the rollout to serve (e.g. a copy in another dtype); it must hold "
         "the same tokenizer and vocabulary as `path` (relayrl doctor checks). None = `path`.")
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters on this model instead of all of it (the trainer's model.lora, "
+        "docs/lora.md): {rank, alpha, dropout, target_modules}. The rollout gets the base once, then each version's "
+        "adapter alone; the export holds the merged model and the PEFT adapter folder (export_dir/adapter). "
+        "None = full fine-tuning.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":

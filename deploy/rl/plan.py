@@ -87,6 +87,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                          "checkpoint": {"keep_last": config.checkpoint.keep_last},
                          **({"moe": {"routing_replay": training.routing_replay}}
                             if training.routing_replay != "off" else {}),
+                         **({"model": {"lora": config.model.lora.model_dump(mode="json")}} if config.model.lora else {}),
                          **({"ref_model_path": reference} if reference else {})},
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,
@@ -122,7 +123,9 @@ def export(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: pathlib.
     if checkpoint is None:
         progress.note("no checkpoint was saved (the trainer took no step): nothing exported")
         return
-    export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir)
+    lora = config.model.lora
+    export_checkpoint_hf(checkpoint, policy_dir, config.checkpoint.export_dir,
+                         None if lora is None else (lora.alpha, lora.dropout))
     step = json.loads((checkpoint / STATE_FILE).read_text())["step"]
     last = max((record["step"] for record in read_jsonl(run_dir / "trainer_metrics.jsonl")), default=0)
     behind = "" if step >= last else (f", {last - step} steps before the trainer's last ({last}): it was killed "

@@ -14,10 +14,13 @@ one set holds the served version, the other receives the next; a switch swaps th
 them into its own parameters instead (`adopts_weights` False: the native engine replaying CUDA graphs, whose
 captured parameters must keep their storage) leaves them free once the switch returns: one set serves every update.
 
-A partial update (base_version set: a delta now, an adapter later; docs/architecture.md) lands in staging as the base
+A partial update (base_version set: a delta, or a LoRA adapter; docs/architecture.md) lands in staging as the base
 version's bytes patched by its parts (services/weights/delta.py), checksums verified. Its base is the version the
 receiver's own buffers hold (the served set, or the one set of an engine that copies); a worker that holds any other
 (it missed a version, restarted or joined) takes nothing and answers needs_full: the trainer sends the whole version.
+An update that carries LoRA adapters is merged once received (rollout/serve/adapter_merge.py): the engine gets
+W + B @ A for each adapted weight, the staged base stays whole. What an update must match, and the engine interface:
+rollout/serve/weight_layout.py.
 
 An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
 no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
@@ -31,16 +34,16 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 import torch
 
 from protos import weights_pb2, weights_pb2_grpc
 from protos.codec import CodecError
+from rollout.serve.adapter_merge import is_adapter, merged_weights
+from rollout.serve.weight_layout import Layout, Staging, UpdatableEngine, check_layout
 from services.runtime import Sparse
 from services.weights import (
     GroupSpec,
@@ -52,53 +55,10 @@ from services.weights import (
     make_group,
     receive_buckets,
     transfer_device,
-    unpack_buckets,
 )
 from services.weights.delta import BucketPart, parse_parts, receive_parts
 
 log = logging.getLogger(__name__)
-
-Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-class UpdatableEngine(Protocol):
-    """What the receiver needs from the engine (every engine of rollout/engines/base.py provides it)."""
-
-    @property
-    def weight_version(self) -> int: ...
-
-    @property
-    def device(self) -> torch.device:
-        """Where the engine's parameters live (with the CUDA index): staging and NCCL groups go there."""
-        ...
-
-    def parameter_layout(self) -> Layout: ...
-
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
-        """Switch to `weights` as `version`. With `adopt` the engine may serve the tensors themselves: the
-        receiver leaves them untouched until a later update has replaced them."""
-        ...
-
-    @property
-    def last_pause_s(self) -> float:
-        """Seconds the last update_weights kept the engine from generating (rollout/engines/base.py)."""
-        ...
-
-
-@dataclass
-class _Staging:
-    """The buffers an update lands in (one per bucket, see allocate_staging) and the named views into them."""
-
-    manifest: Manifest
-    buffers: list[torch.Tensor]
-    _views: dict[str, torch.Tensor] | None = None
-
-    def views(self) -> dict[str, torch.Tensor]:
-        """name -> tensor over the staged bytes (no copy); made once per buffers and manifest."""
-        if self._views is None:
-            self._views = unpack_buckets(self.manifest, self.buffers)
-        return self._views
-
 
 @dataclass
 class _Update:
@@ -108,7 +68,7 @@ class _Update:
     manifest: Manifest
     spec: GroupSpec
     deadline: float
-    staging: _Staging | None  # None: the engine receives the tensors itself
+    staging: Staging | None  # None: the engine receives the tensors itself
     parts: tuple[BucketPart, ...] = ()  # how each bucket travels (empty: every bucket whole, unchecked)
     base: list[torch.Tensor] | None = None  # the buffers a partial update patches (None: staging itself)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -116,26 +76,7 @@ class _Update:
     joining: asyncio.Future | None = None  # the engine joining the group, when it receives itself: its error or None
     receiving: bool = False  # the engine was asked to receive (at the first CommitUpdate)
     engine_receive_s: float = 0.0  # how long the engine's own receive blocked it (it generates nothing meanwhile)
-
-
-def check_layout(manifest: Manifest, layout: Layout, widen: bool = False) -> None:
-    """Every tensor of the update must be a parameter of the engine with the same shape and dtype,
-    and every parameter must be in the update (a partial update would mix two versions). With `widen`, a float32
-    tensor may update a bfloat16 / float16 parameter: the engine casts it at the switch (a float32 trainer publishing
-    to an engine in bfloat16, the default on a GPU; its float32 LM head then comes from the published tensor)."""
-    for slot in manifest.slots:
-        if slot.name not in layout:
-            raise CodecError(f"tensor {slot.name!r}: the model has no such parameter")
-        shape, dtype = layout[slot.name]
-        cast = widen and slot.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
-        if tuple(shape) != slot.shape or (dtype != slot.dtype and not cast):
-            raise CodecError(
-                f"tensor {slot.name!r}: the update has {list(slot.shape)} {slot.dtype}, the model "
-                f"{list(shape)} {dtype}"
-            )
-    missing = sorted(set(layout) - {slot.name for slot in manifest.slots})
-    if missing:
-        raise CodecError(f"tensors: the update lacks {len(missing)} parameters, e.g. {missing[0]!r}")
+    weights: dict[str, torch.Tensor] | None = None  # what the engine switches to, when not the staged views (LoRA)
 
 
 class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
@@ -148,8 +89,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self.layout = layout if layout is not None else engine.parameter_layout()
         self.device = torch.device(device) if device is not None else engine.device
         self._pending: _Update | None = None
-        self._staging: _Staging | None = None  # free for the next update
-        self._served: _Staging | None = None  # adopted by the engine: never written
+        self._staging: Staging | None = None  # free for the next update
+        self._served: Staging | None = None  # adopted by the engine: never written
         self._checked: tuple[weights_pb2.BeginUpdateRequest, Manifest] | None = None  # the last valid manifest
         self._group: Transfer | None = None
         self._engine_receives = bool(getattr(engine, "receives_from_group", False))
@@ -235,7 +176,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 pause_s = update.engine_receive_s + switch_s
                 self._pending = None
             else:
-                switch_s = await self.engine.update_weights(update.staging.views(), update.version, adopt=True)
+                weights = update.weights if update.weights is not None else update.staging.views()
+                switch_s = await self.engine.update_weights(weights, update.version, adopt=True)
                 pause_s = self.engine.last_pause_s
                 self._pending = None
                 self._held = (update.version, update.manifest)
@@ -263,12 +205,14 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         try:
             group = self._join(update)
             if update.staging.buffers[0].device != group.device:  # formed as CUDA IPC: the trainer is on this GPU
-                update.staging = _Staging(update.manifest, allocate_staging(update.manifest, group.device))
+                update.staging = Staging(update.manifest, allocate_staging(update.manifest, group.device))
             if update.parts:
                 receive_parts(group, update.manifest, update.parts, update.deadline, update.staging.buffers,
                               update.base, update.cancelled)
             else:
                 receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
+            if any(is_adapter(slot.name) for slot in update.manifest.slots):  # LoRA: W + B @ A, the base kept whole
+                update.weights = merged_weights(update.manifest, update.staging.buffers)
         except TransferError as exc:
             self._drop_group(update.spec.group_name)
             update.done.set_exception(exc)
@@ -380,16 +324,17 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         if checked is not None and request.bucket_sizes == checked[0].bucket_sizes and request.tensors == checked[0].tensors:
             return checked[1]
         manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
-        check_layout(manifest, self.layout, widen=not self._engine_receives)  # the engine casts what it is handed
+        # The engine casts what it is handed; adapters are merged here, so not for an engine that receives itself.
+        check_layout(manifest, self.layout, widen=not self._engine_receives, adapters=not self._engine_receives)
         self._checked = (request, manifest)
         return manifest
 
-    def _take_staging(self, manifest: Manifest, device: torch.device) -> _Staging:
+    def _take_staging(self, manifest: Manifest, device: torch.device) -> Staging:
         staging, self._staging = self._staging, None
         if (staging is None or [t.numel() for t in staging.buffers] != list(manifest.bucket_sizes)
                 or any(t.device != device for t in staging.buffers)):
-            return _Staging(manifest, allocate_staging(manifest, device))
+            return Staging(manifest, allocate_staging(manifest, device))
         if staging.manifest is manifest or staging.manifest == manifest:
             return staging
-        return _Staging(manifest, staging.buffers)
+        return Staging(manifest, staging.buffers)
 

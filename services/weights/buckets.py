@@ -17,14 +17,19 @@ def pack_bucket(
 ) -> torch.Tensor:
     """Copy the tensors of bucket `index` into a flat uint8 tensor (`out` if given, reused across buckets).
 
-    Each tensor must match its slot's shape and dtype; the padding between slots is left as is.
+    Each tensor must match its slot's shape and dtype; the padding between slots is zeroed, so a bucket's bytes (and
+    its checksum: services/weights/delta.py) are the same whichever buffer it was packed into.
     """
     size = manifest.bucket_sizes[index]
     if out is None:
         first = manifest.by_bucket[index][0].name
         out = torch.empty(size, dtype=torch.uint8, device=tensors[first].device)
     bucket = out[:size]
+    end = 0
     for slot in manifest.by_bucket[index]:
+        if slot.offset > end:
+            bucket[end : slot.offset].zero_()
+        end = slot.offset + slot.nbytes
         tensor = tensors[slot.name]
         if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
             raise ValueError(

@@ -1,7 +1,7 @@
 """The manifest of a weight update: which tensor travels in which bucket, at which byte offset."""
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -149,12 +149,14 @@ def merge_order(tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> li
     return [triple for _, triple in sorted(zip(keys, triples, strict=True), key=lambda pair: pair[0])]
 
 
-def plan_buckets(tensors: TensorLayout, bucket_bytes: int, solo_bytes: int | None = None) -> Manifest:
+def plan_buckets(tensors: TensorLayout, bucket_bytes: int, solo_bytes: int | None = None,
+                 group: Callable[[str], object] | None = None) -> Manifest:
     """Lay tensors out, in order, into buckets of at most `bucket_bytes`.
 
     `tensors` is a name -> tensor mapping or (name, shape, dtype) triples. A tensor of `solo_bytes`
     or more (default: `bucket_bytes`) gets a bucket of its own: tensors are never split, and a bucket
-    holding one tensor is broadcast straight from that tensor's memory, with no packing copy.
+    holding one tensor is broadcast straight from that tensor's memory, with no packing copy. `group`: a new
+    bucket starts wherever group(name) changes (a LoRA publish keeps its adapters out of the base's buckets).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -166,7 +168,11 @@ def plan_buckets(tensors: TensorLayout, bucket_bytes: int, solo_bytes: int | Non
     slots: list[TensorSlot] = []
     sizes: list[int] = []
     can_join = False  # whether the last bucket takes more tensors (not after a solo tensor)
+    last_group = None
     for name, shape, dtype in triples:
+        if group is not None:
+            can_join = can_join and group(name) == last_group
+            last_group = group(name)
         if dtype not in TORCH_TO_WIRE:
             raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be broadcast")
         nbytes = TensorSlot(name, shape, dtype, bucket=0, offset=0).nbytes

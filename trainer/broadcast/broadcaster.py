@@ -27,7 +27,8 @@ receivers of one kind; a publish to both kinds fails for all of them, saying so.
 
 With `delta: auto` a version goes as a change of the last one every receiver took (trainer/broadcast/delta.py):
 BeginUpdate names that base_version and each bucket's part; a receiver that does not hold it answers needs_full, and
-the round starts again with the whole version (counted in PublishReport.fallbacks).
+the round starts again with the whole version (counted in PublishReport.fallbacks). With `adapter` (a LoRA policy)
+the same protocol carries the base once and then the adapter buckets alone (trainer/broadcast/adapter.py).
 
 Two ways in: `WeightBroadcaster` (asyncio: `await publish(...)`) and `BlockingWeightBroadcaster` (blocking.py: a
 synchronous training loop: `publish(...)` blocks, the asyncio side runs on a private thread).
@@ -46,6 +47,7 @@ import torch
 from protos import rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 from services.client import connect
 from services.weights import GroupSpec, Manifest, TransferError, deadline_after, transfer_device
+from trainer.broadcast.adapter import AdapterEncoder
 from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.delta import DeltaEncoder, Outgoing
 from trainer.broadcast.gather import ShardedWeights
@@ -137,7 +139,8 @@ class WeightBroadcaster:
         self._stubs: dict[str, weights_pb2_grpc.WeightSyncStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._channel_of: dict[str, grpc.aio.Channel] = {}
-        self._delta = DeltaEncoder() if self.config.delta == "auto" else None
+        self._delta: DeltaEncoder | AdapterEncoder | None = (
+            AdapterEncoder() if self.config.adapter else DeltaEncoder() if self.config.delta == "auto" else None)
         self._partial: dict[str, bool] = {}  # whether each receiver said it applies partial updates
         self._took: dict[str, int | None] = {}  # the last version each receiver took whole (delta sync's base)
 

@@ -37,6 +37,10 @@ class BroadcastConfig(Strict):
         "changed since it (positions and values, bit for bit in the sent dtype), or whole when that is smaller, checked "
         "by a checksum per bucket (trainer/broadcast/delta.py); a receiver that lacks the base gets the whole version. "
         "Keeps two packed copies of the model on the trainer. off: every version whole.")
+    adapter: bool = Field(
+        False, description="The tensors are a frozen base plus LoRA adapters (trainer/broadcast/adapter.py): the base "
+        "goes once, then each version as its adapter buckets alone, a partial update on the last version every "
+        "receiver took; a receiver that lacks it gets the whole version. Takes the place of `delta`.")
     client: ClientConfig = Field(default_factory=ClientConfig, description="How to reach the receivers.")
 
     @property

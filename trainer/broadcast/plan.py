@@ -20,6 +20,7 @@ from services.weights import (
 from services.weights.manifest import ALIGN_BYTES
 from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.gather import ShardedWeights, publish_dtype
+from trainer.lora import is_adapter
 
 
 class BroadcastPlan:
@@ -65,7 +66,8 @@ class BroadcastPlan:
         else:
             key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
         if self._manifest is None or self._manifest[0] != key:
-            self._manifest = (key, plan_buckets(merge_order(key), self._bucket_bytes, self._solo_bytes))
+            group = is_adapter if self.config.adapter else None  # adapters in buckets of their own: adapter.py
+            self._manifest = (key, plan_buckets(merge_order(key), self._bucket_bytes, self._solo_bytes, group))
         return self._manifest[1]
 
     def wire(self, manifest: Manifest) -> tuple[list[weights_pb2.TensorSpec], list[int]]:

@@ -54,6 +54,10 @@ class PublishConfig(Strict):
         "verified by a checksum per bucket; a receiver that missed a version, restarted or joined gets it whole (counted "
         "as delta_fallbacks). Costs two packed copies of the model in the trainer's memory. Not for sharded policies "
         "(FSDP2 gathers into the buckets as they go: those versions go whole). off: every version whole.")
+    adapter_min_change: float = Field(
+        1e-6, ge=0, description="A LoRA policy (model.lora): skip a step's publish when no adapter element, on any rank, "
+        "moved by more than this since the last publish (decided by all ranks together); the step's version is then "
+        "the last published one. 0 = publish whenever anything moved.")
     resync_s: float = Field(
         5.0, gt=0, description="While the trainer waits for a batch, check every this many seconds that every "
         "receiver serves the last published version; one serving an older one (a restarted rollout worker starts at "

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.config.model import ModelConfig
 from trainer.config.parallel import ParallelConfig
+from trainer.lora import apply_lora, freeze_base, has_lora, hf_base_names, init_adapters
 from trainer.model import PolicyModel, checkpoint_layers, load_policy
 from trainer.parallel.compose import parallelize
 from trainer.parallel.mesh import DistEnv
@@ -49,24 +50,36 @@ def build_policy(
     value_head: bool = False,
     trainable: bool = True,
     dtype: str = "float32",
+    seed: int = 0,
 ) -> PolicyModel:
     """The policy of the Hugging Face folder `path`, split over env's mesh (float32 parameters, dropout off);
     in a world of one, loaded whole. `model`: its head's chunking and precision, and activation checkpointing
-    (trainable policies only)."""
+    (trainable policies only); with `model.lora` (trainable policies only) the targeted layers carry adapters
+    (trainer/lora.py), drawn from `seed`, and nothing else but the value head trains."""
     model = model or ModelConfig()
     head = {"chunk_tokens": model.logprob_chunk_tokens, "lm_head_fp32": model.lm_head_fp32}
     checkpointing = checkpoint_layers if model.activation_checkpointing and trainable else None
+    lora = model.lora if trainable else None
     if not env.distributed:
         policy = load_policy(path, value_head=value_head, device=env.device, **head).requires_grad_(trainable)
+        if lora is not None:
+            _adapt(policy, lora)
+            init_adapters(policy, seed)
         return parallelize(policy, env, config, dtype, checkpointing)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
         policy = PolicyModel(lm, value_head=value_head, **head)
+        if lora is not None:
+            _adapt(policy, lora)
     policy.eval().requires_grad_(trainable)
+    if lora is not None:
+        freeze_base(policy, ("value_head.",))
     parallelize(policy, env, config, dtype, checkpointing)
     policy.to_empty(device=env.device)
     _init_buffers(lm)
     read = load_hf_shards(lm, path)
+    if lora is not None:
+        init_adapters(policy, seed)
     if policy.value_head is not None:  # a zero critic, as load_policy's
         with torch.no_grad():
             for parameter in policy.value_head.parameters():
@@ -75,11 +88,17 @@ def build_policy(
     return policy
 
 
+def _adapt(policy: PolicyModel, lora) -> None:
+    apply_lora(policy.lm, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    freeze_base(policy, ("value_head.",))
+
+
 def load_hf_shards(lm: nn.Module, path: str | Path) -> int:
-    """Fill `lm`'s parameters (this rank's shards) from the safetensors files in `path`; the bytes read."""
+    """Fill `lm`'s parameters (this rank's shards) from the safetensors files in `path`; the bytes read (a LoRA
+    model's base layers by their Hugging Face names; its adapters are not in the folder)."""
     reader = CountingReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    state = lm.state_dict()
+    state = hf_base_names(lm.state_dict()) if has_lora(lm) else lm.state_dict()
     missing = set(state) - set(saved)
     head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()  # None on the stages without them
     tied = head is not None and embedding is not None and head.weight is embedding.weight

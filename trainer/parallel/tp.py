@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trainer.lora import LoraLinear
 from trainer.model import PolicyModel
 
 
@@ -43,6 +44,9 @@ def apply_tp(policy: PolicyModel, mesh: DeviceMesh) -> None:
     """Split the policy's decoder over `mesh` (the "tp" dimension) in place."""
     lm = policy.lm
     check_tp(lm.config, mesh.size())
+    # The styles re-create each parameter they split as a trainable one: frozen ones (a LoRA base, a reference
+    # policy) are frozen again below, before FSDP copies the flag into its shards.
+    frozen = {name for name, parameter in policy.named_parameters() if not parameter.requires_grad}
     tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
     base = lm.base_model
     parallelize_module(base, mesh, {
@@ -52,7 +56,7 @@ def apply_tp(policy: PolicyModel, mesh: DeviceMesh) -> None:
         "norm": SequenceParallel(),
     })  # fmt: skip
     for layer in base.layers:
-        parallelize_module(layer, mesh, _layer_plan(layer))
+        parallelize_module(layer, mesh, _layer_plan(layer, mesh.size()))
     # The head's weight split by vocabulary row; the policy's forward uses it directly (trainer/lm_head.py:
     # head_token_stats), never calling the module, so these input/output layouts only describe it.
     parallelize_module(lm.get_output_embeddings(), mesh,
@@ -61,9 +65,12 @@ def apply_tp(policy: PolicyModel, mesh: DeviceMesh) -> None:
         lm.get_output_embeddings().weight = lm.get_input_embeddings().weight
     if policy.value_head is not None:
         distribute_module(policy.value_head, mesh, input_fn=_gather_sequence, output_fn=_copy)
+    for name, parameter in policy.named_parameters():
+        if name in frozen:
+            parameter.requires_grad_(False)
 
 
-def _layer_plan(layer: nn.Module) -> dict:
+def _layer_plan(layer: nn.Module, tp: int) -> dict:
     plan = {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -78,12 +85,36 @@ def _layer_plan(layer: nn.Module) -> dict:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }  # fmt: skip
+    plan = _follow_adapters(layer, plan, tp)
     # Qwen3's per-head q/k norms see this rank's heads only; their weight (one per head dim) is replicated and
     # its gradient summed over the group. The "sequence" layout only marks the tensor as split, elementwise.
     for norm in ("q_norm", "k_norm"):
         if hasattr(layer.self_attn, norm):
             plan[f"self_attn.{norm}"] = SequenceParallel(use_local_output=True)
     return plan
+
+
+def _follow_adapters(layer: nn.Module, plan: dict, tp: int) -> dict:
+    """A LoRA-wrapped projection (trainer/lora.py, peft's names) is split as its base_layer; its adapter so that the
+    update lands as the base's output does (rank % tp == 0). Column-wise: A by its rank rows, its output all-gathered,
+    then B by output rows. Row-wise: A by input columns, its output reduce-scattered over the rank, then B by its rank
+    columns, reduce-scattered over the sequence as the base's output is."""
+    followed = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        if not isinstance(module, LoraLinear):
+            followed[name] = style
+            continue
+        if module.lora_A.out_features % tp:
+            raise ValueError(f"model.lora.rank={module.lora_A.out_features} must be a multiple of parallel.tp")
+        followed[f"{name}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            followed[f"{name}.lora_A"] = ColwiseParallel(output_layouts=Replicate())
+            followed[f"{name}.lora_B"] = ColwiseParallel()
+        else:
+            followed[f"{name}.lora_A"] = RowwiseParallel(output_layouts=Shard(-1))
+            followed[f"{name}.lora_B"] = RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1))
+    return followed
 
 
 def _gather_sequence(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:

@@ -1,11 +1,19 @@
-"""Rejection in `Learner.prepare`: the tokens the rejection rules and M2PO mask out of this rank's rows of each
-mini-batch (on pi_prox vs pi_rollout), and the loss weights taken again over what is kept, counts summed over ranks."""
+"""Off-policy correction in `Learner.prepare` (and in the step, when pi_prox is the step's own forward): the tokens the
+rejection rules and M2PO mask out of this rank's rows of each mini-batch (on pi_prox vs pi_rollout), the loss weights
+taken again over what is kept (counts summed over ranks), and the importance weights (docs/algorithms.md)."""
 
 import torch
 
 from trainer.batch import TrainBatch
 from trainer.config.algorithm import AlgorithmConfig
-from trainer.corrections import chained_rejection_mask, m2po_mask
+from trainer.corrections import (
+    chained_rejection_mask,
+    decoupled_weights,
+    is_weight_moments,
+    m2po_mask,
+    normalize_is_weights,
+    tis_weights,
+)
 from trainer.losses import loss_totals, loss_weights
 from trainer.parallel import DistEnv
 
@@ -44,3 +52,21 @@ def m2po_rows(env: DistEnv, log_ratio: torch.Tensor, mask: torch.Tensor, per_ran
         step_kept = m2po_mask(ratios[:, rows].flatten(0, 1), masks[:, rows].flatten(0, 1), threshold)
         kept[rows] = step_kept.view(dp, -1, mask.shape[1])[rank].to(mask.dtype)
     return kept
+
+
+def set_off_policy_correction(batch: TrainBatch, algo: AlgorithmConfig, env: DistEnv, mask: torch.Tensor) -> None:
+    """The policy the ratio is taken against, and importance weights for asynchronous data (docs/algorithms.md).
+
+    Weights are taken on `mask`, the loss mask before rejection, and batch-normalised over it (verl's order), then
+    rejected tokens weigh 0. bypass's weights and rejection are the objective's (current policy)."""
+    if algo.off_policy in ("none", "bypass"):
+        batch.old_logprobs = batch.rollout_logprobs
+        return
+    if algo.off_policy == "recompute":
+        return
+    weights = tis_weights if algo.off_policy == "tis" else decoupled_weights
+    is_weights = weights(batch.old_logprobs, batch.rollout_logprobs, algo.is_cap, mask, algo.is_level)
+    if algo.is_batch_normalize:
+        moments = env.all_reduce_sum(is_weight_moments(is_weights, mask, algo.is_level))
+        is_weights = normalize_is_weights(is_weights, moments)
+    batch.is_weights = is_weights * batch.loss_mask
