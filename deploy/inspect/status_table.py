@@ -60,7 +60,38 @@ def trainer_summary(run_dir: pathlib.Path | None) -> dict | None:
     return None
 
 
-def _caption(trainer: dict | None) -> str | None:
+def runner_summary(run_dir: pathlib.Path | None) -> dict | None:
+    """An agentic run's episode runners (runner_stats.jsonl, each runner's last line): episodes, episodes played again
+    and groups dropped, each by cause (rollout/envs/runner.py); None without one."""
+    path = run_dir / "runner_stats.jsonl" if run_dir is not None else None
+    if path is None or not path.exists():
+        return None
+    last: dict[str, dict] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line still being written
+        last[record.get("producer_id", "")] = record
+    summary = {"episodes": 0, "replays_by_cause": {}, "drops_by_cause": {}}
+    for record in last.values():
+        summary["episodes"] += record.get("episodes", 0)
+        for key in ("replays_by_cause", "drops_by_cause"):
+            for cause, count in record.get(key, {}).items():
+                summary[key][cause] = summary[key].get(cause, 0) + count
+    return summary
+
+
+def _runner_caption(runner: dict) -> str:
+    text = f"episode runners: {runner['episodes']} episodes"
+    for key, what in (("replays_by_cause", "played again"), ("drops_by_cause", "groups dropped")):
+        text += f"; {what} {sum(runner[key].values())}" + (f" ({_pairs(runner[key])})" if runner[key] else "")
+    return text
+
+
+def _caption(trainer: dict | None, runner: dict | None = None) -> str | None:
+    if runner is not None:
+        return "\n".join(filter(None, [_caption(trainer), _runner_caption(runner)]))
     if trainer is None:
         return None
     text = f"trainer: step {trainer.get('step')}, weight version {trainer.get('weight_version')}"
@@ -75,8 +106,8 @@ def _caption(trainer: dict | None) -> str | None:
     return text
 
 
-def table(rows: Sequence[ServiceStatus], title: str, trainer: dict | None = None) -> Table:
-    view = Table(title=title, header_style="bold", caption=_caption(trainer))
+def table(rows: Sequence[ServiceStatus], title: str, trainer: dict | None = None, runner: dict | None = None) -> Table:
+    view = Table(title=title, header_style="bold", caption=_caption(trainer, runner))
     for column in COLUMNS:
         view.add_column(column)
     for row in rows:
@@ -84,12 +115,15 @@ def table(rows: Sequence[ServiceStatus], title: str, trainer: dict | None = None
     return view
 
 
-def report(rows: Sequence[ServiceStatus], trainer: dict | None = None) -> dict:
-    """The JSON object `relayrl status --json` prints (with a run folder, the trainer's last step too)."""
+def report(rows: Sequence[ServiceStatus], trainer: dict | None = None, runner: dict | None = None) -> dict:
+    """The JSON object `relayrl status --json` prints (with a run folder, the trainer's last step too, and an agentic
+    run's episode runners)."""
     out = {"time": time.time(), "services": [row.to_dict() for row in rows],
            "down": [row.name for row in rows if not row.up]}
     if trainer is not None:
         out["trainer"] = trainer
+    if runner is not None:
+        out["runner"] = runner
     return out
 
 
@@ -111,16 +145,16 @@ class Display:
         self.view: Live | None = None
 
     def show(self, rows: Sequence[ServiceStatus]) -> None:
-        trainer = trainer_summary(self.run_dir)
+        trainer, runner = trainer_summary(self.run_dir), runner_summary(self.run_dir)
         if self.as_json:
-            print(json.dumps(report(rows, trainer)), flush=True)
+            print(json.dumps(report(rows, trainer, runner)), flush=True)
         elif not self.live:
-            self.console.print(table(rows, self.title, trainer))
+            self.console.print(table(rows, self.title, trainer, runner))
         elif self.view is None:
-            self.view = Live(table(rows, self.title, trainer), console=self.console, refresh_per_second=4)
+            self.view = Live(table(rows, self.title, trainer, runner), console=self.console, refresh_per_second=4)
             self.view.start()
         else:
-            self.view.update(table(rows, self.title, trainer))
+            self.view.update(table(rows, self.title, trainer, runner))
 
     def close(self) -> None:
         if self.view is not None:

@@ -136,6 +136,10 @@ def _from_metrics(poll: Poll, samples: dict[tuple[str, tuple], float]) -> None:
         if queued:
             poll.queue["sessions queued"] = queued
         poll.counters["tokens"] = _sum(samples, "relayrl_rollout_generated_tokens_total")
+        hits = _sum(samples, "relayrl_rollout_session_tier_hits")  # engine.session_kv_tier_bytes: idle sessions' KV
+        if hits:
+            poll.counters["tier hits"] = hits
+            poll.counters["tier tokens restored"] = _sum(samples, "relayrl_rollout_session_tier_tokens_restored")
     elif poll.kind == "reward":
         poll.counters["scored"] = _sum(samples, "relayrl_reward_score_count")
 
