@@ -20,6 +20,7 @@ from pathlib import Path
 
 from protos.sample import Sample
 from services.determinism import canonical_key
+from services.tracing import record_consumption, sample_traceparent
 from trainer.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
@@ -95,6 +96,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         if config.deterministic:  # sums over the batch (losses, gradients) add up in one order in every run
             work.train.sort(key=lambda sample: canonical_key(sample.group_id, sample.sample_id))
         steps_before = state.step
+        training_ns = time.time_ns()
         if work.train:
             batch_stats = {
                 **measure_staleness(work.train, state.weight_version - resynced, config.max_staleness),
@@ -116,6 +118,9 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 report(config, env, state, {**metrics, **batch_stats, **counters, "step_s": time.monotonic() - started},
                        work, last)
             state.samples_trained += len(work.train)
+            if env.is_main:  # the step in each traced sample's trace (tracing off: nothing)
+                record_consumption("trainer.step", [sample_traceparent(s.metadata) for s in work.train], training_ns,
+                                   first_step=steps_before + 1, last_step=state.step)
         resynced = 0
         if env.is_main:
             book.consumed(work, state.weight_version)

@@ -14,6 +14,7 @@ import transformers
 from services.device import transfer_backend
 from services.metrics import start_metrics_endpoint
 from services.runtime import Sparse
+from services.tracing import setup_tracing
 from trainer.buffer_client import BufferClient
 from trainer.checkpoint import TrainState
 from trainer.config import TrainerConfig
@@ -47,6 +48,7 @@ def run(config: TrainerConfig) -> TrainState:
         cleanup.callback(shutdown_distributed, env)
         source = publisher = None
         if env.is_main:
+            setup_tracing("trainer", config.tracing)
             if config.heartbeat_path:
                 cleanup.callback(Heartbeat(pathlib.Path(config.heartbeat_path), config.heartbeat_interval_s).close)
             if config.metrics_port is not None:

@@ -31,7 +31,8 @@ from rollout.driver.call_merger import CallMerger
 from rollout.driver.producer import GroupProducer, run_producer
 from rollout.driver.trajectory_log import TrajectoryLogConfig
 from services.client import connect
-from services.config import ClientConfig, Strict
+from services.config import ClientConfig, Strict, TracingConfig
+from services.tracing import TRACEPARENT, current_traceparent
 
 log = logging.getLogger("relayrl.driver")
 
@@ -98,6 +99,8 @@ class DriverConfig(Strict):
         "max_staleness 0, one training step's) go to the rollout as one GenerateMany, in stream order, whatever the "
         "timing, so the rollout batches and computes them the same way in every run (merge_window_s is not used "
         "for them).")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Tracing of the groups admitted "
+                                   "(services/tracing.py): their root spans, and the trace context in each sample.")
 
 
 @dataclass
@@ -195,6 +198,8 @@ class Driver(GroupProducer):
             ),
         )
         (reply,) = await self.generator.submit([request])
+        traceparent = current_traceparent()  # a traced group's samples carry it through the buffer to the trainer
+        metadata = prompt.metadata if traceparent is None else {**prompt.metadata, TRACEPARENT: traceparent}
         samples = []
         for completion in reply.completions:
             tokens = decode_array(completion.token_ids, "token_ids", "int32")
@@ -215,7 +220,7 @@ class Driver(GroupProducer):
                 reason=rollout_pb2.FinishReason.Name(completion.finish_reason),
                 prompt_text=prompt.text,
                 response_text=completion.text,
-                metadata=prompt.metadata,
+                metadata=metadata,
             ))
         protos = [s.to_proto() for s in samples]  # encoded once: scored, then completed and stored
         scoring = self.scorer.submit(protos)

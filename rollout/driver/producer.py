@@ -26,6 +26,7 @@ from rollout.driver.trajectory_log import TrajectoryLog, group_record
 from services.config import load_config
 from services.runtime import Sparse
 from services.teardown import skip_final_collection
+from services.tracing import setup_tracing, span
 
 log = logging.getLogger("relayrl.producer")
 WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
@@ -156,7 +157,8 @@ class GroupProducer:
         moves past it."""
         size = self.config.group_size
         try:
-            await self.run_group(item, group_index)
+            with span("driver.group", group_index=group_index):  # a traced group's root: its admission to its Put
+                await self.run_group(item, group_index)
             self.position.stored(group_index)
         finally:
             self.in_flight_samples -= size
@@ -242,6 +244,7 @@ def run_producer(name: str, description: str, config_type: type, run: Callable[.
     args = parser.parse_args(argv)
     config = load_config(config_type, args.config, args.set)
     logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
+    setup_tracing(name, getattr(config, "tracing", None))
     try:
         summary = asyncio.run(run(config))
     finally:
