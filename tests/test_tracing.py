@@ -87,6 +87,22 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
     assert {link["trace_id"] for link in step["links"]} == {root["trace_id"] for root in roots}
     assert step["attributes"]["samples"] == GROUP * GROUPS
 
+    # `relayrl trace RUN_DIR`: the spans as a Chrome / Perfetto trace, read back
+    from deploy.cli import main as relayrl
+
+    assert relayrl(["trace", str(tmp_path), "--out", str(tmp_path / "trace.json"), "--seconds", "3600"]) == 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    complete = [event for event in events if event["ph"] == "X"]
+    assert sorted(event["args"]["span_id"] for event in complete) == sorted(by_id)
+    assert all(event["dur"] >= 0 and event["ts"] >= 0 for event in complete)
+    named = {event["args"]["name"].split(" ")[0] for event in events if event["ph"] == "M"}
+    assert named == {"driver", "rollout", "reward", "buffer", "trainer"}
+    starts = {event["id"] for event in events if event["ph"] == "s"}
+    assert starts and starts == {event["id"] for event in events if event["ph"] == "f"}  # arrows across processes
+    # a window holds the spans overlapping it: the first 0 s of the run hold only what had begun by then
+    assert relayrl(["trace", str(tmp_path), "--out", str(tmp_path / "first.json"), "--start", "0", "--seconds", "0"]) == 0
+    first = [e for e in json.loads((tmp_path / "first.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert 0 < len(first) < len(complete) and all(event["ts"] <= 0 for event in first)
 
 def test_tracing_off_installs_nothing_and_leaves_samples_untouched(tmp_path):
     from services.tracing import client_interceptors, current_traceparent, enabled, span
@@ -97,3 +113,11 @@ def test_tracing_off_installs_nothing_and_leaves_samples_untouched(tmp_path):
     with span("driver.group") as current:
         assert current is None and current_traceparent() is None
     assert not list(tmp_path.iterdir())
+
+
+
+def test_trace_of_a_run_without_spans_says_so(tmp_path, capsys):
+    from deploy.cli import main as relayrl
+
+    assert relayrl(["trace", str(tmp_path)]) == 2
+    assert "no spans" in capsys.readouterr().err
