@@ -50,6 +50,7 @@ from trainer.model import Packing, PolicyModel, PolicyOutput, run_policy
 from trainer.objectives import objective
 from trainer.packing import pack_by_token_sum
 from trainer.parallel import DistEnv, build_policy
+from trainer.stages import StageClock
 from trainer.varlen import use_varlen
 
 
@@ -83,6 +84,7 @@ class Learner:
         self.proximal_in_step = (algo.recomputes_logprobs and algo.name != "ppo" and config.batch.mini_batches == 1
                                  and not algo.rejection and not algo.is_batch_normalize and algo.kl_reward_coef == 0)
         optim = config.optim
+        self.stages = StageClock(env.device, self.policy.lm, env.tp_size)  # this rank's time by stage, its FLOPs
         # Dynamic sampling's counts: the last pulled batch's (added to each of its steps' metrics) and running totals.
         self.batch_metrics: dict[str, float] = {}
         self.dropped_totals = {"dropped_groups_total": 0.0, "dropped_samples_total": 0.0}
@@ -330,7 +332,7 @@ class Learner:
                 self._set_off_policy_correction(micro)
             loss, metrics = objective(self.algo, micro, out)
             # FSDP averages gradients over the data-parallel ranks; every one's loss is its share of the global sum.
-            (loss * self.env.dp_size).backward()
+            self.stages.backward(loss * self.env.dp_size, micro.input_ids.shape)
             metrics["tokens"] = micro.loss_mask.sum()
             if measures_mismatch:
                 mismatch, largest = mismatch_sums(out.logprobs, micro.rollout_logprobs, self._trained_mask(micro),
@@ -339,9 +341,7 @@ class Learner:
                 largest_mismatch = torch.maximum(largest_mismatch, largest.detach().double().cpu())
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().double().cpu()
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.stages.optimizer_step(self.optimizer, self._clip_gradients)
         sums["samples"] = (batch.row_weights > 0).sum().double()  # padding rows weigh 0
         names = sorted(sums)
         totals = self.env.all_reduce_sum(torch.stack([sums[name] for name in names]))

@@ -1,0 +1,93 @@
+"""Per-stage step reports (trainer/stages.py) and the FLOP count behind MFU (trainer/flops.py)."""
+
+import json
+import threading
+import time
+
+import numpy as np
+from torch.utils.flop_counter import FlopCounterMode
+
+from protos import buffer_pb2, buffer_pb2_grpc
+from protos.sample import Sample
+from services.client import connect_sync
+from tests.test_trainer_step import config, local
+from trainer.learner import Learner
+from trainer.stages import STAGES
+
+DELAY_S = 1.5
+
+
+def long_samples(count: int, length: int, prefix: str = "s") -> list[Sample]:
+    rng = np.random.default_rng(11)
+    return [Sample(sample_id=f"{prefix}{i}", prompt_id=f"{prefix}p{i // 4}", group_size=4,
+                   prompt_ids=np.array([1, 20 + i], dtype=np.int32),
+                   response_ids=rng.integers(3, 90, length - i % 3).astype(np.int32),
+                   loss_mask=np.ones(length - i % 3, dtype=np.uint8),
+                   rollout_logprobs=np.full(length - i % 3, -4.6, dtype=np.float32),
+                   weight_versions=np.zeros(length - i % 3, dtype=np.int64), reward=float(i % 2))
+            for i in range(count)]
+
+
+def test_the_step_flop_count_is_flop_counter_modes_within_10_percent(tiny_model_dir):
+    learner = Learner(config(tiny_model_dir), local())
+    # FlopCounterMode has no formula for the CPU's SDPA kernel; eager attention is the same math as matmuls it counts
+    learner.policy.lm.set_attn_implementation("eager")
+    # long rows: attention is ~20% of the FLOPs here, so a count without it would miss the bar
+    (batch,) = learner.prepare(long_samples(8, 120))
+    learner.stages.lap()
+    with FlopCounterMode(display=False) as counter:
+        learner.train_step(batch, 0)
+    counted, measured = learner.stages.lap()["flops"], counter.get_total_flops()
+    assert measured > 0 and abs(counted - measured) <= 0.1 * measured, (counted, measured)
+
+
+def put(address: str, samples: list[Sample]) -> None:
+    with connect_sync(address) as channel:
+        buffer_pb2_grpc.BufferStub(channel).Put(buffer_pb2.PutRequest(samples=[s.to_proto() for s in samples]),
+                                                timeout=30)
+
+
+def test_each_steps_stages_sum_to_its_interval_and_show_where_it_waited(tiny_model_dir, tmp_path, service_factory):
+    from trainer.buffer_client import BufferClient
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    put(buffer.address, long_samples(8, 12, "a"))
+    metrics = tmp_path / "metrics.jsonl"
+    config = TrainerConfig.model_validate({
+        "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 30},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 4}, "max_steps": 2, "metrics_path": str(metrics),
+        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "interval": 1}})
+
+    def second_batch_late() -> None:  # the trainer waits DELAY_S for its second batch
+        while not metrics.exists():
+            time.sleep(0.02)
+        time.sleep(DELAY_S)
+        put(buffer.address, long_samples(8, 12, "b"))
+
+    feeder = threading.Thread(target=second_batch_late)
+    feeder.start()
+    client = BufferClient(config.buffer)
+    started = time.monotonic()
+    try:
+        train(config, init_distributed("cpu"), client)
+    finally:
+        client.close()
+        feeder.join()
+    wall = time.monotonic() - started
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [step["step"] for step in steps] == [1, 2]
+    for step in steps:
+        parts = [step[f"stage/{name}_s"] for name in STAGES]
+        assert all(part >= 0 for part in parts) and abs(sum(parts) - step["stage/step_s"]) < 1e-6
+        assert min(step["stage/forward_s"], step["stage/backward_s"], step["stage/optimizer_s"]) > 0
+        assert 0 < step["perf/mfu"] < 1 and step["perf/flops"] > 0
+    # the intervals tile the loop: together they are the run less its start-up and its end (export, last checkpoint)
+    assert sum(step["stage/step_s"] for step in steps) < wall
+    second = steps[1]
+    assert second["stage/data_wait_s"] >= 0.9 * DELAY_S  # waiting for the late batch
+    assert second["stage/checkpoint_s"] > 0 and steps[0]["stage/checkpoint_s"] == 0  # step 1's checkpoint delays step 2
+    assert max(second, key=lambda name: second[name] if name.startswith("stage/") and name != "stage/step_s"
+               else -1) == "stage/data_wait_s"
