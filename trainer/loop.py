@@ -27,6 +27,7 @@ from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
 from trainer.parallel import DistEnv
+from trainer.profiling import step_profiler
 from trainer.publishing import Background, Publisher, Publishing, policy_weights
 from trainer.stages import step_report
 
@@ -79,6 +80,9 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     # That pull's admission (its samples at most max_staleness behind) was judged at the version it was made at.
     resynced = 0
     clock = learner.stages  # every moment of this rank's loop is one stage's (trainer/stages.py)
+    profiler = step_profiler(config.profile, env.rank, env.device)  # None unless profile.steps asks for a capture
+    if profiler is not None:
+        profiler.reported(state.step)
     while not _finished(config, state):
         started = time.monotonic()
         clock.switch("data_wait")
@@ -124,6 +128,8 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 stages = step_report(clock, env.device, env.distributed)  # collective: every rank's stages
                 report(config, env, state, {**metrics, **batch_stats, **counters, "step_s": time.monotonic() - started,
                                             **stages}, work, last)
+                if profiler is not None:
+                    profiler.reported(state.step)
             state.samples_trained += len(work.train)
             if env.is_main:  # the step in each traced sample's trace (tracing off: nothing)
                 record_consumption("trainer.step", [sample_traceparent(s.metadata) for s in work.train], training_ns,

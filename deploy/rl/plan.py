@@ -89,6 +89,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
                                    **({"max_tokens_per_micro_batch": training.max_tokens_per_micro_batch}
                                       if training.max_tokens_per_micro_batch else {})},
                          "checkpoint": {"keep_last": config.checkpoint.keep_last}, "tracing": tracing,
+                         "profile": {"dir": str(run_dir / "profiles")},
                          **({"ref_model_path": reference} if reference else {})},
                         nested(config.services.trainer.settings)),
         eval_interval_steps=evaluation.every_steps,

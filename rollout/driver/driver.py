@@ -32,7 +32,7 @@ from rollout.driver.producer import GroupProducer, run_producer
 from rollout.driver.trajectory_log import TrajectoryLogConfig
 from services.client import connect
 from services.config import ClientConfig, Strict, TracingConfig
-from services.tracing import TRACEPARENT, current_traceparent
+from services.tracing import TRACEPARENT, current_traceparent, span
 
 log = logging.getLogger("relayrl.driver")
 
@@ -197,7 +197,8 @@ class Driver(GroupProducer):
                 n=cfg.group_size, logprobs=True, seed=(cfg.seed * 1_000_003 + group_index) % 2**63,
             ),
         )
-        (reply,) = await self.generator.submit([request])
+        with span("driver.generate"):  # each traced group's wait; merged calls' server spans join one group's
+            (reply,) = await self.generator.submit([request])
         traceparent = current_traceparent()  # a traced group's samples carry it through the buffer to the trainer
         metadata = prompt.metadata if traceparent is None else {**prompt.metadata, TRACEPARENT: traceparent}
         samples = []
@@ -226,7 +227,8 @@ class Driver(GroupProducer):
         scoring = self.scorer.submit(protos)
         teacher = self.teacher_for(prompt)
         if teacher is None:
-            scored = await scoring
+            with span("driver.score"):
+                scored = await scoring
         else:
             taught = self._add_teacher_logprobs(teacher, request.prompt_ids, reply, samples, protos)
             scored, _ = await asyncio.gather(scoring, taught)
@@ -238,7 +240,8 @@ class Driver(GroupProducer):
                 sample.status, sample.reason = SampleStatus.FAILED, f"reward: {result.reason}"
                 proto.status, proto.reason = int(sample.status), sample.reason
                 self.stats["failed"] += 1
-        await self.storer.submit(protos)
+        with span("driver.put"):
+            await self.storer.submit(protos)
         self.log_group("group", group_index, lambda: samples)
         self.stats["groups"] += 1
         self.stats["samples"] += len(samples)

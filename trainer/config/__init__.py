@@ -17,6 +17,7 @@ from trainer.config.mismatch import MismatchConfig
 from trainer.config.model import ModelConfig
 from trainer.config.optim import BatchConfig, OptimConfig
 from trainer.config.parallel import ParallelConfig
+from trainer.config.profile import ProfileConfig
 from trainer.config.publish import PublishConfig
 
 
@@ -71,6 +72,8 @@ class TrainerConfig(Strict):
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between touches of heartbeat_path.")
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="Where rank 0's spans go: each train "
                                    "step's, linking the traced samples it consumed (services/tracing.py).")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig, description="torch.profiler captures of chosen "
+                                   "steps (trainer/profiling.py); off by default.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
