@@ -218,6 +218,22 @@ def record_consumption(name: str, traceparents: Sequence[str | None], start_ns: 
         record_span(name, traceparent, start_ns, end_ns, links=[step] if step else (), **attributes)
 
 
+def carry_context(coro):
+    """`coro` to run on another thread's event loop under the caller's trace context (unchanged while off)."""
+    if _provider is None:
+        return coro
+    caller = otel_context.get_current()
+
+    async def in_context():
+        token = otel_context.attach(caller)
+        try:
+            return await coro
+        finally:
+            otel_context.detach(token)
+
+    return in_context()
+
+
 def server_span(method: str, invocation_metadata) -> Any:
     """Around a served call whose caller sent a traceparent: its server span (else nothing)."""
     if _provider is None or not invocation_metadata:

@@ -16,6 +16,7 @@ from trainer.buffer_client import BufferClient
 from trainer.config import TrainerConfig
 from trainer.loop import train
 from trainer.parallel import init_distributed
+from trainer.run import RolloutPublisher
 
 GROUP = 2
 GROUPS = 2
@@ -49,11 +50,16 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
             "max_tokens": 4})))
     config = TrainerConfig.model_validate({
         "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 30}, "max_steps": 1,
-        "batch": {"global_batch_size": GROUP * GROUPS, "micro_batch_size": GROUP}})
+        "batch": {"global_batch_size": GROUP * GROUPS, "micro_batch_size": GROUP},
+        "publish": {"receivers": [rollout.address], "timeout_s": 30}})
     client = BufferClient(config.buffer)
     try:
         with traced("trainer", tracing):
-            train(config, init_distributed("cpu"), client)
+            publisher = RolloutPublisher(config.publish)
+            try:
+                train(config, init_distributed("cpu"), client, publisher)
+            finally:
+                publisher.close()
     finally:
         client.close()
     for service in (buffer, rollout, reward):
@@ -82,6 +88,15 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
             if parent["service"] != span["service"]:
                 crossing.add((parent["service"], span["service"]))
         assert {("driver", "rollout"), ("driver", "reward"), ("driver", "buffer"), ("driver", "trainer")} <= crossing
+    # one weight version's publish is a trace too: the trainer's publish, each engine's BeginUpdate and CommitUpdate
+    publishes = [span for span in spans if span["name"] == "trainer.publish"]
+    assert publishes and all(span["parent_span_id"] is None for span in publishes)
+    for publish in publishes:
+        inside = {(span["service"], span["name"], by_id[span["parent_span_id"]]["service"])
+                  for span in by_trace[publish["trace_id"]] if span is not publish}
+        assert {("rollout", "relayrl.weights.v1.WeightSync/BeginUpdate", "trainer"),
+                ("rollout", "relayrl.weights.v1.WeightSync/CommitUpdate", "trainer"),
+                ("trainer", "engine.update", "trainer")} <= inside, inside
     # the train step's own span links the samples' contexts: both groups' traces
     (step,) = [span for span in spans if span["name"] == "trainer.step" and span["parent_span_id"] is None]
     assert {link["trace_id"] for link in step["links"]} == {root["trace_id"] for root in roots}
