@@ -1,10 +1,15 @@
 """Per-stage step reports (trainer/stages.py) and the FLOP count behind MFU (trainer/flops.py)."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -16,6 +21,7 @@ from trainer.learner import Learner
 from trainer.stages import STAGES
 
 DELAY_S = 1.5
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def long_samples(count: int, length: int, prefix: str = "s") -> list[Sample]:
@@ -120,3 +126,29 @@ def test_a_profile_capture_of_two_steps_writes_a_trace(tiny_model_dir, tmp_path,
     assert trace.name == "trainer-rank0-steps2-3.json"
     names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
     assert "Optimizer.step#AdamW.step" in names and "aten::mm" in names, sorted(names)[:50]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_each_report_their_stages(tiny_model_dir, tmp_path, service_factory, free_port):
+    """The trainer as the product runs it under torchrun: rank 1's stages reach rank 0's metrics line."""
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    put(buffer.address, long_samples(16, 12))
+    metrics = tmp_path / "metrics.jsonl"
+    settings = {"model_path": tiny_model_dir, "buffer.address": buffer.address, "buffer.max_wait_s": 60,
+                "batch.global_batch_size": 8, "batch.micro_batch_size": 2, "max_steps": 2, "metrics_path": metrics}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port), "-m", "trainer"]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [step["step"] for step in steps] == [1, 2]
+    for step in steps:
+        for suffix in ("", "/rank1"):
+            parts = [step[f"stage/{name}_s{suffix}"] for name in STAGES]
+            assert abs(sum(parts) - step[f"stage/step_s{suffix}"]) < 1e-6
+            assert step[f"stage/backward_s{suffix}"] > 0
+    # after the first report's all-gather the ranks' intervals start and end together (their laps meet there)
+    assert abs(steps[1]["stage/step_s"] - steps[1]["stage/step_s/rank1"]) < 0.2 * steps[1]["stage/step_s"] + 0.1
