@@ -37,7 +37,6 @@ from services.config import TracingConfig
 TRACEPARENT = "traceparent"
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NOOP = trace.NoOpTracer()
-__all__ = ["TracingConfig", "record_span", "setup_tracing", "span"]
 
 
 class _RootSampler(Sampler):
