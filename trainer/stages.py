@@ -8,11 +8,11 @@ written; it holds, in order:
 - publish, pause, checkpoint: the weight publish and the checkpoint that followed step N-1 (they delay step N).
   pause is the part of a blocking publish (publish.overlap false) the trainer waited while the engines were paused
   (the receivers' CommitUpdateResponse pause_s); an overlapped publish's pause is off the trainer's path.
-- data_wait: waiting for the batch (the pull, or the prefetched pull's remainder), handing it to every rank, and
-  the steps of the batch's first optimizer step that are not compute (staleness checks, sorting).
-- forward: the batch's preparation (tokenising into tensors; recomputed and reference logprobs: forward passes)
-  and each micro-batch's forward pass, loss and metrics; backward: each micro-batch's backward;
-  optimizer: clipping, the optimizer step, and the metrics' all-reduce.
+- data_wait: waiting for the batch (the pull, or the prefetched pull's remainder), handing it to every rank, its
+  staleness check, and after the step the lease bookkeeping (marking it consumed, starting the next prefetch).
+- forward: the batch's preparation (samples into tensors; recomputed and reference logprobs, which are forward
+  passes) and each micro-batch's forward pass, loss and metrics; backward: each micro-batch's backward;
+  optimizer: clipping, the optimizer step, the metrics' all-reduce and the step's mismatch check.
 
 On CUDA each switch synchronises the device, so kernels are charged to the stage that launched them (a few
 synchronisations per micro-batch). Reported as `stage/<name>_s` (rank 0) and `stage/<name>_s/rank<r>` for the other
