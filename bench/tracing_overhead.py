@@ -5,7 +5,8 @@ Each run is the quickstart's experiment file (deploy/experiment/quickstart_exper
 into a temporary folder) with the SFT warm-up shortened to --sft-steps and an RL budget of --budget-s; completions/s
 is the run's summary (completions over RL seconds). The runs go off, default, 1.0, off, default, 1.0, ... so a drift of
 the machine's load falls on every setting alike; each ratio is the setting's mean over off's mean. It also counts
-the complete traces a default-rate run left (traced groups whose spans reach the trainer's step).
+the complete traces a default-rate run left (traced groups whose spans reach the trainer's step), and how closely
+the trainer's stage reports sum to the wall-clock interval their reports span.
 
     python bench/tracing_overhead.py [--rounds 2] [--budget-s 60] [--sft-steps 50]
 """
@@ -49,6 +50,16 @@ def complete_traces(run_dir: pathlib.Path) -> int:
     return sum({"driver", "rollout", "reward", "buffer", "trainer"} <= seen for seen in services.values())
 
 
+def stage_sum_over_interval(run_dir: pathlib.Path) -> float:
+    """The trainer's stage reports summed over its steps but the first, over the wall-clock time their reports span
+    (trainer/stages.py: step N's interval runs from step N-1's report to its own)."""
+    steps = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines() if line]
+    if len(steps) < 2:
+        return float("nan")
+    return sum(step["stage/step_s"] for step in steps[1:]) / (steps[-1]["stage/report_time"]
+                                                              - steps[0]["stage/report_time"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -63,11 +74,12 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory(prefix="relayrl-tracing-") as tmp:
         experiment = write_project(pathlib.Path(tmp) / "project")
-        traces = 0
+        traces, sums = 0, []
         for round_index in range(args.rounds):
             for name, rate in settings.items():
                 run_dir = pathlib.Path(tmp) / f"run-{name}-{round_index}"
                 rates[name].append(run_once(experiment, run_dir, rate, args.budget_s, args.sft_steps))
+                sums.append(stage_sum_over_interval(run_dir))
                 print(f"round {round_index} {name}: {rates[name][-1]:.1f} completions/s", flush=True)
                 if name == "default":
                     traces = min(traces, complete_traces(run_dir)) if round_index else complete_traces(run_dir)
@@ -77,6 +89,8 @@ def main() -> None:
         print(f"result: tracing_overhead_{label} = {mean / off:.3f} ({mean:.1f} completions/s with tracing at "
               f"sample_rate {default if name == 'default' else 1.0:g} over {off:.1f} off; {args.rounds} alternating "
               f"rounds of {args.budget_s:.0f} s)")
+    print(f"result: stage_sum_over_interval = {min(sums):.4f}..{max(sums):.4f} (the trainer's stage reports over "
+          f"the wall-clock time between its first and last report, {len(sums)} runs)")
     print(f"result: tracing_complete_traces_default = {traces} (the fewest complete traces a default-rate run left)")
 
 

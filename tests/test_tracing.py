@@ -8,6 +8,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
 from rollout.driver.driver import DriverConfig, drive
 from services.config import TracingConfig
@@ -36,7 +38,7 @@ def traced(service: str, tracing: dict):
         shutdown_tracing()  # writes out what is queued
 
 
-def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_factory, tiny_model_dir):
+def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_factory, tiny_model_dir, monkeypatch):
     traces = tmp_path / "traces"
     tracing = {"dir": str(traces), "sample_rate": 1.0, "export_interval_s": 0.1}
     buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "server.tracing": tracing})
@@ -53,6 +55,11 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
         "batch": {"global_batch_size": GROUP * GROUPS, "micro_batch_size": GROUP},
         "publish": {"receivers": [rollout.address], "timeout_s": 30}})
     client = BufferClient(config.buffer)
+
+    def no_profiler(*args, **kwargs):
+        raise AssertionError("a profiler object was made with profile.steps unset")
+
+    monkeypatch.setattr(torch.profiler.profile, "__init__", no_profiler)  # (trainer/profiling.py: off is off)
     try:
         with traced("trainer", tracing):
             publisher = RolloutPublisher(config.publish)

@@ -16,7 +16,8 @@ written; it holds, in order:
 
 On CUDA each switch synchronises the device, so kernels are charged to the stage that launched them (a few
 synchronisations per micro-batch). Reported as `stage/<name>_s` (rank 0) and `stage/<name>_s/rank<r>` for the other
-ranks (stragglers show), `stage/step_s` (the interval), and the utilisation of the step (trainer/flops.py):
+ranks (stragglers show), `stage/step_s` (the interval), `stage/report_time` (its end, seconds since the epoch),
+and the utilisation of the step (trainer/flops.py):
 `perf/flops` (rank 0's count), `perf/flops_per_s` over the interval, `perf/mfu` over the device's peak.
 """
 
@@ -101,6 +102,7 @@ def step_report(clock: StageClock, device: torch.device, distributed: bool) -> d
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
     report = {f"stage/{name}": value for name, value in mine.items() if name != "flops"}
+    report["stage/report_time"] = time.time()  # the interval's end by the wall clock: consecutive ones bound it
     for rank, theirs in enumerate(ranks[1:], start=1):
         report.update({f"stage/{name}/rank{rank}": value for name, value in theirs.items() if name != "flops"})
     peak, _ = device_peak(device)
