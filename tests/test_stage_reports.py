@@ -101,8 +101,7 @@ def test_each_steps_stages_sum_to_its_interval_and_show_where_it_waited(tiny_mod
     assert abs(second["stage/step_s"] - between) <= 0.05 * between, (second["stage/step_s"], between)
     assert second["stage/data_wait_s"] >= 0.9 * DELAY_S  # waiting for the late batch
     assert second["stage/checkpoint_s"] > 0 and steps[0]["stage/checkpoint_s"] == 0  # step 1's checkpoint delays step 2
-    assert max(second, key=lambda name: second[name] if name.startswith("stage/") and name != "stage/step_s"
-               else -1) == "stage/data_wait_s"
+    assert max(STAGES, key=lambda name: second[f"stage/{name}_s"]) == "data_wait"
     (trace,) = (tmp_path / "profiles").iterdir()
     assert trace.name == "trainer-rank0-steps1-2.json"
     names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
