@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--start", type=float, default=None, metavar="SECONDS",
                        help="the window starts this long after the run's first span (default: the run's last --seconds)")
     trace.add_argument("--seconds", type=float, default=60.0, help="the window's length (default 60)")
+    profile = sub.add_parser("profile", help="a torch.profiler capture of a live run's next trainer steps, written "
+                             "into RUN_DIR/profiles (docs/observability.md)")
+    profile.add_argument("run_dir", metavar="RUN_DIR", help="the live run's folder (runs/quickstart, ...)")
+    profile.add_argument("--steps", type=int, default=2, help="how many steps to capture (default 2)")
+    profile.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the trace (default 300)")
     sweep = sub.add_parser("sweep", help="hyper-parameter search over an experiment file with Optuna (deploy/sweep/study.py): "
                            "TPE, pruning on the held-out curve, each trial an ordinary run in SWEEP_DIR/trial-N, a "
                            "results table and plots; running it again resumes it")
@@ -252,6 +257,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return trace(args.run_dir, args.out, args.start, args.seconds)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from deploy.inspect.profile_request import main as profile
+
+    return profile(args.run_dir, args.steps, args.timeout)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from deploy.sweep.study import main as sweep
 
@@ -278,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayrl {_version()}")
         return 0
     commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor,
-                "view": cmd_view, "trace": cmd_trace, "sweep": cmd_sweep, "deploy": cmd_deploy}
+                "view": cmd_view, "trace": cmd_trace, "profile": cmd_profile, "sweep": cmd_sweep, "deploy": cmd_deploy}
     try:
         return commands[args.command](args)
     finally:

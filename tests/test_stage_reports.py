@@ -132,3 +132,46 @@ def test_two_gloo_ranks_each_report_their_stages(tiny_model_dir, tmp_path, servi
             assert step[f"stage/backward_s{suffix}"] > 0
     # after the first report's all-gather the ranks' intervals start and end together (their laps meet there)
     assert abs(steps[1]["stage/step_s"] - steps[1]["stage/step_s/rank1"]) < 0.2 * steps[1]["stage/step_s"] + 0.1
+
+
+def test_relayrl_profile_captures_a_live_runs_next_steps(tiny_model_dir, tmp_path, service_factory):
+    """`relayrl profile RUN_DIR --steps 2` while the trainer runs: the next two steps are captured."""
+    from deploy.cli import main as relayrl
+    from trainer.buffer_client import BufferClient
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.parallel import init_distributed
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    put(buffer.address, long_samples(8, 12, "a"))
+    metrics = tmp_path / "trainer_metrics.jsonl"
+    config = TrainerConfig.model_validate({
+        "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 30},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 4}, "max_steps": 4, "metrics_path": str(metrics),
+        "profile": {"dir": str(tmp_path / "profiles")}})
+    answers = []
+
+    def ask_after_step_1() -> None:  # the trainer waits for batch 2 until the request is made
+        while not metrics.exists():
+            time.sleep(0.02)
+        asking = threading.Thread(target=lambda: answers.append(relayrl(["profile", str(tmp_path), "--steps", "2",
+                                                                          "--timeout", "120"])))
+        asking.start()
+        while not (tmp_path / "profiles" / "request.json").exists():
+            time.sleep(0.02)
+        put(buffer.address, long_samples(24, 12, "b"))
+        asking.join()
+
+    asker = threading.Thread(target=ask_after_step_1)
+    asker.start()
+    client = BufferClient(config.buffer)
+    try:
+        train(config, init_distributed("cpu"), client)
+    finally:
+        client.close()
+        asker.join()
+    assert answers[-1] == 0
+    traces = sorted(path.name for path in (tmp_path / "profiles").glob("*.json") if path.name != "request.json")
+    assert traces == ["trainer-rank0-steps3-4.json"]  # asked after step 1: steps 3 and 4
+    names = {event.get("name") for event in json.loads((tmp_path / "profiles" / traces[0]).read_text())["traceEvents"]}
+    assert "Optimizer.step#AdamW.step" in names

@@ -80,7 +80,7 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     # That pull's admission (its samples at most max_staleness behind) was judged at the version it was made at.
     resynced = 0
     clock = learner.stages  # every moment of this rank's loop is one stage's (trainer/stages.py)
-    profiler = step_profiler(config.profile, env.rank, env.device)  # None unless profile.steps asks for a capture
+    profiler = step_profiler(config.profile, env.rank, env.device)  # None without profile.dir (trainer/profiling.py)
     if profiler is not None:
         profiler.reported(state.step)
     while not _finished(config, state):

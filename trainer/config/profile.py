@@ -13,7 +13,8 @@ class ProfileConfig(Strict):
         "before `first` to the report of `last`, the stage reports' intervals (trainer/stages.py). None = off: no "
         "profiler object is made.")
     dir: str | None = Field(None, description="Folder for the traces (trainer-rank<R>-steps<A>-<B>.json, Chrome "
-                            "trace format: ui.perfetto.dev); an experiment run sets RUN_DIR/profiles.")
+                            "trace format: ui.perfetto.dev), where a live run also finds `relayrl profile`'s requests "
+                            "(checked once a step); an experiment run sets RUN_DIR/profiles. None: no captures.")
     activities: list[str] = Field(default_factory=lambda: ["cpu", "cuda"], description="What to record: cpu, cuda "
                                   "(cuda only where the trainer computes on a CUDA device).")
 
