@@ -39,6 +39,12 @@ def write_spans(run_dir: pathlib.Path, generate_s: float, score_s: float, groups
     (run_dir / "traces" / "spans-rollout-7.jsonl").write_text("".join(json.dumps(span) + "\n" for span in spans))
 
 
+def write_driver(run_dir: pathlib.Path, held_share: float) -> None:
+    """driver_stats.jsonl, a line every 2 s, generation idle (waiting on the trainer) `held_share` of the time."""
+    lines = [{"elapsed_s": 2.0 * i, "idle_s": 2.0 * i * held_share, "samples": 64 * i} for i in range(1, 20)]
+    (run_dir / "driver_stats.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
 def verdict(run_dir: pathlib.Path):
     (finding,) = [f for f in diagnose_run(run_dir) if f.check == "bottleneck"]
     return finding
@@ -67,10 +73,21 @@ def test_slow_generation_names_the_rollout_lever(tmp_path):
 
 def test_a_slow_trainer_is_trainer_bound(tmp_path):
     write_steps(tmp_path, data_wait=0.2, forward=2.0, backward=3.5, optimizer=0.5, publish=0.3, pause=0.1)
+    write_driver(tmp_path, held_share=0.8)
     finding = verdict(tmp_path)
     assert finding.level == "warn" and "trainer-bound" in finding.message, finding.message
-    assert "91%" in finding.message and "MFU 21.0%" in finding.message
+    assert "91%" in finding.message and "MFU 21.0%" in finding.message and "generation idled 80% of its time" in finding.message
     assert "world_size" in finding.fix
+    assert any(line.startswith("driver_stats.jsonl:1-19: idle_s") for line in finding.evidence)
+
+
+def test_a_busy_trainer_that_generation_keeps_up_with_is_the_steady_state(tmp_path):
+    """The quickstart's shape: the trainer computes most of its time, and generation rarely idles."""
+    write_steps(tmp_path, data_wait=0.15, forward=0.3, backward=0.4, optimizer=0.1, publish=0.02, checkpoint=0.02)
+    write_driver(tmp_path, held_share=0.2)
+    finding = verdict(tmp_path)
+    assert finding.level == "ok" and "no stage holds the run back" in finding.message, finding.message
+    assert "idle 20% of its time" in finding.message
 
 
 def test_a_healthy_run_is_bound_by_nothing(tmp_path):

@@ -4,7 +4,10 @@
 
     generation-bound   the trainer waited for batches most of its time; the spans say whether generating or
                        scoring took the longer (the rollout's GenerateMany or the reward's Score calls)
-    trainer-bound      forward, backward and optimizer fill most of the step (with the MFU they reached)
+    trainer-bound      forward, backward and optimizer fill most of the step (with the MFU they reached) while
+                       generation idled most of its time (the driver's idle_s: admission refused by the staleness
+                       bound and nothing in flight); a trainer busy computing while generation keeps working is
+                       the steady state a run aims at, no verdict
     weight-sync-bound  publishing weights (and the engines' pause a blocking publish waits out)
     checkpoint-bound   checkpoints
     stragglers         one rank's compute well above another's in the same steps
@@ -52,6 +55,19 @@ def generation_split(run_dir) -> dict[str, float]:
     return seconds
 
 
+def generation_held(rows: list[Row]) -> tuple[float, Row, Row] | None:
+    """The share of the driver's time generation idled, waiting on the trainer (driver_stats.jsonl's idle_s over
+    elapsed_s, first line to last), with those lines; None when the driver does not record it."""
+    counted = [row for row in rows if isinstance(row.record.get("idle_s"), int | float)
+               and isinstance(row.record.get("elapsed_s"), int | float)]
+    if len(counted) < 2:
+        return None
+    first, last = counted[0], counted[-1]
+    elapsed = last.record["elapsed_s"] - first.record["elapsed_s"]
+    held = last.record["idle_s"] - first.record["idle_s"]
+    return (held / elapsed if elapsed > 0 else 0.0), first, last
+
+
 def check_bottleneck(run, rows: list[Row], findings: list[Finding]) -> None:
     """The bound-by verdict over `rows` (trainer_metrics.jsonl rows with stage reports, the first step left out)."""
     share, total = shares(rows)
@@ -60,6 +76,14 @@ def check_bottleneck(run, rows: list[Row], findings: list[Finding]) -> None:
     evidence = [f"{where}: stage/* over {len(rows)} steps ({total:.1f}s): {spread}"]
     group = max(share, key=share.get)
     _stragglers(rows, where, findings)
+    held = generation_held(run.driver)
+    if group == "compute" and share[group] > BOUND and (held is None or held[0] <= BOUND):
+        mfu = statistics.fmean(row.record.get("perf/mfu", 0.0) for row in rows)
+        keeps_up = ("generation keeps up" if held is None else
+                    f"generation keeps working (idle {held[0]:.0%} of its time, waiting on the trainer)")
+        findings.append(Finding("ok", "bottleneck", f"the trainer computes {share[group]:.0%} of its time (MFU "
+                                f"{mfu:.1%}) and {keeps_up}: no stage holds the run back", evidence=evidence))
+        return
     if share[group] <= BOUND:
         findings.append(Finding("ok", "bottleneck", f"no stage holds the run back: {spread} of the trainer's "
                                 f"{total:.1f}s over {len(rows)} steps", evidence=evidence))
@@ -87,7 +111,9 @@ def check_bottleneck(run, rows: list[Row], findings: list[Finding]) -> None:
     elif group == "compute":
         mfu = statistics.fmean(row.record.get("perf/mfu", 0.0) for row in rows)
         message = (f"forward, backward and optimizer take {share[group]:.0%} of the trainer's time (MFU "
-                   f"{mfu:.1%}): trainer-bound; generation waits on the trainer")
+                   f"{mfu:.1%}) and generation idled {held[0]:.0%} of its time, waiting on it: "
+                   "trainer-bound; generation waits on the trainer")
+        evidence.append(f"{held[2].file}:{held[1].number}-{held[2].number}: idle_s / elapsed_s")
         fix = ("a faster trainer: more trainer ranks (services.trainer.world_size), bfloat16 (dtype), sequence "
                "packing (batch.packing), fewer tokens per step (training.batch_size, training.max_tokens); or "
                "fewer rollout replicas, which idle")

@@ -270,6 +270,7 @@ class Driver(GroupProducer):
         return {
             "time": time.time(), "elapsed_s": elapsed, "producer_id": self.producer_id, "version": self.version,
             **s, "admission_polls": self.gauge.polls, "version_wakeups": self.gauge.wakeups,
+            "idle_s": self.idle_s,
             "completions_per_s": s["samples"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
             "mean_reward": s["reward_sum"] / s["samples"] if s["samples"] else 0.0,

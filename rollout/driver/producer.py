@@ -68,6 +68,7 @@ class GroupProducer:
         self.version = 0
         self.groups_started = 0
         self.in_flight_samples = 0  # of groups started and not yet stored
+        self.idle_s = 0.0  # nothing in flight while admission refused: generation waiting on the trainer
         self.stored_samples = 0  # of groups stored (Put returned, or every episode closed)
         self.started_at = time.monotonic()
         self._retry_log = Sparse(10.0)
@@ -104,8 +105,13 @@ class GroupProducer:
     async def _admit(self, stop: asyncio.Event) -> bool:
         """The one place asynchrony is bounded: wait until one more group may start (False: stopped)."""
         cfg = self.config
+        polled_at = None
         while not stop.is_set():
             reading = await self.gauge.read(self.stored_samples)
+            now = time.monotonic()
+            if polled_at is not None and self.in_flight_samples == 0:  # refused, and the rollout has none of ours
+                self.idle_s += now - polled_at
+            polled_at = now
             queued = reading.buffered + self.in_flight_samples + (self.stored_samples - reading.put_mark)
             pipeline = Pipeline(reading.trainer_version, reading.served_version, queued)
             if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
