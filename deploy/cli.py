@@ -93,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--port", type=int, default=8600, help="HTTP port (default 8600)")
     view.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                       "only; another address shows the run to whoever reaches it)")
+    trace = sub.add_parser("trace", help="a window of a run's spans (RUN_DIR/traces, docs/observability.md) as a "
+                           "Chrome / Perfetto trace JSON that opens offline")
+    trace.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (runs/quickstart, ...)")
+    trace.add_argument("--out", help="the trace file to write (default RUN_DIR/trace.json)")
+    trace.add_argument("--start", type=float, default=None, metavar="SECONDS",
+                       help="the window starts this long after the run's first span (default: the run's last --seconds)")
+    trace.add_argument("--seconds", type=float, default=60.0, help="the window's length (default 60)")
+    profile = sub.add_parser("profile", help="a torch.profiler capture of a live run's next trainer steps, written "
+                             "into RUN_DIR/profiles (docs/observability.md)")
+    profile.add_argument("run_dir", metavar="RUN_DIR", help="the live run's folder (runs/quickstart, ...)")
+    profile.add_argument("--steps", type=int, default=2, help="how many steps to capture (default 2)")
+    profile.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the trace (default 300)")
     sweep = sub.add_parser("sweep", help="hyper-parameter search over an experiment file with Optuna (deploy/sweep/study.py): "
                            "TPE, pruning on the held-out curve, each trial an ordinary run in SWEEP_DIR/trial-N, a "
                            "results table and plots; running it again resumes it")
@@ -239,6 +251,18 @@ def cmd_view(args: argparse.Namespace) -> int:
     return view(args.run_dir, args.host, args.port)
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from deploy.inspect.chrome_trace import main as trace
+
+    return trace(args.run_dir, args.out, args.start, args.seconds)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from deploy.inspect.profile_request import main as profile
+
+    return profile(args.run_dir, args.steps, args.timeout)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from deploy.sweep.study import main as sweep
 
@@ -265,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayrl {_version()}")
         return 0
     commands = {"serve": cmd_serve, "health": cmd_health, "status": cmd_status, "run": cmd_run, "doctor": cmd_doctor,
-                "view": cmd_view, "sweep": cmd_sweep, "deploy": cmd_deploy}
+                "view": cmd_view, "trace": cmd_trace, "profile": cmd_profile, "sweep": cmd_sweep, "deploy": cmd_deploy}
     try:
         return commands[args.command](args)
     finally:

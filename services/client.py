@@ -13,6 +13,7 @@ import pathlib
 import grpc
 
 from services.config import ClientConfig
+from services.tracing import client_interceptors
 
 
 def _options(target: str, config: ClientConfig) -> list[tuple[str, object]]:
@@ -87,9 +88,10 @@ def connect(address: str, config: ClientConfig | None = None) -> grpc.aio.Channe
     """An asyncio channel to `address` (HOST:PORT, or any gRPC target: `replicas_target`)."""
     config = config or ClientConfig()
     creds = _credentials(address, config)
+    interceptors = client_interceptors() or None  # the trace context into each call's metadata (tracing on)
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=_options(address, config))
-    return grpc.aio.secure_channel(address, creds, options=_options(address, config))
+        return grpc.aio.insecure_channel(address, options=_options(address, config), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, creds, options=_options(address, config), interceptors=interceptors)
 
 
 def connect_sync(address: str, config: ClientConfig | None = None) -> grpc.Channel:

@@ -42,6 +42,25 @@ class AuthConfig(Strict):
     )
 
 
+class TracingConfig(Strict):
+    """Where a process's spans go and how many of the job's samples are traced (docs/observability.md)."""
+
+    sample_rate: float = Field(
+        0.1, ge=0, le=1, description="The share of the driver's groups whose life is traced (decided at admission; "
+        "every other process follows the decision the trace context carries). 0 = none.")
+    dir: str | None = Field(
+        None, description="Folder for this process's spans as JSON lines (spans-<service>-<pid>.jsonl); an "
+        "experiment run sets it to RUN_DIR/traces. None and no otlp_endpoint: tracing is off.")
+    otlp_endpoint: str | None = Field(
+        None, description="An OTLP/HTTP traces endpoint (Jaeger, Tempo, an OpenTelemetry collector), e.g. "
+        "http://127.0.0.1:4318/v1/traces; spans go there too.")
+    export_interval_s: float = Field(1.0, gt=0, description="How often the batch processor writes out spans.")
+
+    @property
+    def enabled(self) -> bool:
+        return (self.dir is not None or self.otlp_endpoint is not None) and self.sample_rate > 0
+
+
 class ServerConfig(Strict):
     """How a service listens; shared by every relayrl server."""
 
@@ -56,6 +75,8 @@ class ServerConfig(Strict):
     insecure: bool = Field(False, description="Serve a non-loopback address with auth off (no bearer tokens, no mTLS). "
                            "Without it such a server refuses to start: anyone who can reach it could call it.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Where this service's spans go "
+                                   "(services/tracing.py); off unless tracing.dir or tracing.otlp_endpoint is set.")
 
 
 class ClientConfig(Strict):

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from services.config import ServerConfig
 from services.metrics import start_metrics_endpoint
 from services.server import Registration, create_server
+from services.tracing import setup_tracing
 
 log = logging.getLogger("relayrl")
 
@@ -60,6 +61,7 @@ async def serve(
     """Serve until SIGTERM/SIGINT; then refuse new calls, let in-flight ones finish within
     `config.grace_s`, and run `on_stop`."""
     setup_logging(name, config.log_level)
+    setup_tracing(name, config.tracing)
     server, port = await create_server(config.address, services, config)
     host = config.address.rsplit(":", 1)[0]
     # /metrics on the gRPC server's own host: where a service on a node's address is reached, it is scraped too

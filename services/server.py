@@ -19,6 +19,7 @@ from services.auth import Authorizer, Denied
 from services.config import ServerConfig
 from services.metrics import RPC_HANDLED, RPC_LATENCY, RPC_STARTED, split_method
 from services.net import is_loopback, split_host
+from services.tracing import server_span
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,9 @@ async def _observed(method: str, context: grpc.aio.ServicerContext, denied: Deni
 
 def _wrap_unary(behavior, method: str, denied: Denied | None, request_streaming: bool):
     async def wrapper(request, context):
-        async with _observed(method, context, denied):
-            return await behavior(_check_request(request, request_streaming), context)
+        with server_span(method, context.invocation_metadata()):  # a span when the caller sent a trace context
+            async with _observed(method, context, denied):
+                return await behavior(_check_request(request, request_streaming), context)
 
     return wrapper
 

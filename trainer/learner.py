@@ -47,6 +47,7 @@ from trainer.off_policy import reject, set_off_policy_correction
 from trainer.parallel import DistEnv, build_policy
 from trainer.parallel.fsdp import uses_fsdp
 from trainer.parallel.pipeline import Pipeline
+from trainer.stages import StageClock
 from trainer.varlen import use_varlen
 
 
@@ -93,6 +94,7 @@ class Learner:
         # Routing replay (R3): a mixture-of-experts policy runs the experts the rollout routed each token to
         self.replays_routes = config.moe.routing_replay == "rollout" and self.policy.router_hooks is not None
         optim = config.optim
+        self.stages = StageClock(env.device, self.policy.lm, env.tp_size)  # this rank's time by stage, its FLOPs
         # Dynamic sampling's counts: the last pulled batch's (added to each of its steps' metrics) and running totals.
         self.batch_metrics: dict[str, float] = {}
         self.dropped_totals = {"dropped_groups_total": 0.0, "dropped_samples_total": 0.0}
@@ -329,10 +331,8 @@ class Learner:
             self._sync_gradients(index == len(micro_batches) - 1)
             with self._autocast():
                 out = self._forward(self.policy, micro, entropy_grad=entropy_grad)
-            micro_loss(index, out).backward()
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.stages.backward(micro_loss(index, out), micro.input_ids.shape)  # with stages: timed as forward
+        grad_norm = self.stages.optimizer_step(self.optimizer, self._clip_gradients)
         sums["samples"] = (batch.row_weights > 0).sum().double()  # padding rows weigh 0
         names = sorted(sums)
         totals = self.env.all_reduce_sum(torch.stack([sums[name] for name in names]))

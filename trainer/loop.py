@@ -20,13 +20,16 @@ from pathlib import Path
 
 from protos.sample import Sample
 from services.determinism import canonical_key
+from services.tracing import record_consumption, sample_traceparent
 from trainer.checkpoint import TrainState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
 from trainer.parallel import DistEnv
+from trainer.profiling import step_profiler
 from trainer.publishing import Background, Publisher, Publishing, adapter_gate, policy_weights
+from trainer.stages import step_report
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,13 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     # Versions RESYNC added while the batch awaited was in flight: the same weights under new numbers, so no drift.
     # That pull's admission (its samples at most max_staleness behind) was judged at the version it was made at.
     resynced = 0
+    clock = learner.stages  # every moment of this rank's loop is one stage's (trainer/stages.py)
+    profiler = step_profiler(config.profile, env.rank, env.device)  # None without profile.dir (trainer/profiling.py)
+    if profiler is not None:
+        profiler.reported(state.step)
     while not _finished(config, state):
         started = time.monotonic()
+        clock.switch("data_wait")
         work = None
         if env.is_main:  # the batch prefetched after the last step, else a pull now
             work = STOP if stop is not None and stop.is_set() else next_work(
@@ -91,11 +99,13 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
         if work == RESYNC:  # the same weights under the next version: every receiver takes them
             state.weight_version += 1
             resynced += 1
+            clock.switch("publish")
             publisher(state)
             continue
         if config.deterministic:  # sums over the batch (losses, gradients) add up in one order in every run
             work.train.sort(key=lambda sample: canonical_key(sample.group_id, sample.sample_id))
         steps_before = state.step
+        training_ns = time.time_ns()
         if work.train:
             batch_stats = {
                 **measure_staleness(work.train, state.weight_version - resynced, config.max_staleness),
@@ -106,25 +116,38 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
                 "publish_s": publisher.seconds,
                 **publisher.timings(),
             }
+            clock.switch("forward")
             mini_batches = learner.prepare(work.train)
             for index, mini_batch in enumerate(mini_batches):
+                clock.switch("forward")
                 metrics = learner.train_step(mini_batch, state.step, state.weight_version - resynced)
                 check_mismatch(config.mismatch, metrics, state.step)
                 state.step += 1
                 state.weight_version += 1
                 last = index == len(mini_batches) - 1
                 counters = book.counters() if env.is_main else {}
-                report(config, env, state, {**metrics, **batch_stats, **counters, "step_s": time.monotonic() - started},
-                       work, last)
+                stages = step_report(clock, env.device, env.distributed)  # collective: every rank's stages
+                report(config, env, state, {**metrics, **batch_stats, **counters, "step_s": time.monotonic() - started,
+                                            **stages}, work, last)
+                if profiler is not None:
+                    profiler.reported(state.step)
             state.samples_trained += len(work.train)
+            if env.is_main:  # the step in each traced sample's trace (tracing off: nothing)
+                record_consumption("trainer.step", [sample_traceparent(s.metadata) for s in work.train], training_ns,
+                                   first_step=steps_before + 1, last_step=state.step)
         resynced = 0
+        clock.switch("data_wait")
         if env.is_main:
             book.consumed(work, state.weight_version)
             if config.buffer.prefetch and not _finished(config, state) and not (stop is not None and stop.is_set()):
                 prefetch.start(book.pull, config.batch.global_batch_size, state.weight_version)
         if publishing and _due(steps_before, state.step, config.publish.interval):
+            clock.switch("publish")
             publisher(state)
+            if env.is_main and publisher.sending is None:  # the engines' pause the trainer waited out
+                clock.move(publisher.timings()["pause_s"], "publish", "pause")
         if config.checkpoint.dir and _due(steps_before, state.step, config.checkpoint.interval):
+            clock.switch("checkpoint")
             checkpoint(config, learner, state, env, book)
     if publishing and env.broadcast_object(env.is_main and (publisher.published or 0) != state.weight_version):
         publisher(state)  # steps since the last publish (publish.interval > 1): the rollout serves what it ended with

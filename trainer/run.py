@@ -6,6 +6,7 @@ import os
 import pathlib
 import signal
 import threading
+import time
 import uuid
 
 import torch
@@ -14,6 +15,7 @@ import transformers
 from services.device import transfer_backend
 from services.metrics import start_metrics_endpoint
 from services.runtime import Sparse
+from services.tracing import current_traceparent, record_span, setup_tracing, span
 from trainer.buffer_client import BufferClient
 from trainer.checkpoint import TrainState
 from trainer.config import TrainerConfig
@@ -47,6 +49,7 @@ def run(config: TrainerConfig) -> TrainState:
         cleanup.callback(shutdown_distributed, env)
         source = publisher = None
         if env.is_main:
+            setup_tracing("trainer", config.tracing)
             if config.heartbeat_path:
                 cleanup.callback(Heartbeat(pathlib.Path(config.heartbeat_path), config.heartbeat_interval_s).close)
             if config.metrics_port is not None:
@@ -124,6 +127,10 @@ class RolloutPublisher:
             self._broadcaster.set_receivers(self._router.current())
 
     def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
+        with span("trainer.publish", weight_version=version):  # a weight version's trace: sampled as groups are
+            return self._publish(named_tensors, version)
+
+    def _publish(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
         self._follow_router()
         report = self._broadcaster.publish(named_tensors, version)
         sync_s = report.total_s
@@ -141,6 +148,11 @@ class RolloutPublisher:
                 )
             version = retry
         self.timings = {"sync_s": sync_s, "pause_s": report.pause_s}
+        ended_ns = time.time_ns()
+        for result in report.results:  # each engine's part, as its CommitUpdate reply gave it
+            record_span("engine.update", current_traceparent(), ended_ns - int(report.total_s * 1e9), ended_ns,
+                        receiver=result.address, ok=result.ok, receive_s=result.receive_s, switch_s=result.switch_s,
+                        pause_s=result.pause_s)
         if self._delta and report.full_bytes:
             # delta sync: what the last version sent against its whole size, and the versions sent whole instead
             self.timings.update(publish_bytes_ratio=report.bytes / report.full_bytes,

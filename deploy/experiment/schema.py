@@ -38,7 +38,7 @@ from deploy.experiment.tiny_model import ModelConfig
 from deploy.experiment.trainer_fit import trainer_problems
 from reward.judge import JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN
-from services.config import Strict, load_config
+from services.config import Strict, TracingConfig, load_config
 from trainer.config.algorithm import AlgorithmConfig
 from trainer.config.model import LoraConfig
 
@@ -309,6 +309,10 @@ class ExperimentConfig(Strict):
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig, description="Restarts of what dies.")
     trajectory_log: TrajectoryLogSection = Field(default_factory=TrajectoryLogSection, description="What "
                                                  "`relayrl view RUN_DIR` shows (rollout/driver/trajectory_log.py).")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="One trace per sampled group across "
+                                   "every service (services/tracing.py, docs/observability.md): its spans go to "
+                                   "RUN_DIR/traces unless `dir` says otherwise (`relayrl trace RUN_DIR` shows them); "
+                                   "sample_rate 0 = off.")
 
     @model_validator(mode="after")
     def _placement(self) -> "ExperimentConfig":

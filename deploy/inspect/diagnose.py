@@ -8,7 +8,8 @@
     weight versions        publishes that never reached the rollout, or failed; a served version that stopped moving
     rewards                all zero, or constant (GRPO's advantages are then zero: nothing is learned)
     entropy collapse       the policy's entropy gone to nothing before its reward got anywhere
-    data wait              the trainer waiting for batches most of its time
+    data wait              the trainer waiting for batches most of its time; with per-stage step reports, the
+                           stage the run is bound by, its evidence and lever (deploy/inspect/bottleneck.py)
     mismatch               rollout-vs-trainer logprob mismatch metrics (`mismatch/*` in trainer_metrics.jsonl),
                            when the run records them, judged by version lag (deploy/inspect/mismatch.py)
 
@@ -20,6 +21,7 @@ import re
 import statistics
 from collections import Counter
 
+from deploy.inspect.bottleneck import check_bottleneck, staged
 from deploy.inspect.doctor import Finding, report
 from deploy.inspect.mismatch import check_mismatch
 from deploy.record.run_record import RunRecord, last_error
@@ -327,6 +329,10 @@ def _solved(rewards: list[float]) -> bool:
 
 
 def check_data_wait(run: RunRecord, findings: list[Finding]) -> None:
+    reported = staged(run.trainer[1:])  # the first step waited for the first batch ever made
+    if len(reported) >= 5:  # per-stage step reports: the bound-by verdict (deploy/inspect/bottleneck.py)
+        check_bottleneck(run, reported, findings)
+        return
     rows = [row for row in run.trainer[1:]  # the first step waited for the first batch ever made
             if isinstance(row.record.get("pull_s"), int | float) and isinstance(row.record.get("step_s"), int | float)]
     if len(rows) < 5:

@@ -59,6 +59,8 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
     # A KL term's frozen reference: the model RL starts from unless the file names one; the trainer computes its
     # logprobs in a forward-only pass (deploy/experiment/reference.py).
     reference = reference_path(config, policy_dir)
+    # every process's spans into the run folder (services/tracing.py), unless the file names another folder
+    tracing = {**config.tracing.model_dump(mode="json"), "dir": config.tracing.dir or str(run_dir / "traces")}
     return Pipeline(
         run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
         rl=RLConfig(
@@ -73,18 +75,21 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
             deterministic=config.deterministic,
         ),
         supervise=config.supervise,
-        buffer=_placement(config, "buffer"), reward=reward_overrides, rollout=rollout_overrides, reward_env=reward_env,
+        buffer={"server.tracing": tracing, **_placement(config, "buffer")},
+        reward={"server.tracing": tracing, **reward_overrides},
+        rollout={"server.tracing": tracing, **rollout_overrides}, reward_env=reward_env,
         teachers=teacher_services(config),
         driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s,
                 **({"teacher_key": config.teacher_key} if config.teachers else {}),
                 "add_bos": add_bos(config),
-                "trajectory_log": config.trajectory_log.model_dump()},
+                "trajectory_log": config.trajectory_log.model_dump(), "tracing": tracing},
         trainer=merged({"batch": {"mini_batches": training.mini_batches,  # a micro-batch = a rank's share of a step
                                    "micro_batch_size": training.batch_size // training.mini_batches
                                    // config.services.trainer.world_size,
                                    **({"max_tokens_per_micro_batch": training.max_tokens_per_micro_batch}
                                       if training.max_tokens_per_micro_batch else {})},
-                         "checkpoint": {"keep_last": config.checkpoint.keep_last},
+                         "checkpoint": {"keep_last": config.checkpoint.keep_last}, "tracing": tracing,
+                         "profile": {"dir": str(run_dir / "profiles")},
                          **({"moe": {"routing_replay": training.routing_replay}}
                             if training.routing_replay != "off" else {}),
                          **({"model": {"lora": config.model.lora.model_dump(mode="json")}} if config.model.lora else {}),

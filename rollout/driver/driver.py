@@ -31,7 +31,8 @@ from rollout.driver.call_merger import CallMerger
 from rollout.driver.producer import GroupProducer, run_producer
 from rollout.driver.trajectory_log import TrajectoryLogConfig
 from services.client import connect
-from services.config import ClientConfig, Strict
+from services.config import ClientConfig, Strict, TracingConfig
+from services.tracing import TRACEPARENT, current_traceparent, span
 
 log = logging.getLogger("relayrl.driver")
 
@@ -98,6 +99,8 @@ class DriverConfig(Strict):
         "max_staleness 0, one training step's) go to the rollout as one GenerateMany, in stream order, whatever the "
         "timing, so the rollout batches and computes them the same way in every run (merge_window_s is not used "
         "for them).")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Tracing of the groups admitted "
+                                   "(services/tracing.py): their root spans, and the trace context in each sample.")
 
 
 @dataclass
@@ -194,7 +197,10 @@ class Driver(GroupProducer):
                 n=cfg.group_size, logprobs=True, seed=(cfg.seed * 1_000_003 + group_index) % 2**63,
             ),
         )
-        (reply,) = await self.generator.submit([request])
+        with span("driver.generate"):  # each traced group's wait; merged calls' server spans join one group's
+            (reply,) = await self.generator.submit([request])
+        traceparent = current_traceparent()  # a traced group's samples carry it through the buffer to the trainer
+        metadata = prompt.metadata if traceparent is None else {**prompt.metadata, TRACEPARENT: traceparent}
         samples = []
         for completion in reply.completions:
             tokens = decode_array(completion.token_ids, "token_ids", "int32")
@@ -216,13 +222,14 @@ class Driver(GroupProducer):
                 reason=rollout_pb2.FinishReason.Name(completion.finish_reason),
                 prompt_text=prompt.text,
                 response_text=completion.text,
-                metadata=prompt.metadata,
+                metadata=metadata,
             ))
         protos = [s.to_proto() for s in samples]  # encoded once: scored, then completed and stored
         scoring = self.scorer.submit(protos)
         teacher = self.teacher_for(prompt)
         if teacher is None:
-            scored = await scoring
+            with span("driver.score"):
+                scored = await scoring
         else:
             taught = self._add_teacher_logprobs(teacher, request.prompt_ids, reply, samples, protos)
             scored, _ = await asyncio.gather(scoring, taught)
@@ -234,7 +241,8 @@ class Driver(GroupProducer):
                 sample.status, sample.reason = SampleStatus.FAILED, f"reward: {result.reason}"
                 proto.status, proto.reason = int(sample.status), sample.reason
                 self.stats["failed"] += 1
-        await self.storer.submit(protos)
+        with span("driver.put"):
+            await self.storer.submit(protos)
         self.log_group("group", group_index, lambda: samples)
         self.stats["groups"] += 1
         self.stats["samples"] += len(samples)
@@ -263,6 +271,7 @@ class Driver(GroupProducer):
         return {
             "time": time.time(), "elapsed_s": elapsed, "producer_id": self.producer_id, "version": self.version,
             **s, "admission_polls": self.gauge.polls, "version_wakeups": self.gauge.wakeups,
+            "idle_s": self.idle_s,
             "completions_per_s": s["samples"] / elapsed if elapsed else 0.0,
             "tokens_per_s": s["tokens"] / elapsed if elapsed else 0.0,
             "mean_reward": s["reward_sum"] / s["samples"] if s["samples"] else 0.0,

@@ -26,6 +26,7 @@ from rollout.driver.trajectory_log import TrajectoryLog, group_record
 from services.config import load_config
 from services.runtime import Sparse
 from services.teardown import skip_final_collection
+from services.tracing import setup_tracing, span
 
 log = logging.getLogger("relayrl.producer")
 WATCH_S = 5.0  # one GetWeightVersion watch waits at most this long for new weights
@@ -67,6 +68,7 @@ class GroupProducer:
         self.version = 0
         self.groups_started = 0
         self.in_flight_samples = 0  # of groups started and not yet stored
+        self.idle_s = 0.0  # nothing in flight while admission refused: generation waiting on the trainer
         self.stored_samples = 0  # of groups stored (Put returned, or every episode closed)
         self.started_at = time.monotonic()
         self._retry_log = Sparse(10.0)
@@ -103,8 +105,13 @@ class GroupProducer:
     async def _admit(self, stop: asyncio.Event) -> bool:
         """The one place asynchrony is bounded: wait until one more group may start (False: stopped)."""
         cfg = self.config
+        polled_at = None
         while not stop.is_set():
             reading = await self.gauge.read(self.stored_samples)
+            now = time.monotonic()
+            if polled_at is not None and self.in_flight_samples == 0:  # refused, and the rollout has none of ours
+                self.idle_s += now - polled_at
+            polled_at = now
             queued = reading.buffered + self.in_flight_samples + (self.stored_samples - reading.put_mark)
             pipeline = Pipeline(reading.trainer_version, reading.served_version, queued)
             if admit(pipeline, cfg.group_size, cfg.groups_per_batch * cfg.group_size, cfg.versions_per_batch,
@@ -156,7 +163,8 @@ class GroupProducer:
         moves past it."""
         size = self.config.group_size
         try:
-            await self.run_group(item, group_index)
+            with span("driver.group", group_index=group_index):  # a traced group's root: its admission to its Put
+                await self.run_group(item, group_index)
             self.position.stored(group_index)
         finally:
             self.in_flight_samples -= size
@@ -242,6 +250,7 @@ def run_producer(name: str, description: str, config_type: type, run: Callable[.
     args = parser.parse_args(argv)
     config = load_config(config_type, args.config, args.set)
     logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
+    setup_tracing(name, getattr(config, "tracing", None))
     try:
         summary = asyncio.run(run(config))
     finally:

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import time
 
 import grpc
 from pydantic import Field
@@ -16,6 +17,8 @@ from services.buffer.wire import SERVICE_NAME, PutPayload, add_buffer_to_server,
 from services.config import ServerConfig
 from services.runtime import serve as run_server
 from services.runtime import setup_logging
+from services.tracing import enabled as tracing_enabled
+from services.tracing import payload_traceparent, record_span
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     def __init__(self, buffer: ReplayBuffer, max_message_bytes: int):
         self.buffer = buffer
         self.max_message_bytes = max_message_bytes
+        self._traced_leases: dict[str, list[str]] = {}  # lease id -> its traced samples' contexts (tracing on)
 
     async def Put(self, request: PutPayload, context: grpc.aio.ServicerContext) -> buffer_pb2.PutResponse:
         staged = await self._stage(require(request), context)
@@ -74,7 +78,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         sent, unacked = 0, []
         while request.max_batches == 0 or sent < request.max_batches:
             unacked = await self.buffer.wait_for_acks(unacked, max_unacked)
+            leasing_ns = time.time_ns()
             batch: LeasedBatch = await self.buffer.lease_batch(spec)
+            if tracing_enabled():
+                self._trace_lease(batch, leasing_ns)
             size = sum(len(payload) for payload in batch.payloads)
             if size > self.max_message_bytes:
                 self.buffer.release(batch.lease_id)
@@ -118,6 +125,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         version = request.trainer_version if request.HasField("trainer_version") else None
         if version is not None and version < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"trainer_version: must be >= 0, got {version}")
+        acking_ns = time.time_ns()
         try:
             acked = await self.buffer.ack(request.lease_id, version)
         except LeaseNotFound:
@@ -126,7 +134,20 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 f"lease {request.lease_id!r} is not open: it expired or was issued by an earlier buffer process "
                 "(its samples were or will be delivered again), was acked already, or never existed",
             )
+        for traceparent in self._traced_leases.pop(request.lease_id, ()):
+            record_span("buffer.ack", traceparent, acking_ns, lease_id=request.lease_id)
         return buffer_pb2.AckResponse(acked=acked)
+
+    def _trace_lease(self, batch: LeasedBatch, leasing_ns: int) -> None:
+        """Each traced sample's lease as a span of its trace; its ack is one too, when it comes."""
+        traced = [tp for tp in map(payload_traceparent, batch.payloads) if tp is not None]
+        for traceparent in traced:
+            record_span("buffer.lease", traceparent, leasing_ns, lease_id=batch.lease_id,
+                        trainer_version=batch.trainer_version)
+        if traced:
+            while len(self._traced_leases) >= 4096:  # leases never acked (expired, redelivered) are forgotten
+                self._traced_leases.pop(next(iter(self._traced_leases)))
+            self._traced_leases[batch.lease_id] = traced
 
     async def ExtendLease(
         self, request: buffer_pb2.ExtendLeaseRequest, context: grpc.aio.ServicerContext

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from services.tracing import carry_context
 from trainer.broadcast.broadcaster import PublishReport, WeightBroadcaster
 from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.transport import Tensors
@@ -44,4 +45,5 @@ class BlockingWeightBroadcaster:
         self._thread.join(timeout=self.broadcaster.config.control_timeout_s)
 
     def _run(self, coro, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        # the caller's trace context goes with the calls (a traced publish: services/tracing.py)
+        return asyncio.run_coroutine_threadsafe(carry_context(coro), self._loop).result(timeout)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.config import Strict
+from services.config import Strict, TracingConfig
 from trainer.config.algorithm import AlgorithmConfig
 from trainer.config.buffer import BufferClientConfig
 from trainer.config.checkpoint import CheckpointConfig
@@ -18,6 +18,7 @@ from trainer.config.model import ModelConfig
 from trainer.config.moe import MoeConfig
 from trainer.config.optim import BatchConfig, OptimConfig
 from trainer.config.parallel import ParallelConfig
+from trainer.config.profile import ProfileConfig
 from trainer.config.publish import PublishConfig
 
 
@@ -72,6 +73,10 @@ class TrainerConfig(Strict):
         "on): a supervisor that finds it untouched knows the process is frozen, not merely busy. None = off."
     )
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between touches of heartbeat_path.")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Where rank 0's spans go: each train "
+                                   "step's, linking the traced samples it consumed (services/tracing.py).")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig, description="torch.profiler captures of chosen "
+                                   "steps (trainer/profiling.py); off by default.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

@@ -1,0 +1,145 @@
+"""One sample's life is one trace across processes: rollout, reward and buffer as real service processes on loopback,
+the driver and then the trainer played by the test process (each with its own tracer provider), all writing spans into
+one folder; the trace context crosses gRPC metadata and, from the driver to the trainer, the durable buffer."""
+
+import asyncio
+import contextlib
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
+from rollout.driver.driver import DriverConfig, drive
+from services.config import TracingConfig
+from services.tracing import setup_tracing, shutdown_tracing
+from trainer.buffer_client import BufferClient
+from trainer.config import TrainerConfig
+from trainer.loop import train
+from trainer.parallel import init_distributed
+from trainer.run import RolloutPublisher
+
+GROUP = 2
+GROUPS = 2
+
+
+def read_spans(folder: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(folder.glob("spans-*.jsonl")) for line in path.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def traced(service: str, tracing: dict):
+    """This test process plays `service` (the driver, then the trainer) with its own tracer provider."""
+    assert setup_tracing(service, TracingConfig(**tracing))
+    try:
+        yield
+    finally:
+        shutdown_tracing()  # writes out what is queued
+
+
+def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_factory, tiny_model_dir, monkeypatch):
+    traces = tmp_path / "traces"
+    tracing = {"dir": str(traces), "sample_rate": 1.0, "export_interval_s": 0.1}
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "server.tracing": tracing})
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir), "server.tracing": tracing})
+    reward = service_factory("reward", {"server.tracing": tracing})
+    prompts = write_jsonl(arithmetic_tasks(digits=1)[:GROUPS], tmp_path / "prompts.jsonl")
+    with traced("driver", tracing):
+        asyncio.run(drive(DriverConfig.model_validate({
+            "rollout": rollout.address, "reward": reward.address, "buffer": buffer.address, "prompts": str(prompts),
+            "tokenizer": str(tiny_model_dir), "group_size": GROUP, "max_groups": GROUPS, "merge_window_s": 0,
+            "max_tokens": 4})))
+    config = TrainerConfig.model_validate({
+        "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 30}, "max_steps": 1,
+        "batch": {"global_batch_size": GROUP * GROUPS, "micro_batch_size": GROUP},
+        "publish": {"receivers": [rollout.address], "timeout_s": 30}})
+    client = BufferClient(config.buffer)
+
+    def no_profiler(*args, **kwargs):
+        raise AssertionError("a profiler object was made with profile.steps unset")
+
+    monkeypatch.setattr(torch.profiler.profile, "__init__", no_profiler)  # (trainer/profiling.py: off is off)
+    try:
+        with traced("trainer", tracing):
+            publisher = RolloutPublisher(config.publish)
+            try:
+                train(config, init_distributed("cpu"), client, publisher)
+            finally:
+                publisher.close()
+    finally:
+        client.close()
+    for service in (buffer, rollout, reward):
+        assert service.stop(timeout=20) == 0  # SIGTERM: each writes out its queued spans as it exits
+
+    spans = read_spans(traces)
+    by_id = {span["span_id"]: span for span in spans}
+    by_trace = defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    roots = [span for span in spans if span["name"] == "driver.group"]
+    assert len(roots) == GROUPS and all(root["parent_span_id"] is None for root in roots)
+    for root in roots:
+        trace = by_trace[root["trace_id"]]
+        names = {(span["service"], span["name"]) for span in trace}
+        assert {("rollout", "relayrl.rollout.v1.Rollout/GenerateMany"), ("reward", "relayrl.reward.v1.Reward/Score"),
+                ("buffer", "relayrl.buffer.v1.Buffer/Put"), ("buffer", "buffer.lease"), ("buffer", "buffer.ack"),
+                ("trainer", "trainer.step")} <= names, names
+        # every non-root span's parent is a span of the same trace, and some parents live in another process
+        crossing = set()
+        for span in trace:
+            if span is root:
+                continue
+            parent = by_id[span["parent_span_id"]]
+            assert parent["trace_id"] == root["trace_id"]
+            if parent["service"] != span["service"]:
+                crossing.add((parent["service"], span["service"]))
+        assert {("driver", "rollout"), ("driver", "reward"), ("driver", "buffer"), ("driver", "trainer")} <= crossing
+    # one weight version's publish is a trace too: the trainer's publish, each engine's BeginUpdate and CommitUpdate
+    publishes = [span for span in spans if span["name"] == "trainer.publish"]
+    assert publishes and all(span["parent_span_id"] is None for span in publishes)
+    for publish in publishes:
+        inside = {(span["service"], span["name"], by_id[span["parent_span_id"]]["service"])
+                  for span in by_trace[publish["trace_id"]] if span is not publish}
+        assert {("rollout", "relayrl.weights.v1.WeightSync/BeginUpdate", "trainer"),
+                ("rollout", "relayrl.weights.v1.WeightSync/CommitUpdate", "trainer"),
+                ("trainer", "engine.update", "trainer")} <= inside, inside
+    # the train step's own span links the samples' contexts: both groups' traces
+    (step,) = [span for span in spans if span["name"] == "trainer.step" and span["parent_span_id"] is None]
+    assert {link["trace_id"] for link in step["links"]} == {root["trace_id"] for root in roots}
+    assert step["attributes"]["samples"] == GROUP * GROUPS
+
+    # `relayrl trace RUN_DIR`: the spans as a Chrome / Perfetto trace, read back
+    from deploy.cli import main as relayrl
+
+    assert relayrl(["trace", str(tmp_path), "--out", str(tmp_path / "trace.json"), "--seconds", "3600"]) == 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    complete = [event for event in events if event["ph"] == "X"]
+    assert sorted(event["args"]["span_id"] for event in complete) == sorted(by_id)
+    assert all(event["dur"] >= 0 and event["ts"] >= 0 for event in complete)
+    named = {event["args"]["name"].split(" ")[0] for event in events if event["ph"] == "M"}
+    assert named == {"driver", "rollout", "reward", "buffer", "trainer"}
+    starts = {event["id"] for event in events if event["ph"] == "s"}
+    assert starts and starts == {event["id"] for event in events if event["ph"] == "f"}  # arrows across processes
+    # a window holds the spans overlapping it: the first 0 s of the run hold only what had begun by then
+    assert relayrl(["trace", str(tmp_path), "--out", str(tmp_path / "first.json"), "--start", "0", "--seconds", "0"]) == 0
+    first = [e for e in json.loads((tmp_path / "first.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert 0 < len(first) < len(complete) and all(event["ts"] <= 0 for event in first)
+
+def test_tracing_off_installs_nothing_and_leaves_samples_untouched(tmp_path):
+    from services.tracing import client_interceptors, current_traceparent, enabled, span
+
+    assert not setup_tracing("test", TracingConfig())  # no dir, no endpoint: off
+    assert not setup_tracing("test", TracingConfig(dir=str(tmp_path), sample_rate=0))
+    assert not enabled() and client_interceptors() == []
+    with span("driver.group") as current:
+        assert current is None and current_traceparent() is None
+    assert not list(tmp_path.iterdir())
+
+
+
+def test_trace_of_a_run_without_spans_says_so(tmp_path, capsys):
+    from deploy.cli import main as relayrl
+
+    assert relayrl(["trace", str(tmp_path)]) == 2
+    assert "no spans" in capsys.readouterr().err
