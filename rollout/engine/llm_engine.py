@@ -16,6 +16,7 @@ from rollout.engine.errors import ContextFull, DuplicateRequest, InvalidRequest,
 from rollout.engine.kv_eviction import KVEvictor
 from rollout.engine.model_info import Layout, ModelInfo
 from rollout.engine.model_runner import ModelRunner
+from rollout.engine.multimodal import ImageInput, prompt_images
 from rollout.engine.outputs import Completion, RequestOutput, TokenOutput
 from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.engine.scheduler import Batch, Scheduler
@@ -74,8 +75,10 @@ class LLMEngine(SessionSteps):
         """name -> (shape, dtype) of every parameter a weight update may carry."""
         return {name: (tuple(p.shape), p.dtype) for name, p in self.runner.model.named_parameters()}
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Queue a request; raises InvalidRequest, DuplicateRequest or QueueFull."""
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                    images: Seq[ImageInput] = ()) -> None:
+        """Queue a request; raises InvalidRequest, DuplicateRequest or QueueFull. `images`: one per run of image
+        tokens in the prompt, in order (a vision-language model; rollout/engine/multimodal.py)."""
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.model_config.vocab_size)
         params.validate(
@@ -90,7 +93,10 @@ class LLMEngine(SessionSteps):
                 f"prompt + max_tokens ({len(prompt) + params.max_tokens} tokens) exceeds the KV cache "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
             )
+        multimodal = prompt_images(self.model_config, prompt, list(images))
         seqs = self._new_sequences(request_id, prompt, params)
+        for seq in seqs:
+            seq.multimodal = multimodal
         seqs[0].forks = seqs[1:]
         self.scheduler.add(seqs[0])
         self.requests[request_id] = seqs
@@ -266,14 +272,15 @@ class LLMEngine(SessionSteps):
         self.block_manager.reset_prefix_cache()
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        images: list[list[ImageInput]] | None = None,
     ) -> list[RequestOutput]:
-        """Offline generation: run every prompt to completion, outputs in prompt order."""
+        """Offline generation: run every prompt (with its images, if given) to completion, outputs in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, prompt_images_ in zip(prompts, params_list, images or [()] * len(prompts), strict=True):
             request_id = f"generate-{next(self._request_ids)}"
-            self.add_request(request_id, prompt, p)
+            self.add_request(request_id, prompt, p, prompt_images_)
             outputs[request_id] = RequestOutput(request_id, list(prompt), [Completion(i) for i in range(p.n)])
         while any(output.request_id in self.requests for output in outputs.values()):
             for token in self.step():

@@ -2,6 +2,7 @@
 
 import enum
 
+from rollout.engine.multimodal import MultimodalPrompt
 from rollout.engine.sampling_params import SamplingParams
 
 
@@ -65,6 +66,8 @@ class Sequence:
         # `stale_kv_version`: the oldest context_version a token was sampled on with newer weights, if one was.
         self.context_version: int | None = None
         self.stale_kv_version: int | None = None
+        # The images of its prompt and their M-RoPE positions (rollout/engine/multimodal.py); None: text only.
+        self.multimodal: MultimodalPrompt | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

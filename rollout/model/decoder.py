@@ -100,6 +100,8 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """The decoder plus its LM head. forward() runs the new tokens of a batch; logits() projects rows."""
 
+    mrope = False  # whether positions are 3-D (temporal, height, width; a vision-language model's M-RoPE)
+
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
                  head_fp32: bool = False):
         super().__init__()
@@ -125,10 +127,15 @@ class CausalLM(nn.Module):
         return None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the new tokens, after the final norm; writes their KV."""
+        """Hidden states [T, hidden] of the new tokens, after the final norm; writes their KV. `embeds` (rows,
+        values [rows, hidden]) replace the token embeddings of those rows (an image's, rollout/model/qwen2_5_vl.py);
+        `positions` are [T], or [3, T] for a model with multimodal rotary positions (`mrope`)."""
         x = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         rotary = self.model.rotary_emb
         rope = rotary.tables(positions)
         for layer in self.model.layers:
