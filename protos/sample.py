@@ -21,6 +21,28 @@ def _empty(dtype: str) -> np.ndarray:
     return np.empty(0, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class SampleImage:
+    """One image of a sample's prompt (common.proto's ImageRef): its identity, the patch grid the rollout's image
+    processor made and its token count in the prompt, and the encoded bytes."""
+
+    sha256: bytes
+    media_type: str
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    data: bytes = b""
+
+    def to_proto(self) -> common_pb2.ImageRef:
+        return common_pb2.ImageRef(sha256=self.sha256, media_type=self.media_type, grid_thw=list(self.grid_thw),
+                                   num_tokens=self.num_tokens, data=self.data)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.ImageRef, index: int) -> "SampleImage":
+        if len(msg.grid_thw) != 3:
+            raise CodecError(f"images[{index}].grid_thw: expected 3 numbers (t, h, w), got {len(msg.grid_thw)}")
+        return cls(msg.sha256, msg.media_type, tuple(msg.grid_thw), msg.num_tokens, msg.data)
+
+
 @dataclass
 class Sample:
     """One response to one prompt, with everything training needs.
@@ -54,6 +76,8 @@ class Sample:
     # The oldest weight version of the KV its tokens were sampled on (common.proto says exactly what it bounds: a
     # token of version w attended to KV of versions in [min(w, kv_version), w]); None: the producer does not know
     kv_version: int | None = None
+    # The prompt's images, in order (a vision-language model); [] for text
+    images: list[SampleImage] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -106,6 +130,7 @@ class Sample:
             advantages=encode_array(self.advantages, "float32"),
             temperature=self.temperature,
             kv_version=self.kv_version,
+            images=[image.to_proto() for image in self.images],
         )
 
     @classmethod
@@ -140,6 +165,7 @@ class Sample:
             advantages=arr("advantages", "float32"),
             temperature=msg.temperature,
             kv_version=msg.kv_version if msg.HasField("kv_version") else None,
+            images=[SampleImage.from_proto(image, i) for i, image in enumerate(msg.images)],
         )
         sample.validate()
         return sample

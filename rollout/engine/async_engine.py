@@ -20,6 +20,7 @@ import torch
 from rollout.engine.engine_thread import EngineThread, Stream
 from rollout.engine.kv_handoff import add_prefilled_request, budget_batches, prefill_many_for_transfer
 from rollout.engine.model_info import Layout
+from rollout.engine.multimodal import ImageInput
 from rollout.engine.outputs import Completion, TokenOutput
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.sessions import SessionRecord, SessionState
@@ -60,7 +61,7 @@ class AsyncEngine(EngineThread):
         return self.engine.parameter_layout()
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, images: Sequence[ImageInput] = ()
     ) -> AsyncIterator[Completion]:
         """Yield deltas of the request's n completions as the engine produces them.
 
@@ -70,7 +71,7 @@ class AsyncEngine(EngineThread):
         """
         prompt = list(prompt_ids)
         async for delta in self._stream(request_id, params.n,
-                                        lambda: self.engine.add_request(request_id, prompt, params)):
+                                        lambda: self.engine.add_request(request_id, prompt, params, images)):
             yield delta
 
     async def _stream(self, request_id: str, n: int, add: Callable[[], None]) -> AsyncIterator[Completion]:
@@ -123,18 +124,22 @@ class AsyncEngine(EngineThread):
                                         lambda: add_prefilled_request(self.engine, request_id, prefilled, params)):
             yield delta
 
-    async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+    async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                           images: Sequence[ImageInput] = ()) -> list[Completion]:
         """The request's n completions, in index order, once all have finished (an abort keeps partial output): one
         hand-over per request, not per step. Raises like generate(); cancelling the wait aborts the request."""
-        return (await self.generate_all_many([(request_id, prompt_ids, params)]))[0]
+        return (await self.generate_all_many([(request_id, prompt_ids, params, images)]))[0]
 
-    async def generate_all_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+    async def generate_all_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]
+                                                         | tuple[str, Sequence[int], SamplingParams, Sequence[ImageInput]]]
                                 ) -> list[list[Completion]]:
-        """generate_all of each (request id, prompt ids, params), added by one command: they start in the same step,
-        in their order, whatever the engine thread was doing, so the same requests are batched (and computed) alike
-        every time. A refusal raises like generate_all, its `request_index` naming the request; the rest are aborted."""
+        """generate_all of each (request id, prompt ids, params[, images]), added by one command: they start in the
+        same step, in their order, whatever the engine thread was doing, so the same requests are batched (and
+        computed) alike every time. A refusal raises like generate_all, its `request_index` naming the request; the
+        rest are aborted."""
         return await self._whole([(request_id, functools.partial(self.engine.add_request, request_id, list(prompt),
-                                                                 params)) for request_id, prompt, params in requests])
+                                                                 params, *images))
+                                  for request_id, prompt, params, *images in requests])
 
     async def _whole(self, adds: list[tuple[str, Callable[[], None]]]) -> list[list[Completion]]:
         """Run each (request id, add) on the engine thread in one command; then each request's completions at once."""

@@ -1,0 +1,142 @@
+"""Images through a real rollout service process (a tiny Qwen2.5-VL): image parts on the wire, the prompt's one-token
+image runs expanded, greedy tokens equal transformers' on the same image; bad parts refused with INVALID_ARGUMENT
+naming the part while the server keeps serving; a sample's images survive its wire form."""
+
+import asyncio
+import hashlib
+import io
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+
+from protos import rollout_pb2, rollout_pb2_grpc
+from protos.codec import CodecError, decode_array, encode_array
+from protos.sample import Sample, SampleImage
+from rollout.model.tiny import write_tiny_model
+from rollout.serve.config import ImageSettings
+from rollout.serve.images import ImageReader
+from services.client import connect
+
+torch.set_num_threads(1)
+VISION_START, VISION_END, IMAGE_PAD = 101, 102, 103  # the kit's vision tokens (rollout/model/tiny_vlm.py)
+PROMPT = [1, 40, 41, VISION_START, IMAGE_PAD, VISION_END, 60, 61]  # one image token: the server expands it
+
+
+def png(seed: int, size=(84, 56), kind="PNG") -> bytes:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, kind)
+    return out.getvalue()
+
+
+def request(images, prompt=PROMPT, **params) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        prompt_ids=encode_array(prompt, "int32"), images=images,
+        params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True, **params))
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("vlm") / "m", arch="qwen2_5_vl", seed=5)
+
+
+@pytest.fixture(scope="module")
+def vlm_rollout(vlm_dir, tmp_path_factory):
+    from deploy.local.service_process import start_service
+
+    service = start_service("rollout", {"model": str(vlm_dir), "engine.max_model_len": 128, "engine.dtype": "float32",
+                                        "engine.torch_threads": 1, "images.max_image_pixels": 200 * 200},
+                            log_dir=tmp_path_factory.mktemp("rollout-logs"))
+    yield service
+    service.stop(timeout=10)
+
+
+def test_an_image_prompt_through_the_service_matches_transformers(vlm_dir, vlm_rollout):
+    data = png(1)
+
+    async def main():
+        async with connect(vlm_rollout.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            part = rollout_pb2.ImagePart(data=data, media_type="image/png", sha256=hashlib.sha256(data).digest())
+            whole = await stub.Generate(request([part]), timeout=60)
+            chunks = [chunk async for chunk in stub.GenerateStream(request([part]), timeout=60)]
+            return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    [ref] = whole.images
+    assert ref.sha256 == hashlib.sha256(data).digest() and ref.media_type == "image/png"
+    assert list(ref.grid_thw) == [1, 4, 6] and ref.num_tokens == 6 and not ref.data
+    prompt = decode_array(whole.prompt_ids, expect="int32").tolist()
+    assert prompt == PROMPT[:4] + [IMAGE_PAD] * 6 + PROMPT[5:] and whole.prompt_tokens == len(prompt)
+    tokens = decode_array(whole.completions[0].token_ids, expect="int32").tolist()
+    assert [t for c in chunks for t in decode_array(c.token_ids, expect="int32").tolist()] == tokens
+
+    processed = AutoImageProcessor.from_pretrained(vlm_dir)(images=[Image.open(io.BytesIO(data)).convert("RGB")],
+                                                            return_tensors="pt")
+    ids = torch.tensor([prompt])
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    expected = model.generate(input_ids=ids, pixel_values=processed["pixel_values"],
+                              image_grid_thw=processed["image_grid_thw"], mm_token_type_ids=(ids == IMAGE_PAD).int(),
+                              max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert tokens == expected
+
+
+def test_bad_image_parts_are_refused_by_name_and_the_server_keeps_serving(vlm_rollout):
+    good = rollout_pb2.ImagePart(data=png(2))
+    bad = {
+        "not an image": rollout_pb2.ImagePart(data=b"hello, not a picture"),
+        "too many pixels": rollout_pb2.ImagePart(data=png(3, (300, 300))),
+        "a wrong hash": rollout_pb2.ImagePart(data=png(2), sha256=b"\0" * 32),
+        "a wrong media type": rollout_pb2.ImagePart(data=png(2), media_type="image/jpeg"),
+    }
+
+    async def main():
+        async with connect(vlm_rollout.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            errors = {}
+            for name, part in bad.items():
+                two = PROMPT + [VISION_START, IMAGE_PAD, VISION_END]
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.Generate(request([good, part], two), timeout=60)
+                errors[name] = error.value
+            with pytest.raises(grpc.aio.AioRpcError) as many:
+                await stub.GenerateMany(rollout_pb2.GenerateManyRequest(
+                    requests=[request([good]), request([bad["not an image"]])]), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as mismatched:  # two images for one run of image tokens
+                await stub.Generate(request([good, good]), timeout=60)
+            after = await stub.Generate(request([good]), timeout=60)
+            return errors, many.value, mismatched.value, after
+
+    errors, many, mismatched, after = asyncio.run(main())
+    for name, error in errors.items():
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert error.details().startswith("images[1]"), (name, error.details())
+    assert "pixels exceed max_image_pixels=40000" in errors["too many pixels"].details()
+    assert many.code() == grpc.StatusCode.INVALID_ARGUMENT and many.details().startswith("requests[1].images[0]")
+    assert mismatched.code() == grpc.StatusCode.INVALID_ARGUMENT and "images" in mismatched.details()
+    assert len(decode_array(after.completions[0].token_ids, expect="int32")) == 6  # still serving
+
+
+def test_only_a_folder_with_a_vision_tower_gets_an_image_reader(tiny_model_dir, vlm_dir):
+    # A server without a reader refuses every image part (RolloutServicer._parse: "images: this server ... takes no
+    # images").
+    assert ImageReader.for_model(str(tiny_model_dir), ImageSettings()) is None
+    reader = ImageReader.for_model(str(vlm_dir), ImageSettings())
+    assert (reader.image_token_id, reader.merge_size) == (IMAGE_PAD, 2)
+
+
+def test_a_sample_keeps_its_images_on_the_wire():
+    image = SampleImage(hashlib.sha256(b"x").digest(), "image/png", (1, 4, 6), 6, b"x")
+    sample = Sample(sample_id="s", prompt_id="p", prompt_ids=np.arange(4, dtype=np.int32),
+                    response_ids=np.arange(2, dtype=np.int32), loss_mask=np.ones(2, np.uint8),
+                    rollout_logprobs=np.zeros(2, np.float32), weight_versions=np.zeros(2, np.int64), images=[image])
+    assert Sample.from_proto(sample.to_proto()).images == [image]
+    broken = sample.to_proto()
+    del broken.images[0].grid_thw[:]
+    with pytest.raises(CodecError, match=r"images\[0\].grid_thw"):
+        Sample.from_proto(broken)
