@@ -1,5 +1,6 @@
 """The policy: a Hugging Face causal LM, optionally with a value head, and its per-token logprobs."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,9 @@ class PolicyModel(nn.Module):
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        """The transformer blocks (the units FSDP shards one by one)."""
-        return self.lm.base_model.layers
+        """The transformer blocks (the units FSDP shards one by one): a vision-language model's are its decoder's."""
+        base = self.lm.base_model
+        return base.layers if hasattr(base, "layers") else base.language_model.layers
 
     def forward(
         self,
@@ -69,10 +71,21 @@ def load_policy(path: str | Path, *, value_head: bool = False, device: torch.dev
     Dropout stays off (eval mode) during training too: the trainer's logprobs must be the
     numbers the rollout engine reports for the same weights.
     """
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lm = _auto_class(path).from_pretrained(path, dtype=torch.float32)
     policy = PolicyModel(lm, value_head=value_head, chunk_tokens=chunk_tokens, lm_head_fp32=lm_head_fp32).to(device)
     policy.eval()
     return policy
+
+
+def _auto_class(path: str | Path):
+    """transformers' auto class of the folder's model: a vision-language model (config.json has a vision tower) loads
+    with its vision tower (AutoModelForImageTextToText), others as causal LMs."""
+    config = Path(path) / "config.json"
+    if config.exists() and "vision_config" in json.loads(config.read_text()):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def checkpoint_layers(model: PolicyModel) -> None:
@@ -112,9 +125,11 @@ def run_policy(
     *,
     packing: Packing | None = None,
     entropy: bool = True,
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> PolicyOutput:
     """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked; None if not `entropy`),
-    values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed.
+    values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed. `vision`:
+    a vision-language policy's image arguments (trainer/vision.py's VisionInputs; unpacked rows only).
 
     Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
     (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
@@ -125,9 +140,11 @@ def run_policy(
         inv = 1.0 / temperatures.to(input_ids.device, torch.float32)
     if packing is None:
         inv_tokens = inv[:, None].expand(-1, input_ids.shape[1] - 1) if inv is not None else None
-        logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy)
+        logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy, **(vision or {}))
         values = values[:, :-1, 0].float() if values is not None else None
     else:
+        if vision:
+            raise ValueError("packing: rows with images are not packed yet (their 3-D positions); run unpacked")
         rows = pack_rows(input_ids, attention_mask.sum(-1).tolist(), packing.row_tokens, packing.pad_id)
         logprobs, entropies, values = model(rows.input_ids, None, rows.position_ids,
                                             rows.spread(inv) if inv is not None else None, entropy,
