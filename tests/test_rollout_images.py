@@ -3,15 +3,18 @@ image runs expanded, greedy tokens equal transformers' on the same image; bad pa
 naming the part while the server keeps serving; a sample's images survive its wire form."""
 
 import asyncio
+import base64
 import hashlib
 import io
+import socket
 
 import grpc
 import numpy as np
+import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from protos import rollout_pb2, rollout_pb2_grpc
 from protos.codec import CodecError, decode_array, encode_array
@@ -49,9 +52,13 @@ def vlm_dir(tmp_path_factory):
 def vlm_rollout(vlm_dir, tmp_path_factory):
     from deploy.local.service_process import start_service
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     service = start_service("rollout", {"model": str(vlm_dir), "engine.max_model_len": 128, "engine.dtype": "float32",
-                                        "engine.torch_threads": 1, "images.max_image_pixels": 200 * 200},
-                            log_dir=tmp_path_factory.mktemp("rollout-logs"))
+                                        "engine.torch_threads": 1, "images.max_image_pixels": 200 * 200,
+                                        "openai.port": port}, log_dir=tmp_path_factory.mktemp("rollout-logs"))
+    service.openai_url = f"http://127.0.0.1:{port}/v1"
     yield service
     service.stop(timeout=10)
 
@@ -120,6 +127,40 @@ def test_bad_image_parts_are_refused_by_name_and_the_server_keeps_serving(vlm_ro
     assert many.code() == grpc.StatusCode.INVALID_ARGUMENT and many.details().startswith("requests[1].images[0]")
     assert mismatched.code() == grpc.StatusCode.INVALID_ARGUMENT and "images" in mismatched.details()
     assert len(decode_array(after.completions[0].token_ids, expect="int32")) == 6  # still serving
+
+
+def test_the_openai_client_sends_an_image_url_part(vlm_dir, vlm_rollout):
+    data = png(4)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    content = [{"type": "text", "text": "what is this? "}, {"type": "image_url", "image_url": {"url": url}}]
+    # the same prompt as the template renders it, the image as one image token the server expands
+    text = AutoTokenizer.from_pretrained(vlm_dir).apply_chat_template(
+        [{"role": "user", "content": "what is this? <|vision_start|><|image_pad|><|vision_end|>"}], tokenize=False,
+        add_generation_prompt=True)
+    prompt = AutoTokenizer.from_pretrained(vlm_dir)(text, add_special_tokens=False).input_ids
+    assert prompt.count(IMAGE_PAD) == 1
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=vlm_rollout.openai_url, api_key="unused", max_retries=0, timeout=60)
+        reply = await client.chat.completions.create(model=str(vlm_dir), messages=[{"role": "user", "content": content}],
+                                                     temperature=0, max_tokens=6)
+        with pytest.raises(openai.BadRequestError, match=r"images\[0\]: only data: URIs"):
+            await client.chat.completions.create(model=str(vlm_dir), max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+        with pytest.raises(openai.BadRequestError, match=r"images\[0\]: not an image"):
+            bad = "data:image/png;base64," + base64.b64encode(b"not a picture").decode()
+            await client.chat.completions.create(model=str(vlm_dir), max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": bad}}]}])
+        async with connect(vlm_rollout.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            direct = await stub.Generate(rollout_pb2.GenerateRequest(
+                prompt_ids=encode_array(prompt, "int32"), images=[rollout_pb2.ImagePart(data=data)],
+                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=6)), timeout=60)
+        return reply, direct
+
+    reply, direct = asyncio.run(main())
+    assert reply.usage.prompt_tokens == direct.prompt_tokens == len(prompt) - 1 + 6  # 84 x 56: 6 image tokens
+    assert reply.choices[0].message.content == direct.completions[0].text
 
 
 def test_only_a_folder_with_a_vision_tower_gets_an_image_reader(tiny_model_dir, vlm_dir):

@@ -5,6 +5,8 @@ Each refusal is a CodecError (INVALID_ARGUMENT) naming the part (`images[i]`): t
 runs, and the server goes on serving.
 """
 
+import base64
+import binascii
 import hashlib
 import io
 import json
@@ -38,6 +40,7 @@ class ImageReader:
 
         config = json.loads((Path(model) / "config.json").read_text())
         self.image_token_id = int(config["image_token_id"])
+        self.vision_start_id, self.vision_end_id = int(config["vision_start_token_id"]), int(config["vision_end_token_id"])
         self.merge_size = int(config["vision_config"].get("spatial_merge_size", 2))
         self.processor = AutoImageProcessor.from_pretrained(model)
         self.settings = settings
@@ -95,3 +98,28 @@ class ImageReader:
                 out.append(token)
             run += starts
         return out
+
+    def placeholder(self, tokenizer) -> str:
+        """The text an image is written as in a rendered chat prompt: vision start, one image token, vision end
+        (`expand` makes the image token as long as the image)."""
+        return "".join(tokenizer.convert_ids_to_tokens([self.vision_start_id, self.image_token_id, self.vision_end_id]))
+
+
+def read_data_urls(reader: ImageReader | None, urls: list[str], engine: str) -> list[ReadImage]:
+    """The images of OpenAI image_url parts, each a `data:<media type>;base64,<bytes>` URI (remote URLs are not
+    fetched); CodecError names the part (`images[i]`) as ImageReader.read does."""
+    if reader is None or engine != "native":
+        raise CodecError(f"images: this server ({engine} engine) takes no images: it serves a text-only model, or an "
+                         "engine without image support yet")
+    parts = []
+    for i, url in enumerate(urls):
+        head, comma, payload = url.partition(",")
+        if not (url.startswith("data:") and comma and head.endswith(";base64")):
+            raise CodecError(f"images[{i}]: only data: URIs with base64 bytes are served (data:image/png;base64,...), "
+                             f"got {url[:40]!r}")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except binascii.Error as exc:
+            raise CodecError(f"images[{i}]: the data: URI's bytes are not base64 ({exc})") from None
+        parts.append(rollout_pb2.ImagePart(data=data, media_type=head[len("data:"):-len(";base64")]))
+    return reader.read(parts)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
+from protos.codec import CodecError
 from rollout.engine.errors import (
     ContextFull,
     DuplicateRequest,
@@ -37,6 +38,7 @@ from rollout.engine.sessions import SessionRecord
 from rollout.engines.base import RolloutEngine
 from rollout.serve.chat import NoChatTemplate, render_continuation, render_prompt
 from rollout.serve.http_server import OpenAIServer, start_http
+from rollout.serve.images import ImageReader, ReadImage, read_data_urls
 from rollout.serve.openai_output import FINISH_REASONS, Choice, Reply, error_body, sse
 from rollout.serve.openai_schema import (
     ChatCompletionRequest,
@@ -82,9 +84,10 @@ _NO_ANSWER = "the rollout engine did not answer in time"  # TimeoutError's messa
 
 
 def create_app(engine: RolloutEngine, tokenizer, model_name: str, settings: OpenAISettings,
-               submit: Submit | None = None) -> FastAPI:
-    """The FastAPI app over `engine`; `submit` puts a closed session's sample into the buffer (None: no buffer)."""
-    api = _Endpoint(engine, tokenizer, settings.served_model_name or model_name, settings, submit)
+               submit: Submit | None = None, images: ImageReader | None = None) -> FastAPI:
+    """The FastAPI app over `engine`; `submit` puts a closed session's sample into the buffer (None: no buffer);
+    `images` reads image_url parts (a vision-language model; None: they are refused)."""
+    api = _Endpoint(engine, tokenizer, settings.served_model_name or model_name, settings, submit, images)
     app = FastAPI(title="relayrl rollout (OpenAI-compatible)", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_exception_handler(APIError, api.on_api_error)
     app.add_exception_handler(RequestValidationError, api.on_invalid_body)
@@ -103,9 +106,10 @@ class _Endpoint:
     """The routes and what they share: the engine, the tokenizer, the sessions chat calls drive."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, model_name: str, settings: OpenAISettings,
-                 submit: Submit | None):
+                 submit: Submit | None, images: ImageReader | None = None):
         self.engine, self.tokenizer, self.model_name, self.settings, self.submit = (
             engine, tokenizer, model_name, settings, submit)
+        self.images = images  # reads image_url parts (a vision-language model); None: they are refused
         self.max_model_len = engine.info.max_model_len
         self.eos_token_ids = set(engine.info.eos_token_ids)
         self.book = SessionBook(engine.info.session_idle_timeout_s)
@@ -140,11 +144,17 @@ class _Endpoint:
         self._check_model(body.model)
         key = session_key(request.headers, self.settings.session_by_key)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        urls = [url for message in body.messages for url in message.image_urls]
         if key is None:
-            prompt = self._render(render_prompt, [m.for_template() for m in body.messages], body.tools)
+            images, marker = self._read_images(urls)
+            prompt = self._render(render_prompt, [m.for_template(marker) for m in body.messages], body.tools)
+            prompt = self.images.expand(prompt, images) if images else prompt
             reply = self._reply(f"chatcmpl-{uuid.uuid4().hex}", body, len(prompt), body.logprobs, chat=True)
-            deltas = self.engine.generate(reply.id, prompt, self._params(body, max_tokens, len(prompt)))
+            extra = {"images": [read.image for read in images]} if images else {}
+            deltas = self.engine.generate(reply.id, prompt, self._params(body, max_tokens, len(prompt)), **extra)
             return await self._respond(reply, deltas, body)
+        if urls:
+            raise APIError(400, "messages: image_url parts in a session's turns are not served yet", "messages")
         if body.n != 1:
             raise APIError(400, "n: a session turn generates one completion (n must be 1)", "n")
         session, keys, added = await self._advance(key, body)
@@ -239,6 +249,17 @@ class _Endpoint:
         return tops
 
     # ---- shared
+
+    def _read_images(self, urls: list[str]) -> tuple[list[ReadImage], str]:
+        """The images of a call's image_url parts (data: URIs), and the text each part is written as in the prompt
+        (the model's image placeholder); ([], "") without parts. A part refused: 400 naming it."""
+        if not urls:
+            return [], ""
+        try:
+            images = read_data_urls(self.images, urls, self.engine.info.engine)
+        except CodecError as exc:
+            raise APIError(400, f"messages: {exc}", "messages") from None
+        return images, self.images.placeholder(self.tokenizer)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -343,9 +364,9 @@ class _Endpoint:
 
 
 async def serve_openai(settings: OpenAISettings, engine: RolloutEngine, tokenizer, model_name: str,
-                       submit: Submit | None = None) -> OpenAIServer:
+                       submit: Submit | None = None, images: ImageReader | None = None) -> OpenAIServer:
     """Start serving the endpoint in this asyncio loop; returns once it listens (raises if it cannot bind)."""
-    server = await start_http(create_app(engine, tokenizer, model_name, settings, submit), settings.host,
+    server = await start_http(create_app(engine, tokenizer, model_name, settings, submit, images), settings.host,
                               settings.port, settings.grace_s)
     log.info("OpenAI-compatible endpoint on http://%s:%d/v1", settings.host, server.port)
     return server

@@ -278,7 +278,8 @@ async def serve_engine(config: ReplicaConfig) -> None:
         from rollout.serve.openai_api import serve_openai
 
         openai_server = await serve_openai(config.openai, engine, engine.tokenizer, config.model,
-                                           servicer.submit_episode if buffer_channel is not None else None)
+                                           servicer.submit_episode if buffer_channel is not None else None,
+                                           servicer.images)
         servicer.openai_port = openai_server.port
 
     async def on_stop() -> None:
