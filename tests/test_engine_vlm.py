@@ -145,3 +145,37 @@ def test_images_that_do_not_match_the_prompt_are_refused_by_field(vlm_dir, tiny_
     with pytest.raises(InvalidRequest, match="takes no images"):
         text_engine.add_request("c", [1, 2, 3], GREEDY, [one])
     assert not engine.has_unfinished_requests()
+
+
+def test_an_image_in_a_later_session_turn_continues_the_positions(vlm_dir, hf_vlm):
+    config = ModelConfig.from_pretrained(vlm_dir)
+    first, second = image_input(vlm_dir, picture(5)), image_input(vlm_dir, picture(6, (56, 112)))
+    engine = LLMEngine(EngineConfig(model=str(vlm_dir), dtype="float32", block_size=4, max_model_len=96))
+    prompt = image_prompt(config, [first])
+    engine.open_session("s", prompt, [first])
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    def turn(request_id: str) -> tuple[list[int], list[float]]:
+        engine.add_session_request(request_id, "s", params)
+        tokens, logprobs = [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.append(out.token_id)
+                logprobs.append(out.logprob)
+        return tokens, logprobs
+
+    turn("t1")
+    observation = image_prompt(config, [second], before=(2, 70), after=(71,))  # <eos> then an image observation
+    engine.append_to_session("s", observation, images=[second])
+    context = engine.sessions.sessions["s"].token_ids
+    assert config.vision.image_token_id not in context[len(prompt):-len(observation)]  # the turn sampled no image token
+    tokens, logprobs = turn("t2")
+    image_token_id = config.vision.image_token_id
+    expected = hf_vlm.generate(**hf_inputs(context, [first, second], image_token_id), max_new_tokens=5,
+                               min_new_tokens=5, do_sample=False)[0, len(context):].tolist()
+    assert tokens == expected
+    difference = (torch.tensor(logprobs) - reference(hf_vlm, context, [first, second], tokens, image_token_id)).abs()
+    assert difference.max() <= 1e-5
+    with pytest.raises(InvalidRequest) as refused:  # an image without its run of tokens: nothing appended
+        engine.append_to_session("s", [40, 41], images=[second])
+    assert refused.value.field == "images" and engine.sessions.sessions["s"].token_ids == context + tokens

@@ -111,6 +111,24 @@ class LLMEngine(SessionSteps):
 
     # ---- sessions (rollout/engine/sessions.py)
 
+    def open_session(self, session_id: str, prompt_ids: Seq[int], images: Seq[ImageInput] = ()) -> int:
+        """SessionSteps.open_session, with the initial context's images (one per run of image tokens)."""
+        multimodal = prompt_images(self.model_config, [int(t) for t in prompt_ids], list(images))
+        length = super().open_session(session_id, prompt_ids)
+        self.sessions.sessions[session_id].multimodal = multimodal
+        return length
+
+    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None,
+                          images: Seq[ImageInput] = ()) -> int:
+        """SessionSteps.append_to_session, with the observation's images: their positions continue the context's."""
+        session = self.sessions.idle(session_id)
+        start = len(session.token_ids)
+        multimodal = prompt_images(self.model_config, session.token_ids + [int(t) for t in token_ids], list(images),
+                                   session.multimodal, start)
+        length = super().append_to_session(session_id, token_ids, turn_reward)
+        session.multimodal = multimodal
+        return length
+
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams) -> None:
         """Queue the session's next policy turn (one completion, max_tokens cut to the context left)."""
         session, params = self._turn(session_id, params)
@@ -119,6 +137,7 @@ class LLMEngine(SessionSteps):
             raise ContextFull(f"the session's context + max_tokens ({context + params.max_tokens} tokens) exceeds "
                               f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
         [seq] = self._new_sequences(request_id, session.token_ids, params)
+        seq.multimodal = session.multimodal
         self.sessions.start_turn(session, seq, logprobs_temperature(self.config.logprobs_mode, params.temperature))
         self.scheduler.add(seq)
         self.requests[request_id] = [seq]

@@ -53,24 +53,26 @@ class MultimodalPrompt:
         return torch.cat([head, tail.expand(3, -1)], dim=1)
 
 
-def multimodal_prompt(prompt: list[int], images: list[ImageInput], image_token_id: int,
-                      merge_size: int) -> MultimodalPrompt:
-    """The M-RoPE state of `prompt` whose runs of `image_token_id` are `images` in order: a text token advances the
-    position by one on all three axes; an image's tokens sit on a (t, h, w) grid from the position where it starts,
-    and the text after it resumes at that start + max(grid_h, grid_w) / merge. InvalidRequest when the runs and the
-    images do not match (the field named is `images`)."""
+def multimodal_prompt(prompt: list[int], images: list[ImageInput], image_token_id: int, merge_size: int,
+                      before: MultimodalPrompt | None = None, start: int = 0) -> MultimodalPrompt:
+    """The M-RoPE state of `prompt` whose runs of `image_token_id` from index `start` on are `images` in order, the
+    tokens before `start` as `before` has them (None: text only): a text token advances the position by one on all
+    three axes; an image's tokens sit on a (t, h, w) grid from the position where it starts, and the text after it
+    resumes at that start + max(grid_h, grid_w) / merge. InvalidRequest when the runs and the images do not match
+    (the field named is `images`)."""
     runs = []  # (start, length) of each run of placeholder tokens
-    for index, token in enumerate(prompt):
-        if token == image_token_id:
+    for index in range(start, len(prompt)):
+        if prompt[index] == image_token_id:
             if runs and runs[-1][0] + runs[-1][1] == index:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
                 runs.append((index, 1))
     if len(runs) != len(images):
-        raise InvalidRequest("images", f"the prompt has {len(runs)} runs of image tokens, the request "
+        raise InvalidRequest("images", f"the tokens have {len(runs)} runs of image tokens, the request "
                                        f"{len(images)} images")
-    columns, position, cursor = [], 0, 0
-    for i, ((start, length), image) in enumerate(zip(runs, images)):
+    columns = [before.rope_positions(0, start) if before is not None else torch.arange(start).expand(3, -1)]
+    position, cursor = start + (before.rope_delta if before is not None else 0), start
+    for i, ((run_start, length), image) in enumerate(zip(runs, images)):
         t, h, w = image.grid_thw
         if image.pixel_values.dim() != 2 or image.pixel_values.shape[0] != t * h * w:
             raise InvalidRequest(f"images[{i}]", f"pixel_values {list(image.pixel_values.shape)} are not one row per "
@@ -78,27 +80,32 @@ def multimodal_prompt(prompt: list[int], images: list[ImageInput], image_token_i
         if length != image.num_tokens(merge_size):
             raise InvalidRequest(f"images[{i}]", f"its grid {list(image.grid_thw)} makes "
                                                  f"{image.num_tokens(merge_size)} image tokens, the prompt has {length}")
-        columns.append(torch.arange(position, position + start - cursor).expand(3, -1))
-        position += start - cursor
+        columns.append(torch.arange(position, position + run_start - cursor).expand(3, -1))
+        position += run_start - cursor
         t, h, w = image.grid_thw[0], image.grid_thw[1] // merge_size, image.grid_thw[2] // merge_size
         grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
         columns.append(grid.reshape(3, -1) + position)
         position += max(h, w)
-        cursor = start + length
+        cursor = run_start + length
     columns.append(torch.arange(position, position + len(prompt) - cursor).expand(3, -1))
     positions = torch.cat(columns, dim=1).to(torch.int64)
-    rows = torch.tensor([index for start, length in runs for index in range(start, start + length)], dtype=torch.int64)
-    return MultimodalPrompt(list(images), positions, int(positions.max()) + 1 - len(prompt), rows)
+    rows = torch.tensor([index for run_start, length in runs for index in range(run_start, run_start + length)],
+                        dtype=torch.int64)
+    if before is not None:
+        images, rows = before.images + list(images), torch.cat([before.image_rows, rows])
+    return MultimodalPrompt(list(images), positions, position + len(prompt) - cursor - len(prompt), rows)
 
 
-def prompt_images(config: ModelConfig, prompt: list[int], images: list[ImageInput]) -> MultimodalPrompt | None:
-    """The multimodal state of a request to a model of `config`; None for a text-only prompt. InvalidRequest for
-    images sent to a text-only model, or images that do not match the prompt's image tokens."""
+def prompt_images(config: ModelConfig, prompt: list[int], images: list[ImageInput],
+                  before: MultimodalPrompt | None = None, start: int = 0) -> MultimodalPrompt | None:
+    """The multimodal state of a request to a model of `config` (of a session whose tokens before `start` have state
+    `before`, when appending to it); None for text only. InvalidRequest for images sent to a text-only model, or
+    images that do not match the image tokens from `start` on."""
     vision = config.vision
     if vision is None:
         if images:
             raise InvalidRequest("images", f"the model ({config.model_type}) takes no images")
         return None
-    if not images and vision.image_token_id not in prompt:
-        return None
-    return multimodal_prompt(prompt, list(images), vision.image_token_id, vision.spatial_merge_size)
+    if not images and vision.image_token_id not in prompt[start:]:
+        return before
+    return multimodal_prompt(prompt, list(images), vision.image_token_id, vision.spatial_merge_size, before, start)

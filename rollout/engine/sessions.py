@@ -27,6 +27,7 @@ from rollout.engine.errors import (
     SessionBusy,
     SessionNotFound,
 )
+from rollout.engine.multimodal import MultimodalPrompt
 from rollout.engine.sampling_params import SamplingParams, validate_prompt
 from rollout.engine.sequence import FinishReason, Sequence, oldest
 
@@ -54,6 +55,7 @@ class Session:
     kv_recomputes: int = 0
     context_version: int | None = None  # of the KV the last turn left (Sequence.context_version)
     stale_kv_version: int | None = None  # the oldest of its turns' (Sequence.stale_kv_version)
+    multimodal: MultimodalPrompt | None = None  # its images and M-RoPE positions (rollout/engine/multimodal.py)
 
 
 @dataclass(frozen=True)
