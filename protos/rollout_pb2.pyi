@@ -198,18 +198,20 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "prompt_text", "messages", "add_bos")
+    __slots__ = ("session_id", "prompt_ids", "prompt_text", "messages", "add_bos", "images")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _common_pb2.Array
     prompt_text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_bos: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePart]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_bos: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "num_tokens", "token_ids")
@@ -222,18 +224,20 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class AppendToSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "turn_reward", "messages")
+    __slots__ = ("session_id", "token_ids", "text", "turn_reward", "messages", "images")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TURN_REWARD_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _common_pb2.Array
     text: str
     turn_reward: float
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., text: _Optional[str] = ..., turn_reward: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePart]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., text: _Optional[str] = ..., turn_reward: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
 
 class AppendToSessionResponse(_message.Message):
     __slots__ = ("num_tokens", "token_ids")

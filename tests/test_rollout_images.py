@@ -163,6 +163,50 @@ def test_the_openai_client_sends_an_image_url_part(vlm_dir, vlm_rollout):
     assert reply.choices[0].message.content == direct.completions[0].text
 
 
+def test_a_session_with_an_image_observation_through_the_service(vlm_dir, vlm_rollout):
+    first, second = png(5), png(6, (56, 112))
+
+    async def turn(stub, session_id: str) -> list[int]:
+        chunks = [chunk async for chunk in stub.GenerateInSession(rollout_pb2.GenerateInSessionRequest(
+            session_id=session_id, whole_turn=True,
+            params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)), timeout=60)]
+        return [t for c in chunks for t in decode_array(c.token_ids, expect="int32").tolist()]
+
+    async def main():
+        async with connect(vlm_rollout.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            opened = await stub.OpenSession(rollout_pb2.OpenSessionRequest(
+                session_id="seen", prompt_ids=encode_array(PROMPT, "int32"),
+                images=[rollout_pb2.ImagePart(data=first)]), timeout=60)
+            one = await turn(stub, "seen")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.AppendToSession(rollout_pb2.AppendToSessionRequest(
+                    session_id="seen", token_ids=encode_array([2, VISION_START, IMAGE_PAD, VISION_END], "int32"),
+                    images=[rollout_pb2.ImagePart(data=b"no picture")]), timeout=60)
+            appended = await stub.AppendToSession(rollout_pb2.AppendToSessionRequest(
+                session_id="seen", token_ids=encode_array([2, VISION_START, IMAGE_PAD, VISION_END, 70], "int32"),
+                images=[rollout_pb2.ImagePart(data=second)]), timeout=60)
+            two = await turn(stub, "seen")
+            await stub.CloseSession(rollout_pb2.CloseSessionRequest(session_id="seen"), timeout=60)
+            return opened, one, refused.value, appended, two
+
+    opened, one, refused, appended, two = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.details().startswith("images[0]")
+    observation = decode_array(appended.token_ids, expect="int32").tolist()
+    assert observation.count(IMAGE_PAD) == 8  # 56 x 112: grid 1 x 8 x 4
+    context = decode_array(opened.token_ids, expect="int32").tolist() + one + observation
+    assert appended.num_tokens == len(context)  # the refused append added nothing
+    processor = AutoImageProcessor.from_pretrained(vlm_dir)
+    processed = processor(images=[Image.open(io.BytesIO(data)).convert("RGB") for data in (first, second)],
+                          return_tensors="pt")
+    ids = torch.tensor([context])
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    expected = model.generate(input_ids=ids, pixel_values=processed["pixel_values"],
+                              image_grid_thw=processed["image_grid_thw"], mm_token_type_ids=(ids == IMAGE_PAD).int(),
+                              max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, len(context):].tolist()
+    assert IMAGE_PAD not in one and two == expected
+
+
 def test_only_a_folder_with_a_vision_tower_gets_an_image_reader(tiny_model_dir, vlm_dir):
     # A server without a reader refuses every image part (RolloutServicer._parse: "images: this server ... takes no
     # images").

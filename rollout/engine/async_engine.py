@@ -178,15 +178,16 @@ class AsyncEngine(EngineThread):
 
     # ---- sessions (rollout/engine/sessions.py); refusals raise the engine's errors (rollout/engine/errors.py)
 
-    async def open_session(self, session_id: str, prompt_ids: Sequence[int]) -> int:
-        """Open a session on its initial context; returns the context length."""
+    async def open_session(self, session_id: str, prompt_ids: Sequence[int], images: Sequence[ImageInput] = ()) -> int:
+        """Open a session on its initial context (with its images); returns the context length."""
         prompt = list(prompt_ids)
-        return await self._call(lambda: self.engine.open_session(session_id, prompt))
+        return await self._call(lambda: self.engine.open_session(session_id, prompt, images))
 
-    async def append_to_session(self, session_id: str, token_ids: Sequence[int], turn_reward: float | None = None) -> int:
-        """Append observation tokens (loss mask 0); returns the context length."""
+    async def append_to_session(self, session_id: str, token_ids: Sequence[int], turn_reward: float | None = None,
+                                images: Sequence[ImageInput] = ()) -> int:
+        """Append observation tokens (loss mask 0, with their images); returns the context length."""
         tokens = list(token_ids)
-        return await self._call(lambda: self.engine.append_to_session(session_id, tokens, turn_reward))
+        return await self._call(lambda: self.engine.append_to_session(session_id, tokens, turn_reward, images))
 
     async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False
                                   ) -> AsyncIterator[Completion]:

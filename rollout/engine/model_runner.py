@@ -195,8 +195,10 @@ class ModelRunner:
         Other models: `positions` as they are, no embeddings."""
         if not self.model.mrope:
             return positions, None
-        starts = [seq.num_cached_tokens if is_prefill else len(seq) - 1 for seq in seqs]
-        counts = query_lens or ([len(seq) - start for seq, start in zip(seqs, starts)] if is_prefill else [1] * len(seqs))
+        if not is_prefill:  # one text token each, its three positions equal: index + the request's offset
+            return self._tensor([len(seq) - 1 + (seq.multimodal.rope_delta if seq.multimodal else 0) for seq in seqs]), None
+        starts = [seq.num_cached_tokens for seq in seqs]
+        counts = query_lens or [len(seq) - start for seq, start in zip(seqs, starts)]
         columns, rows, values, offset = [], [], [], 0
         for seq, start, count in zip(seqs, starts, counts):
             prompt = seq.multimodal

@@ -198,14 +198,24 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         if prompt_ids.size and request.prompt_text:
             raise CodecError("prompt_ids: give prompt_ids or prompt_text, not both")
         prompt = self.tokenizer(request.prompt_text).input_ids if request.prompt_text else prompt_ids.tolist()
-        images = []
-        if request.images:
-            if self.images is None or self.engine.info.engine != "native":
-                raise CodecError(f"images: this server ({self.engine.info.engine} engine, {self.model_name}) takes no "
-                                 "images: it serves a text-only model, or an engine without image support yet")
-            images = self.images.read(list(request.images))
-            prompt = self.images.expand(prompt, images)
+        images = self._read_images(request.images)
+        prompt = self.images.expand(prompt, images) if images else prompt
         return request.request_id or uuid.uuid4().hex, prompt, self._params(request.params), images
+
+    def _read_images(self, parts) -> list["ReadImage"]:
+        """A request's image parts read (CodecError names a bad one); [] without parts."""
+        if not parts:
+            return []
+        if self.images is None or self.engine.info.engine != "native":
+            raise CodecError(f"images: this server ({self.engine.info.engine} engine, {self.model_name}) takes no "
+                             "images: it serves a text-only model, or an engine without image support yet")
+        return self.images.read(list(parts))
+
+    def _with_images(self, tokens: list[int], parts) -> tuple[list[int], dict]:
+        """A session call's tokens with their image runs expanded, and the engine call's images argument ({} when
+        it has none: every engine takes that call)."""
+        images = self._read_images(parts)
+        return (self.images.expand(tokens, images) if images else tokens), _image_inputs(images)
 
     @staticmethod
     def _params(p: rollout_pb2.SamplingParams) -> SamplingParams:
