@@ -179,3 +179,18 @@ def test_an_image_in_a_later_session_turn_continues_the_positions(vlm_dir, hf_vl
     with pytest.raises(InvalidRequest) as refused:  # an image without its run of tokens: nothing appended
         engine.append_to_session("s", [40, 41], images=[second])
     assert refused.value.field == "images" and engine.sessions.sessions["s"].token_ids == context + tokens
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+def test_a_trainers_state_dict_updates_both_towers(vlm_dir, adopt):
+    # transformers' in-memory names (model.language_model.*, model.visual.*): what a trainer publishes
+    hf_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.add_(torch.randn_like(param) * 0.05, alpha=1.0 if "visual" in name or "layers" in name else 0.0)
+    state = {name: tensor.clone() for name, tensor in hf_model.state_dict().items()}
+    engine = LLMEngine(EngineConfig(model=str(vlm_dir), dtype="float32", block_size=4, max_model_len=64))
+    assert set(engine.parameter_layout()) == set(state)
+    engine.load_weights(state, version=1, adopt=adopt)
+    one = image_input(vlm_dir, picture(7))
+    assert_matches(engine, hf_model, [(image_prompt(engine.model_config, [one]), [one])])

@@ -72,8 +72,10 @@ class LLMEngine(SessionSteps):
         return self.runner.graphs is None
 
     def parameter_layout(self) -> Layout:
-        """name -> (shape, dtype) of every parameter a weight update may carry."""
-        return {name: (tuple(p.shape), p.dtype) for name, p in self.runner.model.named_parameters()}
+        """name -> (shape, dtype) of every parameter a weight update may carry, under the names a trainer's state
+        dict has (CausalLM.published_name)."""
+        model = self.runner.model
+        return {model.published_name(name): (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
 
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                     images: Seq[ImageInput] = ()) -> None:

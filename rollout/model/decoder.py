@@ -121,6 +121,11 @@ class CausalLM(nn.Module):
         """The feed-forward block of layer `layer` (x [T, hidden] -> [T, hidden]): a dense gated MLP."""
         return MLP(self.config, dtype, device)
 
+    def published_name(self, name: str) -> str:
+        """The name a trainer's state dict gives parameter `name` (what a weight update carries): the same for the
+        text families; a family whose in-memory names differ from its checkpoint's maps them (weight_alias reverses)."""
+        return name
+
     def weight_alias(self, name: str) -> tuple[str, tuple] | None:
         """(parameter name, index) when checkpoint name `name` is a part of a parameter (the part is
         parameter[index]); None when it names a whole parameter. Dense models have no such names."""

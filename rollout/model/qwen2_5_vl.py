@@ -56,6 +56,12 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(tower, dtype=dtype)
         self.visual.eval().requires_grad_(False)
 
+    def published_name(self, name: str) -> str:
+        for prefix, checkpoint_prefix in _PREFIXES:
+            if name.startswith(checkpoint_prefix):
+                return prefix + name[len(checkpoint_prefix):]
+        return name
+
     def weight_alias(self, name: str) -> tuple[str, tuple | None] | None:
         for prefix, checkpoint_prefix in _PREFIXES:
             if name.startswith(prefix):
