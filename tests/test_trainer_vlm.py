@@ -1,6 +1,7 @@
 """The trainer's policy on a vision-language model: its logprobs of the tokens the native engine sampled on image
-prompts equal the engine's (float32, within 1e-5), two samples with different images in one right-padded batch,
-the pixels made again from each sample's recorded image bytes and grid."""
+prompts equal the engine's (float32, within 1e-5), samples with different images in one right-padded batch, the
+pixels made again from each sample's recorded image bytes and grid; through the learner, a GRPO step on them starts
+at ratio 1."""
 
 import hashlib
 import io
@@ -9,13 +10,17 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_trainer_step import config, local
+from transformers import AutoImageProcessor
 
-from protos.sample import SampleImage
+from protos.sample import Sample, SampleImage
 from rollout.config import EngineConfig
 from rollout.engine.llm_engine import LLMEngine
 from rollout.engine.multimodal import ImageInput
 from rollout.engine.sampling_params import SamplingParams
 from rollout.model.tiny import write_tiny_model
+from trainer.batch import collate
+from trainer.learner import Learner
 from trainer.model import load_policy, run_policy
 from trainer.vision import VisionInputs
 
@@ -36,40 +41,55 @@ def vlm_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("vlm") / "m", arch="qwen2_5_vl", seed=7)
 
 
-def test_the_policy_scores_image_samples_as_the_engine_sampled_them(vlm_dir):
-    from transformers import AutoImageProcessor
-
+def engine_samples(vlm_dir) -> list[Sample]:
+    """Two image prompts of different grids (the second resized down), two completions each at temperature 1, as
+    the native engine samples them, with the images as the rollout records them."""
     processor = AutoImageProcessor.from_pretrained(vlm_dir)
     engine = LLMEngine(EngineConfig(model=str(vlm_dir), dtype="float32", block_size=4, max_model_len=96))
-    samples = []  # (prompt, response, engine logprobs, [SampleImage])
-    for seed, size, text in ((1, (84, 56), [40, 41]), (2, (300, 120), [50])):  # the second is resized down
+    samples = []
+    for seed, size, text in ((1, (84, 56), [40, 41]), (2, (300, 120), [50])):
         data = png(seed, size)
         processed = processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
         grid = tuple(int(n) for n in processed["image_grid_thw"][0])
         image = ImageInput(processed["pixel_values"], grid, hashlib.sha256(data).digest())
         count = image.num_tokens(2)
         prompt = [1, *text, VISION_START, *[IMAGE_PAD] * count, VISION_END, 60]
-        params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=seed)
+        params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=seed, n=2)
         [out] = engine.generate([prompt], params, [[image]])
-        completion = out.completions[0]
-        samples.append((prompt, completion.token_ids, completion.logprobs,
-                        [SampleImage(image.hash, "image/png", grid, count, data)]))
-    assert samples[0][3][0].grid_thw != samples[1][3][0].grid_thw
+        for completion in out.completions:
+            samples.append(Sample(
+                sample_id=f"s{seed}-{completion.index}", prompt_id=f"p{seed}", group_size=2,
+                prompt_ids=np.array(prompt, np.int32), response_ids=np.array(completion.token_ids, np.int32),
+                loss_mask=np.ones(6, np.uint8), rollout_logprobs=np.array(completion.logprobs, np.float32),
+                weight_versions=np.zeros(6, np.int64), reward=float(completion.index), temperature=1.0,
+                images=[SampleImage(image.hash, "image/png", grid, count, data)]))
+    assert samples[0].images[0].grid_thw != samples[2].images[0].grid_thw
+    return samples
 
+
+def test_the_policy_scores_image_samples_as_the_engine_sampled_them(vlm_dir):
+    samples = engine_samples(vlm_dir)
     policy = load_policy(vlm_dir)
-    rows = [prompt + response for prompt, response, _, _ in samples]
-    width = max(map(len, rows))
-    input_ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-    attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-    vision = VisionInputs.for_model(vlm_dir)([images for *_, images in samples], input_ids)
+    batch = collate(samples, vision=policy.vision)  # right-padded rows, each with its own image
     with torch.no_grad():
-        out = run_policy(policy, input_ids, attention_mask, vision=vision)
-    for row, (prompt, response, logprobs, _) in enumerate(samples):
-        trainer_logprobs = out.logprobs[row, len(prompt) - 1 : len(prompt) - 1 + len(response)]
-        assert np.abs(trainer_logprobs.numpy() - np.array(logprobs)).max() <= 1e-5
-    with torch.no_grad():  # without the images the same tokens score otherwise: the test sees the pixels
-        blind = run_policy(policy, input_ids, attention_mask)
+        out = run_policy(policy, batch.input_ids, batch.attention_mask, images=batch.images)
+        blind = run_policy(policy, batch.input_ids, batch.attention_mask)  # the same tokens without the pixels
+    for row, sample in enumerate(samples):
+        start = sample.prompt_ids.size - 1
+        trainer_logprobs = out.logprobs[row, start : start + sample.response_ids.size].numpy()
+        assert np.abs(trainer_logprobs - sample.rollout_logprobs).max() <= 1e-5
     assert (blind.logprobs - out.logprobs).abs().max() > 1e-3
+
+
+def test_a_grpo_step_on_image_samples_starts_on_policy(vlm_dir):
+    # The learner collates the images with the tokens, micro-batches them (2 rows each) and its forward sees them:
+    # on the engine's own samples the first step's ratio is 1.
+    learner = Learner(config(vlm_dir, algorithm={"name": "grpo"},
+                             batch={"global_batch_size": 4, "micro_batch_size": 2}), local())
+    (mini_batch,) = learner.prepare(engine_samples(vlm_dir))
+    assert mini_batch.images is not None
+    metrics = learner.train_step(mini_batch, 0)
+    assert metrics["ratio"] == pytest.approx(1.0, abs=1e-5) and metrics["grad_norm"] > 0
 
 
 def test_a_text_model_needs_no_vision_inputs(tiny_model_dir):

@@ -113,7 +113,7 @@ class Learner:
             return []
         if self.algo.name == "dpo":
             samples = order_preference_pairs(samples)
-        batch = collate(samples, self.pad_id)
+        batch = collate(samples, self.pad_id, self.policy.vision)
         chunks, per_step = plan_mini_batches(
             batch.num_rows, self.config.batch.mini_batches, self.env.dp_size, unit=2 if self.algo.name == "dpo" else 1
         )
@@ -243,7 +243,7 @@ class Learner:
     def _forward(self, model: PolicyModel, micro: TrainBatch, entropy_grad: bool = False,
                  entropy: bool = True) -> PolicyOutput:
         return run_policy(model, micro.input_ids, micro.attention_mask, self._temperatures(micro), entropy_grad,
-                          packing=self.packing, entropy=entropy)
+                          packing=self.packing, entropy=entropy, images=micro.images)
 
     def _temperatures(self, batch: TrainBatch) -> torch.Tensor | None:
         """RL objectives score the sampled tokens under the distribution they were drawn from (logits / T);

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from trainer.lm_head import head_token_stats
 from trainer.packing import pack_rows
+from trainer.vision import VisionInputs
 
 # Names of the value head's parameters in the policy's state dict (never exported to HF).
 VALUE_HEAD_PREFIX = "value_head."
@@ -28,6 +29,7 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_tokens, self.lm_head_fp32 = chunk_tokens, lm_head_fp32
+        self.vision: VisionInputs | None = None  # a vision-language policy's image arguments (load_policy sets it)
         self.value_head: nn.Linear | None = None
         if value_head:
             self.value_head = nn.Linear(lm.config.hidden_size, 1)
@@ -73,6 +75,7 @@ def load_policy(path: str | Path, *, value_head: bool = False, device: torch.dev
     """
     lm = _auto_class(path).from_pretrained(path, dtype=torch.float32)
     policy = PolicyModel(lm, value_head=value_head, chunk_tokens=chunk_tokens, lm_head_fp32=lm_head_fp32).to(device)
+    policy.vision = VisionInputs.for_model(path)
     policy.eval()
     return policy
 
@@ -125,16 +128,21 @@ def run_policy(
     *,
     packing: Packing | None = None,
     entropy: bool = True,
-    vision: dict[str, torch.Tensor] | None = None,
+    images: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PolicyOutput:
     """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked; None if not `entropy`),
-    values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed. `vision`:
-    a vision-language policy's image arguments (trainer/vision.py's VisionInputs; unpacked rows only).
+    values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed. `images`:
+    the rows' (pixel_values, image_grids) of a vision-language policy (TrainBatch.images; unpacked rows only).
 
     Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
     (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
     logprobs of (rollout/engine/sampler.py, logprobs_mode "tempered"), as verl divides its logits too.
     """
+    vision = None
+    if images is not None:
+        if model.vision is None:
+            raise ValueError("images: the policy has no image processor (load it with load_policy)")
+        vision = model.vision.from_batch(*images, input_ids)
     inv = None
     if temperatures is not None and bool((temperatures != 1.0).any()):
         inv = 1.0 / temperatures.to(input_ids.device, torch.float32)

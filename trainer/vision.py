@@ -13,7 +13,9 @@ from protos.sample import SampleImage
 
 
 class VisionInputs:
-    """Builds the forward's image arguments (pixel_values, image_grid_thw, mm_token_type_ids) for one model folder."""
+    """A vision-language policy's image arguments for one model folder: a batch's images as row tensors
+    (TrainBatch.pixel_values / image_grids, sliced with its rows), and from those rows the forward's pixel_values,
+    image_grid_thw and mm_token_type_ids."""
 
     def __init__(self, model: str | Path):
         from transformers import AutoImageProcessor  # heavy: only for a vision-language policy
@@ -28,27 +30,55 @@ class VisionInputs:
         """The builder of a folder whose config.json has a vision tower; None for a text-only model."""
         return VisionInputs(model) if "vision_config" in json.loads((Path(model) / "config.json").read_text()) else None
 
-    def __call__(self, images: Sequence[Sequence[SampleImage]], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The image arguments of a batch whose row i holds the prompt of a sample with images[i] (in prompt order);
-        {} when no sample has an image. ValueError names an image whose recorded grid cannot be made again."""
+    def batch_tensors(self, images: Sequence[Sequence[SampleImage]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i's image patches and grids as tensors a TrainBatch slices with its rows: pixel_values [rows,
+        patches, patch dim] and grids [rows, images, 3], zero-padded (a grid row of zeros is no image)."""
+        made = [self._patches(row_images, row) for row, row_images in enumerate(images)]
+        patches = max([sum(p.shape[0] for p in pixels) for pixels, _ in made] + [1])
+        width = max([p.shape[1] for pixels, _ in made for p in pixels] + [1])
+        count = max([len(grids) for _, grids in made] + [1])
+        pixel_values = torch.zeros(len(images), patches, width)
+        grids = torch.zeros(len(images), count, 3, dtype=torch.int64)
+        for row, (pixels, row_grids) in enumerate(made):
+            if pixels:
+                joined = torch.cat(pixels)
+                pixel_values[row, : joined.shape[0], : joined.shape[1]] = joined
+                grids[row, : len(row_grids)] = torch.tensor(row_grids)
+        return pixel_values, grids
+
+    def from_batch(self, pixel_values: torch.Tensor, grids: torch.Tensor, input_ids: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+        """The forward's image arguments from batch_tensors' rows (as selected with the batch's rows)."""
+        pixels, kept = [], []
+        for row in range(grids.shape[0]):
+            offset = 0
+            for grid in grids[row]:
+                patches = int(grid.prod())
+                if patches:
+                    pixels.append(pixel_values[row, offset : offset + patches])
+                    kept.append(grid)
+                    offset += patches
+        if not pixels:
+            return {}
+        return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.stack(kept).to(input_ids.device),
+                "mm_token_type_ids": (input_ids == self.image_token_id).int()}
+
+    def _patches(self, images: Sequence[SampleImage], row: int) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
+        """The patches and grid of each image of sample `row`, made at its recorded grid."""
         from PIL import Image
 
         pixels, grids = [], []
-        for row, row_images in enumerate(images):
-            for index, image in enumerate(row_images):
-                _, h, w = image.grid_thw
-                area = h * w * self.patch_size**2  # the resized image's pixels: made exactly, whatever the limits
-                decoded = Image.open(io.BytesIO(image.data)).convert("RGB")
-                processed = self.processor(images=[decoded], size={"shortest_edge": area, "longest_edge": area},
-                                           return_tensors="pt")
-                grid = tuple(int(n) for n in processed["image_grid_thw"][0])
-                if grid != tuple(image.grid_thw):
-                    raise ValueError(f"sample {row} images[{index}]: the processor makes grid {list(grid)} of its "
-                                     f"bytes, the rollout recorded {list(image.grid_thw)}")
-                pixels.append(processed["pixel_values"])
-                grids.append(grid)
-        if not pixels:
-            return {}
-        return {"pixel_values": torch.cat(pixels).to(input_ids.device),
-                "image_grid_thw": torch.tensor(grids, device=input_ids.device),
-                "mm_token_type_ids": (input_ids == self.image_token_id).int()}
+        for index, image in enumerate(images):
+            _, h, w = image.grid_thw
+            area = h * w * self.patch_size**2  # the resized image's pixels: made exactly, whatever the limits
+            decoded = Image.open(io.BytesIO(image.data)).convert("RGB")
+            processed = self.processor(images=[decoded], size={"shortest_edge": area, "longest_edge": area},
+                                       return_tensors="pt")
+            grid = tuple(int(n) for n in processed["image_grid_thw"][0])
+            if grid != tuple(image.grid_thw):
+                raise ValueError(f"sample {row} images[{index}]: the processor makes grid {list(grid)} of its "
+                                 f"bytes, the rollout recorded {list(image.grid_thw)}")
+            pixels.append(processed["pixel_values"])
+            grids.append(grid)
+        return pixels, grids
+
