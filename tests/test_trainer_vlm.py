@@ -79,6 +79,15 @@ def test_the_policy_scores_image_samples_as_the_engine_sampled_them(vlm_dir):
         trainer_logprobs = out.logprobs[row, start : start + sample.response_ids.size].numpy()
         assert np.abs(trainer_logprobs - sample.rollout_logprobs).max() <= 1e-5
     assert (blind.logprobs - out.logprobs).abs().max() > 1e-3
+    # A response that samples the image token keeps it as text, as the engine did: only the prompt's runs are images.
+    sample = samples[0]
+    sample.response_ids = np.r_[sample.response_ids[:-1], IMAGE_PAD].astype(np.int32)
+    batch = collate([sample], vision=policy.vision)
+    marked = policy.vision.from_batch(*batch.images, batch.input_ids)["mm_token_type_ids"]
+    assert int(marked.sum()) == sample.images[0].num_tokens == int((batch.input_ids == IMAGE_PAD).sum()) - 1
+    with torch.no_grad():
+        again = run_policy(policy, batch.input_ids, batch.attention_mask, images=batch.images).logprobs
+    assert (again[0, : again.shape[1] - 1] - out.logprobs[0, : again.shape[1] - 1]).abs().max() <= 1e-5
 
 
 def test_a_grpo_step_on_image_samples_starts_on_policy(vlm_dir):

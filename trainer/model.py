@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from trainer.lm_head import head_token_stats
 from trainer.packing import pack_rows
-from trainer.vision import VisionInputs
+from trainer.vision import VisionInputs, embed_with_images
 
 # Names of the value head's parameters in the policy's state dict (never exported to HF).
 VALUE_HEAD_PREFIX = "value_head."
@@ -57,8 +57,12 @@ class PolicyModel(nn.Module):
         `inv_temperatures` [B, T-1]: 1 / the temperature of each predicting position (None = 1). The head is used
         inside this forward, so FSDP2 has it unsharded. No views out: FSDP2 hooks the outputs.
         """
+        inputs = {"input_ids": input_ids}
+        if "pixel_values" in attention_kwargs:  # a vision-language policy's images (trainer/vision.py)
+            embeds, position_ids = embed_with_images(self.lm.base_model, input_ids, attention_mask, **attention_kwargs)
+            inputs, attention_kwargs = {"inputs_embeds": embeds}, {}
         # No KV cache: it would hold every layer's keys and values, and with one transformers ignores packed rows.
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        hidden = self.lm.base_model(**inputs, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, **attention_kwargs).last_hidden_state
         logprobs, entropies = head_token_stats(hidden, self.lm.get_output_embeddings(), input_ids, inv_temperatures,
                                                chunk_tokens=self.chunk_tokens, fp32=self.lm_head_fp32, entropy=entropy)

@@ -23,7 +23,7 @@ class VisionInputs:
         config = json.loads((Path(model) / "config.json").read_text())
         self.image_token_id = int(config["image_token_id"])
         self.processor = AutoImageProcessor.from_pretrained(model)
-        self.patch_size = self.processor.patch_size
+        self.patch_size, self.merge_size = self.processor.patch_size, self.processor.merge_size
 
     @staticmethod
     def for_model(model: str | Path) -> "VisionInputs | None":
@@ -49,7 +49,7 @@ class VisionInputs:
     def from_batch(self, pixel_values: torch.Tensor, grids: torch.Tensor, input_ids: torch.Tensor
                    ) -> dict[str, torch.Tensor]:
         """The forward's image arguments from batch_tensors' rows (as selected with the batch's rows)."""
-        pixels, kept = [], []
+        pixels, kept, tokens = [], [], []
         for row in range(grids.shape[0]):
             offset = 0
             for grid in grids[row]:
@@ -58,10 +58,15 @@ class VisionInputs:
                     pixels.append(pixel_values[row, offset : offset + patches])
                     kept.append(grid)
                     offset += patches
+            tokens.append(offset // self.merge_size**2)
         if not pixels:
             return {}
+        # The row's first `tokens` image tokens are its images' (a sampled token that happens to be the image token
+        # is text, as the rollout engine took it).
+        is_image = input_ids == self.image_token_id
+        is_image &= is_image.cumsum(-1) <= torch.tensor(tokens, device=input_ids.device)[:, None]
         return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.stack(kept).to(input_ids.device),
-                "mm_token_type_ids": (input_ids == self.image_token_id).int()}
+                "mm_token_type_ids": is_image.int()}
 
     def _patches(self, images: Sequence[SampleImage], row: int) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
         """The patches and grid of each image of sample `row`, made at its recorded grid."""
@@ -82,3 +87,16 @@ class VisionInputs:
             grids.append(grid)
         return pixels, grids
 
+
+def embed_with_images(base, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pixel_values: torch.Tensor,
+                      image_grid_thw: torch.Tensor, mm_token_type_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embeddings, 3-D positions) of a Qwen2.5-VL batch (`base`: its Qwen2_5_VLModel): the vision tower's
+    rows spliced where `mm_token_type_ids` marks the images' tokens, and transformers' M-RoPE positions for them.
+    Done here, not by transformers' forward, which takes every image-token id in the rows for an image's (a sampled
+    one too) and refuses the count."""
+    embeds = base.get_input_embeddings()(input_ids)
+    features = torch.cat(base.get_image_features(pixel_values, image_grid_thw).pooler_output).to(embeds.dtype)
+    embeds = embeds.masked_scatter(mm_token_type_ids.bool().unsqueeze(-1), features)
+    positions, _ = base.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, attention_mask=attention_mask)
+    return embeds, positions
