@@ -187,10 +187,14 @@ def test_a_session_with_an_image_observation_through_the_service(vlm_dir, vlm_ro
                 session_id="seen", token_ids=encode_array([2, VISION_START, IMAGE_PAD, VISION_END, 70], "int32"),
                 images=[rollout_pb2.ImagePart(data=second)]), timeout=60)
             two = await turn(stub, "seen")
-            await stub.CloseSession(rollout_pb2.CloseSessionRequest(session_id="seen"), timeout=60)
-            return opened, one, refused.value, appended, two
+            closed = await stub.CloseSession(rollout_pb2.CloseSessionRequest(session_id="seen"), timeout=60)
+            return opened, one, refused.value, appended, two, Sample.from_proto(closed.sample)
 
-    opened, one, refused, appended, two = asyncio.run(main())
+    opened, one, refused, appended, two, sample = asyncio.run(main())
+    # the episode's sample keeps both images, in order, with what the trainer needs
+    assert [(image.data, image.grid_thw, image.num_tokens) for image in sample.images] == [
+        (first, (1, 4, 6), 6), (second, (1, 8, 4), 8)]
+    assert [image.sha256 for image in sample.images] == [hashlib.sha256(data).digest() for data in (first, second)]
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.details().startswith("images[0]")
     observation = decode_array(appended.token_ids, expect="int32").tolist()
     assert observation.count(IMAGE_PAD) == 8  # 56 x 112: grid 1 x 8 x 4

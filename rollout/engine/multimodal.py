@@ -23,6 +23,9 @@ class ImageInput:
     pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch], float
     grid_thw: tuple[int, int, int]  # patches along time, height and width
     hash: bytes  # content hash of the image (the same image always hashes the same): the prefix cache's key
+    # The encoded image and its media type, kept for the sample a session's episode becomes (the service's)
+    data: bytes = field(default=b"", repr=False)
+    media_type: str = ""
 
     def num_tokens(self, merge_size: int) -> int:
         t, h, w = self.grid_thw

@@ -27,7 +27,7 @@ from rollout.engine.errors import (
     SessionBusy,
     SessionNotFound,
 )
-from rollout.engine.multimodal import MultimodalPrompt
+from rollout.engine.multimodal import ImageInput, MultimodalPrompt
 from rollout.engine.sampling_params import SamplingParams, validate_prompt
 from rollout.engine.sequence import FinishReason, Sequence, oldest
 
@@ -87,6 +87,7 @@ class SessionRecord:
     # in [min(w, kv_version), w]. None: no KV was computed (no policy turn, or an engine that does not say: vLLM,
     # SGLang).
     kv_version: int | None = None
+    images: list[ImageInput] = field(default_factory=list)  # the context's images, in order (a vision-language model)
 
 
 class SessionTable:
@@ -194,6 +195,7 @@ class SessionTable:
             temperature=session.temperature or 0.0, turns=session.turns, prefill_tokens=session.prefill_tokens,
             turn_prefill_tokens=session.turn_prefill_tokens, kv_recomputes=session.kv_recomputes,
             kv_version=oldest(session.context_version, session.stale_kv_version),
+            images=list(session.multimodal.images) if session.multimodal is not None else [],
         )
 
     def state(self, session_id: str, weight_version: int) -> SessionState:

@@ -81,7 +81,7 @@ class ImageReader:
             raise CodecError(f"{where}: the image does not decode: {exc}") from None
         processed = self.processor(images=[rgb], return_tensors="pt")
         grid = tuple(int(n) for n in processed["image_grid_thw"][0])
-        read = ImageInput(processed["pixel_values"], grid, digest)
+        read = ImageInput(processed["pixel_values"], grid, digest, part.data, media_type)
         return ReadImage(read, media_type, read.num_tokens(self.merge_size))
 
     def expand(self, prompt: list[int], images: list[ReadImage]) -> list[int]:

@@ -17,7 +17,7 @@ from prometheus_client import Counter
 
 from protos import buffer_pb2, buffer_pb2_grpc, rollout_pb2
 from protos.codec import CodecError, decode_array, encode_array, unpack_metadata
-from protos.sample import Sample, SampleStatus
+from protos.sample import Sample, SampleImage, SampleStatus
 from rollout.engine.errors import (
     ContextFull,
     DuplicateRequest,
@@ -157,6 +157,8 @@ class SessionRPCs:
             metadata={**metadata, "session_id": record.session_id, "turns": record.turns},
             temperature=record.temperature,
             kv_version=record.kv_version,
+            images=[SampleImage(image.hash, image.media_type, image.grid_thw, image.num_tokens(self.images.merge_size),
+                                image.data) for image in record.images],
         )
 
     async def submit_episode(self, record: SessionRecord, reward: float, group_id: str, group_size: int) -> bool:
