@@ -57,3 +57,29 @@ def test_an_image_that_is_neither_a_file_nor_base64_is_refused_by_row(tmp_path):
     data_file.write_text(json.dumps({"prompt": "x", "answer": "y", "image": "no such file.png"}) + "\n")
     with pytest.raises(DataError, match="train row 0: image 'no such file.png' is neither a file"):
         split(data.model_copy(update={"eval": data.train}), None, seed=0)
+
+
+def test_the_doctor_checks_the_images_and_the_processor(tmp_path):
+    import yaml
+
+    from deploy.inspect.doctor import diagnose
+    from rollout.model.tiny import write_tiny_model
+
+    text_model = write_tiny_model(tmp_path / "text")
+    vlm = write_tiny_model(tmp_path / "vlm", arch="qwen2_5_vl")
+    (tmp_path / "ok.png").write_bytes(png_bytes((0, 255, 0)))
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    rows = [{"prompt": "a", "answer": "b", "image": name} for name in ("ok.png", "ok.png", "broken.png")]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def findings(model) -> dict[str, tuple[str, str]]:
+        path = tmp_path / "experiment.yaml"
+        path.write_text(yaml.safe_dump({"model": {"path": str(model)}, "data": {
+            "train": {"path": str(tmp_path / "train.jsonl")}, "image_field": "image", "num_eval": 1}}))
+        return {f.check: (f.level, f.message) for f in diagnose(path) if f.check.startswith("images")}
+
+    assert findings(text_model)["images"][0] == "error" and "no vision tower" in findings(text_model)["images"][1]
+    level, message = findings(vlm)["images (train)"]
+    assert level == "error" and message.startswith("1 of 3 images do not read, e.g. train row 2")
+    (tmp_path / "broken.png").write_bytes(png_bytes((1, 2, 3)))
+    assert findings(vlm)["images (train)"] == ("ok", "3 images exist and decode")

@@ -100,7 +100,7 @@ def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str,
         text = str(row[data.prompt_field])
         images = ()
         if data.image_field is not None:
-            images = (_image_base64(row[data.image_field], root or pathlib.Path("."), f"{where} row {number}"),)
+            images = (image_base64(row[data.image_field], root or pathlib.Path("."), f"{where} row {number}"),)
             text = text if IMAGE_PLACEHOLDER in text else IMAGE_PLACEHOLDER + text
         if data.chat_template:
             messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
@@ -116,7 +116,7 @@ def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str,
     return prompts
 
 
-def _image_base64(value, root: pathlib.Path, where: str) -> str:
+def image_base64(value, root: pathlib.Path, where: str) -> str:
     """A row's image as base64: read from a path under `root` (relative to the data file), else taken as base64
     already; DataError says which when it is neither a file nor base64."""
     path = root / str(value)
