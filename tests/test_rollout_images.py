@@ -211,6 +211,17 @@ def test_a_session_with_an_image_observation_through_the_service(vlm_dir, vlm_ro
     assert IMAGE_PAD not in one and two == expected
 
 
+def test_the_held_out_evaluation_sends_each_prompts_images(vlm_rollout):
+    from deploy.rl.evaluation import greedy_completions
+
+    images = [[png(1)], [png(2, (112, 56))]]
+    completions = asyncio.run(greedy_completions(vlm_rollout.address, [PROMPT, PROMPT], 4, images=images,
+                                                 retry_for_s=0))
+    assert [len(decode_array(c.token_ids, expect="int32")) for c in completions] == [4, 4]
+    with pytest.raises(grpc.aio.AioRpcError, match="images"):  # the placeholder without its image is refused
+        asyncio.run(greedy_completions(vlm_rollout.address, [PROMPT], 4, retry_for_s=0))
+
+
 def test_only_a_folder_with_a_vision_tower_gets_an_image_reader(tiny_model_dir, vlm_dir):
     # A server without a reader refuses every image part (RolloutServicer._parse: "images: this server ... takes no
     # images").

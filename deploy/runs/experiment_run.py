@@ -11,6 +11,7 @@ deploy/runs/agentic.py.
 """
 
 import asyncio
+import base64
 import logging
 import pathlib
 import sys
@@ -94,6 +95,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
 
     eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos(config)), row.prompt, row.metadata)
                     for row in eval_rows]
+    eval_images = [[base64.b64decode(image) for image in row.images] for row in eval_rows]
     eval_tokens = config.evaluation.max_tokens or config.training.max_tokens
     plan = pipeline_plan(config, run_dir, policy_dir, prompts_path)
     secure(plan, config.services)
@@ -101,7 +103,8 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     supervisor = supervisor or Supervisor(config.supervise)
     plan.evaluate = lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
                                                        config.reward.timeout_s, rollout_client=plan.client("rollout"),
-                                                       reward_client=plan.client("reward"), check=supervisor.check))
+                                                       reward_client=plan.client("reward"), check=supervisor.check,
+                                                       images=eval_images if any(eval_images) else None))
     return finish_run(config, run_dir, policy_dir, progress, supervisor,
                       lambda: run_pipeline(plan, progress, supervisor, launcher))
 
