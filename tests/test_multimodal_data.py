@@ -83,3 +83,22 @@ def test_the_doctor_checks_the_images_and_the_processor(tmp_path):
     assert level == "error" and message.startswith("1 of 3 images do not read, e.g. train row 2")
     (tmp_path / "broken.png").write_bytes(png_bytes((1, 2, 3)))
     assert findings(vlm)["images (train)"] == ("ok", "3 images exist and decode")
+
+
+def test_the_sft_warm_up_sees_the_rows_images(tmp_path):
+    from transformers import AutoTokenizer
+
+    from deploy.experiment.data import PromptRow
+    from deploy.runs.experiment_run import _sft_samples
+    from rollout.model.tiny import write_tiny_model
+
+    vlm = write_tiny_model(tmp_path / "vlm", arch="qwen2_5_vl")
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    image = base64.b64encode(png_bytes((9, 9, 9))).decode()  # 56 x 56: 4 image tokens
+    rows = [PromptRow("p0", IMAGE_PLACEHOLDER + "what?", {"answer": "grey"}, (image,)),
+            PromptRow("p1", "no image", {"answer": "x"})]
+    with_image, without = _sft_samples(rows, tokenizer, True, vlm)
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert int((with_image.prompt_ids == pad).sum()) == with_image.images[0].num_tokens == 4
+    assert with_image.images[0].data == png_bytes((9, 9, 9)) and with_image.images[0].grid_thw == (1, 4, 4)
+    assert without.images == [] and pad not in without.prompt_ids

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from protos import common_pb2, rollout_pb2
 from protos.codec import CodecError
+from protos.sample import SampleImage
 from rollout.engine.multimodal import ImageInput
 from rollout.serve.config import ImageSettings
 
@@ -26,6 +27,11 @@ class ReadImage:
     image: ImageInput
     media_type: str
     num_tokens: int
+
+    def sample_image(self) -> SampleImage:
+        """What a sample records of it (its bytes included)."""
+        image = self.image
+        return SampleImage(image.hash, self.media_type, image.grid_thw, self.num_tokens, image.data)
 
     def ref(self) -> common_pb2.ImageRef:
         return common_pb2.ImageRef(sha256=self.image.hash, media_type=self.media_type,
