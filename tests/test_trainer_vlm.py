@@ -20,6 +20,7 @@ from rollout.engine.multimodal import ImageInput
 from rollout.engine.sampling_params import SamplingParams
 from rollout.model.tiny import write_tiny_model
 from trainer.batch import collate
+from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.model import load_policy, run_policy
 from trainer.vision import VisionInputs
@@ -99,6 +100,19 @@ def test_a_grpo_step_on_image_samples_starts_on_policy(vlm_dir):
     assert mini_batch.images is not None
     metrics = learner.train_step(mini_batch, 0)
     assert metrics["ratio"] == pytest.approx(1.0, abs=1e-5) and metrics["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_freeze_vision_keeps_the_tower_as_loaded(vlm_dir, freeze):
+    learner = Learner(TrainerConfig.model_validate({
+        "model_path": str(vlm_dir), "optim": {"lr": 1e-3}, "algorithm": {"name": "grpo"},
+        "model": {"freeze_vision": freeze}, "batch": {"global_batch_size": 4, "micro_batch_size": 4}}), local())
+    before = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+    (mini_batch,) = learner.prepare(engine_samples(vlm_dir))
+    learner.train_step(mini_batch, 0)
+    moved = {name for name, p in learner.policy.named_parameters() if not torch.equal(p, before[name])}
+    assert any("layers" in name for name in moved)  # the decoder learns either way
+    assert any("visual" in name for name in moved) != freeze
 
 
 def test_a_text_model_needs_no_vision_inputs(tiny_model_dir):

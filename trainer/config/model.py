@@ -19,3 +19,6 @@ class ModelConfig(Strict):
         False, description="Recompute each decoder layer's activations in the backward instead of keeping them "
         "(torch.utils.checkpoint per layer, applied where the policy is parallelised): activation memory of about "
         "one layer instead of all, for about one more forward pass of compute.")
+    freeze_vision: bool = Field(
+        False, description="A vision-language policy: keep its vision tower's weights as loaded (no gradient, no "
+        "update); the tower is published with the rest either way (docs/multimodal.md).")

@@ -58,6 +58,8 @@ def build_policy(
     checkpointing = checkpoint_layers if model.activation_checkpointing and trainable else None
     if not env.distributed:
         policy = load_policy(path, value_head=value_head, device=env.device, **head).requires_grad_(trainable)
+        if model.freeze_vision and hasattr(policy.lm.base_model, "visual"):
+            policy.lm.base_model.visual.requires_grad_(False)
         return parallelize(policy, env, config, dtype, checkpointing)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
