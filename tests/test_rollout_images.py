@@ -6,7 +6,11 @@ import asyncio
 import base64
 import hashlib
 import io
+import json
+import pathlib
+import shutil
 import socket
+import subprocess
 
 import grpc
 import numpy as np
@@ -220,6 +224,25 @@ def test_the_held_out_evaluation_sends_each_prompts_images(vlm_rollout):
     assert [len(decode_array(c.token_ids, expect="int32")) for c in completions] == [4, 4]
     with pytest.raises(grpc.aio.AioRpcError, match="images"):  # the placeholder without its image is refused
         asyncio.run(greedy_completions(vlm_rollout.address, [PROMPT], 4, retry_for_s=0))
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_a_node_environment_returns_an_image_observation(vlm_rollout, tmp_path):
+    node_env = pathlib.Path(__file__).resolve().parent.parent / "examples" / "node_env"
+    if not (node_env / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=node_env, check=True, timeout=300)
+    data = png(8, (56, 112))
+    (tmp_path / "seen.png").write_bytes(data)
+    observation = [2, VISION_START, IMAGE_PAD, VISION_END, 70]
+    done = subprocess.run(["node", str(node_env / "image_observation.js"), vlm_rollout.address,
+                           str(tmp_path / "seen.png"), ",".join(map(str, PROMPT[:3] + [60])),
+                           ",".join(map(str, observation))], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert [len(turn) for turn in result["turns"]] == [4, 4]
+    assert result["observation"].count(IMAGE_PAD) == 8  # expanded by the server: 56 x 112 -> 8 image tokens
+    assert result["images"] == [{"sha256": hashlib.sha256(data).hexdigest(), "media_type": "image/png",
+                                 "grid_thw": [1, 8, 4], "num_tokens": 8, "bytes": len(data)}]
 
 
 def test_only_a_folder_with_a_vision_tower_gets_an_image_reader(tiny_model_dir, vlm_dir):
