@@ -3,6 +3,7 @@ prompts equal the engine's (float32, within 1e-5), samples with different images
 pixels made again from each sample's recorded image bytes and grid; through the learner, a GRPO step on them starts
 at ratio 1."""
 
+import dataclasses
 import hashlib
 import io
 
@@ -86,6 +87,14 @@ def test_the_policy_scores_image_samples_as_the_engine_sampled_them(vlm_dir):
     batch = collate([sample], vision=policy.vision)
     marked = policy.vision.from_batch(*batch.images, batch.input_ids)["mm_token_type_ids"]
     assert int(marked.sum()) == sample.images[0].num_tokens == int((batch.input_ids == IMAGE_PAD).sum()) - 1
+    # ... also before a later image (a session's observation): the runs as long as each image are its images
+    response_ids = np.r_[IMAGE_PAD, 40, [IMAGE_PAD] * 6, 41].astype(np.int32)
+    two = collate([dataclasses.replace(sample, response_ids=response_ids, loss_mask=np.ones(9, np.uint8),
+                                       rollout_logprobs=np.zeros(9, np.float32), weight_versions=np.zeros(9, np.int64),
+                                       images=[sample.images[0], sample.images[0]])], vision=policy.vision)
+    runs = policy.vision.from_batch(*two.images, two.input_ids)["mm_token_type_ids"][0]
+    response = runs[sample.prompt_ids.size:].tolist()
+    assert int(runs.sum()) == 12 and response == [0, 0, 1, 1, 1, 1, 1, 1, 0]
     with torch.no_grad():
         again = run_policy(policy, batch.input_ids, batch.attention_mask, images=batch.images).logprobs
     assert (again[0, : again.shape[1] - 1] - out.logprobs[0, : again.shape[1] - 1]).abs().max() <= 1e-5

@@ -49,24 +49,41 @@ class VisionInputs:
     def from_batch(self, pixel_values: torch.Tensor, grids: torch.Tensor, input_ids: torch.Tensor
                    ) -> dict[str, torch.Tensor]:
         """The forward's image arguments from batch_tensors' rows (as selected with the batch's rows)."""
-        pixels, kept, tokens = [], [], []
+        pixels, kept, counts = [], [], []
         for row in range(grids.shape[0]):
-            offset = 0
+            offset, row_counts = 0, []
             for grid in grids[row]:
                 patches = int(grid.prod())
                 if patches:
                     pixels.append(pixel_values[row, offset : offset + patches])
                     kept.append(grid)
+                    row_counts.append(patches // self.merge_size**2)
                     offset += patches
-            tokens.append(offset // self.merge_size**2)
+            counts.append(row_counts)
         if not pixels:
             return {}
-        # The row's first `tokens` image tokens are its images' (a sampled token that happens to be the image token
-        # is text, as the rollout engine took it).
-        is_image = input_ids == self.image_token_id
-        is_image &= is_image.cumsum(-1) <= torch.tensor(tokens, device=input_ids.device)[:, None]
         return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.stack(kept).to(input_ids.device),
-                "mm_token_type_ids": is_image.int()}
+                "mm_token_type_ids": self._image_runs(input_ids, counts).int()}
+
+    def _image_runs(self, input_ids: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Where each row's images sit: in order, the runs of the image token exactly as long as the next image's
+        tokens (a sampled image-token id, a run of another length, stays text, as the rollout engine took it).
+        ValueError names a row whose images are not all found."""
+        mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        for row, pending in enumerate(counts):
+            tokens, start, found = input_ids[row].tolist(), 0, 0
+            while start < len(tokens) and found < len(pending):
+                end = start
+                while end < len(tokens) and tokens[end] == self.image_token_id:
+                    end += 1
+                if end - start == pending[found] and end > start:
+                    mask[row, start:end] = True
+                    found += 1
+                start = max(end, start + 1)
+            if found < len(pending):
+                raise ValueError(f"row {row}: {len(pending) - found} of its {len(pending)} images have no run of "
+                                 f"{pending[found]} image tokens in its tokens")
+        return mask
 
     def _patches(self, images: Sequence[SampleImage], row: int) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
         """The patches and grid of each image of sample `row`, made at its recorded grid."""
