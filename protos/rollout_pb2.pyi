@@ -309,14 +309,16 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., submitted: _Optional[bool] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "temperature")
+    __slots__ = ("prompt_ids", "response_ids", "temperature", "images")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Array
     response_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.Array]
     temperature: float
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., response_ids: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePart]
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., response_ids: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ..., temperature: _Optional[float] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
 
 class ComputeLogprobsResponse(_message.Message):
     __slots__ = ("logprobs", "weight_version")

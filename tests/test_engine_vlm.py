@@ -194,3 +194,17 @@ def test_a_trainers_state_dict_updates_both_towers(vlm_dir, adopt):
     engine.load_weights(state, version=1, adopt=adopt)
     one = image_input(vlm_dir, picture(7))
     assert_matches(engine, hf_model, [(image_prompt(engine.model_config, [one]), [one])])
+
+
+def test_scoring_a_response_sees_the_prompts_image(vlm_dir, hf_vlm):
+    # ComputeLogprobs (a distillation teacher's scores) on an image prompt: transformers' logprobs, two responses
+    engine = LLMEngine(EngineConfig(model=str(vlm_dir), dtype="float32", block_size=4, max_model_len=64))
+    one = image_input(vlm_dir, picture(9))
+    prompt = image_prompt(engine.model_config, [one])
+    responses = [[50, 51, 52], [60, 3, 4, 5]]
+    scored = engine.compute_logprobs(prompt, responses, images=[one])
+    for response, logprobs in zip(responses, scored, strict=True):
+        expected = reference(hf_vlm, prompt, [one], response, engine.model_config.vision.image_token_id)
+        assert (torch.tensor(logprobs) - expected).abs().max() <= 1e-5
+    with pytest.raises(InvalidRequest, match="images"):  # the image's tokens without the image
+        engine.compute_logprobs(prompt, responses)

@@ -44,7 +44,8 @@ def png(seed: int, size=(84, 56), kind="PNG") -> bytes:
 def request(images, prompt=PROMPT, **params) -> rollout_pb2.GenerateRequest:
     return rollout_pb2.GenerateRequest(
         prompt_ids=encode_array(prompt, "int32"), images=images,
-        params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True, **params))
+        params=rollout_pb2.SamplingParams(**{"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": True,
+                                             **params}))
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,26 @@ def test_a_session_with_an_image_observation_through_the_service(vlm_dir, vlm_ro
                               image_grid_thw=processed["image_grid_thw"], mm_token_type_ids=(ids == IMAGE_PAD).int(),
                               max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, len(context):].tolist()
     assert IMAGE_PAD not in one and two == expected
+
+
+def test_compute_logprobs_takes_the_prompts_images(vlm_rollout):
+    # a teacher's scores of an image prompt's completion equal the logprobs the rollout sampled them with
+    data = png(10)
+
+    async def main():
+        async with connect(vlm_rollout.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            part = rollout_pb2.ImagePart(data=data)
+            sampled = await stub.Generate(request([part], temperature=1.0, seed=3), timeout=60)
+            completion = sampled.completions[0]
+            scored = await stub.ComputeLogprobs(rollout_pb2.ComputeLogprobsRequest(
+                prompt_ids=encode_array(PROMPT, "int32"), response_ids=[completion.token_ids], images=[part]),
+                timeout=60)
+            return decode_array(completion.logprobs, expect="float32"), decode_array(scored.logprobs[0],
+                                                                                     expect="float32")
+
+    sampled, scored = asyncio.run(main())
+    assert np.abs(sampled - scored).max() <= 1e-5
 
 
 def test_the_held_out_evaluation_sends_each_prompts_images(vlm_rollout):

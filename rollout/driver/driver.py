@@ -269,7 +269,8 @@ class Driver(GroupProducer):
         samples the trajectory log keeps."""
         teacher = await self._call(stub.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
             prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions],
-            temperature=self.config.temperature or 1.0), "ComputeLogprobs")
+            temperature=self.config.temperature or 1.0,
+            images=[rollout_pb2.ImagePart(data=image.data) for image in samples[0].images]), "ComputeLogprobs")
         for sample, proto, logprobs in zip(samples, protos, teacher.logprobs, strict=True):
             # a malformed reply fails here, not in the buffer
             sample.ref_logprobs = decode_array(logprobs, "ref_logprobs", "float32")

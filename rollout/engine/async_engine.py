@@ -158,11 +158,12 @@ class AsyncEngine(EngineThread):
                 self._submit(lambda: [self._abort_stream(request_id, stream) for (request_id, _), stream in unfinished])
 
     async def compute_logprobs(
-        self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float = 1.0
+        self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float = 1.0,
+        images: Sequence[ImageInput] = (),
     ) -> tuple[list[list[float]], int]:
-        """Logprobs of each response's tokens given the prompt (under softmax(logits / temperature)), and the
-        weight version used (between two steps)."""
-        return await self._call(lambda: (self.engine.compute_logprobs(prompt_ids, responses, temperature),
+        """Logprobs of each response's tokens given the prompt (with its images) under softmax(logits /
+        temperature), and the weight version used (between two steps)."""
+        return await self._call(lambda: (self.engine.compute_logprobs(prompt_ids, responses, temperature, images),
                                          self.engine.weight_version))
 
     async def top_logprobs(

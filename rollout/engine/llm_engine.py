@@ -190,7 +190,7 @@ class LLMEngine(SessionSteps):
         return outputs
 
     def compute_logprobs(
-        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0, images: Seq[ImageInput] = ()
     ) -> list[list[float]]:
         """Logprob of every token of each response given the prompt and the response tokens before it,
         under softmax(logits / temperature).
@@ -199,7 +199,7 @@ class LLMEngine(SessionSteps):
         neither read nor filled). Raises
         InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
         """
-        return [logprobs for logprobs, _ in self._score(prompt_ids, responses, temperature, 0)]
+        return [logprobs for logprobs, _ in self._score(prompt_ids, responses, temperature, 0, images)]
 
     def compute_top_logprobs(
         self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float, top: int
@@ -209,12 +209,14 @@ class LLMEngine(SessionSteps):
         return self._score(prompt_ids, [response_ids], temperature, top)[0][1]
 
     def _score(
-        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float, top: int
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float, top: int,
+        images: Seq[ImageInput] = (),
     ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
         if not temperature > 0:
             raise InvalidRequest("temperature", f"must be > 0 to score under softmax(logits / temperature), got {temperature}")
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.model_config.vocab_size)
+        multimodal = prompt_images(self.model_config, prompt, list(images))  # the prompt's images (their positions)
         seqs = []
         for i, response in enumerate(responses):
             tokens = [int(t) for t in response]
@@ -228,6 +230,7 @@ class LLMEngine(SessionSteps):
                 raise InvalidRequest(field, f"prompt + response exceeds the KV cache ({self.block_manager.num_blocks} "
                                             f"blocks of {self.block_manager.block_size})")
             seqs.append(Sequence(-1, "", i, prompt + tokens, SamplingParams(), 0))
+            seqs[-1].multimodal = multimodal
         results: list[tuple[list[float], list[list[tuple[int, float]]]]] = [([], []) for _ in seqs]
         pending = [seq for seq in seqs if len(seq) > len(prompt)]
         while pending:

@@ -164,8 +164,10 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         prompt = decode_array(request.prompt_ids, field="prompt_ids", expect="int32").tolist()
         responses = [decode_array(r, field=f"response_ids[{i}]", expect="int32").tolist()
                      for i, r in enumerate(request.response_ids)]
+        prompt, images = self._with_images(prompt, request.images)
         try:
-            logprobs, version = await self.engine.compute_logprobs(prompt, responses, request.temperature or 1.0)
+            logprobs, version = await self.engine.compute_logprobs(prompt, responses, request.temperature or 1.0,
+                                                                   **images)
         except (InvalidRequest, QueueFull, EngineDead) as exc:
             await _abort_with_status(context, exc)
         return rollout_pb2.ComputeLogprobsResponse(
