@@ -266,6 +266,35 @@ def test_a_node_environment_returns_an_image_observation(vlm_rollout, tmp_path):
                                  "grid_thw": [1, 8, 4], "num_tokens": 8, "bytes": len(data)}]
 
 
+def test_an_openai_session_takes_images_in_its_turns(vlm_dir, vlm_rollout):
+    import httpx
+
+    first, second = png(11), png(12, (56, 112))
+
+    def part(data: bytes) -> dict:
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=vlm_rollout.openai_url, api_key="unused", max_retries=0, timeout=60)
+        session = {"X-Session-Id": "pictures"}
+        messages = [{"role": "user", "content": [{"type": "text", "text": "look "}, part(first)]}]
+        one = await client.chat.completions.create(model=str(vlm_dir), messages=messages, temperature=0,
+                                                   max_tokens=3, extra_headers=session)
+        messages += [{"role": "assistant", "content": one.choices[0].message.content},
+                     {"role": "user", "content": [part(second), {"type": "text", "text": " and now?"}]}]
+        two = await client.chat.completions.create(model=str(vlm_dir), messages=messages, temperature=0,
+                                                   max_tokens=3, extra_headers=session)
+        async with httpx.AsyncClient(timeout=60) as http:
+            closed = (await http.post(f"{vlm_rollout.openai_url}/sessions/pictures/close", json={})).json()
+        return one, two, closed
+
+    one, two, closed = asyncio.run(main())
+    assert one.choices[0].message.content is not None and two.choices[0].message.content is not None
+    assert [(image["grid_thw"], image["num_tokens"]) for image in closed["images"]] == [([1, 4, 6], 6), ([1, 8, 4], 8)]
+    assert [image["sha256"] for image in closed["images"]] == [hashlib.sha256(d).hexdigest() for d in (first, second)]
+    assert (closed["prompt_ids"] + closed["response_ids"]).count(IMAGE_PAD) == 14
+
+
 def test_only_a_folder_with_a_vision_tower_gets_an_image_reader(tiny_model_dir, vlm_dir):
     # A server without a reader refuses every image part (RolloutServicer._parse: "images: this server ... takes no
     # images").

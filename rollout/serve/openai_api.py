@@ -150,11 +150,9 @@ class _Endpoint:
             prompt = self._render(render_prompt, [m.for_template(marker) for m in body.messages], body.tools)
             prompt = self.images.expand(prompt, images) if images else prompt
             reply = self._reply(f"chatcmpl-{uuid.uuid4().hex}", body, len(prompt), body.logprobs, chat=True)
-            extra = {"images": [read.image for read in images]} if images else {}
-            deltas = self.engine.generate(reply.id, prompt, self._params(body, max_tokens, len(prompt)), **extra)
+            deltas = self.engine.generate(reply.id, prompt, self._params(body, max_tokens, len(prompt)),
+                                          **_engine_images(images))
             return await self._respond(reply, deltas, body)
-        if urls:
-            raise APIError(400, "messages: image_url parts in a session's turns are not served yet", "messages")
         if body.n != 1:
             raise APIError(400, "n: a session turn generates one completion (n must be 1)", "n")
         session, keys, added = await self._advance(key, body)
@@ -190,6 +188,9 @@ class _Endpoint:
             "finish_reason": FINISH_REASONS.get(record.finish_reason),
             "stats": {"turns": record.turns, "prefill_tokens": record.prefill_tokens,
                       "turn_prefill_tokens": record.turn_prefill_tokens, "kv_recomputes": record.kv_recomputes},
+            **({"images": [{"sha256": image.hash.hex(), "media_type": image.media_type, "grid_thw": list(image.grid_thw),
+                            "num_tokens": image.num_tokens(self.images.merge_size)} for image in record.images]}
+               if record.images else {}),
         }
 
     # ---- sessions
@@ -198,11 +199,12 @@ class _Endpoint:
         """Bring engine session `key` up to the call's messages: open it on the first call, else append the
         messages after those it holds. Returns the session, the call's message keys and the tokens added."""
         keys = [m.key() for m in body.messages]
-        messages = [m.for_template() for m in body.messages]
         session = self.book.get(key)
         if session is None:
-            added = self._render(render_prompt, messages, body.tools)
-            num_tokens = await self.engine.open_session(key, added)
+            images, marker = self._read_images([url for m in body.messages for url in m.image_urls])
+            added = self._render(render_prompt, [m.for_template(marker) for m in body.messages], body.tools)
+            added = self.images.expand(added, images) if images else added
+            num_tokens = await self.engine.open_session(key, added, **_engine_images(images))
             return self.book.add(key, keys, num_tokens), keys, added
         if session.history is None:
             raise APIError(409, f"session {key!r} was not opened by a chat call; chat calls drive the sessions "
@@ -218,11 +220,14 @@ class _Endpoint:
         start = session.new_messages(keys)
         if start is None:  # a retry of a turn that did not run
             return session, keys, []
-        added = self._render(render_continuation, messages[start:], session.turn_closed, body.tools)
+        images, marker = self._read_images([url for m in body.messages[start:] for url in m.image_urls])
+        added = self._render(render_continuation, [m.for_template(marker) for m in body.messages[start:]],
+                             session.turn_closed, body.tools)
+        added = self.images.expand(added, images) if images else added
         held = session.history, session.awaiting_reply
         session.history, session.awaiting_reply = keys, True  # before the await: a concurrent retry appends nothing
         try:
-            session.num_tokens = await self.engine.append_to_session(key, added)
+            session.num_tokens = await self.engine.append_to_session(key, added, **_engine_images(images))
         except BaseException:
             session.history, session.awaiting_reply = held
             raise
@@ -361,6 +366,11 @@ class _Endpoint:
         headers = {"Retry-After": str(self.settings.retry_after_s)} if status in (429, 503) else None
         return JSONResponse(error_body(message, _KINDS.get(status, "invalid_request_error"), param, code),
                             status_code=status, headers=headers)
+
+
+def _engine_images(images: list[ReadImage]) -> dict:
+    """An engine call's images argument: none without images (every engine takes that call)."""
+    return {"images": [read.image for read in images]} if images else {}
 
 
 async def serve_openai(settings: OpenAISettings, engine: RolloutEngine, tokenizer, model_name: str,

@@ -6,6 +6,7 @@ penalties, logit_bias, chat's top-k alternatives). Extensions, as vLLM has them:
 stop_token_ids.
 """
 
+import hashlib
 import json
 from typing import Any, Literal
 
@@ -190,9 +191,10 @@ class ChatMessage(BaseModel):
         return out
 
     def key(self) -> tuple:
-        """What must match when a session's history is sent again: role, text, calls (arguments parsed), ids."""
+        """What must match when a session's history is sent again: role, text, calls (arguments parsed), ids, images."""
         calls = tuple((c.function.name, _canonical(c.function.arguments)) for c in self.tool_calls or ())
-        return self.role, self.text, calls, self.tool_call_id or ""
+        images = tuple(hashlib.sha256(url.encode()).hexdigest()[:16] for url in self.image_urls)
+        return self.role, self.text, calls, self.tool_call_id or "", images
 
 
 class ChatCompletionRequest(_Request):
