@@ -8,6 +8,7 @@ add to their index (`rope_delta`), and the tower's embeddings while the prefill 
 """
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from hashlib import blake2b
 
 import torch
@@ -42,7 +43,7 @@ class MultimodalPrompt:
     image_rows: torch.Tensor  # [image tokens] int64: prompt indices of the placeholder tokens, in order
     embeds: torch.Tensor | None = field(default=None, repr=False)  # [image tokens, hidden]; made at prefill
 
-    @property
+    @cached_property
     def cache_key(self) -> bytes:
         """What the prefix cache mixes into the first block's hash: the images' hashes in order."""
         return blake2b(b"".join(image.hash for image in self.images), digest_size=16).digest()
