@@ -199,26 +199,39 @@ class ModelRunner:
             return self._tensor([len(seq) - 1 + (seq.multimodal.rope_delta if seq.multimodal else 0) for seq in seqs]), None
         starts = [seq.num_cached_tokens for seq in seqs]
         counts = query_lens or [len(seq) - start for seq, start in zip(seqs, starts)]
-        columns, rows, values, offset = [], [], [], 0
-        for seq, start, count in zip(seqs, starts, counts):
+        hits = [None if seq.multimodal is None else
+                (seq.multimodal.image_rows >= start) & (seq.multimodal.image_rows < start + count)
+                for seq, start, count in zip(seqs, starts, counts)]
+        needed = {id(seq.multimodal): seq.multimodal for seq, hit in zip(seqs, hits)  # one each: scoring shares them
+                  if hit is not None and seq.multimodal.embeds is None and bool(hit.any())}
+        self._encode(list(needed.values()))
+        columns, rows, values, offset, passed = [], [], [], 0, []
+        for seq, start, count, hit in zip(seqs, starts, counts, hits):
             prompt = seq.multimodal
             if prompt is None:
                 columns.append(torch.arange(start, start + count).expand(3, -1))
             else:
                 columns.append(prompt.rope_positions(start, count))
-                hit = (prompt.image_rows >= start) & (prompt.image_rows < start + count)
                 if bool(hit.any()):
-                    if prompt.embeds is None:
-                        pixels = torch.cat([image.pixel_values for image in prompt.images]).to(self.device)
-                        grids = self._tensor([list(image.grid_thw) for image in prompt.images])
-                        prompt.embeds = self.model.encode_images(pixels, grids)
                     rows.append(prompt.image_rows[hit] - start + offset)
                     values.append(prompt.embeds[hit.to(self.device)])
                     if start + count > int(prompt.image_rows[-1]):
-                        prompt.embeds = None
+                        passed.append(prompt)
             offset += count
+        for prompt in passed:  # its prefill has passed its last image token
+            prompt.embeds = None
         positions = torch.cat(columns, dim=1).to(self.device)
         return positions, ((torch.cat(rows).to(self.device), torch.cat(values)) if rows else None)
+
+    def _encode(self, prompts: list) -> None:
+        """The vision tower over the images of `prompts` (MultimodalPrompt) in one call; each gets its embeddings."""
+        if not prompts:
+            return
+        images = [image for prompt in prompts for image in prompt.images]
+        pixels = torch.cat([image.pixel_values for image in images]).to(self.device)
+        embeds = self.model.encode_images(pixels, self._tensor([list(image.grid_thw) for image in images]))
+        for prompt, part in zip(prompts, embeds.split([len(prompt.image_rows) for prompt in prompts])):
+            prompt.embeds = part
 
     def _plan_kernel(self, seqs: list[Sequence], query_lens: list[int], kv_lens: list[int]) -> PagedKernel:
         tables = [seq.block_table for seq in seqs]
