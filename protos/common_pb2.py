@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x11relayrl.common.v1\"]\n\x05\x41rray\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05shape\x18\x04 \x03(\x04\"\xf8\x06\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12,\n\nprompt_ids\x18\x05 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12.\n\x0cresponse_ids\x18\x06 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12+\n\tloss_mask\x18\x07 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x32\n\x10rollout_logprobs\x18\x08 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x31\n\x0fweight_versions\x18\t \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x0e\n\x06reward\x18\n \x01(\x01\x12\x44\n\x0ereward_details\x18\x0b \x03(\x0b\x32,.relayrl.common.v1.Sample.RewardDetailsEntry\x12.\n\x0cturn_rewards\x18\x0c \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12/\n\x06status\x18\r \x01(\x0e\x32\x1f.relayrl.common.v1.SampleStatus\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12\x13\n\x0bprompt_text\x18\x0f \x01(\t\x12\x15\n\rresponse_text\x18\x10 \x01(\t\x12\x10\n\x08metadata\x18\x11 \x01(\x0c\x12.\n\x0cref_logprobs\x18\x12 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12(\n\x06values\x18\x13 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12,\n\nadvantages\x18\x14 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0btemperature\x18\x15 \x01(\x02\x12\x17\n\nkv_version\x18\x16 \x01(\x03H\x00\x88\x01\x01\x12\x30\n\x0erouted_experts\x18\x17 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x1a\x34\n\x12RewardDetailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_kv_version*\xb0\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x11\n\rDTYPE_FLOAT64\x10\x07\x12\x10\n\x0c\x44TYPE_UINT16\x10\x08*\x9c\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLE_STATUS_COMPLETED\x10\x01\x12\x1b\n\x17SAMPLE_STATUS_TRUNCATED\x10\x02\x12\x19\n\x15SAMPLE_STATUS_ABORTED\x10\x03\x12\x18\n\x14SAMPLE_STATUS_FAILED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x11relayrl.common.v1\"]\n\x05\x41rray\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05shape\x18\x04 \x03(\x04\"\xa5\x07\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12,\n\nprompt_ids\x18\x05 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12.\n\x0cresponse_ids\x18\x06 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12+\n\tloss_mask\x18\x07 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x32\n\x10rollout_logprobs\x18\x08 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x31\n\x0fweight_versions\x18\t \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x0e\n\x06reward\x18\n \x01(\x01\x12\x44\n\x0ereward_details\x18\x0b \x03(\x0b\x32,.relayrl.common.v1.Sample.RewardDetailsEntry\x12.\n\x0cturn_rewards\x18\x0c \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12/\n\x06status\x18\r \x01(\x0e\x32\x1f.relayrl.common.v1.SampleStatus\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12\x13\n\x0bprompt_text\x18\x0f \x01(\t\x12\x15\n\rresponse_text\x18\x10 \x01(\t\x12\x10\n\x08metadata\x18\x11 \x01(\x0c\x12.\n\x0cref_logprobs\x18\x12 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12(\n\x06values\x18\x13 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12,\n\nadvantages\x18\x14 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0btemperature\x18\x15 \x01(\x02\x12\x17\n\nkv_version\x18\x16 \x01(\x03H\x00\x88\x01\x01\x12\x30\n\x0erouted_experts\x18\x17 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12+\n\x06images\x18( \x03(\x0b\x32\x1b.relayrl.common.v1.ImageRef\x1a\x34\n\x12RewardDetailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_kv_version\"b\n\x08ImageRef\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\x12\x12\n\nmedia_type\x18\x02 \x01(\t\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c*\xb0\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x11\n\rDTYPE_FLOAT64\x10\x07\x12\x10\n\x0c\x44TYPE_UINT16\x10\x08*\x9c\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLE_STATUS_COMPLETED\x10\x01\x12\x1b\n\x17SAMPLE_STATUS_TRUNCATED\x10\x02\x12\x19\n\x15SAMPLE_STATUS_ABORTED\x10\x03\x12\x18\n\x14SAMPLE_STATUS_FAILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLE_REWARDDETAILSENTRY']._loaded_options = None
   _globals['_SAMPLE_REWARDDETAILSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1029
-  _globals['_DTYPE']._serialized_end=1205
-  _globals['_SAMPLESTATUS']._serialized_start=1208
-  _globals['_SAMPLESTATUS']._serialized_end=1364
+  _globals['_DTYPE']._serialized_start=1174
+  _globals['_DTYPE']._serialized_end=1350
+  _globals['_SAMPLESTATUS']._serialized_start=1353
+  _globals['_SAMPLESTATUS']._serialized_end=1509
   _globals['_ARRAY']._serialized_start=42
   _globals['_ARRAY']._serialized_end=135
   _globals['_SAMPLE']._serialized_start=138
-  _globals['_SAMPLE']._serialized_end=1026
-  _globals['_SAMPLE_REWARDDETAILSENTRY']._serialized_start=959
-  _globals['_SAMPLE_REWARDDETAILSENTRY']._serialized_end=1011
+  _globals['_SAMPLE']._serialized_end=1071
+  _globals['_SAMPLE_REWARDDETAILSENTRY']._serialized_start=1004
+  _globals['_SAMPLE_REWARDDETAILSENTRY']._serialized_end=1056
+  _globals['_IMAGEREF']._serialized_start=1073
+  _globals['_IMAGEREF']._serialized_end=1171
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "prompt_id", "group_id", "group_size", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "reward_details", "turn_rewards", "status", "reason", "prompt_text", "response_text", "metadata", "ref_logprobs", "values", "advantages", "temperature", "kv_version", "routed_experts")
+    __slots__ = ("sample_id", "prompt_id", "group_id", "group_size", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "reward_details", "turn_rewards", "status", "reason", "prompt_text", "response_text", "metadata", "ref_logprobs", "values", "advantages", "temperature", "kv_version", "routed_experts", "images")
     class RewardDetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class Sample(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     KV_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     prompt_id: str
     group_id: str
@@ -108,4 +109,19 @@ class Sample(_message.Message):
     temperature: float
     kv_version: int
     routed_experts: Array
-    def __init__(self, sample_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Union[Array, _Mapping]] = ..., response_ids: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., weight_versions: _Optional[_Union[Array, _Mapping]] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., turn_rewards: _Optional[_Union[Array, _Mapping]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reason: _Optional[str] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., metadata: _Optional[bytes] = ..., ref_logprobs: _Optional[_Union[Array, _Mapping]] = ..., values: _Optional[_Union[Array, _Mapping]] = ..., advantages: _Optional[_Union[Array, _Mapping]] = ..., temperature: _Optional[float] = ..., kv_version: _Optional[int] = ..., routed_experts: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    def __init__(self, sample_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Union[Array, _Mapping]] = ..., response_ids: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., weight_versions: _Optional[_Union[Array, _Mapping]] = ..., reward: _Optional[float] = ..., reward_details: _Optional[_Mapping[str, float]] = ..., turn_rewards: _Optional[_Union[Array, _Mapping]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reason: _Optional[str] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., metadata: _Optional[bytes] = ..., ref_logprobs: _Optional[_Union[Array, _Mapping]] = ..., values: _Optional[_Union[Array, _Mapping]] = ..., advantages: _Optional[_Union[Array, _Mapping]] = ..., temperature: _Optional[float] = ..., kv_version: _Optional[int] = ..., routed_experts: _Optional[_Union[Array, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ...) -> None: ...
+
+class ImageRef(_message.Message):
+    __slots__ = ("sha256", "media_type", "grid_thw", "num_tokens", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: bytes
+    media_type: str
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    data: bytes
+    def __init__(self, sha256: _Optional[bytes] = ..., media_type: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -46,18 +46,30 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "prompt_text", "params", "routing_key")
+    __slots__ = ("request_id", "prompt_ids", "prompt_text", "params", "routing_key", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _common_pb2.Array
     prompt_text: str
     params: SamplingParams
     routing_key: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePart]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
+
+class ImagePart(_message.Message):
+    __slots__ = ("data", "media_type", "sha256")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    media_type: str
+    sha256: bytes
+    def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text", "logprobs_temperature", "kv_version", "routed_experts")
@@ -82,14 +94,18 @@ class Completion(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., logprobs_temperature: _Optional[float] = ..., kv_version: _Optional[int] = ..., routed_experts: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "completions", "prompt_tokens")
+    __slots__ = ("request_id", "completions", "prompt_tokens", "prompt_ids", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    prompt_ids: _common_pb2.Array
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageRef]
+    def __init__(self, request_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ...) -> None: ...
 
 class GenerateManyRequest(_message.Message):
     __slots__ = ("requests",)
@@ -186,18 +202,20 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "prompt_text", "messages", "add_bos")
+    __slots__ = ("session_id", "prompt_ids", "prompt_text", "messages", "add_bos", "images")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _common_pb2.Array
     prompt_text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_bos: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePart]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_bos: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "num_tokens", "token_ids")
@@ -210,18 +228,20 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ...) -> None: ...
 
 class AppendToSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "turn_reward", "messages")
+    __slots__ = ("session_id", "token_ids", "text", "turn_reward", "messages", "images")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TURN_REWARD_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _common_pb2.Array
     text: str
     turn_reward: float
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., text: _Optional[str] = ..., turn_reward: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePart]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., text: _Optional[str] = ..., turn_reward: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
 
 class AppendToSessionResponse(_message.Message):
     __slots__ = ("num_tokens", "token_ids")
@@ -295,14 +315,16 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., submitted: _Optional[bool] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "temperature")
+    __slots__ = ("prompt_ids", "response_ids", "temperature", "images")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Array
     response_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.Array]
     temperature: float
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., response_ids: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImagePart]
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., response_ids: _Optional[_Iterable[_Union[_common_pb2.Array, _Mapping]]] = ..., temperature: _Optional[float] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
 
 class ComputeLogprobsResponse(_message.Message):
     __slots__ = ("logprobs", "weight_version")

@@ -31,6 +31,28 @@ def _empty(dtype: str) -> np.ndarray:
     return np.empty(0, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class SampleImage:
+    """One image of a sample's prompt (common.proto's ImageRef): its identity, the patch grid the rollout's image
+    processor made and its token count in the prompt, and the encoded bytes."""
+
+    sha256: bytes
+    media_type: str
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    data: bytes = b""
+
+    def to_proto(self) -> common_pb2.ImageRef:
+        return common_pb2.ImageRef(sha256=self.sha256, media_type=self.media_type, grid_thw=list(self.grid_thw),
+                                   num_tokens=self.num_tokens, data=self.data)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.ImageRef, index: int) -> "SampleImage":
+        if len(msg.grid_thw) != 3:
+            raise CodecError(f"images[{index}].grid_thw: expected 3 numbers (t, h, w), got {len(msg.grid_thw)}")
+        return cls(msg.sha256, msg.media_type, tuple(msg.grid_thw), msg.num_tokens, msg.data)
+
+
 @dataclass
 class Sample:
     """One response to one prompt, with everything training needs.
@@ -68,6 +90,8 @@ class Sample:
     # [tokens, sparse layers, top_k] uint8/uint16, over all tokens or all but the last (common.proto says exactly);
     # empty (shape [0, 0, 0]): not recorded
     routed_experts: np.ndarray = field(default_factory=lambda: Sample.routed_experts_unset())
+    # The prompt's images, in order (a vision-language model); [] for text
+    images: list[SampleImage] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -133,6 +157,7 @@ class Sample:
             temperature=self.temperature,
             kv_version=self.kv_version,
             routed_experts=encode_tensor(self.routed_experts, self.routed_experts.dtype),
+            images=[image.to_proto() for image in self.images],
         )
 
     @classmethod
@@ -168,6 +193,7 @@ class Sample:
             temperature=msg.temperature,
             kv_version=msg.kv_version if msg.HasField("kv_version") else None,
             routed_experts=decode_tensor(msg.routed_experts, "routed_experts", ROUTE_DTYPES, 3),
+            images=[SampleImage.from_proto(image, i) for i, image in enumerate(msg.images)],
         )
         sample.validate()
         return sample

@@ -14,7 +14,7 @@ from services.device import engine_dtype, resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The model types the native engine serves; each has its model class in rollout/model/registry.py.
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_5_vl")
 KV_CACHE_DTYPES = ("auto", "int8", "int4")
 
 
@@ -132,6 +132,27 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision facts of a Qwen2.5-VL config.json: its tower's own config (transformers' Qwen2_5_VLVisionConfig
+    fields, built by rollout/model/qwen2_5_vl.py), the image placeholder token, and how M-RoPE splits head_dim / 2
+    among the temporal, height and width positions."""
+
+    tower: dict  # config.json's vision_config
+    image_token_id: int  # the placeholder an image's embeddings replace, once per image token
+    spatial_merge_size: int  # patches merged (per side) into one image token
+    mrope_section: tuple[int, int, int]  # rotary frequencies driven by the temporal, height and width positions
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "VisionConfig":
+        tower = raw["vision_config"]
+        text = raw.get("text_config") or raw
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        return cls(tower=tower, image_token_id=raw["image_token_id"],
+                   spatial_merge_size=tower.get("spatial_merge_size", 2),
+                   mrope_section=tuple(rope.get("mrope_section", (16, 24, 24))))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The facts of a Hugging Face decoder checkpoint that the native engine needs (from config.json)."""
 
@@ -153,6 +174,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: str  # the checkpoint's own dtype name
     moe: MoeConfig | None = None  # the experts of a mixture-of-experts model (qwen3_moe); None: dense
+    vision: VisionConfig | None = None  # the vision tower of a vision-language model (qwen2_5_vl); None: text only
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -162,6 +184,12 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type: {model_type!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES})")
+        top = raw
+        if model_type == "qwen2_5_vl":  # the decoder's facts nest in text_config (flat in older exports)
+            text = top.get("text_config") or top
+            raw = {**text, "tie_word_embeddings": top.get("tie_word_embeddings", False),
+                   "eos_token_id": top.get("eos_token_id", text.get("eos_token_id")),
+                   "dtype": top.get("dtype") or top.get("torch_dtype") or text.get("dtype")}
         if raw.get("use_sliding_window"):
             raise ValueError("use_sliding_window: sliding-window attention is not supported by the native engine")
         if raw.get("hidden_act", "silu") != "silu":
@@ -183,11 +211,12 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            attention_bias=model_type in ("qwen2", "qwen2_5_vl") or raw.get("attention_bias", False),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=read_eos_token_ids(folder, raw),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             moe=MoeConfig.from_raw(raw) if model_type == "qwen3_moe" else None,
+            vision=VisionConfig.from_raw(top) if model_type == "qwen2_5_vl" else None,
         )
 
 

@@ -133,3 +133,13 @@ def test_a_driver_against_real_services_logs_every_nth_group_spelled(tmp_path, s
             assert all(lp <= 0 for lp in record["logprobs"]) and record["versions"] == [0] * len(record["ids"])
             assert record["reward"] in (0.0, 1.0) and isinstance(record["reward_details"], dict)
             assert record["status"] in ("completed", "truncated") and record["staleness"] == 0
+
+
+def test_a_group_with_an_image_carries_it_for_the_viewer():
+    from protos.sample import SampleImage
+
+    with_image = sample(0, 1.0)
+    with_image.images = [SampleImage(b"h" * 32, "image/png", (1, 4, 6), 6, b"\x89PNG-bytes")]
+    record = group_record("group", [with_image], "prod", trainer_version=5, served_version=4, spell=None, time_s=0.0)
+    assert record["prompt"]["images"] == [{"media_type": "image/png", "data": "iVBORy1ieXRlcw=="}]
+    assert "images" not in group_record("group", [sample(1, 0.0)], "prod", 5, 4, None, 0.0)["prompt"]

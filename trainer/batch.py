@@ -46,6 +46,15 @@ class TrainBatch:
     # [rows, tokens, layers, top_k] int16: the experts the rollout routed each input token to (Sample.routed_experts);
     # -1 where it has none (padding, a sample's last token); None: no sample carries routes
     routed_experts: torch.Tensor | None = None
+    # A vision-language policy's images (trainer/vision.py): per row its patches [rows, patches, patch dim] and grids
+    # [rows, images, 3], zero-padded; None for text
+    pixel_values: torch.Tensor | None = None
+    image_grids: torch.Tensor | None = None
+
+    @property
+    def images(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(pixel_values, image_grids) of a vision-language policy's batch; None for text."""
+        return None if self.image_grids is None else (self.pixel_values, self.image_grids)
 
     @property
     def num_rows(self) -> int:
@@ -67,7 +76,7 @@ class TrainBatch:
         length = max(int(self.attention_mask.sum(-1).max()), 2)
 
         def trim(name: str, value: torch.Tensor) -> torch.Tensor:
-            if value.dim() == 1:
+            if value.dim() == 1 or name in ("pixel_values", "image_grids"):
                 return value
             return value[:, :length] if name in ("input_ids", "attention_mask", "routed_experts") else value[:, : length - 1]
 
@@ -80,8 +89,9 @@ def group_indices(group_ids: Sequence[str]) -> torch.Tensor:
     return torch.tensor([numbering.setdefault(g, len(numbering)) for g in group_ids], dtype=torch.int64)
 
 
-def collate(samples: Sequence[Sample], pad_id: int = 0) -> TrainBatch:
-    """Pad `samples` into a TrainBatch. Every sample needs a non-empty prompt (at least a bos token)."""
+def collate(samples: Sequence[Sample], pad_id: int = 0, vision=None) -> TrainBatch:
+    """Pad `samples` into a TrainBatch. Every sample needs a non-empty prompt (at least a bos token). `vision` (a
+    vision-language policy's trainer.vision.VisionInputs) adds their images as row tensors."""
     for sample in samples:
         if sample.prompt_ids.size == 0:
             raise ValueError(f"sample {sample.sample_id}: prompt_ids is empty (the first response token needs a context)")
@@ -109,7 +119,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> TrainBatch:
         versions[i, columns] = sample.weight_versions
         if sample.ref_logprobs.size:
             ref_logprobs[i, columns] = sample.ref_logprobs
-    return TrainBatch(
+    batch = TrainBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
         loss_mask=torch.from_numpy(loss_mask),
@@ -121,6 +131,9 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> TrainBatch:
         ref_logprobs=torch.from_numpy(ref_logprobs) if carries_ref else None,
         routed_experts=collate_routes(samples, tokens),
     )
+    if vision is not None:
+        batch.pixel_values, batch.image_grids = vision.batch_tensors([s.images for s in samples])
+    return batch
 
 
 def collate_routes(samples: Sequence[Sample], tokens: int) -> torch.Tensor | None:

@@ -128,7 +128,7 @@ class Learner:
             samples = order_preference_pairs(samples)
         if self.replays_routes:
             check_routes(samples)
-        batch = collate(samples, self.pad_id)
+        batch = collate(samples, self.pad_id, self.policy.vision)
         chunks, per_step = plan_mini_batches(
             batch.num_rows, self.config.batch.mini_batches, self.env.dp_size, unit=2 if self.algo.name == "dpo" else 1
         )
@@ -240,7 +240,7 @@ class Learner:
             real = real * (micro.row_weights > 0)[:, None]
         return run_policy(model, micro.input_ids, micro.attention_mask, self._temperatures(micro), entropy_grad,
                           packing=self.packing, entropy=entropy, routes=micro.routed_experts,
-                          replay=self.replays_routes and model is self.policy, token_mask=real)
+                          replay=self.replays_routes and model is self.policy, token_mask=real, images=micro.images)
 
     def _temperatures(self, batch: TrainBatch) -> torch.Tensor | None:
         """RL objectives score the sampled tokens under the distribution they were drawn from (logits / T);

@@ -1,5 +1,6 @@
 """The policy: a Hugging Face causal LM, optionally with a value head, and its per-token logprobs."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from trainer.lm_head import head_token_stats
 from trainer.moe.routing import router_hooks
 from trainer.packing import pack_rows
+from trainer.vision import VisionInputs, embed_with_images
 
 # Names of the value head's parameters in the policy's state dict (never exported to HF).
 VALUE_HEAD_PREFIX = "value_head."
@@ -28,6 +30,7 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_tokens, self.lm_head_fp32 = chunk_tokens, lm_head_fp32
+        self.vision: VisionInputs | None = None  # a vision-language policy's image arguments (load_policy sets it)
         self.value_head: nn.Linear | None = None
         if value_head:
             self.value_head = nn.Linear(lm.config.hidden_size, 1)
@@ -39,8 +42,9 @@ class PolicyModel(nn.Module):
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        """The transformer blocks (the units FSDP shards one by one)."""
-        return self.lm.base_model.layers
+        """The transformer blocks (the units FSDP shards one by one): a vision-language model's are its decoder's."""
+        base = self.lm.base_model
+        return base.layers if hasattr(base, "layers") else base.language_model.layers
 
     def forward(
         self,
@@ -56,8 +60,12 @@ class PolicyModel(nn.Module):
         `inv_temperatures` [B, T-1]: 1 / the temperature of each predicting position (None = 1). The head is used
         inside this forward, so FSDP2 has it unsharded. No views out: FSDP2 hooks the outputs.
         """
+        inputs = {"input_ids": input_ids}
+        if "pixel_values" in attention_kwargs:  # a vision-language policy's images (trainer/vision.py)
+            embeds, position_ids = embed_with_images(self.lm.base_model, input_ids, attention_mask, **attention_kwargs)
+            inputs, attention_kwargs = {"inputs_embeds": embeds}, {}
         # No KV cache: it would hold every layer's keys and values, and with one transformers ignores packed rows.
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        hidden = self.lm.base_model(**inputs, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, **attention_kwargs).last_hidden_state
         logprobs, entropies = head_token_stats(hidden, self.lm.get_output_embeddings(), input_ids, inv_temperatures,
                                                chunk_tokens=self.chunk_tokens, fp32=self.lm_head_fp32, entropy=entropy)
@@ -72,10 +80,22 @@ def load_policy(path: str | Path, *, value_head: bool = False, device: torch.dev
     Dropout stays off (eval mode) during training too: the trainer's logprobs must be the
     numbers the rollout engine reports for the same weights.
     """
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lm = _auto_class(path).from_pretrained(path, dtype=torch.float32)
     policy = PolicyModel(lm, value_head=value_head, chunk_tokens=chunk_tokens, lm_head_fp32=lm_head_fp32).to(device)
+    policy.vision = VisionInputs.for_model(path)
     policy.eval()
     return policy
+
+
+def _auto_class(path: str | Path):
+    """transformers' auto class of the folder's model: a vision-language model (config.json has a vision tower) loads
+    with its vision tower (AutoModelForImageTextToText), others as causal LMs."""
+    config = Path(path) / "config.json"
+    if config.exists() and "vision_config" in json.loads(config.read_text()):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def checkpoint_layers(model: PolicyModel) -> None:
@@ -118,9 +138,11 @@ def run_policy(
     routes: torch.Tensor | None = None,
     replay: bool = False,
     token_mask: torch.Tensor | None = None,
+    images: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PolicyOutput:
     """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked; None if not `entropy`),
-    values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed.
+    values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed. `images`:
+    the rows' (pixel_values, image_grids) of a vision-language policy (TrainBatch.images; unpacked rows only).
 
     Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
     (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
@@ -132,6 +154,11 @@ def run_policy(
     """
     hooks = model.router_hooks
     tokens = attention_mask if token_mask is None else token_mask
+    vision = None
+    if images is not None:
+        if model.vision is None:
+            raise ValueError("images: the policy has no image processor (load it with load_policy)")
+        vision = model.vision.from_batch(*images, input_ids)
     inv = None
     if temperatures is not None and bool((temperatures != 1.0).any()):
         inv = 1.0 / temperatures.to(input_ids.device, torch.float32)
@@ -140,9 +167,11 @@ def run_policy(
         if hooks is not None:
             flat = routes.reshape(-1, *routes.shape[2:]).to(input_ids.device) if routes is not None else None
             hooks.prepare(flat, tokens.reshape(-1).bool(), replay)
-        logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy)
+        logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy, **(vision or {}))
         values = values[:, :-1, 0].float() if values is not None else None
     else:
+        if vision:
+            raise ValueError("packing: rows with images are not packed yet (their 3-D positions); run unpacked")
         rows = pack_rows(input_ids, attention_mask.sum(-1).tolist(), packing.row_tokens, packing.pad_id)
         if hooks is not None:
             hooks.prepare(rows.pack_tokens(routes.to(input_ids.device), -1) if routes is not None else None,

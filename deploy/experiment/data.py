@@ -4,12 +4,17 @@ The driver reads {prompt_id, prompt, metadata} per line (rollout/driver/driver.p
 chat template is applied here, once, and the rendered text is what the driver encodes.
 """
 
+import base64
+import binascii
 import json
 import pathlib
 import random
 from dataclasses import dataclass
 
 from deploy.experiment.schema import DataSection, DataSource
+
+# How a prompt holds its image (Qwen2.5-VL's tokens): the rollout expands the pad to the image's tokens.
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 class DataError(ValueError):
@@ -23,6 +28,7 @@ class PromptRow:
     prompt_id: str
     prompt: str  # the text the driver encodes (rendered through the chat template when asked)
     metadata: dict  # what the reward reads: answer and the metadata fields (a DPO pair: answer = chosen, rejected)
+    images: tuple[str, ...] = ()  # base64 encoded images, one per image placeholder in `prompt` (data.image_field)
 
 
 def source_format(source: DataSource) -> str:
@@ -75,13 +81,15 @@ def read_rows(source: DataSource) -> list[dict]:
 def missing_fields(rows: list[dict], data: DataSection) -> dict[str, int]:
     """field -> how many rows lack it, for each field the experiment names."""
     named = [data.prompt_field, data.answer_field, data.id_field, *data.metadata_fields, data.chosen_field,
-             data.rejected_field]
+             data.rejected_field, data.image_field]
     return {name: sum(name not in row for row in rows) for name in named
             if name is not None and any(name not in row for row in rows)}
 
 
-def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str) -> list[PromptRow]:
-    """Map rows to prompts: the prompt (rendered through the chat template when asked), answer and metadata."""
+def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str,
+               root: pathlib.Path | None = None) -> list[PromptRow]:
+    """Map rows to prompts: the prompt (rendered through the chat template when asked), answer and metadata, and the
+    row's image (data.image_field: a path relative to `root`, the data file's folder, or base64)."""
     missing = missing_fields(rows, data)
     if missing:
         name, count = next(iter(missing.items()))
@@ -90,6 +98,10 @@ def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str) -> li
     prompts = []
     for number, row in enumerate(rows):
         text = str(row[data.prompt_field])
+        images = ()
+        if data.image_field is not None:
+            images = (image_base64(row[data.image_field], root or pathlib.Path("."), f"{where} row {number}"),)
+            text = text if IMAGE_PLACEHOLDER in text else IMAGE_PLACEHOLDER + text
         if data.chat_template:
             messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
             messages.append({"role": "user", "content": text})
@@ -100,16 +112,29 @@ def to_prompts(rows: list[dict], data: DataSection, tokenizer, where: str) -> li
         if data.chosen_field is not None:  # a preference pair (DPO): the chosen response is the answer
             metadata.update(answer=row[data.chosen_field], rejected=row[data.rejected_field])
         prompt_id = str(row[data.id_field]) if data.id_field else f"{where}-{number}"
-        prompts.append(PromptRow(prompt_id, text, metadata))
+        prompts.append(PromptRow(prompt_id, text, metadata, images))
     return prompts
+
+
+def image_base64(value, root: pathlib.Path, where: str) -> str:
+    """A row's image as base64: read from a path under `root` (relative to the data file), else taken as base64
+    already; DataError says which when it is neither a file nor base64."""
+    path = root / str(value)
+    if isinstance(value, str) and len(value) < 4096 and path.is_file():
+        return base64.b64encode(path.read_bytes()).decode()
+    try:
+        base64.b64decode(str(value), validate=True)
+    except binascii.Error:
+        raise DataError(f"{where}: image {str(value)[:60]!r} is neither a file under {root} nor base64") from None
+    return str(value)
 
 
 def split(data: DataSection, tokenizer, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """(train, held-out eval) prompts: every row of an eval source (its first num_eval when set); without one,
     num_eval rows (64 unless set) of train held out by a seeded shuffle."""
-    train = to_prompts(read_rows(data.train), data, tokenizer, "train")
+    train = to_prompts(read_rows(data.train), data, tokenizer, "train", pathlib.Path(data.train.path).parent)
     if data.eval is not None:
-        held_out = to_prompts(read_rows(data.eval), data, tokenizer, "eval")
+        held_out = to_prompts(read_rows(data.eval), data, tokenizer, "eval", pathlib.Path(data.eval.path).parent)
         return train, held_out[:data.eval_count(len(held_out))]
     count = data.eval_count(len(train))
     if len(train) <= count:
@@ -123,7 +148,8 @@ def split(data: DataSection, tokenizer, seed: int) -> tuple[list[PromptRow], lis
 def write_prompts(prompts: list[PromptRow], path: pathlib.Path) -> pathlib.Path:
     """The driver's prompt file."""
     with open(path, "w") as out:
-        out.writelines(json.dumps({"prompt_id": row.prompt_id, "prompt": row.prompt, "metadata": row.metadata}) + "\n" for row in prompts)
+        out.writelines(json.dumps({"prompt_id": row.prompt_id, "prompt": row.prompt, "metadata": row.metadata,
+                                   **({"images": list(row.images)} if row.images else {})}) + "\n" for row in prompts)
     return path
 
 

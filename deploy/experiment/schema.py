@@ -106,6 +106,9 @@ class DataSection(Strict):
                                      "response to the prompt; it is the row's answer (an SFT warm-up learns it), so "
                                      "answer_field is null. None = no pairs (an RL run).")
     rejected_field: str | None = Field(None, description="DPO: the field holding the dispreferred response.")
+    image_field: str | None = Field(None, description="A vision-language model: the field holding each row's image, a "
+                                    "path relative to the data file or base64 bytes; the prompt gets the image "
+                                    "placeholder before its text unless it holds one (docs/multimodal.md).")
 
     def eval_count(self, rows: int) -> int:
         """How many held-out prompts a run evaluates: of an eval file's `rows`, all or the first num_eval; without

@@ -2,7 +2,7 @@
 
 Checks the config, the model folder (config, weights, tokenizer; the tokenizer fits the embedding), that the
 trainer, the rollout and distillation's teachers share one tokenizer and vocabulary, the chat template when asked
-for, the data's fields, the reward (importable, its arguments fit; a judge answers) or with `env` the environment
+for, the data's fields (and images, deploy/inspect/doctor_images.py), the reward (importable, its arguments fit; a judge answers) or with `env` the environment
 (its tasks, the policy's turn), fixed ports, disk space for the buffer and checkpoints, and the versions of torch /
 transformers / vllm. A sweep file is checked as a sweep, and any other YAML file named (deploy/inspect/doctor_files.py).
 Exit 1 on any error, 0 otherwise (warnings included).
@@ -19,6 +19,7 @@ from importlib import metadata
 from deploy.experiment.forms import OFFLINE, teacher_folders
 from deploy.experiment.schema import ExperimentConfig
 from deploy.inspect.doctor_files import not_an_experiment, prepared_by
+from deploy.inspect.doctor_images import check_images
 from deploy.inspect.findings import Finding, report
 from deploy.inspect.vocabulary import beyond_embedding
 
@@ -63,7 +64,7 @@ def _model_facts(path: pathlib.Path, role: str, findings: list[Finding], made_by
                                 f"{metadata.version('transformers')} must know its model_type)"))
         return None
     facts = ModelFacts(
-        vocab_size=int(config.vocab_size), tokenizer_size=len(tokenizer), vocab=tokenizer.get_vocab(),
+        vocab_size=int(config.get_text_config().vocab_size), tokenizer_size=len(tokenizer), vocab=tokenizer.get_vocab(),
         special={name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "pad_token")},
         chat_template=tokenizer.chat_template, weight_bytes=sum(w.stat().st_size for w in weights))
     if facts.tokenizer_size > facts.vocab_size:
@@ -343,6 +344,7 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
     facts = check_models(config, findings, maker)
     if config.data is not None:
         check_data(config, facts, findings, maker)
+        check_images(config, findings)
     check_stop(config, findings)
     if config.env is not None:
         check_env(config, findings)

@@ -27,10 +27,11 @@ async def _retried(call, request, retry_for_s: float, check=None):
 
 
 async def greedy_completions(address: str, prompts: list[list[int]], max_tokens: int, per_call: int = 64,
-                             retry_for_s: float = 300.0, client=None, check=None) -> list:
+                             retry_for_s: float = 300.0, client=None, check=None,
+                             images: list[list[bytes]] | None = None) -> list:
     """One greedy completion (rollout_pb2.Completion) per prompt, `per_call` prompts per GenerateMany call, one
     call at a time: a round trip per chunk, not per prompt. `client`: how to reach the rollout (TLS, token);
-    `check`: as _retried's."""
+    `check`: as _retried's; `images`: each prompt's encoded images (a vision-language model), else none."""
     from protos import rollout_pb2, rollout_pb2_grpc
     from protos.codec import encode_array
     from services.client import connect
@@ -39,10 +40,12 @@ async def greedy_completions(address: str, prompts: list[list[int]], max_tokens:
     async with connect(address, client) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         for start in range(0, len(prompts), per_call):
+            chunk_images = (images or [[]] * len(prompts))[start:start + per_call]
             request = rollout_pb2.GenerateManyRequest(requests=[rollout_pb2.GenerateRequest(
                 prompt_ids=encode_array(ids, "int32"),
-                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1))
-                for ids in prompts[start:start + per_call]])
+                params=rollout_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1),
+                images=[rollout_pb2.ImagePart(data=data) for data in prompt_images])
+                for ids, prompt_images in zip(prompts[start:start + per_call], chunk_images, strict=True)])
             reply = await _retried(stub.GenerateMany, request, retry_for_s, check)
             completions.extend(response.completions[0] for response in reply.responses)
     return completions
@@ -50,9 +53,10 @@ async def greedy_completions(address: str, prompts: list[list[int]], max_tokens:
 
 async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], str, dict]], max_tokens: int,
                       function: str, timeout_s: float, retry_for_s: float = 300.0, rollout_client=None,
-                      reward_client=None, check=None) -> float:
+                      reward_client=None, check=None, images: list[list[bytes]] | None = None) -> float:
     """Mean reward of greedy completions of (prompt ids, prompt text, metadata), scored by `function` on the
-    reward service; a sample the reward fails counts 0. The clients (services.config.ClientConfig) say how to
+    reward service (`images`: each prompt's encoded images, as greedy_completions'); a sample the reward fails
+    counts 0. The clients (services.config.ClientConfig) say how to
     reach the rollout and the reward (TLS, token); `check`: as _retried's."""
     import numpy as np
 
@@ -62,7 +66,8 @@ async def mean_reward(rollout: str, reward: str, prompts: list[tuple[list[int], 
     from services.client import connect
 
     completions = await greedy_completions(rollout, [ids for ids, _, _ in prompts], max_tokens,
-                                           retry_for_s=retry_for_s, client=rollout_client, check=check)
+                                           retry_for_s=retry_for_s, client=rollout_client, check=check,
+                                           images=images)
     samples = []
     for index, ((ids, text, metadata), completion) in enumerate(zip(prompts, completions, strict=True)):
         tokens = decode_array(completion.token_ids, "token_ids", "int32")

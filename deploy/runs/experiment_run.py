@@ -11,6 +11,7 @@ deploy/runs/agentic.py.
 """
 
 import asyncio
+import base64
 import logging
 import pathlib
 import sys
@@ -22,15 +23,27 @@ from deploy.rl.plan import add_bos, base_model, finish_run, pipeline_plan
 log = logging.getLogger("relayrl.experiment")
 
 
-def _sft_samples(rows, tokenizer, add_bos: bool):
-    """The warm-up's samples: each row's prompt, as the driver tokenizes it, and its `answer` field."""
+def _sft_samples(rows, tokenizer, add_bos: bool, model_dir: pathlib.Path | None = None):
+    """The warm-up's samples: each row's prompt, as the driver tokenizes it, and its `answer` field; a row's images
+    (data.image_field) read as the rollout reads them, with the model folder's image processor: the prompt's image
+    runs expanded and the images recorded, so the warm-up sees them."""
     from deploy.experiment.data import prompt_ids
     from deploy.experiment.warmup import sft_sample
+    from protos.rollout_pb2 import ImagePart
+    from rollout.serve.config import ImageSettings
+    from rollout.serve.images import ImageReader
 
-    return [sft_sample(row.prompt_id, prompt_ids(row, tokenizer, add_bos),
-                       [*tokenizer.encode(str(row.metadata["answer"]), add_special_tokens=False),
-                        tokenizer.eos_token_id])
-            for row in rows]
+    reader = ImageReader(str(model_dir), ImageSettings()) if any(row.images for row in rows) else None
+    samples = []
+    for row in rows:
+        ids = prompt_ids(row, tokenizer, add_bos)
+        read = reader.read([ImagePart(data=base64.b64decode(image)) for image in row.images]) if row.images else []
+        sample = sft_sample(row.prompt_id, reader.expand(ids, read) if read else ids,
+                            [*tokenizer.encode(str(row.metadata["answer"]), add_special_tokens=False),
+                             tokenizer.eos_token_id])
+        sample.images = [image.sample_image() for image in read]
+        samples.append(sample)
+    return samples
 
 
 def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.Path, tokenizer, train_rows,
@@ -48,7 +61,8 @@ def warm_up(config: ExperimentConfig, model_dir: pathlib.Path, run_dir: pathlib.
         progress.note(f"resuming: {policy_dir} is whole, so SFT is not run again")
         return policy_dir
     with progress.phase(f"SFT warm-up: {sft.steps} steps of {sft.batch_size}"):
-        supervised_warmup(model_dir, policy_dir, _sft_samples(train_rows, tokenizer, add_bos(config)), sft.steps,
+        samples = _sft_samples(train_rows, tokenizer, add_bos(config), model_dir)
+        supervised_warmup(model_dir, policy_dir, samples, sft.steps,
                           sft.batch_size, sft.lr, config.seed)
     return policy_dir
 
@@ -94,6 +108,7 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
 
     eval_prompts = [(experiment_data.prompt_ids(row, tokenizer, add_bos(config)), row.prompt, row.metadata)
                     for row in eval_rows]
+    eval_images = [[base64.b64decode(image) for image in row.images] for row in eval_rows]
     eval_tokens = config.evaluation.max_tokens or config.training.max_tokens
     plan = pipeline_plan(config, run_dir, policy_dir, prompts_path)
     secure(plan, config.services)
@@ -101,7 +116,8 @@ def run_experiment(config: ExperimentConfig, console=None, supervisor=None, resu
     supervisor = supervisor or Supervisor(config.supervise)
     plan.evaluate = lambda at: asyncio.run(mean_reward(at.rollout, at.reward, eval_prompts, eval_tokens, function,
                                                        config.reward.timeout_s, rollout_client=plan.client("rollout"),
-                                                       reward_client=plan.client("reward"), check=supervisor.check))
+                                                       reward_client=plan.client("reward"), check=supervisor.check,
+                                                       images=eval_images if any(eval_images) else None))
     return finish_run(config, run_dir, policy_dir, progress, supervisor,
                       lambda: run_pipeline(plan, progress, supervisor, launcher))
 

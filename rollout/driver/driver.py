@@ -13,12 +13,14 @@ counted in the stats and logged.
 """
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import pathlib
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -26,7 +28,7 @@ from pydantic import Field
 
 from protos import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, decode_tensor, encode_array
-from protos.sample import ROUTE_DTYPES, Sample, SampleStatus
+from protos.sample import ROUTE_DTYPES, Sample, SampleImage, SampleStatus
 from rollout.driver.call_merger import CallMerger
 from rollout.driver.producer import GroupProducer, run_producer
 from rollout.driver.trajectory_log import TrajectoryLogConfig
@@ -61,7 +63,8 @@ class DriverConfig(Strict):
         "a prompt's domain is its metadata[teacher_key], and its samples' ref_logprobs come from that domain's "
         "teacher (or `teacher` when the domain is not listed). A prompt with no teacher fails at load.")
     teacher_key: str = Field("domain", description="The prompt metadata field naming its domain (teachers).")
-    prompts: str = Field(description="JSONL prompt dataset: {prompt_id, prompt, metadata} per line.")
+    prompts: str = Field(description="JSONL prompt dataset: {prompt_id, prompt, metadata[, images]} per line "
+                         "(images: base64 encoded images, one per image placeholder in the prompt; docs/multimodal.md).")
     tokenizer: str = Field(description="Folder of the tokenizer that makes prompt token ids.")
     add_bos: bool = Field(True, description="Prepend the tokenizer's bos token to every prompt.")
     group_size: int = Field(8, ge=1, description="Completions per prompt (the GRPO group).")
@@ -109,6 +112,7 @@ class Prompt:
     text: str
     ids: list[int]
     metadata: dict
+    images: list[bytes] = field(default_factory=list)  # encoded images, one per image placeholder (docs/multimodal.md)
 
 
 def load_prompts(config: DriverConfig) -> list[Prompt]:
@@ -123,7 +127,8 @@ def load_prompts(config: DriverConfig) -> list[Prompt]:
         ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
         if config.add_bos and tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id, *ids]
-        prompts.append(Prompt(str(row["prompt_id"]), row["prompt"], ids, row.get("metadata", {})))
+        prompts.append(Prompt(str(row["prompt_id"]), row["prompt"], ids, row.get("metadata", {}),
+                              _decoded_images(row, config.prompts)))
     if not prompts:
         raise ValueError(f"{config.prompts}: no prompts")
     if config.teachers and not config.teacher:
@@ -135,6 +140,14 @@ def load_prompts(config: DriverConfig) -> list[Prompt]:
                              f"metadata {config.teacher_key}={domain!r}; teachers: {sorted(config.teachers)}); "
                              "list their domain in teachers or set teacher as the default")
     return prompts
+
+
+def _decoded_images(row: dict, where: str) -> list[bytes]:
+    """A prompt row's `images` (base64 strings of encoded images), decoded; ValueError names the row."""
+    try:
+        return [base64.b64decode(image, validate=True) for image in row.get("images", [])]
+    except (binascii.Error, TypeError) as exc:
+        raise ValueError(f"{where}: prompt {row['prompt_id']!r}: images must be base64 strings ({exc})") from None
 
 
 class Driver(GroupProducer):
@@ -196,11 +209,16 @@ class Driver(GroupProducer):
                 temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
                 n=cfg.group_size, logprobs=True, seed=(cfg.seed * 1_000_003 + group_index) % 2**63,
             ),
+            images=[rollout_pb2.ImagePart(data=data) for data in prompt.images],
         )
         with span("driver.generate"):  # each traced group's wait; merged calls' server spans join one group's
             (reply,) = await self.generator.submit([request])
         traceparent = current_traceparent()  # a traced group's samples carry it through the buffer to the trainer
         metadata = prompt.metadata if traceparent is None else {**prompt.metadata, TRACEPARENT: traceparent}
+        # with images: the prompt as the rollout expanded it, and each image as it saw it (the trainer's inputs)
+        prompt_ids = decode_array(reply.prompt_ids, "prompt_ids", "int32") if reply.images else prompt.ids
+        images = [SampleImage(ref.sha256, ref.media_type, tuple(ref.grid_thw), ref.num_tokens, data)
+                  for ref, data in zip(reply.images, prompt.images, strict=True)]
         samples = []
         for completion in reply.completions:
             tokens = decode_array(completion.token_ids, "token_ids", "int32")
@@ -210,7 +228,7 @@ class Driver(GroupProducer):
                 prompt_id=prompt.prompt_id,
                 group_id=group_id,
                 group_size=cfg.group_size,
-                prompt_ids=np.asarray(prompt.ids, np.int32),
+                prompt_ids=np.asarray(prompt_ids, np.int32),
                 response_ids=tokens,
                 loss_mask=np.ones(tokens.size, np.uint8),
                 rollout_logprobs=decode_array(completion.logprobs, "logprobs", "float32"),
@@ -223,6 +241,7 @@ class Driver(GroupProducer):
                 prompt_text=prompt.text,
                 response_text=completion.text,
                 metadata=metadata,
+                images=images,
             ))
         protos = [s.to_proto() for s in samples]  # encoded once: scored, then completed and stored
         scoring = self.scorer.submit(protos)
@@ -259,7 +278,8 @@ class Driver(GroupProducer):
         samples the trajectory log keeps."""
         teacher = await self._call(stub.ComputeLogprobs, rollout_pb2.ComputeLogprobsRequest(
             prompt_ids=prompt_ids, response_ids=[c.token_ids for c in reply.completions],
-            temperature=self.config.temperature or 1.0), "ComputeLogprobs")
+            temperature=self.config.temperature or 1.0,
+            images=[rollout_pb2.ImagePart(data=image.data) for image in samples[0].images]), "ComputeLogprobs")
         for sample, proto, logprobs in zip(samples, protos, teacher.logprobs, strict=True):
             # a malformed reply fails here, not in the buffer
             sample.ref_logprobs = decode_array(logprobs, "ref_logprobs", "float32")

@@ -10,6 +10,7 @@ group it holds (the stride doubles) and goes on at the wider stride, so it cover
 its bound. A restarted producer appends to the same file and thins it the same way.
 """
 
+import base64
 import json
 import logging
 import os
@@ -177,7 +178,8 @@ def sample_record(sample: Sample, spell: Spell | None, newest_version: int) -> d
 
 def group_record(kind: str, samples: Sequence[Sample], producer_id: str, trainer_version: int, served_version: int,
                  spell: Spell | None, time_s: float, prompt: dict | None = None, extra: Sequence[dict] = ()) -> dict:
-    """A scored group (`kind` "group": the driver's completions of one prompt, whose metadata is the prompt's;
+    """A scored group (`kind` "group": the driver's completions of one prompt, whose metadata is the prompt's, and
+    its images (base64) when it has some;
     "episodes": the runner's episodes of one task) as one record. `prompt` adds to or replaces the prompt's fields
     (an episode's first messages); `extra` adds fields to each sample's record (an episode's turns)."""
     first = samples[0]
@@ -191,6 +193,8 @@ def group_record(kind: str, samples: Sequence[Sample], producer_id: str, trainer
         "time": time_s, "version": min(oldest, default=served_version), "trainer_version": trainer_version,
         "served_version": served_version,
         "prompt": {"text": first.prompt_text, "ids": first.prompt_ids.tolist(), "metadata": first.metadata,
+                   **({"images": [{"media_type": image.media_type, "data": base64.b64encode(image.data).decode()}
+                                  for image in first.images]} if first.images else {}),
                    **(prompt or {})},
         "samples": records,
     }

@@ -21,6 +21,7 @@ from rollout.engine.engine_thread import EngineThread, Stream
 from rollout.engine.errors import NotAdmitted
 from rollout.engine.kv_handoff import add_prefilled_request, budget_batches, prefill_many_for_transfer
 from rollout.engine.model_info import Layout
+from rollout.engine.multimodal import ImageInput
 from rollout.engine.outputs import Completion, TokenOutput
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.sessions import SessionRecord, SessionState
@@ -63,7 +64,7 @@ class AsyncEngine(EngineThread):
         return self.engine.parameter_layout()
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, images: Sequence[ImageInput] = ()
     ) -> AsyncIterator[Completion]:
         """Yield deltas of the request's n completions as the engine produces them.
 
@@ -73,7 +74,7 @@ class AsyncEngine(EngineThread):
         """
         prompt = list(prompt_ids)
         async for delta in self._stream(request_id, params.n,
-                                        lambda: self.engine.add_request(request_id, prompt, params)):
+                                        lambda: self.engine.add_request(request_id, prompt, params, images)):
             yield delta
 
     async def _stream(self, request_id: str, n: int, add: Callable[[], None]) -> AsyncIterator[Completion]:
@@ -126,18 +127,22 @@ class AsyncEngine(EngineThread):
                                         lambda: add_prefilled_request(self.engine, request_id, prefilled, params)):
             yield delta
 
-    async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+    async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                           images: Sequence[ImageInput] = ()) -> list[Completion]:
         """The request's n completions, in index order, once all have finished (an abort keeps partial output): one
         hand-over per request, not per step. Raises like generate(); cancelling the wait aborts the request."""
-        return (await self.generate_all_many([(request_id, prompt_ids, params)]))[0]
+        return (await self.generate_all_many([(request_id, prompt_ids, params, images)]))[0]
 
-    async def generate_all_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+    async def generate_all_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]
+                                                         | tuple[str, Sequence[int], SamplingParams, Sequence[ImageInput]]]
                                 ) -> list[list[Completion]]:
-        """generate_all of each (request id, prompt ids, params), added by one command: they start in the same step,
-        in their order, whatever the engine thread was doing, so the same requests are batched (and computed) alike
-        every time. A refusal raises like generate_all, its `request_index` naming the request; the rest are aborted."""
+        """generate_all of each (request id, prompt ids, params[, images]), added by one command: they start in the
+        same step, in their order, whatever the engine thread was doing, so the same requests are batched (and
+        computed) alike every time. A refusal raises like generate_all, its `request_index` naming the request; the
+        rest are aborted."""
         return await self._whole([(request_id, functools.partial(self.engine.add_request, request_id, list(prompt),
-                                                                 params)) for request_id, prompt, params in requests])
+                                                                 params, *images))
+                                  for request_id, prompt, params, *images in requests])
 
     async def _whole(self, adds: list[tuple[str, Callable[[], None]]]) -> list[list[Completion]]:
         """Run each (request id, add) on the engine thread in one command; then each request's completions at once."""
@@ -156,11 +161,12 @@ class AsyncEngine(EngineThread):
                 self._submit(lambda: [self._abort_stream(request_id, stream) for (request_id, _), stream in unfinished])
 
     async def compute_logprobs(
-        self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float = 1.0
+        self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float = 1.0,
+        images: Sequence[ImageInput] = (),
     ) -> tuple[list[list[float]], int]:
-        """Logprobs of each response's tokens given the prompt (under softmax(logits / temperature)), and the
-        weight version used (between two steps)."""
-        return await self._call(lambda: (self.engine.compute_logprobs(prompt_ids, responses, temperature),
+        """Logprobs of each response's tokens given the prompt (with its images) under softmax(logits /
+        temperature), and the weight version used (between two steps)."""
+        return await self._call(lambda: (self.engine.compute_logprobs(prompt_ids, responses, temperature, images),
                                          self.engine.weight_version))
 
     async def top_logprobs(
@@ -176,24 +182,26 @@ class AsyncEngine(EngineThread):
 
     # ---- sessions (rollout/engine/sessions.py); refusals raise the engine's errors (rollout/engine/errors.py)
 
-    async def open_session(self, session_id: str, prompt_ids: Sequence[int]) -> int:
-        """Open a session on its initial context; returns the context length. Under engine.session_admission kv it
-        waits in the admission queue (asking again every _ADMISSION_POLL_S) until it is admitted."""
+    async def open_session(self, session_id: str, prompt_ids: Sequence[int], images: Sequence[ImageInput] = ()) -> int:
+        """Open a session on its initial context (with its images); returns the context length. Under
+        engine.session_admission kv it waits in the admission queue (asking again every _ADMISSION_POLL_S) until it
+        is admitted."""
         prompt = list(prompt_ids)
         try:
             while True:
                 try:
-                    return await self._call(lambda: self.engine.open_session(session_id, prompt))
+                    return await self._call(lambda: self.engine.open_session(session_id, prompt, images))
                 except NotAdmitted:
                     await asyncio.sleep(_ADMISSION_POLL_S)
         except asyncio.CancelledError:  # the caller gave up: it leaves the queue
             self._commands.put((lambda: self.engine.sessions.admission.forget(session_id), Future()))
             raise
 
-    async def append_to_session(self, session_id: str, token_ids: Sequence[int], turn_reward: float | None = None) -> int:
-        """Append observation tokens (loss mask 0); returns the context length."""
+    async def append_to_session(self, session_id: str, token_ids: Sequence[int], turn_reward: float | None = None,
+                                images: Sequence[ImageInput] = ()) -> int:
+        """Append observation tokens (loss mask 0, with their images); returns the context length."""
         tokens = list(token_ids)
-        return await self._call(lambda: self.engine.append_to_session(session_id, tokens, turn_reward))
+        return await self._call(lambda: self.engine.append_to_session(session_id, tokens, turn_reward, images))
 
     async def generate_in_session(self, session_id: str, params: SamplingParams, whole: bool = False,
                                   expected_idle_s: float | None = None) -> AsyncIterator[Completion]:

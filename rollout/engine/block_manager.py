@@ -5,7 +5,8 @@ shared block a completion is about to write into is copied first (copy-on-write)
 is returned for the model runner to perform on the cache.
 
 Prefix cache: a block full of computed KV is registered under the hash of its tokens chained with
-the hash of the block before it, so the hash names the whole prefix up to the block's end. A new
+the hash of the block before it, so the hash names the whole prefix up to the block's end (the first block's
+chains the hash of the prompt's images, when it has some). A new
 sequence takes the registered blocks of its leading full blocks instead of computing them. A
 registered block nobody holds stays reusable in an LRU pool (counted as free) until a fresh block is
 needed and none is plainly free. New weights make every cached KV stale: `reset_prefix_cache` drops
@@ -127,9 +128,10 @@ class BlockManager:
     def prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """The chained hashes of the full blocks of `seq`'s tokens (kept on the sequence, extended as it grows)."""
         hashes, size = seq.block_hashes, self.block_size
+        first = seq.multimodal.cache_key if seq.multimodal is not None else b""  # the same text, other images: a miss
         for index in range(len(hashes), len(seq) // size):
             tokens = array("q", seq.token_ids[index * size : (index + 1) * size]).tobytes()
-            hashes.append(blake2b((hashes[-1] if hashes else b"") + tokens, digest_size=16).digest())
+            hashes.append(blake2b((hashes[-1] if hashes else first) + tokens, digest_size=16).digest())
         return hashes
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -16,11 +16,13 @@ from rollout.engine.errors import ContextFull, DuplicateRequest, InvalidRequest,
 from rollout.engine.kv_eviction import KVEvictor
 from rollout.engine.model_info import Layout, ModelInfo
 from rollout.engine.model_runner import ModelRunner
+from rollout.engine.multimodal import ImageInput, prompt_images
 from rollout.engine.outputs import Completion, RequestOutput, TokenOutput
 from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.engine.scheduler import Batch, Scheduler
 from rollout.engine.sequence import FinishReason, Sequence
-from rollout.engine.sessions import SessionSteps, SessionTable
+from rollout.engine.session_steps import SessionSteps
+from rollout.engine.sessions import SessionTable
 from rollout.kv.host_tier import TIER_STATS, HostKVTier
 from services.device import device_scope, synchronize
 
@@ -76,11 +78,15 @@ class LLMEngine(SessionSteps):
         return self.runner.graphs is None
 
     def parameter_layout(self) -> Layout:
-        """name -> (shape, dtype) of every parameter a weight update may carry."""
-        return {name: (tuple(p.shape), p.dtype) for name, p in self.runner.model.named_parameters()}
+        """name -> (shape, dtype) of every parameter a weight update may carry, under the names a trainer's state
+        dict has (CausalLM.published_name)."""
+        model = self.runner.model
+        return {model.published_name(name): (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Queue a request; raises InvalidRequest, DuplicateRequest or QueueFull."""
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                    images: Seq[ImageInput] = ()) -> None:
+        """Queue a request; raises InvalidRequest, DuplicateRequest or QueueFull. `images`: one per run of image
+        tokens in the prompt, in order (a vision-language model; rollout/engine/multimodal.py)."""
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.model_config.vocab_size)
         params.validate(
@@ -95,7 +101,10 @@ class LLMEngine(SessionSteps):
                 f"prompt + max_tokens ({len(prompt) + params.max_tokens} tokens) exceeds the KV cache "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})",
             )
+        multimodal = prompt_images(self.model_config, prompt, list(images))
         seqs = self._new_sequences(request_id, prompt, params)
+        for seq in seqs:
+            seq.multimodal = multimodal
         seqs[0].forks = seqs[1:]
         self.scheduler.add(seqs[0])
         self.requests[request_id] = seqs
@@ -110,6 +119,24 @@ class LLMEngine(SessionSteps):
 
     # ---- sessions (rollout/engine/sessions.py)
 
+    def open_session(self, session_id: str, prompt_ids: Seq[int], images: Seq[ImageInput] = ()) -> int:
+        """SessionSteps.open_session, with the initial context's images (one per run of image tokens)."""
+        multimodal = prompt_images(self.model_config, [int(t) for t in prompt_ids], list(images))
+        length = super().open_session(session_id, prompt_ids)
+        self.sessions.sessions[session_id].multimodal = multimodal
+        return length
+
+    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None,
+                          images: Seq[ImageInput] = ()) -> int:
+        """SessionSteps.append_to_session, with the observation's images: their positions continue the context's."""
+        session = self.sessions.idle(session_id)
+        start = len(session.token_ids)
+        multimodal = prompt_images(self.model_config, session.token_ids + [int(t) for t in token_ids], list(images),
+                                   session.multimodal, start)
+        length = super().append_to_session(session_id, token_ids, turn_reward)
+        session.multimodal = multimodal
+        return length
+
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams,
                             expected_idle_s: float | None = None) -> None:
         """Queue the session's next policy turn (one completion, max_tokens cut to the context left); KV of it that
@@ -122,6 +149,7 @@ class LLMEngine(SessionSteps):
                               f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
         [seq] = self._new_sequences(request_id, session.token_ids, params)
         session.next_idle_s = expected_idle_s
+        seq.multimodal = session.multimodal
         self.sessions.start_turn(session, seq, logprobs_temperature(self.config.logprobs_mode, params.temperature))
         self.scheduler.add(seq)
         self.requests[request_id] = [seq]
@@ -173,7 +201,7 @@ class LLMEngine(SessionSteps):
         return outputs
 
     def compute_logprobs(
-        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0, images: Seq[ImageInput] = ()
     ) -> list[list[float]]:
         """Logprob of every token of each response given the prompt and the response tokens before it,
         under softmax(logits / temperature).
@@ -182,7 +210,7 @@ class LLMEngine(SessionSteps):
         neither read nor filled). Raises
         InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
         """
-        return [logprobs for logprobs, _ in self._score(prompt_ids, responses, temperature, 0)]
+        return [logprobs for logprobs, _ in self._score(prompt_ids, responses, temperature, 0, images)]
 
     def compute_top_logprobs(
         self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float, top: int
@@ -192,12 +220,14 @@ class LLMEngine(SessionSteps):
         return self._score(prompt_ids, [response_ids], temperature, top)[0][1]
 
     def _score(
-        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float, top: int
+        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float, top: int,
+        images: Seq[ImageInput] = (),
     ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
         if not temperature > 0:
             raise InvalidRequest("temperature", f"must be > 0 to score under softmax(logits / temperature), got {temperature}")
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.model_config.vocab_size)
+        multimodal = prompt_images(self.model_config, prompt, list(images))  # the prompt's images (their positions)
         seqs = []
         for i, response in enumerate(responses):
             tokens = [int(t) for t in response]
@@ -211,6 +241,7 @@ class LLMEngine(SessionSteps):
                 raise InvalidRequest(field, f"prompt + response exceeds the KV cache ({self.block_manager.num_blocks} "
                                             f"blocks of {self.block_manager.block_size})")
             seqs.append(Sequence(-1, "", i, prompt + tokens, SamplingParams(), 0))
+            seqs[-1].multimodal = multimodal
         results: list[tuple[list[float], list[list[tuple[int, float]]]]] = [([], []) for _ in seqs]
         pending = [seq for seq in seqs if len(seq) > len(prompt)]
         while pending:
@@ -276,14 +307,15 @@ class LLMEngine(SessionSteps):
         self.block_manager.reset_prefix_cache()
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        images: list[list[ImageInput]] | None = None,
     ) -> list[RequestOutput]:
-        """Offline generation: run every prompt to completion, outputs in prompt order."""
+        """Offline generation: run every prompt (with its images, if given) to completion, outputs in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, prompt_images_ in zip(prompts, params_list, images or [()] * len(prompts), strict=True):
             request_id = f"generate-{next(self._request_ids)}"
-            self.add_request(request_id, prompt, p)
+            self.add_request(request_id, prompt, p, prompt_images_)
             outputs[request_id] = RequestOutput(request_id, list(prompt), [Completion(i) for i in range(p.n)])
         while any(output.request_id in self.requests for output in outputs.values()):
             for token in self.step():

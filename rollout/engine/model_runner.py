@@ -84,7 +84,8 @@ class ModelRunner:
         else:
             query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
             input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens, batch.observe)
-            hidden = self.model(input_ids, positions, self.cache, meta)
+            positions, embeds = self._mrope_inputs(computed, batch.is_prefill, query_lens, positions)
+            hidden = self.model(input_ids, positions, self.cache, meta, embeds)
             self.observations = meta.observations
             self._record_routes(batch, computed)
         if not batch.sampled:  # every sequence is mid-prefill
@@ -125,7 +126,8 @@ class ModelRunner:
         sequence, so a long sequence with a large vocabulary never holds [all tokens, vocab] at once.
         """
         input_ids, positions, meta, last_rows = self._prepare(seqs, is_prefill=True)
-        hidden = self.model(input_ids, positions, self.cache, meta)
+        positions, embeds = self._mrope_inputs(seqs, True, None, positions)
+        hidden = self.model(input_ids, positions, self.cache, meta, embeds)
         results = []
         for seq, start, last in zip(seqs, starts, last_rows):
             first = last - len(seq) + 1  # the sequence's first row
@@ -200,6 +202,52 @@ class ModelRunner:
                                       [s + n for s, n in zip(starts[split:], lens)], observe, lens))
         return input_ids_t, positions_t, AttentionMetadata(slot_mapping=slot_mapping_t, groups=groups), last_rows
 
+    def _mrope_inputs(self, seqs: list[Sequence], is_prefill: bool, query_lens: list[int] | None,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A model with 3-D positions (a vision-language model, rollout/engine/multimodal.py): the [3, T] positions of
+        the rows `_prepare` built, and (rows, embeddings) of the image tokens among them, the vision tower run on a
+        request's images at the first chunk that needs them (kept until its prefill has passed its last image token).
+        Other models: `positions` as they are, no embeddings."""
+        if not self.model.mrope:
+            return positions, None
+        if not is_prefill:  # one text token each, its three positions equal: index + the request's offset
+            return self._tensor([len(seq) - 1 + (seq.multimodal.rope_delta if seq.multimodal else 0) for seq in seqs]), None
+        starts = [seq.num_cached_tokens for seq in seqs]
+        counts = query_lens or [len(seq) - start for seq, start in zip(seqs, starts)]
+        hits = [None if seq.multimodal is None else
+                (seq.multimodal.image_rows >= start) & (seq.multimodal.image_rows < start + count)
+                for seq, start, count in zip(seqs, starts, counts)]
+        needed = {id(seq.multimodal): seq.multimodal for seq, hit in zip(seqs, hits)  # one each: scoring shares them
+                  if hit is not None and seq.multimodal.embeds is None and bool(hit.any())}
+        self._encode(list(needed.values()))
+        columns, rows, values, offset, passed = [], [], [], 0, []
+        for seq, start, count, hit in zip(seqs, starts, counts, hits):
+            prompt = seq.multimodal
+            if prompt is None:
+                columns.append(torch.arange(start, start + count).expand(3, -1))
+            else:
+                columns.append(prompt.rope_positions(start, count))
+                if bool(hit.any()):
+                    rows.append(prompt.image_rows[hit] - start + offset)
+                    values.append(prompt.embeds[hit.to(self.device)])
+                    if start + count > int(prompt.image_rows[-1]):
+                        passed.append(prompt)
+            offset += count
+        for prompt in passed:  # its prefill has passed its last image token
+            prompt.embeds = None
+        positions = torch.cat(columns, dim=1).to(self.device)
+        return positions, ((torch.cat(rows).to(self.device), torch.cat(values)) if rows else None)
+
+    def _encode(self, prompts: list) -> None:
+        """The vision tower over the images of `prompts` (MultimodalPrompt) in one call; each gets its embeddings."""
+        if not prompts:
+            return
+        images = [image for prompt in prompts for image in prompt.images]
+        pixels = torch.cat([image.pixel_values for image in images]).to(self.device)
+        embeds = self.model.encode_images(pixels, self._tensor([list(image.grid_thw) for image in images]))
+        for prompt, part in zip(prompts, embeds.split([len(prompt.image_rows) for prompt in prompts])):
+            prompt.embeds = part
+
     def _plan_kernel(self, seqs: list[Sequence], query_lens: list[int], kv_lens: list[int]) -> PagedKernel:
         tables = [seq.block_table for seq in seqs]
         if self.attention_kernel == "flashinfer":
@@ -215,6 +263,8 @@ class ModelRunner:
         for seq in seqs:
             position = len(seq) - 1
             slot = position - seq.num_evicted_tokens
+            if seq.multimodal is not None:  # a decoded token's three M-RoPE positions are equal: one suffices
+                position += seq.multimodal.rope_delta
             block_slot = seq.block_table[slot // self.block_size] * self.block_size + slot % self.block_size
             rows.append([seq.token_ids[-1], position, block_slot, slot + 1, *seq.block_table])
         return rows

@@ -2,6 +2,7 @@
 
 import enum
 
+from rollout.engine.multimodal import MultimodalPrompt
 from rollout.engine.sampling_params import SamplingParams
 
 
@@ -67,6 +68,8 @@ class Sequence:
         self.stale_kv_version: int | None = None
         # Of a mixture-of-experts model: the experts each position was routed to (rollout/engine/routes.py's RouteLog)
         self.routes = None
+        # The images of its prompt and their M-RoPE positions (rollout/engine/multimodal.py); None: text only.
+        self.multimodal: MultimodalPrompt | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -47,14 +47,8 @@ from rollout.engine.model_info import Layout, ModelInfo
 from rollout.engine.outputs import Completion
 from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.engine.sequence import FinishReason
-from rollout.engine.sessions import (
-    SessionRecord,
-    SessionState,
-    SessionTable,
-    append_checked,
-    open_checked,
-    turn_params,
-)
+from rollout.engine.session_steps import append_checked, open_checked, turn_params
+from rollout.engine.sessions import SessionRecord, SessionState, SessionTable
 from rollout.engines.base import KeepsItsOwnSessionKV, checkpoint_layout, generate_each
 from rollout.engines.settings import SglangSettings
 from services.weights import GroupSpec, Manifest

@@ -38,7 +38,8 @@ from rollout.engine.model_info import Layout, ModelInfo
 from rollout.engine.outputs import TokenOutput
 from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.engine.sequence import FinishReason, Sequence, SequenceStatus
-from rollout.engine.sessions import SessionSteps, SessionTable
+from rollout.engine.session_steps import SessionSteps
+from rollout.engine.sessions import SessionTable
 from rollout.engines.base import checkpoint_layout
 from rollout.engines.settings import VllmSettings
 from rollout.engines.vllm_worker import SCORE_TEMPERATURE

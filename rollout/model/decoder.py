@@ -100,6 +100,8 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """The decoder plus its LM head. forward() runs the new tokens of a batch; logits() projects rows."""
 
+    mrope = False  # whether positions are 3-D (temporal, height, width; a vision-language model's M-RoPE)
+
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
                  head_fp32: bool = False):
         super().__init__()
@@ -119,6 +121,11 @@ class CausalLM(nn.Module):
         """The feed-forward block of layer `layer` (x [T, hidden] -> [T, hidden]): a dense gated MLP."""
         return MLP(self.config, dtype, device)
 
+    def published_name(self, name: str) -> str:
+        """The name a trainer's state dict gives parameter `name` (what a weight update carries): the same for the
+        text families; a family whose in-memory names differ from its checkpoint's maps them (weight_alias reverses)."""
+        return name
+
     def weight_alias(self, name: str) -> tuple[str, tuple] | None:
         """(parameter name, index) when checkpoint name `name` is a part of a parameter (the part is
         parameter[index]); None when it names a whole parameter. Dense models have no such names."""
@@ -130,10 +137,15 @@ class CausalLM(nn.Module):
         return None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the new tokens, after the final norm; writes their KV."""
+        """Hidden states [T, hidden] of the new tokens, after the final norm; writes their KV. `embeds` (rows,
+        values [rows, hidden]) replace the token embeddings of those rows (an image's, rollout/model/qwen2_5_vl.py);
+        `positions` are [T], or [3, T] for a model with multimodal rotary positions (`mrope`)."""
         x = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         rotary = self.model.rotary_emb
         rope = rotary.tables(positions)
         for layer in self.model.layers:

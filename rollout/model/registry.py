@@ -3,6 +3,7 @@ rollout/model/decoder.py's layers); the scheduler, KV cache and sessions never b
 
 from rollout.config import SUPPORTED_MODEL_TYPES
 from rollout.model.decoder import CausalLM
+from rollout.model.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -10,6 +11,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3": CausalLM,
     "llama": CausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
 }
 
 

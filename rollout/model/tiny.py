@@ -1,4 +1,5 @@
-"""Tiny-model kit: a char-level tokenizer and small randomly initialised Qwen2/Qwen3/Llama/Qwen3-MoE folders.
+"""Tiny-model kit: a char-level tokenizer and small randomly initialised Qwen2/Qwen3/Llama/Qwen3-MoE folders
+(and Qwen2.5-VL, through rollout/model/tiny_vlm.py).
 
 Tests, benchmarks and the quickstart build models here instead of downloading them. A folder
 written by `write_tiny_model` holds config.json, model.safetensors and the tokenizer files, and
@@ -106,7 +107,17 @@ def write_tiny_model(
     `num_experts` on are its alone; saved
     with per-expert weight names, as transformers writes them). Qwen2 derives head_dim from hidden_size /
     num_heads in vLLM, so for qwen2 the two must agree. `intermediate_size` defaults to 4 * hidden_size.
+    "qwen2_5_vl" writes a vision-language model (rollout/model/tiny_vlm.py's write_tiny_vlm, with its defaults for
+    the vision tower and the image processor).
     """
+    if arch == "qwen2_5_vl":
+        from rollout.model.tiny_vlm import (
+            write_tiny_vlm,  # transformers' VLM classes: imported when asked for
+        )
+
+        return write_tiny_vlm(path, char_tokenizer(), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed, dtype=dtype,
+                              max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
     if arch not in _CONFIG_CLASSES:
         raise ValueError(f"arch: expected one of {sorted(_CONFIG_CLASSES)}, got {arch!r}")
     if dtype not in _TORCH_DTYPES:

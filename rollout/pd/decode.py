@@ -115,8 +115,9 @@ class DecodeServicer(RolloutServicer):
         self.max_repulls = max_repulls
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                        context) -> AsyncIterator[Completion]:
-        """Pull the prefill, import it, stream the deltas; refusals end the call with their status."""
+                        context, images=()) -> AsyncIterator[Completion]:
+        """Pull the prefill, import it, stream the deltas; refusals end the call with their status. (`images`: always
+        none here: this servicer has no image reader, so a request with images is refused before it.)"""
         from rollout.engine.errors import EngineDead
 
         request = rollout_pb2.GenerateRequest(request_id=request_id, prompt_ids=encode_array(prompt, "int32"),
@@ -152,7 +153,7 @@ class DecodeServicer(RolloutServicer):
             await self._refuse(context, exc)
 
     async def _generate_all(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            context) -> list[Completion]:
+                            context, images=()) -> list[Completion]:
         completions = [Completion(i) for i in range(params.n)]
         async for delta in self._generate(request_id, prompt, params, context):
             done = completions[delta.index]

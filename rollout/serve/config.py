@@ -7,6 +7,14 @@ from rollout.serve.openai_schema import OpenAISettings
 from services.config import ClientConfig, ServerConfig, Strict
 
 
+class ImageSettings(Strict):
+    """Limits on the images of a request to a vision-language model (rollout/serve/images.py)."""
+
+    max_image_pixels: int = Field(16_000_000, gt=0, description="The most pixels (width x height) an image may have "
+                                  "before resizing; a bigger one is refused (INVALID_ARGUMENT naming the part).")
+    max_images: int = Field(16, gt=0, description="The most images one request may carry.")
+
+
 class ReplicaConfig(Strict):
     """`relayrl serve rollout` serving an engine in this process (rollout/main.py adds the router's settings)."""
 
@@ -21,3 +29,5 @@ class ReplicaConfig(Strict):
                                     "unavailable or full before it answers submitted=false.")
     openai: OpenAISettings | None = Field(None, description="The OpenAI-compatible HTTP endpoint over the same "
                                           "engine (rollout/serve/openai_api.py, docs/openai.md); None: off.")
+    images: ImageSettings = Field(default_factory=ImageSettings, description="Limits on a request's images (a "
+                                  "vision-language model; docs/multimodal.md).")

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
+from protos.codec import CodecError
 from rollout.engine.errors import (
     ContextFull,
     DuplicateRequest,
@@ -37,6 +38,7 @@ from rollout.engine.sessions import SessionRecord
 from rollout.engines.base import RolloutEngine
 from rollout.serve.chat import NoChatTemplate, render_continuation, render_prompt
 from rollout.serve.http_server import OpenAIServer, start_http
+from rollout.serve.images import ImageReader, ReadImage, read_data_urls
 from rollout.serve.openai_output import FINISH_REASONS, Choice, Reply, error_body, sse
 from rollout.serve.openai_schema import (
     ChatCompletionRequest,
@@ -88,9 +90,10 @@ _NO_ANSWER = "the rollout engine did not answer in time"  # TimeoutError's messa
 
 
 def create_app(engine: RolloutEngine, tokenizer, model_name: str, settings: OpenAISettings,
-               submit: Submit | None = None) -> FastAPI:
-    """The FastAPI app over `engine`; `submit` puts a closed session's sample into the buffer (None: no buffer)."""
-    api = _Endpoint(engine, tokenizer, settings.served_model_name or model_name, settings, submit)
+               submit: Submit | None = None, images: ImageReader | None = None) -> FastAPI:
+    """The FastAPI app over `engine`; `submit` puts a closed session's sample into the buffer (None: no buffer);
+    `images` reads image_url parts (a vision-language model; None: they are refused)."""
+    api = _Endpoint(engine, tokenizer, settings.served_model_name or model_name, settings, submit, images)
     app = FastAPI(title="relayrl rollout (OpenAI-compatible)", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_exception_handler(APIError, api.on_api_error)
     app.add_exception_handler(RequestValidationError, api.on_invalid_body)
@@ -109,9 +112,10 @@ class _Endpoint:
     """The routes and what they share: the engine, the tokenizer, the sessions chat calls drive."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, model_name: str, settings: OpenAISettings,
-                 submit: Submit | None):
+                 submit: Submit | None, images: ImageReader | None = None):
         self.engine, self.tokenizer, self.model_name, self.settings, self.submit = (
             engine, tokenizer, model_name, settings, submit)
+        self.images = images  # reads image_url parts (a vision-language model); None: they are refused
         self.max_model_len = engine.info.max_model_len
         self.eos_token_ids = set(engine.info.eos_token_ids)
         self.book = SessionBook(engine.info.session_idle_timeout_s)
@@ -146,10 +150,14 @@ class _Endpoint:
         self._check_model(body.model)
         key = session_key(request.headers, self.settings.session_by_key)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        urls = [url for message in body.messages for url in message.image_urls]
         if key is None:
-            prompt = self._render(render_prompt, [m.for_template() for m in body.messages], body.tools)
+            images, marker = self._read_images(urls)
+            prompt = self._render(render_prompt, [m.for_template(marker) for m in body.messages], body.tools)
+            prompt = self.images.expand(prompt, images) if images else prompt
             reply = self._reply(f"chatcmpl-{uuid.uuid4().hex}", body, len(prompt), body.logprobs, chat=True)
-            deltas = self.engine.generate(reply.id, prompt, self._params(body, max_tokens, len(prompt)))
+            deltas = self.engine.generate(reply.id, prompt, self._params(body, max_tokens, len(prompt)),
+                                          **_engine_images(images))
             return await self._respond(reply, deltas, body)
         if body.n != 1:
             raise APIError(400, "n: a session turn generates one completion (n must be 1)", "n")
@@ -191,6 +199,9 @@ class _Endpoint:
             "finish_reason": FINISH_REASONS.get(record.finish_reason),
             "stats": {"turns": record.turns, "prefill_tokens": record.prefill_tokens,
                       "turn_prefill_tokens": record.turn_prefill_tokens, "kv_recomputes": record.kv_recomputes},
+            **({"images": [{"sha256": image.hash.hex(), "media_type": image.media_type, "grid_thw": list(image.grid_thw),
+                            "num_tokens": image.num_tokens(self.images.merge_size)} for image in record.images]}
+               if record.images else {}),
         }
 
     # ---- sessions
@@ -199,11 +210,12 @@ class _Endpoint:
         """Bring engine session `key` up to the call's messages: open it on the first call, else append the
         messages after those it holds. Returns the session, the call's message keys and the tokens added."""
         keys = [m.key() for m in body.messages]
-        messages = [m.for_template() for m in body.messages]
         session = self.book.get(key)
         if session is None:
-            added = self._render(render_prompt, messages, body.tools)
-            num_tokens = await self.engine.open_session(key, added)
+            images, marker = self._read_images([url for m in body.messages for url in m.image_urls])
+            added = self._render(render_prompt, [m.for_template(marker) for m in body.messages], body.tools)
+            added = self.images.expand(added, images) if images else added
+            num_tokens = await self.engine.open_session(key, added, **_engine_images(images))
             return self.book.add(key, keys, num_tokens), keys, added
         if session.history is None:
             raise APIError(409, f"session {key!r} was not opened by a chat call; chat calls drive the sessions "
@@ -219,11 +231,14 @@ class _Endpoint:
         start = session.new_messages(keys)
         if start is None:  # a retry of a turn that did not run
             return session, keys, []
-        added = self._render(render_continuation, messages[start:], session.turn_closed, body.tools)
+        images, marker = self._read_images([url for m in body.messages[start:] for url in m.image_urls])
+        added = self._render(render_continuation, [m.for_template(marker) for m in body.messages[start:]],
+                             session.turn_closed, body.tools)
+        added = self.images.expand(added, images) if images else added
         held = session.history, session.awaiting_reply
         session.history, session.awaiting_reply = keys, True  # before the await: a concurrent retry appends nothing
         try:
-            session.num_tokens = await self.engine.append_to_session(key, added)
+            session.num_tokens = await self.engine.append_to_session(key, added, **_engine_images(images))
         except BaseException:
             session.history, session.awaiting_reply = held
             raise
@@ -250,6 +265,17 @@ class _Endpoint:
         return tops
 
     # ---- shared
+
+    def _read_images(self, urls: list[str]) -> tuple[list[ReadImage], str]:
+        """The images of a call's image_url parts (data: URIs), and the text each part is written as in the prompt
+        (the model's image placeholder); ([], "") without parts. A part refused: 400 naming it."""
+        if not urls:
+            return [], ""
+        try:
+            images = read_data_urls(self.images, urls, self.engine.info.engine)
+        except CodecError as exc:
+            raise APIError(400, f"messages: {exc}", "messages") from None
+        return images, self.images.placeholder(self.tokenizer)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -353,10 +379,15 @@ class _Endpoint:
                             status_code=status, headers=headers)
 
 
+def _engine_images(images: list[ReadImage]) -> dict:
+    """An engine call's images argument: none without images (every engine takes that call)."""
+    return {"images": [read.image for read in images]} if images else {}
+
+
 async def serve_openai(settings: OpenAISettings, engine: RolloutEngine, tokenizer, model_name: str,
-                       submit: Submit | None = None) -> OpenAIServer:
+                       submit: Submit | None = None, images: ImageReader | None = None) -> OpenAIServer:
     """Start serving the endpoint in this asyncio loop; returns once it listens (raises if it cannot bind)."""
-    server = await start_http(create_app(engine, tokenizer, model_name, settings, submit), settings.host,
+    server = await start_http(create_app(engine, tokenizer, model_name, settings, submit, images), settings.host,
                               settings.port, settings.grace_s)
     log.info("OpenAI-compatible endpoint on http://%s:%d/v1", settings.host, server.port)
     return server

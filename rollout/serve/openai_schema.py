@@ -6,6 +6,7 @@ penalties, logit_bias, chat's top-k alternatives). Extensions, as vLLM has them:
 stop_token_ids.
 """
 
+import hashlib
 import json
 from typing import Any, Literal
 
@@ -153,19 +154,33 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts(cls, value: str | list[dict] | None) -> str | list[dict] | None:
-        if isinstance(value, list) and any(part.get("type") != "text" for part in value):
-            raise ValueError("only text content parts are served")
+        if isinstance(value, list) and any(part.get("type") not in ("text", "image_url") for part in value):
+            raise ValueError("only text and image_url content parts are served")
         return value
 
     @property
     def text(self) -> str:
+        return self.text_with("")
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of its image_url parts, in order ({"type": "image_url", "image_url": {"url": ...}})."""
+        if not isinstance(self.content, list):
+            return []
+        return [str((part.get("image_url") or {}).get("url", "")) for part in self.content
+                if part.get("type") == "image_url"]
+
+    def text_with(self, image_text: str) -> str:
+        """Its text, each image part written as `image_text` (the model's image placeholder; "" leaves it out)."""
         if isinstance(self.content, list):
-            return "".join(str(part.get("text", "")) for part in self.content)
+            return "".join(image_text if part.get("type") == "image_url" else str(part.get("text", ""))
+                           for part in self.content)
         return self.content or ""
 
-    def for_template(self) -> dict:
-        """The message as chat templates read it (content a string; tool-call arguments as given)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text}
+    def for_template(self, image_text: str = "") -> dict:
+        """The message as chat templates read it (content a string, images as `image_text`; tool-call arguments as
+        given)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text_with(image_text)}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": c.type, "function": c.function.model_dump()}
                                  for c in self.tool_calls]
@@ -176,9 +191,10 @@ class ChatMessage(BaseModel):
         return out
 
     def key(self) -> tuple:
-        """What must match when a session's history is sent again: role, text, calls (arguments parsed), ids."""
+        """What must match when a session's history is sent again: role, text, calls (arguments parsed), ids, images."""
         calls = tuple((c.function.name, _canonical(c.function.arguments)) for c in self.tool_calls or ())
-        return self.role, self.text, calls, self.tool_call_id or ""
+        images = tuple(hashlib.sha256(url.encode()).hexdigest()[:16] for url in self.image_urls)
+        return self.role, self.text, calls, self.tool_call_id or "", images
 
 
 class ChatCompletionRequest(_Request):

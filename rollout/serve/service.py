@@ -31,6 +31,7 @@ from rollout.serve.wire import (
 if TYPE_CHECKING:
     from rollout.engine.outputs import Completion
     from rollout.engines.base import RolloutEngine
+    from rollout.serve.images import ImageReader, ReadImage
 
 RUNNING_SEQS = Gauge("relayrl_rollout_running_sequences", "Sequences in the running batch")
 WAITING_SEQS = Gauge("relayrl_rollout_waiting_sequences", "Sequences waiting for KV blocks or a batch slot")
@@ -80,8 +81,9 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
     (rollout/engines/base.py), and the session RPCs (rollout/serve/session_service.py)."""
 
     def __init__(self, engine: "RolloutEngine", model_name: str, tokenizer, buffer_channel=None,
-                 buffer_timeout_s: float = 30.0):
+                 buffer_timeout_s: float = 30.0, images: "ImageReader | None" = None):
         self.engine = engine
+        self.images = images  # reads a request's image parts (a vision-language model); None: text only
         self.buffer_channel = buffer_channel  # grpc.aio.Channel to the replay buffer, or None
         self.buffer_timeout_s = buffer_timeout_s
         self.model_name = model_name
@@ -94,9 +96,9 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         self.openai_port = 0  # the OpenAI-compatible endpoint's, once it serves (GetLoad tells a router)
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
-        request_id, prompt, params = self._parse(request)
+        request_id, prompt, params, images = self._parse(request)
         return self._response(request, request_id, prompt, params,
-                              await self._generate_all(request_id, prompt, params, context))
+                              await self._generate_all(request_id, prompt, params, context, images), images)
 
     async def GenerateMany(self, request: rollout_pb2.GenerateManyRequest, context) -> rollout_pb2.GenerateManyResponse:
         parsed = []
@@ -107,19 +109,23 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
                 raise CodecError(f"requests[{i}].{exc}") from None
         if not parsed:
             raise CodecError("requests: give at least one request")
-        ids = [request_id for request_id, _, _ in parsed]
+        ids = [request_id for request_id, _, _, _ in parsed]
         if len(set(ids)) < len(ids):
             raise CodecError("requests: request_ids must be distinct")
         try:  # together: the same requests are batched alike whatever the engine was doing (deterministic runs)
-            results = await self.engine.generate_all_many(parsed)
+            results = await self.engine.generate_all_many([
+                (request_id, prompt, params, *([[read.image for read in images]] if images else []))
+                for request_id, prompt, params, images in parsed])
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
             failed = getattr(exc, "request_index", None)  # None: the engine stopped while they ran
             await _abort_with_status(context, exc, "" if failed is None else f"requests[{failed}].")
         return rollout_pb2.GenerateManyResponse(responses=[
-            self._response(one, *parsed_one, done) for one, parsed_one, done in zip(request.requests, parsed, results)])
+            self._response(one, *parsed_one[:3], done, parsed_one[3])
+            for one, parsed_one, done in zip(request.requests, parsed, results)])
 
     def _response(self, request: rollout_pb2.GenerateRequest, request_id: str, prompt: list[int],
-                  params: SamplingParams, done: list["Completion"]) -> rollout_pb2.GenerateResponse:
+                  params: SamplingParams, done: list["Completion"],
+                  images: list["ReadImage"] = ()) -> rollout_pb2.GenerateResponse:
         with_logprobs = request.params.logprobs
         logprobs_t = logprobs_temperature(self.engine.info.logprobs_mode, params.temperature)
         completions = []
@@ -136,11 +142,16 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
                 kv_version=completion.kv_version,
                 routed_experts=routes_array(completion.routed_experts),
             ))
-        return rollout_pb2.GenerateResponse(request_id=request_id, completions=completions, prompt_tokens=len(prompt))
+        response = rollout_pb2.GenerateResponse(request_id=request_id, completions=completions,
+                                                prompt_tokens=len(prompt))
+        if images:  # the prompt as the engine ran it, and what a sample records of each image
+            response.prompt_ids.CopyFrom(encode_array(prompt, "int32"))
+            response.images.extend(read.ref() for read in images)
+        return response
 
     async def GenerateStream(self, request: rollout_pb2.GenerateRequest, context) -> AsyncIterator[rollout_pb2.GenerateChunk]:
-        request_id, prompt, params = self._parse(request)
-        async for delta in self._generate(request_id, prompt, params, context):
+        request_id, prompt, params, images = self._parse(request)
+        async for delta in self._generate(request_id, prompt, params, context, images):
             yield generate_chunk(request_id, delta, request.params.logprobs, self.decode_text(delta.token_ids))
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context) -> rollout_pb2.AbortResponse:
@@ -177,40 +188,60 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         prompt = decode_array(request.prompt_ids, field="prompt_ids", expect="int32").tolist()
         responses = [decode_array(r, field=f"response_ids[{i}]", expect="int32").tolist()
                      for i, r in enumerate(request.response_ids)]
+        prompt, images = self._with_images(prompt, request.images)
         try:
-            logprobs, version = await self.engine.compute_logprobs(prompt, responses, request.temperature or 1.0)
+            logprobs, version = await self.engine.compute_logprobs(prompt, responses, request.temperature or 1.0,
+                                                                   **images)
         except (InvalidRequest, QueueFull, EngineDead) as exc:
             await _abort_with_status(context, exc)
         return rollout_pb2.ComputeLogprobsResponse(
             logprobs=[encode_array(values, "float32") for values in logprobs], weight_version=version)
 
     async def _generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, context
+        self, request_id: str, prompt: list[int], params: SamplingParams, context, images: list["ReadImage"] = ()
     ) -> AsyncIterator["Completion"]:
         """The engine's deltas, with refusals turned into status codes. Cancelling the call aborts the request."""
         try:
-            async for delta in self.engine.generate(request_id, prompt, params):
+            async for delta in self.engine.generate(request_id, prompt, params, **_image_inputs(images)):
                 TOKENS_GENERATED.inc(len(delta.token_ids))
                 yield delta
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
             await _abort_with_status(context, exc)
 
     async def _generate_all(
-        self, request_id: str, prompt: list[int], params: SamplingParams, context
+        self, request_id: str, prompt: list[int], params: SamplingParams, context, images: list["ReadImage"] = ()
     ) -> list["Completion"]:
         """The finished completions, with refusals turned into status codes. Cancelling the call aborts the request."""
         try:
-            return await self.engine.generate_all(request_id, prompt, params)
+            return await self.engine.generate_all(request_id, prompt, params, **_image_inputs(images))
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
             await _abort_with_status(context, exc)
 
-    def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
-        """Request -> (request id, prompt ids, params); raises CodecError (INVALID_ARGUMENT) naming the field."""
+    def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams, list["ReadImage"]]:
+        """Request -> (request id, prompt ids, params, images read); raises CodecError (INVALID_ARGUMENT) naming the
+        field. With images, the prompt's one-token image runs are expanded to the images' token counts."""
         prompt_ids = decode_array(request.prompt_ids, field="prompt_ids", expect="int32")
         if prompt_ids.size and request.prompt_text:
             raise CodecError("prompt_ids: give prompt_ids or prompt_text, not both")
         prompt = self.tokenizer(request.prompt_text).input_ids if request.prompt_text else prompt_ids.tolist()
-        return request.request_id or uuid.uuid4().hex, prompt, self._params(request.params)
+        images = self._read_images(request.images)
+        prompt = self.images.expand(prompt, images) if images else prompt
+        return request.request_id or uuid.uuid4().hex, prompt, self._params(request.params), images
+
+    def _read_images(self, parts) -> list["ReadImage"]:
+        """A request's image parts read (CodecError names a bad one); [] without parts."""
+        if not parts:
+            return []
+        if self.images is None or self.engine.info.engine != "native":
+            raise CodecError(f"images: this server ({self.engine.info.engine} engine, {self.model_name}) takes no "
+                             "images: it serves a text-only model, or an engine without image support yet")
+        return self.images.read(list(parts))
+
+    def _with_images(self, tokens: list[int], parts) -> tuple[list[int], dict]:
+        """A session call's tokens with their image runs expanded, and the engine call's images argument ({} when
+        it has none: every engine takes that call)."""
+        images = self._read_images(parts)
+        return (self.images.expand(tokens, images) if images else tokens), _image_inputs(images)
 
     @staticmethod
     def _params(p: rollout_pb2.SamplingParams) -> SamplingParams:
@@ -225,6 +256,11 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
             seed=p.seed if p.HasField("seed") else None,
             ignore_eos=p.ignore_eos,
         )
+
+
+def _image_inputs(images: list["ReadImage"]) -> dict:
+    """The engine call's images argument: none for a text-only request (every engine takes that call)."""
+    return {"images": [read.image for read in images]} if images else {}
 
 
 def _text_decoder(tokenizer) -> Callable[[list[int]], str]:
@@ -268,14 +304,18 @@ async def serve_engine(config: ReplicaConfig) -> None:
         KV_BYTES_PER_TOKEN.labels(kv_cache_dtype=config.engine.kv_cache_dtype).set(
             engine.stats["kv_cache_bytes_per_token"])
     buffer_channel = connect(config.buffer, config.buffer_client) if config.buffer else None
-    servicer = RolloutServicer(engine, config.model, engine.tokenizer, buffer_channel, config.buffer_timeout_s)
+    from rollout.serve.images import ImageReader
+
+    servicer = RolloutServicer(engine, config.model, engine.tokenizer, buffer_channel, config.buffer_timeout_s,
+                               ImageReader.for_model(config.model, config.images))
     receiver = WeightReceiver(engine)
     openai_server = None
     if config.openai is not None:  # up before the port file appears, so a ready service serves both
         from rollout.serve.openai_api import serve_openai
 
         openai_server = await serve_openai(config.openai, engine, engine.tokenizer, config.model,
-                                           servicer.submit_episode if buffer_channel is not None else None)
+                                           servicer.submit_episode if buffer_channel is not None else None,
+                                           servicer.images)
         servicer.openai_port = openai_server.port
 
     async def on_stop() -> None:

@@ -17,7 +17,7 @@ from prometheus_client import Counter
 
 from protos import buffer_pb2, buffer_pb2_grpc, rollout_pb2
 from protos.codec import CodecError, decode_array, encode_array, unpack_metadata
-from protos.sample import Sample, SampleStatus
+from protos.sample import Sample, SampleImage, SampleStatus
 from rollout.engine.errors import (
     ContextFull,
     DuplicateRequest,
@@ -57,15 +57,16 @@ _BUFFER_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAU
 
 
 class SessionRPCs:
-    """Mixed into RolloutServicer, which provides engine, tokenizer, decode_text, _params, buffer_channel and
-    buffer_timeout_s."""
+    """Mixed into RolloutServicer, which provides engine, tokenizer, decode_text, _params, _with_images (a session
+    call's image parts), buffer_channel and buffer_timeout_s."""
 
     async def OpenSession(self, request: rollout_pb2.OpenSessionRequest, context) -> rollout_pb2.OpenSessionResponse:
         session_id = request.session_id or uuid.uuid4().hex
         prompt = self._context_tokens(request.prompt_ids, request.prompt_text, request.messages, opening=True,
                                       add_bos=request.add_bos)
+        prompt, images = self._with_images(prompt, request.images)
         async with _refusals(context):
-            num_tokens = await self.engine.open_session(session_id, prompt)
+            num_tokens = await self.engine.open_session(session_id, prompt, **images)
         SESSIONS_OPENED.inc()
         return rollout_pb2.OpenSessionResponse(session_id=session_id, num_tokens=num_tokens,
                                                token_ids=encode_array(prompt, "int32"))
@@ -80,7 +81,8 @@ class SessionRPCs:
             tokens = self._context_tokens(request.token_ids, request.text, request.messages, opening=False,
                                           turn_closed=turn_closed)
             reward = request.turn_reward if request.HasField("turn_reward") else None
-            num_tokens = await self.engine.append_to_session(request.session_id, tokens, reward)
+            tokens, images = self._with_images(tokens, request.images)
+            num_tokens = await self.engine.append_to_session(request.session_id, tokens, reward, **images)
         return rollout_pb2.AppendToSessionResponse(num_tokens=num_tokens, token_ids=encode_array(tokens, "int32"))
 
     async def GenerateInSession(self, request: rollout_pb2.GenerateInSessionRequest, context
@@ -166,6 +168,8 @@ class SessionRPCs:
             kv_version=record.kv_version,
             routed_experts=(record.routed_experts if record.routed_experts is not None
                             else Sample.routed_experts_unset()),
+            images=[SampleImage(image.hash, image.media_type, image.grid_thw, image.num_tokens(self.images.merge_size),
+                                image.data) for image in record.images],
         )
 
     async def submit_episode(self, record: SessionRecord, reward: float, group_id: str, group_size: int) -> bool:

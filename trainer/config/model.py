@@ -49,3 +49,6 @@ class ModelConfig(Strict):
         None, description="Train low-rank adapters instead of the whole model (trainer/lora.py, docs/lora.md): "
         "{rank, alpha, dropout, target_modules}. Publishes send the base once, then the adapter alone. None = full "
         "fine-tuning.")
+    freeze_vision: bool = Field(
+        False, description="A vision-language policy: keep its vision tower's weights as loaded (no gradient, no "
+        "update); the tower is published with the rest either way (docs/multimodal.md).")

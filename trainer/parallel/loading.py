@@ -65,6 +65,8 @@ def build_policy(
         if lora is not None:
             _adapt(policy, lora)
             init_adapters(policy, seed)
+        if model.freeze_vision and hasattr(policy.lm.base_model, "visual"):
+            policy.lm.base_model.visual.requires_grad_(False)
         return parallelize(policy, env, config, dtype, checkpointing)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)

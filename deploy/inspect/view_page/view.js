@@ -140,6 +140,9 @@ function renderGroup(group) {
   const opening = group.prompt.messages;
   const promptText = opening ? opening.map((m) => `${m.role}: ${m.content}`).join("\n") : group.prompt.text;
   card.append(el("div", { class: "prompt", text: promptText }));
+  for (const image of group.prompt.images || []) {  // a vision-language model's prompt images, beside its completions
+    card.append(el("img", { class: "prompt-image", alt: "prompt image", src: `data:${image.media_type};base64,${image.data}` }));
+  }
   if (answer != null) card.append(el("div", { class: "meta", text: `answer: ${answer}` }));
   group.samples.forEach((s, i) => card.append(renderSample(s, i)));
   return card;
