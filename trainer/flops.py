@@ -39,10 +39,11 @@ class FlopModel:
     """The matmul FLOPs of one forward + backward of a causal LM over a [rows, tokens] batch."""
 
     def __init__(self, lm: nn.Module, tp_size: int = 1) -> None:
-        config = lm.config
+        config = lm.config.get_text_config()  # a vision-language model: its language model's shape
         # Every linear weight, the output head included (a tied head shares the embedding's tensor: it is a matmul
-        # here, while the embedding itself is a lookup).
-        self.linear_params = sum(module.weight.numel() for module in lm.modules() if isinstance(module, nn.Linear))
+        # here, while the embedding itself is a lookup). A vision tower's are left out: it runs on patches, not tokens.
+        self.linear_params = sum(module.weight.numel() for name, module in lm.named_modules()
+                                 if isinstance(module, nn.Linear) and ".visual." not in f".{name}.")
         self.layers = config.num_hidden_layers
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.attention_width = config.num_attention_heads * head_dim

@@ -135,11 +135,16 @@ def _from_metrics(poll: Poll, samples: dict[tuple[str, tuple], float]) -> None:
         queued = int(_sum(samples, "relayrl_rollout_sessions_queued"))  # engine.session_admission kv
         if queued:
             poll.queue["sessions queued"] = queued
+        longest = _sum(samples, "relayrl_rollout_session_admission_max_wait_s")
+        if longest:
+            poll.queue["longest admission wait s"] = round(longest, 1)
         poll.counters["tokens"] = _sum(samples, "relayrl_rollout_generated_tokens_total")
         hits = _sum(samples, "relayrl_rollout_session_tier_hits")  # engine.session_kv_tier_bytes: idle sessions' KV
         if hits:
             poll.counters["tier hits"] = hits
             poll.counters["tier tokens restored"] = _sum(samples, "relayrl_rollout_session_tier_tokens_restored")
+            poll.counters["tier bytes moved"] = (_sum(samples, "relayrl_rollout_session_tier_bytes_in")
+                                                 + _sum(samples, "relayrl_rollout_session_tier_bytes_out"))
     elif poll.kind == "reward":
         poll.counters["scored"] = _sum(samples, "relayrl_reward_score_count")
 
