@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test test-slow test-extended browser test-ray test-families test-gpu test-vllm bench protos lint clean
+.PHONY: run test test-slow test-ranks test-extended browser test-ray test-families test-gpu test-vllm bench protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,10 +37,16 @@ run: $(STAMP)
 # The algorithm families' learning runs (marker `families`, ~15 minutes) are `make test-families`.
 # The slow ones (marker `slow`: whole jobs end to end, chaos, restarts; ~16 minutes) are `make test-slow`; CI runs both.
 test: $(STAMP) $(NODE_STAMP)
-	$(BIN)/python -m pytest -q -m "not families and not slow and not vllm and not extended" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -m "not families and not slow and not vllm and not extended and not ranks" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-slow: $(STAMP) $(NODE_STAMP)
-	$(BIN)/python -m pytest -q -m "slow and not families and not vllm" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -m "slow and not families and not vllm and not ranks" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# The new parallelism checks at 2-4 ranks under torchrun (pipeline stages x dp, PPO/DPO through stages, LoRA under
+# FSDP2 and TP, routing replay and stage reports on 2 ranks) and the multimodal end-to-end run (marker `ranks`, ~6
+# minutes): not in .ci/run, whose 60 minutes they would pass; run them with any change to trainer/parallel/.
+test-ranks: $(STAMP)
+	$(BIN)/python -m pytest -q -rA -m "ranks and not vllm" --durations=15 $(PYTEST_ARGS)
 
 # The toolchain's long end-to-end checks (marker `extended`, ~15 minutes: `relayrl view` in a real browser, the doctor
 # naming the faults of three runs broken on purpose, scripts/gpu_check.sh --device cpu, a sweep and its resume). CI does

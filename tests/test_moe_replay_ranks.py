@@ -61,7 +61,7 @@ def worker(model: str, out: str) -> None:
     shutdown_distributed(env)
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_two_ranks_replaying_their_halves_follow_one_process(tmp_path, free_port):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM

@@ -34,7 +34,7 @@ def png(seed: int, size) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_image_samples_flow_from_the_driver_to_a_learner_step(tmp_path, service_factory):
     model = write_tiny_model(tmp_path / "vlm", arch="qwen2_5_vl", seed=3)
     rollout = service_factory("rollout", {"model": str(model), "engine.torch_threads": 1, "engine.max_model_len": 96,

@@ -59,7 +59,7 @@ def steps(run_dir) -> list[dict]:
 def test_scaling_rollout_replicas_of_a_live_run(tmp_path):
     run_dir = tmp_path / "run"
     config = load_experiment(write_project(tmp_path / "project"), [
-        f"run_dir={run_dir}", "sft.steps=0", "data.num_eval=16", "training.time_budget_s=200", "evaluation.every_s=30",
+        f"run_dir={run_dir}", "sft.steps=0", "data.num_eval=16", "training.time_budget_s=170", "evaluation.every_s=30",
         "services.rollout.replicas=2", "training.max_tokens=48",
         'services.rollout.settings={"engine.max_num_seqs": 8, "engine.max_n": 8}'])
     out, ended = io.StringIO(), {}

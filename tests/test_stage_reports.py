@@ -108,7 +108,7 @@ def test_each_steps_stages_sum_to_its_interval_and_show_where_it_waited(tiny_mod
     assert "Optimizer.step#AdamW.step" in names and "aten::mm" in names, sorted(names)[:50]
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_two_gloo_ranks_each_report_their_stages(tiny_model_dir, tmp_path, service_factory, free_port):
     """The trainer as the product runs it under torchrun: rank 1's stages reach rank 0's metrics line."""
     buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})

@@ -156,7 +156,7 @@ def test_unknown_target_is_refused(tiny_model_dir):
         Learner(config, DistEnv(0, 1, torch.device("cpu")))
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_fsdp_and_tp_follow_one_process(tiny_model_dir, tmp_path, free_port):
     from trainer.parallel import DistEnv
 

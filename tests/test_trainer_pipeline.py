@@ -242,12 +242,12 @@ def test_pp_refuses_what_it_cannot_do_yet(tiny_model_dir):
         Learner(TrainerConfig.model_validate(base), DistEnv(rank=0, world_size=1, device=torch.device("cpu")))
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_two_stages_ppo_dpo(four_layers, tmp_path, free_port):
     _run_and_check(four_layers, tmp_path, free_port, ["ppo", "dpo"], schedules=tuple(SCHEDULES))
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_two_stages_two_data_parallel(four_layers, tmp_path, free_port):
     """pp 2 x dp 2 (4 processes): each stage's layers FSDP-sharded over 2 ranks, 4 micro-batches of 1 row each
     (DPO's pairs need micro-batches of 2 rows: test_two_stages_ppo_dpo covers it on pp 2)."""

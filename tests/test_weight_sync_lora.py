@@ -167,7 +167,7 @@ def test_only_steps_that_moved_the_adapter_publish(tiny_model_dir):
     assert result["versions"] == [1, 1, 1, 2, 2, 3] and result["sent"] == [0, 1, 2, 3]
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_ranks_decide_together_when_one_ranks_adapter_moved(tiny_model_dir, tmp_path, free_port):
     from test_trainer_parallel import _run
 
