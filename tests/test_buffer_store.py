@@ -128,6 +128,18 @@ def test_staleness_drops_pending_not_leased_and_checks_oldest_version():
     assert "unversioned" in store  # no trained-on token, no version: never stale
 
 
+def test_a_late_report_of_an_older_version_does_not_turn_the_staleness_bound_back():
+    """CI (2026-12-07, tests/test_reward_replicas.py under load): the trainer's pull said version 131 and waited; the
+    ack of its last step, sent with version 130 and delivered after the pull, set the buffer back to 130, and the
+    waiting pull took a sample of version 129: "the buffer handed out a sample 2 versions old at trainer version 131"."""
+    store = SampleStore(capacity=100, max_staleness=1)
+    store.set_version(131)  # the pull's version
+    assert store.set_version(130) == [] and store.trainer_version == 131  # the late ack's
+    arrive(store, group("late", 2, version=129))
+    store.drop_stale()
+    assert store.lease(PullSpec(batch_size=2), now=0) is None
+
+
 def test_expired_stale_samples_are_dropped_when_they_come_back():
     store = SampleStore(capacity=100, max_staleness=0)
     arrive(store, group("a", 2, version=0))

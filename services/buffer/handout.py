@@ -136,8 +136,9 @@ class Handout:
 
     async def set_version(self, version: int) -> int:
         """The trainer is at `version`; returns the number of pending samples dropped as stale. The version it is at
-        already (a pull's, after the ack that reported it) writes nothing: leasing drops what went stale since."""
-        if version == self.store.trainer_version:
+        already (a pull's, after the ack that reported it) writes nothing: leasing drops what went stale since; nor
+        does an older one (versions only grow: SampleIndex.set_version)."""
+        if version <= self.store.trainer_version:
             return 0
         records: list[tuple[RecordKind, bytes]] = []
         stale = self._version_records(version, records)

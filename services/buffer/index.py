@@ -204,8 +204,10 @@ class SampleIndex:
     # --- staleness ----------------------------------------------------------------------------
 
     def set_version(self, version: int) -> list[str]:
-        """The trainer is at `version` now; returns the ids of pending samples dropped as stale."""
-        self.trainer_version = version
+        """The trainer is at `version` now; returns the ids of pending samples dropped as stale. Versions are
+        job-wide and only grow: a report of an older one (an ack sent before the pull that said a newer one, arriving
+        after it) changes nothing, or a pull waiting for a batch would take samples its trainer has outgrown."""
+        self.trainer_version = max(self.trainer_version, version)
         return self.drop_stale()
 
     def is_stale(self, oldest_version: int) -> bool:
