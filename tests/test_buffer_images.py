@@ -93,6 +93,20 @@ async def test_images_of_dropped_samples_are_freed_and_a_restart_deletes_what_no
     await buffer.close()
 
 
+async def test_an_image_outlives_its_last_sample_until_the_ack_is_durable(tmp_path):
+    """Deleted before the ACK is on disk, a crash would bring the group back without its image."""
+    buffer = await opened(config(tmp_path, fsync="batch", fsync_window_ms=300))
+    await buffer.put([s.SerializeToString() for s in group_of("g", png(8))])
+    lease = await buffer.lease_batch(PullSpec(batch_size=GROUP))
+    acking = asyncio.ensure_future(buffer.ack(lease.lease_id))
+    await asyncio.sleep(0.05)  # the ACK is appended; its fsync waits out the group-commit window
+    assert not acking.done() and len(image_files(tmp_path)) == 1
+    await acking
+    await asyncio.sleep(0)
+    assert image_files(tmp_path) == []
+    await buffer.close()
+
+
 def durable_bytes(data_dir) -> int:
     return sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file())
 

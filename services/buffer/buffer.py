@@ -120,6 +120,7 @@ class ReplayBuffer(Intake, Handout, Recovery, Compaction):
         self.durability.start()
         for state in EntryState:
             metrics.SAMPLES.labels(state.value).set_function(lambda s=state: self.store.count(s))
+        metrics.IMAGES.set_function(lambda: len(self.images.counts))
         self._started = True
         self._compact_due = True  # whatever recovery found
         self._compact_if_due()
@@ -177,7 +178,7 @@ class ReplayBuffer(Intake, Handout, Recovery, Compaction):
 
     def _delete_images(self, unused: list[bytes], durable: asyncio.Future[None]) -> None:
         if not durable.cancelled() and durable.exception() is None:  # else kept: the next start() deletes them
-            self.images.delete(unused)
+            metrics.IMAGE_BYTES_FREED.inc(self.images.delete(unused))
 
     def _move(self, sample_id: str, location: Location, uses: int | None = None) -> None:
         self.live.move(sample_id, location)
