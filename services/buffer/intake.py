@@ -1,8 +1,8 @@
 """The Put side of the replay buffer: validate, deduplicate, append, publish once durable.
 
-- A Put answers after its PUT records are durable (commit.py); the images its samples carry are stored once by hash
-  before (images.py). Its samples are handed out only once
+- A Put answers after its PUT records are durable (commit.py). Its samples are handed out only once
   durable (STAGED until then), so a trainer never trains on a sample a crash could take back.
+- The images its samples carry are stored once by hash, durably before their PUT records (images.py).
 - An id once stored is a duplicate for the life of the data dir (buffer.py).
 - A member arriving for a group that is complete, closed or done is stored and dropped at once
   ("late_member"), so it never opens a group that cannot complete. A failed sample is stored and dropped
