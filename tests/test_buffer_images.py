@@ -120,6 +120,10 @@ def test_a_group_sharing_an_image_is_stored_once_through_compaction_and_a_sigkil
     try:
         with grpc.insecure_channel(address) as channel:
             stub = buffer_pb2_grpc.BufferStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:  # a ref to an image the buffer does not hold
+                stub.Put(buffer_pb2.PutRequest(samples=[image_sample("x", "", image, with_bytes=False)]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sample 'x'.images[0]: no bytes" in refused.value.details()
             assert stub.Put(buffer_pb2.PutRequest(samples=group_of("g", image)), timeout=10).accepted == GROUP
             [stored] = image_files(data_dir)
             assert stored.read_bytes() == image and stored.name == hashlib.sha256(image).hexdigest()

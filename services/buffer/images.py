@@ -17,8 +17,6 @@ import os
 import pathlib
 from collections import Counter
 
-from google.protobuf.message import DecodeError
-
 from protos import common_pb2
 from protos.codec import CodecError
 from services.buffer.log import LogCorruption, fsync_dir
@@ -47,10 +45,7 @@ class ImageStore:
         bytes of images new to the store are added to `arriving` (hash -> bytes: written by `write`). CodecError
         (INVALID_ARGUMENT) names the image (`<where>.images[j]`) whose bytes do not match its hash, or that carries
         no bytes and is neither held nor arriving."""
-        try:
-            msg = common_pb2.Sample.FromString(payload)
-        except DecodeError as exc:  # parse_sample checked it already: unreachable in practice
-            raise CodecError(f"{where}: not a valid relayrl.common.v1.Sample ({exc})") from None
+        msg = common_pb2.Sample.FromString(payload)  # valid: intake's parse_sample read it
         hashes = []
         for j, image in enumerate(msg.images):
             if image.data:
@@ -132,10 +127,6 @@ class ImageStore:
                 path.unlink()
         self.freed_bytes += freed
         return freed
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(self.path(sha256).stat().st_size for sha256 in self.counts)
 
     # --- hand-out -------------------------------------------------------------------------------
 
