@@ -62,14 +62,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ...) -> None: ...
 
 class ImagePart(_message.Message):
-    __slots__ = ("data", "media_type", "sha256")
+    __slots__ = ("data", "media_type", "sha256", "uri")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     media_type: str
     sha256: bytes
-    def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    uri: str
+    def __init__(self, data: _Optional[bytes] = ..., media_type: _Optional[str] = ..., sha256: _Optional[bytes] = ..., uri: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "weight_versions", "finish_reason", "text", "logprobs_temperature", "kv_version", "routed_experts")

@@ -4,6 +4,7 @@ naming the part while the server keeps serving; a sample's images survive its wi
 
 import asyncio
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -54,7 +55,13 @@ def vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vlm_rollout(vlm_dir, tmp_path_factory):
+def image_root(tmp_path_factory):
+    """The rollout's images.file_root: file:// image parts may name files under it."""
+    return tmp_path_factory.mktemp("image-root")
+
+
+@pytest.fixture(scope="module")
+def vlm_rollout(vlm_dir, image_root, tmp_path_factory):
     from deploy.local.service_process import start_service
 
     with socket.socket() as sock:
@@ -62,6 +69,7 @@ def vlm_rollout(vlm_dir, tmp_path_factory):
         port = sock.getsockname()[1]
     service = start_service("rollout", {"model": str(vlm_dir), "engine.max_model_len": 128, "engine.dtype": "float32",
                                         "engine.torch_threads": 1, "images.max_image_pixels": 200 * 200,
+                                        "images.file_root": str(image_root),
                                         "openai.port": port}, log_dir=tmp_path_factory.mktemp("rollout-logs"))
     service.openai_url = f"http://127.0.0.1:{port}/v1"
     yield service
@@ -134,7 +142,72 @@ def test_bad_image_parts_are_refused_by_name_and_the_server_keeps_serving(vlm_ro
     assert len(decode_array(after.completions[0].token_ids, expect="int32")) == 6  # still serving
 
 
-def test_the_openai_client_sends_an_image_url_part(vlm_dir, vlm_rollout):
+def test_file_uris_under_the_root_are_read_and_the_rest_refused_by_name(vlm_rollout, image_root, tmp_path):
+    data = png(6)
+    (image_root / "six.png").write_bytes(data)
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(data)
+    (image_root / "link.png").symlink_to(outside)
+    bad = {
+        "is outside images.file_root": outside.as_uri(),
+        "is outside images.file_root ": f"file://{image_root}/../{tmp_path.name}/outside.png",  # `..` out of the root
+        "is outside images.file_root  ": (image_root / "link.png").as_uri(),  # a symlink out of the root
+        "no file": (image_root / "missing.png").as_uri(),
+        "remote image URLs are refused": "http://127.0.0.1:9/six.png",
+        "URIs are not served": "ftp://example.com/six.png",
+    }
+
+    async def main():
+        async with connect(vlm_rollout.address) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            by_uri = await stub.Generate(request([rollout_pb2.ImagePart(uri=(image_root / "six.png").as_uri())]),
+                                         timeout=60)
+            by_bytes = await stub.Generate(request([rollout_pb2.ImagePart(data=data)]), timeout=60)
+            errors = {}
+            two = PROMPT + [VISION_START, IMAGE_PAD, VISION_END]
+            for reason, uri in {**bad, "give data or uri": None}.items():
+                part = rollout_pb2.ImagePart(uri=uri) if uri else rollout_pb2.ImagePart(data=data, uri=outside.as_uri())
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.Generate(request([rollout_pb2.ImagePart(data=png(2)), part], two), timeout=60)
+                errors[reason] = error.value
+            after = await stub.Generate(request([rollout_pb2.ImagePart(data=png(2))]), timeout=60)
+            return by_uri, by_bytes, errors, after
+
+    by_uri, by_bytes, errors, after = asyncio.run(main())
+    assert by_uri.images[0].sha256 == hashlib.sha256(data).digest() == by_bytes.images[0].sha256
+    assert by_uri.completions[0].token_ids == by_bytes.completions[0].token_ids
+    for reason, error in errors.items():
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, reason
+        assert error.details().startswith("images[1]") and reason.strip() in error.details(), (reason, error.details())
+    assert len(decode_array(after.completions[0].token_ids, expect="int32")) == 6  # still serving
+
+
+def test_remote_image_urls_are_fetched_only_where_allowed(vlm_dir, tmp_path):
+    import http.server
+    import threading
+
+    data = png(7)
+    (tmp_path / "seven.png").write_bytes(data)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/seven.png"
+        part = rollout_pb2.ImagePart(uri=url)
+        [read] = ImageReader(str(vlm_dir), ImageSettings(allow_remote_urls=True)).read([part])
+        with pytest.raises(CodecError, match=r"^images\[0\]\.uri: remote image URLs are refused"):
+            ImageReader(str(vlm_dir), ImageSettings()).read([part])
+        with pytest.raises(CodecError, match=r"^images\[0\]\.uri: over images.max_image_bytes"):
+            ImageReader(str(vlm_dir), ImageSettings(allow_remote_urls=True, max_image_bytes=100)).read([part])
+        with pytest.raises(CodecError, match=r"^images\[0\]\.uri: fetching .* failed: HTTP Error 404"):
+            ImageReader(str(vlm_dir), ImageSettings(allow_remote_urls=True)).read(
+                [rollout_pb2.ImagePart(uri=url + ".missing")])
+        server.shutdown()
+    assert read.image.hash == hashlib.sha256(data).digest() and read.image.data == data
+    with pytest.raises(CodecError, match=r"^images\[0\]\.uri: file:// images are refused here"):
+        ImageReader(str(vlm_dir), ImageSettings()).read([rollout_pb2.ImagePart(uri=(tmp_path / "seven.png").as_uri())])
+
+
+def test_the_openai_client_sends_an_image_url_part(vlm_dir, vlm_rollout, image_root):
     data = png(4)
     url = "data:image/png;base64," + base64.b64encode(data).decode()
     content = [{"type": "text", "text": "what is this? "}, {"type": "image_url", "image_url": {"url": url}}]
@@ -149,7 +222,12 @@ def test_the_openai_client_sends_an_image_url_part(vlm_dir, vlm_rollout):
         client = openai.AsyncOpenAI(base_url=vlm_rollout.openai_url, api_key="unused", max_retries=0, timeout=60)
         reply = await client.chat.completions.create(model=str(vlm_dir), messages=[{"role": "user", "content": content}],
                                                      temperature=0, max_tokens=6)
-        with pytest.raises(openai.BadRequestError, match=r"images\[0\]: only data: URIs"):
+        (image_root / "four.png").write_bytes(data)  # the same image as a file under images.file_root
+        by_file = await client.chat.completions.create(model=str(vlm_dir), temperature=0, max_tokens=6, messages=[
+            {"role": "user", "content": [*content[:1], {"type": "image_url",
+                                                        "image_url": {"url": (image_root / "four.png").as_uri()}}]}])
+        assert by_file.choices[0].message.content == reply.choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match=r"images\[0\]\.uri: remote image URLs are refused"):
             await client.chat.completions.create(model=str(vlm_dir), max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
         with pytest.raises(openai.BadRequestError, match=r"images\[0\]: not an image"):

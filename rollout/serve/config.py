@@ -13,6 +13,12 @@ class ImageSettings(Strict):
     max_image_pixels: int = Field(16_000_000, gt=0, description="The most pixels (width x height) an image may have "
                                   "before resizing; a bigger one is refused (INVALID_ARGUMENT naming the part).")
     max_images: int = Field(16, gt=0, description="The most images one request may carry.")
+    file_root: str | None = Field(None, description="Folder whose files image parts may name (`uri: "
+                                  "file:///...` under it; symlinks resolved first); None: file:// parts are refused.")
+    allow_remote_urls: bool = Field(False, description="Fetch image parts given as http(s):// URIs (the call waits "
+                                    "for the fetch); False: refused.")
+    remote_timeout_s: float = Field(10.0, gt=0, description="Longest fetch of a remote image.")
+    max_image_bytes: int = Field(32 << 20, gt=0, description="The most encoded bytes a file or remote image may have.")
 
 
 class ReplicaConfig(Strict):

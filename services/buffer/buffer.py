@@ -27,10 +27,15 @@ Rules that keep "acknowledged means on disk" true:
   its next checkpoint; marks survive restarts and compaction, and belong to the consumer that took the
   last lease.
 - Recovery replays the log from the first live segment's checkpoint (recovery.py).
+- Images are stored once by hash beside the log (images.py), counted by the held samples that refer to them, and
+  deleted once the record that let the last of those go is durable (`_forget`).
 """
 
 import asyncio
 import contextlib
+import functools
+import logging
+import pathlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -43,6 +48,7 @@ from services.buffer.compaction import Compaction
 from services.buffer.config import BufferConfig
 from services.buffer.entries import EntryState
 from services.buffer.handout import Handout
+from services.buffer.images import ImageStore
 from services.buffer.intake import Intake
 from services.buffer.log import Location, SegmentLog
 from services.buffer.records import Checkpoint
@@ -51,6 +57,8 @@ from services.buffer.results import BufferStats
 from services.buffer.retired import RetiredIds, group_hash, sample_hashes
 from services.buffer.segments import SegmentLiveness
 from services.buffer.store import SampleStore
+
+log = logging.getLogger(__name__)
 
 
 class _Signal:
@@ -80,6 +88,7 @@ class ReplayBuffer(Intake, Handout, Recovery, Compaction):
         self.store = SampleStore(config.capacity, config.max_staleness, config.seed, self._group_done,
                                  config.canonical_order)
         self.retired = RetiredIds()
+        self.images = ImageStore(pathlib.Path(config.data_dir) / "images", fsync=config.fsync != "never")
         self.durability = Durability(
             segment_log, FsyncPolicy(config.fsync), config.fsync_window_ms / 1000, metrics.FSYNC_SECONDS.observe
         )
@@ -111,9 +120,14 @@ class ReplayBuffer(Intake, Handout, Recovery, Compaction):
         self.durability.start()
         for state in EntryState:
             metrics.SAMPLES.labels(state.value).set_function(lambda s=state: self.store.count(s))
+        metrics.IMAGES.set_function(lambda: len(self.images.counts))
         self._started = True
         self._compact_due = True  # whatever recovery found
         self._compact_if_due()
+        await self.durability.wait(self.log.appended)  # the drops recovery logged, before their images go
+        freed = self.images.sweep()
+        if freed:
+            log.info("deleted %d bytes of images no held sample refers to", freed)
 
     async def close(self) -> None:
         """Make everything appended durable and close the log."""
@@ -151,6 +165,20 @@ class ReplayBuffer(Intake, Handout, Recovery, Compaction):
     def _count_drops(self, reason: str, count: int) -> None:
         self.dropped[reason] += count
         metrics.DROPPED.labels(reason).inc(count)
+
+    def _forget(self, sample_ids: list[str]) -> None:
+        """These samples are no longer held (acked, dropped): their log records and images need not be kept. An
+        image no held sample refers to is deleted once what was just appended (the record letting its last sample
+        go) is durable; recovery counts afresh (and start() deletes what nobody refers to)."""
+        self.live.resolve(sample_ids)
+        unused = self.images.release(sample_ids)
+        if unused and self._started:
+            durable = self.durability.durable_future(self.log.appended)
+            durable.add_done_callback(functools.partial(self._delete_images, unused))
+
+    def _delete_images(self, unused: list[bytes], durable: asyncio.Future[None]) -> None:
+        if not durable.cancelled() and durable.exception() is None:  # else kept: the next start() deletes them
+            metrics.IMAGE_BYTES_FREED.inc(self.images.delete(unused))
 
     def _move(self, sample_id: str, location: Location, uses: int | None = None) -> None:
         self.live.move(sample_id, location)

@@ -42,6 +42,10 @@ class BufferConfig(Strict):
         "reject", description="At capacity: 'reject' answers RESOURCE_EXHAUSTED, 'block' holds the call (and a "
         "client stream) until room frees up or block_timeout_s passes.")
     block_timeout_s: float = Field(30.0, gt=0, description="Longest a blocked Put waits for room.")
+    images_by_hash: bool = Field(
+        True, description="Store each image of the samples once, by its SHA-256, in <data_dir>/images (a sample's "
+        "record keeps its refs; handed out, it gets the bytes back inline), freed once no held sample refers to it "
+        "(services/buffer/images.py). False: each sample's record keeps its images' bytes.")
     seed: int | None = Field(None, description="Seed of uniform replay's random picks (None: from the OS).")
     canonical_order: bool = Field(
         False, description="Hand out ready groups in an order that does not depend on when they arrived: groups "

@@ -47,9 +47,13 @@ class Handout:
         self._append([lease_record(lease.lease_id, [entry.sample_id for entry in lease.entries], spec.consumer)])
         self.live.lease_at[lease.lease_id] = self.log.active_segment
         self._compact_if_due()
-        payloads = [self.log.read(entry.ref) for entry in lease.entries]
+        payloads = [self._handed_out(entry.sample_id, self.log.read(entry.ref)) for entry in lease.entries]
         metrics.PULLED.inc(len(payloads))
         return LeasedBatch(lease.lease_id, payloads, self.store.trainer_version)
+
+    def _handed_out(self, sample_id: str, payload: bytes) -> bytes:
+        """A stored sample as a trainer gets it: with its images' bytes (images.py)."""
+        return self.images.inline(payload) if sample_id in self.images.refs else payload
 
     async def wait_for_acks(self, lease_ids: list[str], max_open: int) -> list[str]:
         """Wait until fewer than `max_open` of `lease_ids` await training (open, not marked
@@ -85,7 +89,7 @@ class Handout:
             records.append(ids_record(RecordKind.USE, reused))
         stale = self._version_records(trainer_version, records)
         self._append(records)
-        self.live.resolve(done)
+        self._forget(done)
         self._retire(done, self.log.active_segment)
         self.live.forget_trained(reused)
         self.acked += len(done)
@@ -168,7 +172,7 @@ class Handout:
 
     def _account_stale(self, stale: list[str]) -> None:
         if stale:
-            self.live.resolve(stale)
+            self._forget(stale)
             self._retire(stale, self.log.active_segment)
             self._count_drops("stale", len(stale))
             self._room_freed.fire()
@@ -177,7 +181,7 @@ class Handout:
         dropped = self.store.expire_groups(self.clock(), self.config.incomplete_group_timeout_s)
         if dropped:
             self._append([drop_record("incomplete_group", dropped)])
-            self.live.resolve(dropped)
+            self._forget(dropped)
             self._retire(dropped, self.log.active_segment)
             self._count_drops("incomplete_group", len(dropped))
             log.info("dropped %d members of groups incomplete after %gs", len(dropped),

@@ -2,6 +2,7 @@
 
 - A Put answers after its PUT records are durable (commit.py). Its samples are handed out only once
   durable (STAGED until then), so a trainer never trains on a sample a crash could take back.
+- The images its samples carry are stored once by hash, durably before their PUT records (images.py).
 - An id once stored is a duplicate for the life of the data dir (buffer.py).
 - A member arriving for a group that is complete, closed or done is stored and dropped at once
   ("late_member"), so it never opens a group that cannot complete. A failed sample is stored and dropped
@@ -103,7 +104,7 @@ class Intake:
             for n, (_, s) in zip(new, fresh)
             if n.sample_id in late or s.status is SampleStatus.FAILED
         }
-        payloads = [payload for payload, _ in fresh]
+        payloads, refers = self._store_images(fresh, drops)
         records = [(RecordKind.PUT, payload) for payload in payloads]
         dropped = by_reason(drops)
         records += [drop_record(reason, sample_ids) for reason, sample_ids in dropped.items()]
@@ -118,6 +119,8 @@ class Intake:
                 self.store.count_arrival(sample, now)
         self.store.add(held, now)
         self.live.note_held(held)
+        for sample in held:
+            self.images.hold(sample.sample_id, refers.get(sample.sample_id, ()))
         self.accepted += len(new)
         self.duplicates += duplicates
         metrics.ACCEPTED.inc(len(new))
@@ -129,6 +132,24 @@ class Intake:
         self._compact_if_due()
         result = PutResult(accepted=len(new), duplicates=duplicates)
         return StagedPut([sample.sample_id for sample in held], self.log.appended, result)
+
+    def _store_images(self, fresh: list[tuple[Payload, Sample]], drops: dict[str, str]
+                      ) -> tuple[list[Payload], dict[str, tuple[bytes, ...]]]:
+        """The samples' payloads as logged (their images' bytes moved to the image store, images.py, which holds
+        them before this returns) and the hashes each refers to. CodecError names a bad image; nothing is stored
+        then."""
+        if not self.config.images_by_hash:
+            return [payload for payload, _ in fresh], {}
+        arriving: dict[bytes, bytes] = {}
+        payloads, refers = [], {}
+        for payload, sample in fresh:
+            if sample.images:
+                payload, refers[sample.sample_id] = self.images.strip(payload, f"sample {sample.sample_id!r}", arriving)
+            payloads.append(payload)
+        needed = {sha256 for sample_id, hashes in refers.items() if sample_id not in drops for sha256 in hashes}
+        for sha256 in needed & arriving.keys():
+            self.images.write(sha256, arriving[sha256])
+        return payloads, refers
 
     def _late_members(self, samples: list[NewSample]) -> set[str]:
         """Ids of group members beyond what their group still waits for (none once it is complete,

@@ -80,7 +80,7 @@ def _segment_name(index: int) -> str:
     return f"{index:010d}{SEGMENT_SUFFIX}"
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
+def fsync_dir(directory: pathlib.Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -162,7 +162,7 @@ class SegmentLog:
             # Crashed while creating this segment, before its checkpoint was written: the previous
             # segment (synced before the roll) is the tail again, or the log starts afresh.
             self._path(last).unlink()
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     def _open_writer(self, index: int) -> None:
         path = self._path(index)
@@ -175,7 +175,7 @@ class SegmentLog:
         self._open_writer(index)
         self._write_chunks(list(encode_record(RecordKind.CHECKPOINT, checkpoint)))
         os.fsync(self._write_fd)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _reader(self, index: int) -> int:
         fd = self._readers.get(index)
@@ -261,7 +261,7 @@ class SegmentLog:
         if fd is not None:
             os.close(fd)
         self._path(index).unlink()
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def close(self) -> None:
         """fsync and close every file."""

@@ -11,6 +11,9 @@ PULLED = Counter("relayrl_buffer_pulled_samples_total", "Samples handed out in l
 ACKED = Counter("relayrl_buffer_acked_samples_total", "Samples acknowledged for good by a trainer")
 REDELIVERED = Counter("relayrl_buffer_redelivered_samples_total", "Samples of expired leases, delivered again")
 DROPPED = Counter("relayrl_buffer_dropped_samples_total", "Samples dropped, by reason", ["reason"])
+IMAGES = Gauge("relayrl_buffer_images", "Images stored once by hash (referred to by held samples)")
+IMAGE_BYTES_FREED = Counter("relayrl_buffer_image_bytes_freed_total", "Bytes of images deleted: no held sample "
+                            "refers to them")
 FSYNC_SECONDS = Histogram(
     "relayrl_buffer_fsync_seconds",
     "Duration of one log fsync",

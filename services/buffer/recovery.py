@@ -3,7 +3,8 @@
 It replays the log from the first live segment's checkpoint: every sample put and not acked or dropped is
 pending again (open leases are simply delivered again); samples marked consumed go out first and are never
 dropped as stale (trained already: the trainer acks them). A PUT of an id seen before is the original of
-a later COPY (compaction.py): the first PUT is kept and moved to the COPY's location.
+a later COPY (compaction.py): the first PUT is kept and moved to the COPY's location. The images the held samples
+refer to are counted again (images.py); start() then deletes those no held sample refers to.
 """
 
 import logging
@@ -11,6 +12,7 @@ from dataclasses import replace
 
 from protos.sample import SampleStatus
 from services.buffer.compaction import copied_sample
+from services.buffer.images import stored_hashes
 from services.buffer.intake import by_reason, index_view, parse_sample
 from services.buffer.log import LogCorruption, Record, RecordKind
 from services.buffer.records import (
@@ -56,7 +58,7 @@ class Recovery:
                 self._recover_copy(record)
             elif record.kind is RecordKind.ACK:
                 sample_ids = decode_ids(record.payload)
-                self.live.resolve(self.store.discard(sample_ids))
+                self._forget(self.store.discard(sample_ids))
                 self._retire(sample_ids, segment)
                 self.acked += len(sample_ids)
             elif record.kind is RecordKind.USE:
@@ -79,7 +81,7 @@ class Recovery:
                 reason, sample_ids = decode_drop(record.payload)
                 for sample_id in sample_ids:
                     unrecorded.pop(sample_id, None)
-                self.live.resolve(self.store.discard(sample_ids))
+                self._forget(self.store.discard(sample_ids))
                 self._retire(sample_ids, segment)
                 self.dropped[reason] += len(sample_ids)
             elif record.kind is RecordKind.RETIRED:
@@ -134,6 +136,7 @@ class Recovery:
         else:
             self.store.add([new], now)
             self.live.note_held([new])
+            self.images.hold(sample.sample_id, stored_hashes(sample.images))
             puts.append(sample.sample_id)
 
     def _recover_copy(self, record: Record) -> None:
@@ -148,3 +151,4 @@ class Recovery:
             self.store.add_moved(new, uses)
             self.store.publish([sample.sample_id])
             self.live.note_held([new])
+            self.images.hold(sample.sample_id, stored_hashes(sample.images))
