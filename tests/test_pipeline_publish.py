@@ -3,7 +3,7 @@ each stage's rank sends its buckets on a group of its own to the receivers, whic
 parts have arrived: a native engine inside rank 0 (its parameters compared bit for bit with the trainer's) and a real
 rollout service process (every bucket's checksum verified on arrival; its greedy tokens compared with the trainer's
 model's). A stage whose part never arrives fails its version at both receivers with an error naming that stage; they
-keep serving the version before, and the next publish lands.
+keep serving the version before, and the next publish lands; so does an overlapped one (`publish.overlap`).
 
 `StagePublisher` is the trainer's own publish path (policy_weights, stage_senders, Publishing, RolloutPublisher);
 test_trainer_pipeline.py publishes its trained policies through it too. This file runs as the torchrun script of
@@ -78,19 +78,27 @@ class StagePublisher:
         config = PublishConfig(receivers=receivers, timeout_s=timeout_s, control_timeout_s=10.0)
         self.publisher = RolloutPublisher(config) if env.is_main else None
         self.follower = stage_senders(env, self.publisher, config)
-        self.publishing = Publishing(policy_weights(learner, env, self.publisher, config), self.publisher, False, env,
-                                     timeout_s + 60.0, None, self.follower)
+        weights = policy_weights(learner, env, self.publisher, config)
+        self.publishing, self.overlapped = (
+            Publishing(weights, self.publisher, overlap, env, timeout_s + 60.0, None, self.follower)
+            for overlap in (False, True))
 
-    def publish(self, version: int, dead_stage: bool = False) -> dict | None:
+    def publish(self, version: int, dead_stage: bool = False, overlap: bool = False) -> dict | None:
         """Publish the policy as `version` (with `dead_stage`, stage 1 takes its round and sends nothing: its part
-        never arrives); on rank 0: the report, what every receiver serves then, the in-process engine's parameters
-        and the trainer's weights (Hugging Face names)."""
+        never arrives; with `overlap`, on a thread of each sender, as `publish.overlap` runs it, waited for at once);
+        on rank 0: the report, what every receiver serves then, the in-process engine's parameters and the trainer's
+        weights (Hugging Face names)."""
         from trainer.checkpoint import hf_state_dict
         from trainer.parallel import gather_model_state
 
         if dead_stage and self.follower is not None:
             self.publishing.follower = DeadStage(self.follower.group)
-        self.publishing(TrainState(weight_version=version))
+        if overlap:
+            state = TrainState(weight_version=version)
+            self.overlapped(state)
+            self.overlapped.finish(state)
+        else:
+            self.publishing(TrainState(weight_version=version))
         self.publishing.follower = self.follower
         trainer = hf_state_dict(gather_model_state(self.learner.policy, self.env), tied_embeddings=False)
         if not self.env.is_main:
@@ -150,9 +158,16 @@ def engine_greedy(address: str) -> tuple[list[int], int]:
     return decode_array(completion.token_ids, expect="int32").tolist(), int(versions[-1])
 
 
+def _move(learner) -> None:
+    """Each stage moves its own layers: what the next version carries."""
+    with torch.no_grad():
+        for parameter in learner.policy.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+
+
 def worker(args) -> None:
     """Under torchrun (2 ranks, pp 2): version 1 from both stages; every stage's layers moved; version 2 with stage
-    1 dead; version 3 from both stages again."""
+    1 dead; version 3 from both stages again; version 4 overlapped (each sender's part sent from a thread)."""
     torch.set_num_threads(1)
     from test_trainer_pipeline import _config
 
@@ -164,11 +179,11 @@ def worker(args) -> None:
     results = {}
     with StagePublisher(args.model, learner, env, [args.engine], timeout_s=args.timeout_s) as publisher:
         results[1] = publisher.publish(1)
-        with torch.no_grad():  # each stage moves its own layers: what the next version carries
-            for parameter in learner.policy.parameters():
-                parameter.add_(0.01 * torch.randn_like(parameter))
+        _move(learner)
         results[2] = publisher.publish(2, dead_stage=True)
         results[3] = publisher.publish(3)
+        _move(learner)
+        results[4] = publisher.publish(4, overlap=True)
     if env.is_main:
         torch.save(results, args.out)
     env.barrier()
@@ -205,12 +220,17 @@ def test_a_stage_whose_part_never_arrives_fails_the_version_and_the_next_lands(t
     assert dead["served_versions"] == dict.fromkeys(receivers, 1)
     assert differing(dead["served"], first["trainer"]) == []
     assert differing(dead["served"], dead["trainer"]) != []  # version 2's weights differ: the test can fail
-    # The next publish forms new groups with both stages and lands bit for bit; the real engine's greedy tokens are
-    # the trainer's model's.
+    # The next publish forms new groups with both stages and lands bit for bit.
     assert last["ok"] and last["served_versions"] == dict.fromkeys(receivers, 3), last["failed"]
     assert differing(last["served"], last["trainer"]) == []
+    # Overlapped (each sender's part sent from a thread of its own): it lands too, and the real engine's greedy tokens
+    # are then the trainer's model's.
+    overlapped = results[4]
+    assert overlapped["ok"] and overlapped["served_versions"] == dict.fromkeys(receivers, 4), overlapped["failed"]
+    assert differing(overlapped["served"], overlapped["trainer"]) == []
+    assert differing(overlapped["served"], last["trainer"]) != []
     tokens, version = engine_greedy(engine.address)
-    assert version == 3 and tokens == greedy(two_stage_model, last["trainer"])
+    assert version == 4 and tokens == greedy(two_stage_model, overlapped["trainer"])
 
 
 if __name__ == "__main__":

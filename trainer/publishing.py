@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
+from services.device import transfer_backend
 from trainer.adapter_publish import AdapterGate, AdapterWeights
 from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtype
@@ -21,7 +22,7 @@ from trainer.checkpoint import TrainState, hf_state_dict, ties_embeddings
 from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
 from trainer.lora import has_lora
-from trainer.parallel import DistEnv, stage_model_state
+from trainer.parallel import DistEnv, gather_model_state, stage_model_state
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +189,10 @@ def policy_weights(
             return publish.snapshot if config.overlap else lambda: parameters
         log.info("publishing gathered state dicts: the policy's state holds tensors that are not parameters")
     dtype = publish_dtype(config.dtype)
-    if env.pp_size > 1:  # pipeline stages: each stage's first rank sends its own layers (stage_senders)
+    if env.pp_size > 1:  # pipeline stages: each stage's first rank sends its own layers, or rank 0 all of them
         cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
-        return lambda: {name: cast(t) for name, t in hf_state_dict(stage_model_state(learner.policy, env), tied).items()}
+        state = stage_model_state if stages_send(env, config) else gather_model_state
+        return lambda: {name: cast(t) for name, t in hf_state_dict(state(learner.policy, env), tied).items()}
 
     def sharded() -> ShardedWeights:
         return ShardedWeights(hf_state_dict(learner.policy.state_dict(), tied), env.device, dtype)
@@ -200,11 +202,19 @@ def policy_weights(
     return sharded
 
 
+def stages_send(env: DistEnv, config: PublishConfig) -> bool:
+    """Whether each pipeline stage sends its own layers (several senders: over gloo, whole versions, for now);
+    otherwise (one stage, NCCL, delta sync) rank 0 sends everything, every stage's tensors gathered to it first."""
+    backend = transfer_backend(env.device) if config.backend == "auto" else config.backend
+    return env.pp_size > 1 and backend == "gloo" and config.delta == "off"
+
+
 def stage_senders(env: DistEnv, publish: Publisher | None, config: PublishConfig) -> StageSender | None:
-    """With pipeline stages (collective: every rank, before the first publish): the senders' group, rank 0's
-    publisher made to publish from every stage (`use_senders`), and stage s's first rank's StageSender, which the
-    loop's Publishing runs in each of rank 0's publishes; None on the other ranks, and without stages."""
-    if env.pp_size == 1:
+    """When the stages send their own layers (`stages_send`; collective: every rank, before the first publish): the
+    senders' group, rank 0's publisher made to publish from every stage (`use_senders`), and stage s's first rank's
+    StageSender, which the loop's Publishing runs in each of rank 0's publishes; None on the other ranks, and
+    otherwise."""
+    if not stages_send(env, config):
         return None
     bound = BroadcastConfig(timeout_s=config.timeout_s, control_timeout_s=config.control_timeout_s).publish_bound_s
     group = SenderGroup(env.mesh.mesh, env.rank, timeout_s=2 * bound + 60.0)
