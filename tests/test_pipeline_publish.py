@@ -233,6 +233,34 @@ def test_a_stage_whose_part_never_arrives_fails_the_version_and_the_next_lands(t
     assert version == 4 and tokens == greedy(two_stage_model, overlapped["trainer"])
 
 
+@pytest.mark.slow
+def test_the_training_loop_publishes_from_both_stages(two_stage_model, tmp_path, free_port, service_factory):
+    """`python -m trainer` under torchrun with parallel.pp 2 (trainer/loop.py wires stage_senders): 2 steps, each
+    version published by both stages to a rollout process, which then serves the exported model's greedy tokens."""
+    from test_trainer_loop import BATCH, make_samples, put, records, stats, trainer_overrides
+    from test_trainer_parallel import _run
+
+    buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer")})
+    engine = service_factory("rollout", {"model": str(two_stage_model)})
+    put(buffer.address, make_samples(3 * BATCH))
+    overrides = trainer_overrides(two_stage_model, buffer.address, tmp_path, 2, **{
+        "parallel.pp": "2", "batch.micro_batch_size": "2", "publish.receivers": f"[{engine.address}]",
+        "publish.timeout_s": "30", "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "checkpoint.export_dir": str(tmp_path / "export")})
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port)]
+    _run([*torchrun, "-m", "trainer", *overrides], tmp_path, timeout=300)
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert stats(buffer.address).trainer_version == 2
+    from safetensors.torch import load_file
+
+    exported = {}
+    for path in sorted((tmp_path / "export").glob("*.safetensors")):
+        exported.update(load_file(path))
+    tokens, version = engine_greedy(engine.address)
+    assert version == 2 and tokens == greedy(two_stage_model, exported)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     parser = argparse.ArgumentParser()
