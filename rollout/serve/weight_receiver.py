@@ -368,7 +368,6 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         return Staging(manifest, staging.buffers)
 
 
-
 def _same_group(held: GroupSpec, spec: GroupSpec) -> bool:
     return held.group_name == spec.group_name and held.rank == spec.rank and held.world_size == spec.world_size
 

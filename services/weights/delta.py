@@ -5,7 +5,8 @@ worker applies and verifies (receive_parts); pure tensor code over a Transfer, n
 A bucket travels WHOLE (its bytes), as a DELTA (the positions of the words that changed since the base, then their
 new values: a word is the smallest element size among the bucket's tensors, so bfloat16 buckets diff by 2-byte
 words, bit for bit) or not at all (UNCHANGED); encode_bucket picks the smallest. Lossless: the receiver's bytes are
-the sender's, which bucket_checksum (CRC-32) checks for every bucket of every version.
+the sender's, which bucket_checksum (CRC-32) checks for every bucket of every version. A version's parts may come from
+several senders (each part names its own; receive_parts takes each sender's on that sender's group).
 """
 
 import threading
