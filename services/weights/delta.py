@@ -132,11 +132,6 @@ def parse_parts(manifest: Manifest, protos: Sequence[weights_pb2.BucketPart], se
     return parts
 
 
-def buckets_of(parts: Sequence[BucketPart], sender: int) -> list[int]:
-    """The buckets `sender` sends bytes for, in order."""
-    return [part.bucket for part in parts if part.sender == sender and part.wire_bytes]
-
-
 @torch.no_grad()
 def receive_parts(transfer: Transfer | Callable[[int], Transfer], manifest: Manifest, parts: Sequence[BucketPart],
                   deadline: float, staging: list[torch.Tensor], base: list[torch.Tensor] | None,
