@@ -25,33 +25,33 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/weights.proto\x12\x12relayrl.weights.v1\x1a\x13protos/common.proto\"r\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"\x92\x01\n\rTransferGroup\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x13\n\x0bmaster_addr\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x10\n\x08\x65xisting\x18\x07 \x01(\x08\"\xf6\x01\n\x12\x42\x65ginUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12/\n\x07tensors\x18\x02 \x03(\x0b\x32\x1e.relayrl.weights.v1.TensorSpec\x12\x14\n\x0c\x62ucket_sizes\x18\x03 \x03(\x04\x12\x30\n\x05group\x18\x04 \x01(\x0b\x32!.relayrl.weights.v1.TransferGroup\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12-\n\x05parts\x18\x07 \x03(\x0b\x32\x1e.relayrl.weights.v1.BucketPart\"\x97\x01\n\nBucketPart\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\r\x12\x34\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\".relayrl.weights.v1.BucketEncoding\x12\x12\n\nwire_bytes\x18\x03 \x01(\x04\x12\r\n\x05words\x18\x04 \x01(\x04\x12\x0e\n\x06sender\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\"v\n\x13\x42\x65ginUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x19\n\x11tensor_broadcasts\x18\x02 \x01(\x08\x12\x12\n\nneeds_full\x18\x03 \x01(\x08\x12\x17\n\x0fpartial_updates\x18\x04 \x01(\x08\"U\n\x13\x43ommitUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x1a\n\x12reset_prefix_cache\x18\x03 \x01(\x08\"e\n\x14\x43ommitUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x11\n\treceive_s\x18\x02 \x01(\x01\x12\x10\n\x08switch_s\x18\x03 \x01(\x01\x12\x0f\n\x07pause_s\x18\x04 \x01(\x01\"%\n\x12\x41\x62ortUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\".\n\x13\x41\x62ortUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03*J\n\x0e\x42ucketEncoding\x12\x10\n\x0c\x42UCKET_WHOLE\x10\x00\x12\x10\n\x0c\x42UCKET_DELTA\x10\x01\x12\x14\n\x10\x42UCKET_UNCHANGED\x10\x02\x32\xaf\x02\n\nWeightSync\x12^\n\x0b\x42\x65ginUpdate\x12&.relayrl.weights.v1.BeginUpdateRequest\x1a\'.relayrl.weights.v1.BeginUpdateResponse\x12\x61\n\x0c\x43ommitUpdate\x12\'.relayrl.weights.v1.CommitUpdateRequest\x1a(.relayrl.weights.v1.CommitUpdateResponse\x12^\n\x0b\x41\x62ortUpdate\x12&.relayrl.weights.v1.AbortUpdateRequest\x1a\'.relayrl.weights.v1.AbortUpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/weights.proto\x12\x12relayrl.weights.v1\x1a\x13protos/common.proto\"r\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"\x92\x01\n\rTransferGroup\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x13\n\x0bmaster_addr\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x10\n\x08\x65xisting\x18\x07 \x01(\x08\"\xb0\x02\n\x12\x42\x65ginUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12/\n\x07tensors\x18\x02 \x03(\x0b\x32\x1e.relayrl.weights.v1.TensorSpec\x12\x14\n\x0c\x62ucket_sizes\x18\x03 \x03(\x04\x12\x30\n\x05group\x18\x04 \x01(\x0b\x32!.relayrl.weights.v1.TransferGroup\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12-\n\x05parts\x18\x07 \x03(\x0b\x32\x1e.relayrl.weights.v1.BucketPart\x12\x38\n\rsender_groups\x18< \x03(\x0b\x32!.relayrl.weights.v1.TransferGroup\"\x97\x01\n\nBucketPart\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\r\x12\x34\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\".relayrl.weights.v1.BucketEncoding\x12\x12\n\nwire_bytes\x18\x03 \x01(\x04\x12\r\n\x05words\x18\x04 \x01(\x04\x12\x0e\n\x06sender\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\"v\n\x13\x42\x65ginUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x19\n\x11tensor_broadcasts\x18\x02 \x01(\x08\x12\x12\n\nneeds_full\x18\x03 \x01(\x08\x12\x17\n\x0fpartial_updates\x18\x04 \x01(\x08\"U\n\x13\x43ommitUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x1a\n\x12reset_prefix_cache\x18\x03 \x01(\x08\"e\n\x14\x43ommitUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x11\n\treceive_s\x18\x02 \x01(\x01\x12\x10\n\x08switch_s\x18\x03 \x01(\x01\x12\x0f\n\x07pause_s\x18\x04 \x01(\x01\"%\n\x12\x41\x62ortUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\".\n\x13\x41\x62ortUpdateResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03*J\n\x0e\x42ucketEncoding\x12\x10\n\x0c\x42UCKET_WHOLE\x10\x00\x12\x10\n\x0c\x42UCKET_DELTA\x10\x01\x12\x14\n\x10\x42UCKET_UNCHANGED\x10\x02\x32\xaf\x02\n\nWeightSync\x12^\n\x0b\x42\x65ginUpdate\x12&.relayrl.weights.v1.BeginUpdateRequest\x1a\'.relayrl.weights.v1.BeginUpdateResponse\x12\x61\n\x0c\x43ommitUpdate\x12\'.relayrl.weights.v1.CommitUpdateRequest\x1a(.relayrl.weights.v1.CommitUpdateResponse\x12^\n\x0b\x41\x62ortUpdate\x12&.relayrl.weights.v1.AbortUpdateRequest\x1a\'.relayrl.weights.v1.AbortUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BUCKETENCODING']._serialized_start=1130
-  _globals['_BUCKETENCODING']._serialized_end=1204
+  _globals['_BUCKETENCODING']._serialized_start=1188
+  _globals['_BUCKETENCODING']._serialized_end=1262
   _globals['_TENSORSPEC']._serialized_start=65
   _globals['_TENSORSPEC']._serialized_end=179
   _globals['_TRANSFERGROUP']._serialized_start=182
   _globals['_TRANSFERGROUP']._serialized_end=328
   _globals['_BEGINUPDATEREQUEST']._serialized_start=331
-  _globals['_BEGINUPDATEREQUEST']._serialized_end=577
-  _globals['_BUCKETPART']._serialized_start=580
-  _globals['_BUCKETPART']._serialized_end=731
-  _globals['_BEGINUPDATERESPONSE']._serialized_start=733
-  _globals['_BEGINUPDATERESPONSE']._serialized_end=851
-  _globals['_COMMITUPDATEREQUEST']._serialized_start=853
-  _globals['_COMMITUPDATEREQUEST']._serialized_end=938
-  _globals['_COMMITUPDATERESPONSE']._serialized_start=940
-  _globals['_COMMITUPDATERESPONSE']._serialized_end=1041
-  _globals['_ABORTUPDATEREQUEST']._serialized_start=1043
-  _globals['_ABORTUPDATEREQUEST']._serialized_end=1080
-  _globals['_ABORTUPDATERESPONSE']._serialized_start=1082
-  _globals['_ABORTUPDATERESPONSE']._serialized_end=1128
-  _globals['_WEIGHTSYNC']._serialized_start=1207
-  _globals['_WEIGHTSYNC']._serialized_end=1510
+  _globals['_BEGINUPDATEREQUEST']._serialized_end=635
+  _globals['_BUCKETPART']._serialized_start=638
+  _globals['_BUCKETPART']._serialized_end=789
+  _globals['_BEGINUPDATERESPONSE']._serialized_start=791
+  _globals['_BEGINUPDATERESPONSE']._serialized_end=909
+  _globals['_COMMITUPDATEREQUEST']._serialized_start=911
+  _globals['_COMMITUPDATEREQUEST']._serialized_end=996
+  _globals['_COMMITUPDATERESPONSE']._serialized_start=998
+  _globals['_COMMITUPDATERESPONSE']._serialized_end=1099
+  _globals['_ABORTUPDATEREQUEST']._serialized_start=1101
+  _globals['_ABORTUPDATEREQUEST']._serialized_end=1138
+  _globals['_ABORTUPDATERESPONSE']._serialized_start=1140
+  _globals['_ABORTUPDATERESPONSE']._serialized_end=1186
+  _globals['_WEIGHTSYNC']._serialized_start=1265
+  _globals['_WEIGHTSYNC']._serialized_end=1568
 # @@protoc_insertion_point(module_scope)

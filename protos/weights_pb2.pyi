@@ -50,7 +50,7 @@ class TransferGroup(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., group_name: _Optional[str] = ..., existing: _Optional[bool] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
-    __slots__ = ("version", "tensors", "bucket_sizes", "group", "timeout_s", "base_version", "parts")
+    __slots__ = ("version", "tensors", "bucket_sizes", "group", "timeout_s", "base_version", "parts", "sender_groups")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class BeginUpdateRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     bucket_sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +66,8 @@ class BeginUpdateRequest(_message.Message):
     timeout_s: float
     base_version: int
     parts: _containers.RepeatedCompositeFieldContainer[BucketPart]
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_sizes: _Optional[_Iterable[int]] = ..., group: _Optional[_Union[TransferGroup, _Mapping]] = ..., timeout_s: _Optional[float] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[BucketPart, _Mapping]]] = ...) -> None: ...
+    sender_groups: _containers.RepeatedCompositeFieldContainer[TransferGroup]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_sizes: _Optional[_Iterable[int]] = ..., group: _Optional[_Union[TransferGroup, _Mapping]] = ..., timeout_s: _Optional[float] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[BucketPart, _Mapping]]] = ..., sender_groups: _Optional[_Iterable[_Union[TransferGroup, _Mapping]]] = ...) -> None: ...
 
 class BucketPart(_message.Message):
     __slots__ = ("bucket", "encoding", "wire_bytes", "words", "sender", "checksum")

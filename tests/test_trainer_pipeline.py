@@ -1,6 +1,8 @@
 """Pipeline parallelism (parallel.pp, trainer/parallel/stages.py and pipeline.py): 2 stages on 2 gloo ranks give
 the single process's losses, gradients and updated weights, with the 1F1B and the interleaved schedule; a DCP
-checkpoint resumes across pp sizes (2 -> 1, 1 -> 2) at the same next loss.
+checkpoint resumes across pp sizes (2 -> 1, 1 -> 2) at the same next loss; the trained policy, published by both
+stages (each its own layers), lands bit for bit in an engine and a rollout process greedy-decodes as the trainer's
+model does (test_pipeline_publish.py: the publish path, and a stage whose part never arrives).
 
 The test runs this file as a script under `torchrun --nproc_per_node 2` (see `worker`). A 4-layer tiny model:
 interleaved runs 2 stages per rank.
@@ -64,51 +66,26 @@ def _capture_gradients(learner, env, into: dict) -> None:
     learner.optimizer.register_step_pre_hook(hook)
 
 
-def publish_to_engine(model: str, learner, env) -> dict | None:
-    """The trainer's publish path (trainer/publishing.py: with stages, every stage's tensors gathered to rank 0;
-    collective), then rank 0 publishes them to a native rollout engine behind its gRPC WeightSync server: whether
-    it landed, and which of the tensors the engine then serves differ from the trainer's."""
-    import asyncio
+def publish_to_engine(model: str, learner, env, engine: str) -> dict | None:
+    """The trainer's publish path with stages (test_pipeline_publish.StagePublisher: each stage's rank sends its own
+    layers; collective): to a native engine inside rank 0 and to the rollout process at `engine`. On rank 0: whether
+    it landed, which tensors the in-process engine serves that differ from the trainer's, and the trainer's weights."""
+    from test_pipeline_publish import StagePublisher, differing
 
-    from protos import weights_pb2_grpc
-    from rollout.config import EngineConfig
-    from rollout.engine.async_engine import AsyncEngine
-    from rollout.engine.llm_engine import LLMEngine
-    from rollout.serve.weight_receiver import WeightReceiver
-    from services.server import create_server
-    from trainer.broadcast.broadcaster import WeightBroadcaster
-    from trainer.broadcast.config import BroadcastConfig
-    from trainer.config.publish import PublishConfig
-    from trainer.publishing import policy_weights
-
-    weights = policy_weights(learner, env, None, PublishConfig())()
-    if not env.is_main:
+    with StagePublisher(model, learner, env, [engine], timeout_s=60) as publisher:
+        published = publisher.publish(1)  # a later algorithm's is refused as not newer, and goes out as the next
+    if published is None:
         return None
-
-    async def main():
-        engine = AsyncEngine(LLMEngine(EngineConfig(model=model, num_blocks=32, max_num_seqs=2, max_n=1)))
-        registration = (weights_pb2_grpc.add_WeightSyncServicer_to_server, WeightReceiver(engine),
-                        "relayrl.weights.v1.WeightSync")
-        server, port = await create_server("127.0.0.1:0", [registration])
-        await server.start()
-        try:
-            async with WeightBroadcaster([f"127.0.0.1:{port}"], BroadcastConfig(timeout_s=60)) as broadcaster:
-                report = await broadcaster.publish(weights, 1)
-            return report, dict(engine.engine.runner.model.named_parameters())
-        finally:
-            await server.stop(1)
-            engine.shutdown()
-
-    report, served = asyncio.run(main())
-    return {"ok": report.ok, "served": len(served), "sent": len(weights),
-            "differ": sorted(name for name, tensor in served.items() if not torch.equal(tensor, weights[name]))}
+    return {"ok": published["ok"], "failed": published["failed"], "served": len(published["served"]),
+            "sent": len(published["trainer"]), "differ": differing(published["served"], published["trainer"]),
+            "weights": published["trainer"]}
 
 
 def train(model: str, env, algorithms: list[str], schedule: str, micro_batch_size: int, *, save: Path | None = None,
-          resume: Path | None = None, publish: bool = False) -> dict:
+          resume: Path | None = None, publish: str | None = None) -> dict:
     """Per algorithm: each step's loss and grad norm, the first step's gradients, the final weights and the
-    schedule class that ran; with `resume`: from that checkpoint root, the steps after it; with `publish`: the
-    final weights published to a rollout engine (publish_to_engine)."""
+    schedule class that ran; with `resume`: from that checkpoint root, the steps after it; with `publish` (a rollout
+    process's address): the final weights published to it and to an in-process engine (publish_to_engine)."""
     from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from trainer.learner import Learner
     from trainer.parallel import gather_model_state
@@ -135,13 +112,13 @@ def train(model: str, env, algorithms: list[str], schedule: str, micro_batch_siz
         results[name] = {"steps": steps, "grads": grads, "weights": gather_model_state(learner.policy, env),
                          "schedule": type(pipeline.last_schedule).__name__ if pipeline else None,
                          "bubble": learner.pipeline and metrics["pp_bubble"],
-                         "published": publish_to_engine(model, learner, env) if publish else None}
+                         "published": publish_to_engine(model, learner, env, publish) if publish else None}
     return results
 
 
 def worker(args) -> None:
     """Under torchrun: rank 0 alone trains a world of one (pp 1) first, saving a checkpoint; then every rank with
-    pp stages, each schedule (the 1F1B run saving a checkpoint and publishing its weights to a rollout engine), and
+    pp stages, each schedule (the 1F1B run saving a checkpoint and publishing its weights from both stages), and
     resumes from the pp 1 checkpoint; then rank 0
     alone resumes from the staged checkpoint. One launch: a process's imports cost more than its training."""
     torch.set_num_threads(1)
@@ -156,7 +133,8 @@ def worker(args) -> None:
     env.barrier()
     for schedule in args.schedules.split(","):
         results[schedule] = train(args.model, env, algorithms, schedule, mbs,
-                                  save=ckpt / "staged" if schedule == "1f1b" else None, publish=schedule == "1f1b")
+                                  save=ckpt / "staged" if schedule == "1f1b" else None,
+                                  publish=args.engine if schedule == "1f1b" else None)
     results["staged_resumed"] = train(args.model, env, algorithms, "1f1b", mbs, resume=ckpt / "pp1")
     if env.is_main:
         results["single_resumed"] = train(args.model, one, algorithms, "1f1b", mbs, resume=ckpt / "staged")
@@ -184,13 +162,16 @@ def _assert_same(staged: dict, single: dict, name: str) -> None:
             torch.testing.assert_close(staged[field][key], tensor, rtol=0, atol=1e-5, msg=f"{name} {field} {key}")
 
 
-def _run_and_check(model: Path, tmp_path: Path, port: int, algorithms: list[str], nproc: int = 2,
+def _run_and_check(model: Path, tmp_path: Path, port: int, algorithms: list[str], engine: str, nproc: int = 2,
                    micro_batch_size: int = 2, schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")) -> None:
+    """`engine`: a rollout process serving `model`, which each 1F1B run publishes to."""
+    from test_pipeline_publish import engine_greedy, greedy
+
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port)]
     _run([*torchrun, str(Path(__file__)), "--model", str(model), "--checkpoints", str(tmp_path / "ckpt"),
           "--out", str(tmp_path / "out.pt"), "--algorithms", ",".join(algorithms), "--micro-batch-size",
-          str(micro_batch_size), "--schedules", ",".join(schedules)], tmp_path, timeout=600)
+          str(micro_batch_size), "--schedules", ",".join(schedules), "--engine", engine], tmp_path, timeout=600)
     results = torch.load(tmp_path / "out.pt", weights_only=False)
     single = results["single"]
     for schedule in schedules:
@@ -199,10 +180,13 @@ def _run_and_check(model: Path, tmp_path: Path, port: int, algorithms: list[str]
             assert results[schedule][name]["schedule"] == kind, (schedule, name)
             assert 0 <= results[schedule][name]["bubble"] < 1
             _assert_same(results[schedule][name], single[name], f"{schedule} {name}")
-    for name in algorithms:  # the staged policy published (gathered to rank 0) lands whole and bit-exact
+    for name in algorithms:  # the staged policy, published by both stages, lands whole and bit-exact
         published = results["1f1b"][name]["published"]
-        assert published["ok"] and published["served"] == published["sent"] > 40, published
-        assert published["differ"] == [], published
+        assert published["ok"] and published["served"] == published["sent"] > 40, published["failed"]
+        assert published["differ"] == [], published["differ"]
+    # The rollout process serves the last one: its greedy tokens are the trained policy's (transformers, its weights).
+    tokens, _ = engine_greedy(engine)
+    assert tokens == greedy(model, results["1f1b"][algorithms[-1]]["published"]["weights"])
     for name in algorithms:  # resumed runs train the steps after SAVE_AT: the saving run's next losses
         for got, want in ((results["single_resumed"][name], results["1f1b"][name]),
                           (results["staged_resumed"][name], single[name])):
@@ -210,8 +194,9 @@ def _run_and_check(model: Path, tmp_path: Path, port: int, algorithms: list[str]
             assert abs(got["steps"][0][0] - want["steps"][SAVE_AT][0]) <= 1e-6, name
 
 
-def test_two_stages_follow_single_process(four_layers, tmp_path, free_port):
-    _run_and_check(four_layers, tmp_path, free_port, ["grpo"])
+def test_two_stages_follow_single_process(four_layers, tmp_path, free_port, service_factory):
+    engine = service_factory("rollout", {"model": str(four_layers)})
+    _run_and_check(four_layers, tmp_path, free_port, ["grpo"], engine.address)
 
 
 def test_stages_split_at_layer_boundaries():
@@ -243,15 +228,17 @@ def test_pp_refuses_what_it_cannot_do_yet(tiny_model_dir):
 
 
 @pytest.mark.ranks
-def test_two_stages_ppo_dpo(four_layers, tmp_path, free_port):
-    _run_and_check(four_layers, tmp_path, free_port, ["ppo", "dpo"], schedules=tuple(SCHEDULES))
+def test_two_stages_ppo_dpo(four_layers, tmp_path, free_port, service_factory):
+    engine = service_factory("rollout", {"model": str(four_layers)})
+    _run_and_check(four_layers, tmp_path, free_port, ["ppo", "dpo"], engine.address, schedules=tuple(SCHEDULES))
 
 
 @pytest.mark.ranks
-def test_two_stages_two_data_parallel(four_layers, tmp_path, free_port):
+def test_two_stages_two_data_parallel(four_layers, tmp_path, free_port, service_factory):
     """pp 2 x dp 2 (4 processes): each stage's layers FSDP-sharded over 2 ranks, 4 micro-batches of 1 row each
     (DPO's pairs need micro-batches of 2 rows: test_two_stages_ppo_dpo covers it on pp 2)."""
-    _run_and_check(four_layers, tmp_path, free_port, ["grpo", "ppo"], nproc=4, micro_batch_size=1)
+    engine = service_factory("rollout", {"model": str(four_layers)})
+    _run_and_check(four_layers, tmp_path, free_port, ["grpo", "ppo"], engine.address, nproc=4, micro_batch_size=1)
 
 
 if __name__ == "__main__":
@@ -264,4 +251,5 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--schedules", default="1f1b,interleaved_1f1b")
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--engine", required=True)
     worker(parser.parse_args())

@@ -28,7 +28,7 @@ from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
 from trainer.parallel import DistEnv
 from trainer.profiling import step_profiler
-from trainer.publishing import Background, Publisher, Publishing, adapter_gate, policy_weights
+from trainer.publishing import Background, Publisher, Publishing, adapter_gate, policy_weights, stage_senders
 from trainer.stages import step_report
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,13 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
            publish: Publisher | None, stop: threading.Event | None) -> TrainState:
     publishing = env.broadcast_object(publish is not None)  # gathering weights is collective
     weights = policy_weights(learner, env, publish, config.publish) if publishing else None
+    follower = stage_senders(env, publish, config.publish) if publishing else None
     publish_now = continue_versions(state, book, publish, env, config.publish.versions_above)
     if env.is_main:
         book.source.set_version(state.weight_version)
         book.checkpointed(state.weight_version)  # the resumed checkpoint holds its ledger's training: ack it
     publisher = Publishing(weights, publish, config.publish.overlap, env, config.publish.timeout_s + 60.0,
-                           adapter_gate(learner, env, config.publish) if publishing else None)
+                           adapter_gate(learner, env, config.publish) if publishing else None, follower)
     if publishing and publish_now:
         publisher(state)
     pull_wait_s = config.buffer.max_wait_s + config.buffer.pull_timeout_s + 30.0  # the pull's own deadline + slack

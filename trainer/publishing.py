@@ -1,6 +1,7 @@
 """How the training loop publishes: the weights each publish sends, and one publish that may run while the next
 step computes (`publish.overlap`); `Background` runs one call at a time on a thread (the overlapped publish, and the
-loop's prefetched pull).
+loop's prefetched pull). With pipeline stages every stage's first rank sends its own layers (`stage_senders`,
+trainer/broadcast/senders.py): rank 0 publishes, the others follow its publish.
 """
 
 import logging
@@ -12,13 +13,16 @@ from concurrent.futures import Future
 
 import torch
 
+from services.device import transfer_backend
 from trainer.adapter_publish import AdapterGate, AdapterWeights
+from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.gather import ShardedWeights, finish_gather, publish_dtype
+from trainer.broadcast.senders import Peers, SenderGroup, StageSender
 from trainer.checkpoint import TrainState, hf_state_dict, ties_embeddings
 from trainer.config.publish import PublishConfig
 from trainer.learner import Learner
 from trainer.lora import has_lora
-from trainer.parallel import DistEnv, gather_model_state
+from trainer.parallel import DistEnv, gather_model_state, stage_model_state
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +78,16 @@ class Publishing:
     """
 
     def __init__(self, weights: Callable[[], dict[str, torch.Tensor] | ShardedWeights] | None, publish: Publisher | None,
-                 overlap: bool, env: DistEnv, wait_s: float, gate: Callable[[], bool] | None = None) -> None:
+                 overlap: bool, env: DistEnv, wait_s: float, gate: Callable[[], bool] | None = None,
+                 follower: StageSender | None = None) -> None:
         self.weights, self.publish, self.env, self.wait_s = weights, publish, env, wait_s
+        self.follower = follower  # pipeline stage s > 0's first rank: it sends its own layers in rank 0's publish
         # LoRA (trainer/adapter_publish.py): whether the adapter moved since the last publish (collective); a step
         # that did not move it publishes nothing, and its version is the last published one (same weights).
         self.gate = gate
         self.skipped = 0
         self._behind = False  # rank 0: receivers_behind() found a receiver behind: the next publish goes regardless
-        self.sending = Background("relayrl-publish") if overlap and env.is_main else None
+        self.sending = Background("relayrl-publish") if overlap and (env.is_main or follower) else None
         self._requested = 0
         self.published: int | None = None  # the version the last publish went out as (rank 0)
         self.seconds = 0.0  # the last publish's duration, reported with the steps after it
@@ -105,6 +111,11 @@ class Publishing:
                 else:
                     self._adopt(state, state.weight_version, self.publish(tensors, state.weight_version))
                 self.published = state.weight_version
+            elif self.follower is not None:
+                if self.sending is not None:
+                    self.sending.start(self.follower.follow, tensors)
+                else:
+                    self.follower.follow(tensors)
         finally:  # sharded weights: the other ranks gather every tensor now, rank 0 what its publish did not reach
             finish_gather(tensors)
         state.weight_version = self.env.broadcast_object(state.weight_version)
@@ -135,6 +146,8 @@ class Publishing:
     def finish(self, state: TrainState) -> None:
         """Wait for an overlapped publish still in flight (collective)."""
         self._wait(state)
+        if self.follower is not None:
+            self.follower.close(self.wait_s)
         state.weight_version = self.env.broadcast_object(state.weight_version)
 
     def _wait(self, state: TrainState) -> None:
@@ -176,9 +189,10 @@ def policy_weights(
             return publish.snapshot if config.overlap else lambda: parameters
         log.info("publishing gathered state dicts: the policy's state holds tensors that are not parameters")
     dtype = publish_dtype(config.dtype)
-    if env.pp_size > 1:  # pipeline stages: every stage's tensors gathered whole to rank 0, the one sender today
+    if env.pp_size > 1:  # pipeline stages: each stage's first rank sends its own layers, or rank 0 all of them
         cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
-        return lambda: {name: cast(t) for name, t in hf_state_dict(gather_model_state(learner.policy, env), tied).items()}
+        state = stage_model_state if stages_send(env, config) else gather_model_state
+        return lambda: {name: cast(t) for name, t in hf_state_dict(state(learner.policy, env), tied).items()}
 
     def sharded() -> ShardedWeights:
         return ShardedWeights(hf_state_dict(learner.policy.state_dict(), tied), env.device, dtype)
@@ -186,6 +200,30 @@ def policy_weights(
     if config.overlap:
         return lambda: sharded().gathered_copy(keep=env.is_main)
     return sharded
+
+
+def stages_send(env: DistEnv, config: PublishConfig) -> bool:
+    """Whether each pipeline stage sends its own layers (several senders: over gloo, whole versions, for now);
+    otherwise (one stage, NCCL, delta sync) rank 0 sends everything, every stage's tensors gathered to it first."""
+    backend = transfer_backend(env.device) if config.backend == "auto" else config.backend
+    return env.pp_size > 1 and backend == "gloo" and config.delta == "off"
+
+
+def stage_senders(env: DistEnv, publish: Publisher | None, config: PublishConfig) -> StageSender | None:
+    """When the stages send their own layers (`stages_send`; collective: every rank, before the first publish): the
+    senders' group, rank 0's publisher made to publish from every stage (`use_senders`), and stage s's first rank's
+    StageSender, which the loop's Publishing runs in each of rank 0's publishes; None on the other ranks, and
+    otherwise."""
+    if not stages_send(env, config):
+        return None
+    bound = BroadcastConfig(timeout_s=config.timeout_s, control_timeout_s=config.control_timeout_s).publish_bound_s
+    group = SenderGroup(env.mesh.mesh, env.rank, timeout_s=2 * bound + 60.0)
+    if env.is_main:
+        if not hasattr(publish, "use_senders"):
+            raise ValueError("parallel.pp > 1: each stage sends its own layers, which this publisher cannot take")
+        publish.use_senders(Peers(group))
+        return None
+    return StageSender(group, BroadcastConfig(dtype=config.dtype)) if group.index is not None else None
 
 
 def adapter_gate(learner: Learner, env: DistEnv, config: PublishConfig) -> Callable[[], bool] | None:

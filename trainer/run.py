@@ -120,6 +120,7 @@ class RolloutPublisher:
         # The last publish's sync time (from BeginUpdate until every receiver switched) and the longest time an
         # engine stopped generating for it: what the loop reports as sync_s and pause_s.
         self.timings: dict[str, float] = {}
+        self.last_report = None  # the last publish's PublishReport (each receiver's outcome, its error)
 
     def _follow_router(self) -> None:
         """With a router, publish to the replicas it lists now (trainer/receivers.py)."""
@@ -128,7 +129,14 @@ class RolloutPublisher:
 
     def __call__(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
         with span("trainer.publish", weight_version=version):  # a weight version's trace: sampled as groups are
-            return self._publish(named_tensors, version)
+            try:
+                return self._publish(named_tensors, version)
+            finally:  # several senders (pipeline stages): they follow every round of this publish, then stop
+                self._broadcaster.end_publish()
+
+    def use_senders(self, peers) -> None:
+        """Publish each version from several senders, this process sender 0 (trainer/broadcast/senders.py)."""
+        self._broadcaster.use_senders(peers)
 
     def _publish(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
         self._follow_router()
@@ -148,6 +156,7 @@ class RolloutPublisher:
                 )
             version = retry
         self.timings = {"sync_s": sync_s, "pause_s": report.pause_s}
+        self.last_report = report
         ended_ns = time.time_ns()
         for result in report.results:  # each engine's part, as its CommitUpdate reply gave it
             record_span("engine.update", current_traceparent(), ended_ns - int(report.total_s * 1e9), ended_ns,

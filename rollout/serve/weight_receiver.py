@@ -22,6 +22,11 @@ An update that carries LoRA adapters is merged once received (rollout/serve/adap
 W + B @ A for each adapted weight, the staged base stays whole. What an update must match, and the engine interface:
 rollout/serve/weight_layout.py.
 
+Several senders (pipeline stages, each publishing its own layers: BeginUpdate's sender_groups) each have a group of
+their own with this worker; the receive joins them in sender order and posts each one's receives as soon as its
+group is formed, so the version is staged once every sender's part has arrived, and a part that has not by the
+deadline fails the version with an error naming its sender (services/weights/delta.py receive_parts).
+
 An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
 no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
 sends one broadcast per tensor) and has the engine join the group (once per group); CommitUpdate, which the
@@ -66,7 +71,7 @@ class _Update:
 
     version: int
     manifest: Manifest
-    spec: GroupSpec
+    spec: GroupSpec  # sender 0's group
     deadline: float
     staging: Staging | None  # None: the engine receives the tensors itself
     parts: tuple[BucketPart, ...] = ()  # how each bucket travels (empty: every bucket whole, unchecked)
@@ -77,6 +82,7 @@ class _Update:
     receiving: bool = False  # the engine was asked to receive (at the first CommitUpdate)
     engine_receive_s: float = 0.0  # how long the engine's own receive blocked it (it generates nothing meanwhile)
     weights: dict[str, torch.Tensor] | None = None  # what the engine switches to, when not the staged views (LoRA)
+    senders: tuple[GroupSpec, ...] = ()  # every sender's group, sender 0's first (several: sender_groups)
 
 
 class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
@@ -92,7 +98,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self._staging: Staging | None = None  # free for the next update
         self._served: Staging | None = None  # adopted by the engine: never written
         self._checked: tuple[weights_pb2.BeginUpdateRequest, Manifest] | None = None  # the last valid manifest
-        self._group: Transfer | None = None
+        self._groups: tuple[Transfer, ...] = ()  # the groups of the last update's senders, kept (one unless several)
         self._engine_receives = bool(getattr(engine, "receives_from_group", False))
         self._engine_group: GroupSpec | None = None  # the group the engine joined, when it receives itself
         self._group_lock = threading.Lock()
@@ -102,17 +108,21 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
 
     async def BeginUpdate(self, request, context):
         manifest = self._manifest_of(request)
-        parts = parse_parts(manifest, request.parts)
-        spec = GroupSpec.from_proto(request.group)
+        senders = _sender_groups(request)
+        spec = senders[0]
+        parts = parse_parts(manifest, request.parts, len(senders))
         if not request.timeout_s > 0:
             raise CodecError(f"timeout_s: must be > 0, got {request.timeout_s}")
         device = None
+        if len(senders) > 1 and self._engine_receives:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker's engine receives from the group "
+                                "itself (one broadcast per tensor): it takes a version from one sender only")
         if not self._engine_receives:
             try:
                 device = transfer_device(spec.backend, self.device)
             except TransferError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker cannot take the update: {exc}")
-            held = self._group
+            held = self._groups[0] if self._groups else None
             if spec.existing and held is not None and self._holds(spec):
                 device = held.device  # a group formed as CUDA IPC stages on this GPU, whatever backend it was asked as
         async with self._switch_lock:
@@ -124,11 +134,13 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 return weights_pb2.BeginUpdateResponse(current_version=current, needs_full=True,
                                                        partial_updates=not self._engine_receives)
             self._cancel_pending()
-            if spec.existing and not self._holds(spec):
+            lost = [s.group_name for s in senders if s.existing and not self._holds(s)]
+            if lost:
                 await context.abort(grpc.StatusCode.ABORTED,
-                                    f"group {spec.group_name!r} is not held here (restarted?): form a new group")
+                                    f"group(s) {lost} not held here (restarted?): form new groups")
             staging = None if self._engine_receives else self._take_staging(manifest, device)
-            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging, parts)
+            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging, parts,
+                             senders=senders)
             if request.base_version and self._served is not None:
                 update.base = self._served.buffers
             elif not self._adopts():
@@ -206,7 +218,10 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             group = self._join(update)
             if update.staging.buffers[0].device != group.device:  # formed as CUDA IPC: the trainer is on this GPU
                 update.staging = Staging(update.manifest, allocate_staging(update.manifest, group.device))
-            if update.parts:
+            if len(update.senders) > 1:  # each sender's parts on its own group, joined in turn
+                receive_parts(lambda sender: group if sender == 0 else self._join(update, sender), update.manifest,
+                              update.parts, update.deadline, update.staging.buffers, update.base, update.cancelled)
+            elif update.parts:
                 receive_parts(group, update.manifest, update.parts, update.deadline, update.staging.buffers,
                               update.base, update.cancelled)
             else:
@@ -214,7 +229,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             if any(is_adapter(slot.name) for slot in update.manifest.slots):  # LoRA: W + B @ A, the base kept whole
                 update.weights = merged_weights(update.manifest, update.staging.buffers)
         except TransferError as exc:
-            self._drop_group(update.spec.group_name)
+            self._drop_groups(update)
             update.done.set_exception(exc)
             log.warning("receiving weight version %d failed: %s", update.version, exc)
             return
@@ -259,24 +274,32 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         if spec is not None:
             await self.engine.leave_weight_group(spec.group_name)
 
-    def _join(self, update: _Update) -> Transfer:
-        spec = update.spec
+    def _join(self, update: _Update, sender: int = 0) -> Transfer:
+        """The group of `sender` of `update`, held or formed (by the deadline). A new group of sender 0 replaces
+        every group held; a sender's after it joins them."""
+        spec = update.senders[sender] if update.senders else update.spec
         with self._group_lock:
-            if self._holds(spec):
-                return self._group
-            old, self._group = self._group, None
-        if old is not None:
-            old.close()
+            held = self._held_group(spec)
+            if held is not None:
+                return held
+            old = self._groups if sender == 0 else ()
+            if sender == 0:
+                self._groups = ()
+        for group in old:
+            group.close()
         left = update.deadline - time.monotonic()
         if left <= 0:
-            raise TransferError(f"version {update.version}: deadline passed before joining the group")
+            raise TransferError(f"version {update.version}: deadline passed before joining group {spec.group_name}")
         group = make_group(spec, left, device=self.device)
         with self._group_lock:
             # An update aborted meanwhile must not install its group over a newer one.
             if not update.cancelled.is_set():
-                old, self._group = self._group, group
-                if old is not None:
-                    old.close()
+                if sender == 0:
+                    old, self._groups = self._groups, (group,)
+                else:
+                    old, self._groups = (), (*self._groups, group)
+                for stale in old:
+                    stale.close()
                 return group
         group.close()
         raise TransferError(f"version {update.version}: aborted while joining the group")
@@ -291,16 +314,22 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 and self._held[0] == base_version == self.engine.weight_version and self._held[1] == manifest)
 
     def _holds(self, spec: GroupSpec) -> bool:
-        held = self._engine_group if self._engine_receives else (self._group.spec if self._group is not None else None)
-        return (held is not None and held.group_name == spec.group_name and held.rank == spec.rank
-                and held.world_size == spec.world_size)
+        if self._engine_receives:
+            return self._engine_group is not None and _same_group(self._engine_group, spec)
+        return self._held_group(spec) is not None
 
-    def _drop_group(self, name: str) -> None:
+    def _held_group(self, spec: GroupSpec) -> Transfer | None:
+        return next((group for group in self._groups if _same_group(group.spec, spec)), None)
+
+    def _drop_groups(self, update: _Update) -> None:
+        """Drop the groups held, if they are `update`'s (a failed or cut-short receive leaves them unusable)."""
+        names = {spec.group_name for spec in update.senders or (update.spec,)}
         with self._group_lock:
-            if self._group is None or self._group.spec.group_name != name:
+            if not any(group.spec.group_name in names for group in self._groups):
                 return
-            group, self._group = self._group, None
-        group.close()
+            groups, self._groups = self._groups, ()
+        for group in groups:
+            group.close()
 
     def _cancel(self, update: _Update) -> None:
         """Forget `update`; if it was still receiving, its group is mid-collective and unusable."""
@@ -309,7 +338,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             if self._engine_receives:
                 asyncio.ensure_future(self._leave_engine_group())
             else:
-                self._drop_group(update.spec.group_name)
+                self._drop_groups(update)
         if self._pending is update:
             self._pending = None
 
@@ -338,3 +367,22 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             return staging
         return Staging(manifest, staging.buffers)
 
+
+def _same_group(held: GroupSpec, spec: GroupSpec) -> bool:
+    return held.group_name == spec.group_name and held.rank == spec.rank and held.world_size == spec.world_size
+
+
+def _sender_groups(request: weights_pb2.BeginUpdateRequest) -> tuple[GroupSpec, ...]:
+    """Every sender's group (sender 0's: `group`), checked: one backend, this worker's rank and the world size alike
+    in each, names distinct; several senders only over gloo (CodecError)."""
+    senders = (GroupSpec.from_proto(request.group), *(GroupSpec.from_proto(g) for g in request.sender_groups))
+    first = senders[0]
+    for index, spec in enumerate(senders[1:], 1):
+        if (spec.backend, spec.rank, spec.world_size) != (first.backend, first.rank, first.world_size):
+            raise CodecError(f"sender_groups[{index - 1}]: backend {spec.backend}, rank {spec.rank} of "
+                             f"{spec.world_size}; group says {first.backend}, rank {first.rank} of {first.world_size}")
+    if len({spec.group_name for spec in senders}) != len(senders):
+        raise CodecError("sender_groups: every sender's group needs a name of its own")
+    if len(senders) > 1 and first.backend != "gloo":
+        raise CodecError(f"sender_groups: several senders over {first.backend!r} are not implemented (gloo only)")
+    return senders

@@ -5,12 +5,13 @@ worker applies and verifies (receive_parts); pure tensor code over a Transfer, n
 A bucket travels WHOLE (its bytes), as a DELTA (the positions of the words that changed since the base, then their
 new values: a word is the smallest element size among the bucket's tensors, so bfloat16 buckets diff by 2-byte
 words, bit for bit) or not at all (UNCHANGED); encode_bucket picks the smallest. Lossless: the receiver's bytes are
-the sender's, which bucket_checksum (CRC-32) checks for every bucket of every version.
+the sender's, which bucket_checksum (CRC-32) checks for every bucket of every version. A version's parts may come from
+several senders (each part names its own; receive_parts takes each sender's on that sender's group).
 """
 
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,17 +100,22 @@ def wire_manifest(parts: Sequence[BucketPart]) -> Manifest:
     return Manifest(slots, tuple(part.wire_bytes for part in sent))
 
 
-def parse_parts(manifest: Manifest, protos: Sequence[weights_pb2.BucketPart]) -> tuple[BucketPart, ...]:
-    """The request's parts, checked against its manifest (one per bucket, in order, sizes consistent); CodecError."""
+def parse_parts(manifest: Manifest, protos: Sequence[weights_pb2.BucketPart], senders: int = 1
+                ) -> tuple[BucketPart, ...]:
+    """The request's parts, checked against its manifest (one per bucket, in order, sizes consistent, each from one
+    of the update's `senders`, every sender owning at least one bucket); CodecError."""
     parts = tuple(BucketPart.from_proto(msg) for msg in protos)
     if not parts:
+        if senders > 1:
+            raise CodecError(f"parts: {senders} senders named (sender_groups) but no parts say which buckets are theirs")
         return parts
     if [part.bucket for part in parts] != list(range(len(manifest.bucket_sizes))):
         raise CodecError(f"parts: one per bucket in bucket order, got buckets {[p.bucket for p in parts][:8]}")
     for part in parts:
         size = manifest.bucket_sizes[part.bucket]
-        if part.sender != 0:
-            raise CodecError(f"parts: bucket {part.bucket} from rank {part.sender}: only rank 0 sends (not implemented)")
+        if part.sender >= senders:
+            raise CodecError(f"parts: bucket {part.bucket} from sender {part.sender}, but the update names {senders} "
+                             "sender(s) (group and sender_groups)")
         if part.encoding == WHOLE:
             expected = size
         elif part.encoding == DELTA:
@@ -120,30 +126,48 @@ def parse_parts(manifest: Manifest, protos: Sequence[weights_pb2.BucketPart]) ->
             raise CodecError(f"parts: bucket {part.bucket}: unknown encoding {part.encoding}")
         if part.wire_bytes != expected:
             raise CodecError(f"parts: bucket {part.bucket}: {part.wire_bytes} wire bytes, its encoding needs {expected}")
+    idle = sorted(set(range(senders)) - {part.sender for part in parts})
+    if idle:
+        raise CodecError(f"parts: sender(s) {idle} named but owning no bucket")
     return parts
 
 
 @torch.no_grad()
-def receive_parts(transfer: Transfer, manifest: Manifest, parts: Sequence[BucketPart], deadline: float,
-                  staging: list[torch.Tensor], base: list[torch.Tensor] | None,
+def receive_parts(transfer: Transfer | Callable[[int], Transfer], manifest: Manifest, parts: Sequence[BucketPart],
+                  deadline: float, staging: list[torch.Tensor], base: list[torch.Tensor] | None,
                   cancelled: threading.Event | None = None) -> None:
     """Land a version sent as `parts` in `staging`: whole buckets straight into it, the others as `base`'s bucket
-    (staging itself when None) patched by their delta; then verify every checksum (ChecksumMismatch)."""
+    (staging itself when None) patched by their delta; then verify every checksum (ChecksumMismatch).
+
+    `transfer`: the group of the one sender, or `sender -> its group` (joining it) for several: sender by sender,
+    each one's receives are posted as soon as its group is formed, before the next group is joined, so a sender
+    that never comes holds up no other one. A part that has not arrived by `deadline` raises a TransferError that
+    names its sender and buckets."""
+    join = transfer if callable(transfer) else (lambda sender: transfer)
     pending, deltas = [], []
-    for part in parts:
-        target = staging[part.bucket]
-        if part.encoding != WHOLE and base is not None and base[part.bucket] is not target:
-            target.copy_(base[part.bucket])
-        if part.encoding == WHOLE:
-            pending.append(transfer.broadcast(target))
-        elif part.encoding == DELTA:
-            wire = torch.empty(part.wire_bytes, dtype=torch.uint8, device=transfer.device)
-            pending.append(transfer.broadcast(wire))
-            deltas.append((part, wire))
-    for work in pending:
+    for sender in sorted({part.sender for part in parts}):
+        mine = [part for part in parts if part.sender == sender]
+        try:
+            group = join(sender)
+        except TransferError as exc:
+            raise _missing(sender, mine, f"its group did not form ({exc})") from exc
+        for part in mine:
+            target = staging[part.bucket]
+            if part.encoding != WHOLE and base is not None and base[part.bucket] is not target:
+                target.copy_(base[part.bucket])
+            if part.encoding == WHOLE:
+                pending.append((sender, mine, group.broadcast(target)))
+            elif part.encoding == DELTA:
+                wire = torch.empty(part.wire_bytes, dtype=torch.uint8, device=group.device)
+                pending.append((sender, mine, group.broadcast(wire)))
+                deltas.append((part, wire))
+    for sender, mine, work in pending:
         if cancelled is not None and cancelled.is_set():
             raise TransferError("update aborted while receiving")
-        work.wait(deadline)
+        try:
+            work.wait(deadline)
+        except TransferError as exc:
+            raise _missing(sender, mine, str(exc)) from exc
     for part, wire in deltas:
         word = word_dtype(manifest, part.bucket)
         positions, values_at, _ = _delta_layout(manifest.bucket_sizes[part.bucket], word, part.words)
@@ -153,3 +177,9 @@ def receive_parts(transfer: Transfer, manifest: Manifest, parts: Sequence[Bucket
     for part in parts:
         if part.checksum and bucket_checksum(staging[part.bucket]) != part.checksum:
             raise ChecksumMismatch(f"bucket {part.bucket}: checksum mismatch after its {part.encoding} part")
+
+
+def _missing(sender: int, parts: Sequence[BucketPart], why: str) -> TransferError:
+    buckets = [part.bucket for part in parts if part.wire_bytes]
+    shown = f"{buckets[0]}..{buckets[-1]}" if len(buckets) > 3 else ", ".join(map(str, buckets))
+    return TransferError(f"the part of sender {sender} (bucket(s) {shown}) did not all arrive: {why}")

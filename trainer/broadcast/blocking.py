@@ -9,6 +9,7 @@ import torch
 from services.tracing import carry_context
 from trainer.broadcast.broadcaster import PublishReport, WeightBroadcaster
 from trainer.broadcast.config import BroadcastConfig
+from trainer.broadcast.senders import Peers
 from trainer.broadcast.transport import Tensors
 
 
@@ -35,6 +36,14 @@ class BlockingWeightBroadcaster:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """WeightBroadcaster.snapshot; call it while no publish is in flight."""
         return self.broadcaster.snapshot()
+
+    def use_senders(self, peers: Peers) -> None:
+        """WeightBroadcaster.use_senders; call it before the first publish."""
+        self.broadcaster.use_senders(peers)
+
+    def end_publish(self) -> None:
+        """WeightBroadcaster.end_publish (blocking, from the thread that publishes)."""
+        self.broadcaster.end_publish()
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         self._loop.call_soon_threadsafe(self.broadcaster.set_receivers, list(receivers))

@@ -30,6 +30,11 @@ BeginUpdate names that base_version and each bucket's part; a receiver that does
 the round starts again with the whole version (counted in PublishReport.fallbacks). With `adapter` (a LoRA policy)
 the same protocol carries the base once and then the adapter buckets alone (trainer/broadcast/adapter.py).
 
+With several senders (`use_senders`: pipeline stages, trainer/broadcast/senders.py) this process is sender 0: it
+gathers the other senders' layouts, plans one version whose buckets each belong to one sender, names every sender's
+group in BeginUpdate (sender_groups) and each bucket's sender in its part, starts each round on every sender with its
+assignment, and sends its own buckets; the receivers commit once every sender's part has arrived.
+
 Two ways in: `WeightBroadcaster` (asyncio: `await publish(...)`) and `BlockingWeightBroadcaster` (blocking.py: a
 synchronous training loop: `publish(...)` blocks, the asyncio side runs on a private thread).
 """
@@ -38,7 +43,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Self
 
 import grpc
@@ -52,61 +56,11 @@ from trainer.broadcast.config import BroadcastConfig
 from trainer.broadcast.delta import DeltaEncoder, Outgoing
 from trainer.broadcast.gather import ShardedWeights
 from trainer.broadcast.plan import BroadcastPlan
+from trainer.broadcast.report import PublishReport, ReceiverResult
+from trainer.broadcast.senders import Peers, join_parts, pack_part, sender_spec
 from trainer.broadcast.transport import Group, Tensors, Transport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ReceiverResult:
-    """What one receiver did with one publish."""
-
-    address: str
-    ok: bool
-    error: str | None = None
-    version: int | None = None  # the version it serves after this publish, when it said so
-    not_newer: bool = False  # BeginUpdate refused the version: the receiver serves this one or a later one
-    receive_s: float = 0.0
-    switch_s: float = 0.0
-    pause_s: float = 0.0  # how long its engine generated nothing for this update (the receiver's measure)
-
-
-@dataclass
-class PublishReport:
-    """Outcome and timings of one publish."""
-
-    version: int
-    results: list[ReceiverResult]
-    bytes: int = 0
-    begin_s: float = 0.0  # BeginUpdate round(s)
-    rendezvous_s: float = 0.0  # forming a new group (0 when reused)
-    transfer_s: float = 0.0  # broadcasting every bucket
-    commit_s: float = 0.0  # waiting for the CommitUpdate replies after the last bucket went out
-    total_s: float = 0.0
-    group_reused: bool = False
-    full_bytes: int = 0  # what the whole version weighs (`bytes` is what went out)
-    partial: bool = False  # sent as a change of a base version (delta)
-    fallbacks: int = 0  # so far: partial versions sent whole instead (delta.py)
-
-    @property
-    def ok(self) -> bool:
-        """Every receiver switched to the new version."""
-        return bool(self.results) and all(r.ok for r in self.results)
-
-    @property
-    def pause_s(self) -> float:
-        """The longest any receiver's engine stopped generating for this publish (0 when none switched); it lies
-        within total_s, the publish's sync time, of which the receivers generate through the rest."""
-        return max((r.pause_s for r in self.results if r.ok), default=0.0)
-
-    @property
-    def failed(self) -> dict[str, str]:
-        return {r.address: r.error or "failed" for r in self.results if not r.ok}
-
-    @property
-    def not_newer(self) -> list[str]:
-        """Receivers that refused this version as not newer than the one they serve."""
-        return [r.address for r in self.results if r.not_newer]
 
 
 class _MixedGroup(Exception):
@@ -143,6 +97,25 @@ class WeightBroadcaster:
             AdapterEncoder() if self.config.adapter else DeltaEncoder() if self.config.delta == "auto" else None)
         self._partial: dict[str, bool] = {}  # whether each receiver said it applies partial updates
         self._took: dict[str, int | None] = {}  # the last version each receiver took whole (delta sync's base)
+        self._peers: Peers | None = None  # the other senders (use_senders)
+        self._senders = 1  # how many senders this publish has (use_senders: the stages)
+
+    def use_senders(self, peers: Peers) -> None:
+        """Publish every version from several senders: this process is sender 0 and publishes its own tensors,
+        `peers` are the others (trainer/broadcast/senders.py). Over gloo and whole versions only, for now (no delta,
+        no adapter, no CUDA IPC: every sender's group is a gloo group on the CPU)."""
+        if self.config.backend != "gloo" or self.config.delta == "auto" or self.config.adapter:
+            raise ValueError(f"several senders: backend gloo and whole versions only for now, not backend "
+                             f"{self.config.backend!r}, delta {self.config.delta!r}, adapter {self.config.adapter}")
+        self.config = self._transport.config = self.config.model_copy(update={"cuda_ipc": False})
+        self._plan.config = self.config
+        self._peers = peers
+
+    def end_publish(self) -> None:
+        """With several senders: the publish (all its rounds) is over, the other senders stop following it
+        (collective among the senders; blocking). Nothing otherwise."""
+        if self._peers is not None:
+            self._peers.end()
 
     def set_receivers(self, receivers: Sequence[str]) -> None:
         """Change who receives from the next publish on (replicas added or removed)."""
@@ -201,8 +174,12 @@ class WeightBroadcaster:
         `finish()` afterwards (rank 0 like every other rank)."""
         start = time.perf_counter()
         tensors = self._plan.prepare(named_tensors)
-        manifest = self._plan.manifest(tensors)
         forms = None
+        if self._peers is not None:
+            manifest, own = await self._from_senders(tensors)
+            forms = (own, own)
+        else:
+            manifest = self._plan.manifest(tensors)
         if self._delta is not None and not isinstance(tensors, ShardedWeights):
             forms = await asyncio.to_thread(self._delta.encode, manifest, tensors, self._partial_ok())
         report = PublishReport(version, [], bytes=manifest.total_bytes, full_bytes=manifest.total_bytes)
@@ -211,12 +188,12 @@ class WeightBroadcaster:
         members, group, outgoing = await self._begin_round(manifest, version, results, forms)
         report.begin_s = time.perf_counter() - start
         report.group_reused = group is not None and group.transfer is not None
-        if outgoing is not None:
+        if outgoing is not None and self._peers is None:
             report.bytes, report.partial = outgoing.bytes, outgoing.base_version != 0
         if members and group is not None:
             await self._transfer_and_commit(group, manifest, tensors, version, results, report, outgoing)
         report.results = [results[address] for address in self.receivers if address in results]
-        if forms is not None:
+        if forms is not None and self._delta is not None:
             for result in report.results:  # a receiver that failed may hold anything: it gets the next version whole
                 self._took[result.address] = version if result.ok else None
             if any(result.ok for result in report.results):
@@ -227,6 +204,16 @@ class WeightBroadcaster:
             log.warning("publish of version %d: %d/%d receivers failed: %s", version, len(report.failed),
                         len(report.results), report.failed)
         return report
+
+    async def _from_senders(self, tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, Outgoing]:
+        """Several senders: the version's manifest, every sender's buckets one sender after the other, and this
+        sender's part of it (every bucket's part names its sender and checksum; only this sender's go out from here)."""
+        if isinstance(tensors, ShardedWeights):
+            raise TypeError("several senders publish tensors held whole by each sender, not ShardedWeights")
+        own, packed = await asyncio.to_thread(pack_part, self._plan, tensors)
+        manifest, parts = join_parts(await asyncio.to_thread(self._peers.parts, own))
+        self._senders = 1 + parts[-1].sender
+        return manifest, Outgoing(0, parts, own.manifest, packed)
 
     def _partial_ok(self) -> bool | None:
         """Whether this version can go partial: True when every receiver took the base; None when one does not apply
@@ -294,9 +281,10 @@ class WeightBroadcaster:
         base_version = 0 if outgoing is None else outgoing.base_version
 
         async def one(address: str, spec: GroupSpec) -> weights_pb2.BeginUpdateResponse:
+            senders = [sender_spec(spec, sender).to_proto() for sender in range(1, self._senders)]
             request = weights_pb2.BeginUpdateRequest(
                 version=version, tensors=specs, bucket_sizes=bucket_sizes, group=spec.to_proto(),
-                timeout_s=self.config.timeout_s, base_version=base_version, parts=parts,
+                timeout_s=self.config.timeout_s, base_version=base_version, parts=parts, sender_groups=senders,
             )
             return await self._stub(address).BeginUpdate(request, timeout=self.config.control_timeout_s)
 
@@ -330,6 +318,8 @@ class WeightBroadcaster:
         started = time.perf_counter()
         pending: list[asyncio.Task] = []
         try:
+            if self._peers is not None:  # every other sender starts this round: its group, its buckets
+                await asyncio.to_thread(self._peers.assign, self._transport.spec(group, 0), version, deadline)
             if group.transfer is None:
                 await self._transport.join(group, tensors)
             report.rendezvous_s = time.perf_counter() - started
@@ -393,3 +383,4 @@ class WeightBroadcaster:
             self._channel_of[address] = channel
             self._stubs[address] = weights_pb2_grpc.WeightSyncStub(channel)
         return self._stubs[address]
+

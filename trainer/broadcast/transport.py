@@ -65,12 +65,12 @@ class Transport:
         if self._store is None:
             self._store = await asyncio.to_thread(host_store, self.config.master_addr, self.config.timeout_s,
                                                   self.config.master_port)
-        return [self._spec(group, rank) for rank in range(1, len(group.members) + 1)]
+        return [self.spec(group, rank) for rank in range(1, len(group.members) + 1)]
 
     async def join(self, group: Group, tensors: Tensors) -> None:
         """Form the new group as its rank 0 (the rendezvous); raises TransferError."""
         device = self.device if self.device is not None else _device_of(tensors)  # which GPU, for CUDA IPC
-        spec, timeout_s = self._spec(group, 0), self.config.timeout_s
+        spec, timeout_s = self.spec(group, 0), self.config.timeout_s
         if group.tensor_broadcasts:
             group.transfer = await asyncio.to_thread(make_torch_group, spec, timeout_s, self._store, device)
         else:
@@ -93,7 +93,8 @@ class Transport:
         await asyncio.to_thread(self.drop, self.config.control_timeout_s)
         self._store = None
 
-    def _spec(self, group: Group, rank: int) -> GroupSpec:
+    def spec(self, group: Group, rank: int) -> GroupSpec:
+        """Rank `rank`'s view of the group (0: this process's), the store started (member_specs)."""
         return GroupSpec(self.config.backend, self.config.master_addr, self._store.port,  # type: ignore[arg-type]
                          len(group.members) + 1, rank, group.name, existing=group.transfer is not None)
 

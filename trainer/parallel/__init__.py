@@ -20,6 +20,7 @@ from trainer.parallel.state import (
     load_optimizer_state,
     load_sharded_state,
     sharded_state,
+    stage_model_state,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "parallelize",
     "sharded_state",
     "shutdown_distributed",
+    "stage_model_state",
 ]

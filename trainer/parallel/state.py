@@ -38,12 +38,20 @@ def gather_model_state(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor
     return get_model_state_dict(model, options=_GATHER)
 
 
-def _gather_stages(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
-    """Pipeline stages: each stage's whole tensors (gathered over its "dp" shards), then every stage's to rank 0
-    by the first data-parallel, tensor-parallel rank of each stage (rank 0's pp group)."""
+def stage_model_state(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
+    """Pipeline stages: this stage's whole tensors (gathered over its "dp" shards), as CPU copies, on the stage's
+    first rank (dp 0, tp 0); {} on its other ranks. Collective within the stage."""
     _reshard(model)
     own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    own = {name: tensor.detach().cpu() for name, tensor in own.items()}
+    if env.dp_rank != 0 or env.mesh["tp"].get_local_rank() != 0:
+        return {}
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in own.items()}
+
+
+def _gather_stages(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
+    """Pipeline stages: each stage's whole tensors, then every stage's to rank 0 by the first data-parallel,
+    tensor-parallel rank of each stage (rank 0's pp group)."""
+    own = stage_model_state(model, env)
     if env.dp_rank != 0 or env.mesh["tp"].get_local_rank() != 0:
         return {}
     parts: list[Any] = [None] * env.pp_size if env.is_main else None
