@@ -235,6 +235,23 @@ def read_eos_token_ids(folder: Path, raw: dict) -> tuple[int, ...]:
 
 
 @dataclass
+class LoraServing:
+    """How the native engine serves LoRA adapters that a weight update carries (docs/lora.md, "Serving")."""
+
+    # "unmerged": y = W x + B (A x) on the adapted projections, several versions resident, each sequence pinned to the
+    # version it started on (rollout/model/lora.py); "merged": the weight receiver folds W + B @ A into the weights
+    # (rollout/serve/adapter_merge.py), one version served
+    mode: Literal["unmerged", "merged"] = "unmerged"
+    versions_resident: int = 2  # adapter versions kept at once (unmerged); at least max_staleness + 1 (relayrl doctor)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("unmerged", "merged"):
+            raise ValueError(f"lora.mode: {self.mode!r} is not one of unmerged, merged")
+        if self.versions_resident < 1:
+            raise ValueError(f"lora.versions_resident: must be >= 1, got {self.versions_resident}")
+
+
+@dataclass
 class EngineConfig:
     """How the native engine runs one model.
 
@@ -303,6 +320,7 @@ class EngineConfig:
     session_pin_ttl_s: float = 30.0  # kv_aware: a session expected back within this is pinned, for at most this long
     session_admission: Literal["none", "kv"] = "none"  # kv: new sessions queue while the working set does not fit
     session_admission_wait_s: float = 30.0  # the longest a session queues before it is admitted anyway
+    lora: LoraServing = field(default_factory=LoraServing)  # adapters of a LoRA policy: unmerged or merged (a dict too)
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)
     kv_open_blocks: int = field(init=False)
@@ -311,6 +329,8 @@ class EngineConfig:
     moe_kernel: str = field(init=False)  # derived: "torch" or "triton": what moe_backend chose
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraServing(**self.lora)
         self.model_config = ModelConfig.from_pretrained(self.model)
         if self.device == "auto":
             self.device = str(resolve_device("auto"))

@@ -1,7 +1,7 @@
 """Adapter-only publish (a LoRA policy: trainer/adapter_publish.py, trainer/broadcast/adapter.py) to a real rollout
 service process: the base goes once, then each version is the adapter alone (a partial update on the last version),
-the receiver merges W + B @ A (rollout/serve/adapter_merge.py), and the engine's greedy tokens equal transformers'
-with the adapter. A step that did not move the adapter publishes nothing (Publishing's gate), decided by all ranks
+served unmerged (a resident adapter version, W untouched: rollout/model/lora.py) or merged by the receiver (W + B @ A,
+rollout/serve/adapter_merge.py), and the engine's greedy tokens equal transformers' with the adapter. A step that did not move the adapter publishes nothing (Publishing's gate), decided by all ranks
 together (the torchrun test runs this file as a script on 2 gloo ranks)."""
 
 import argparse
@@ -62,11 +62,12 @@ def greedy_from_rollout(address: str) -> tuple[list[int], int]:
     return decode_array(completion.token_ids, expect="int32").tolist(), int(versions[-1])
 
 
-@pytest.fixture(scope="module")
-def rollout(sharp_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["unmerged", pytest.param("merged", marks=pytest.mark.slow)])
+def rollout(request, sharp_model_dir, tmp_path_factory):
     from deploy.local.service_process import start_service
 
-    service = start_service("rollout", {"model": str(sharp_model_dir)}, log_dir=tmp_path_factory.mktemp("logs"))
+    service = start_service("rollout", {"model": str(sharp_model_dir), "engine": {"lora": {"mode": request.param}}},
+                            log_dir=tmp_path_factory.mktemp("logs"))
     yield service
     service.stop(timeout=10)
 

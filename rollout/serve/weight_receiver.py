@@ -18,8 +18,10 @@ A partial update (base_version set: a delta, or a LoRA adapter; docs/architectur
 version's bytes patched by its parts (services/weights/delta.py), checksums verified. Its base is the version the
 receiver's own buffers hold (the served set, or the one set of an engine that copies); a worker that holds any other
 (it missed a version, restarted or joined) takes nothing and answers needs_full: the trainer sends the whole version.
-An update that carries LoRA adapters is merged once received (rollout/serve/adapter_merge.py): the engine gets
-W + B @ A for each adapted weight, the staged base stays whole. What an update must match, and the engine interface:
+An update that carries LoRA adapters (rollout/serve/adapter_merge.py) goes to an engine that serves them unmerged
+(`serves_adapters_unmerged`: the native engine's lora.mode unmerged) as they are: an update of adapters alone lands in
+place in the buffers the engine serves W from (no copy of the base, no swap) and the engine makes it a resident
+version; to any other it is merged once received: W + B @ A for each adapted weight, the staged base kept whole. What an update must match, and the engine interface:
 rollout/serve/weight_layout.py.
 
 An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
@@ -42,7 +44,7 @@ import torch
 
 from protos import weights_pb2, weights_pb2_grpc
 from protos.codec import CodecError
-from rollout.serve.adapter_merge import is_adapter, merged_weights
+from rollout.serve.adapter_merge import adapter_only, adapter_views, is_adapter, merged_weights
 from rollout.serve.weight_layout import Layout, Staging, UpdatableEngine, check_layout
 from services.runtime import Sparse
 from services.weights import (
@@ -77,6 +79,7 @@ class _Update:
     receiving: bool = False  # the engine was asked to receive (at the first CommitUpdate)
     engine_receive_s: float = 0.0  # how long the engine's own receive blocked it (it generates nothing meanwhile)
     weights: dict[str, torch.Tensor] | None = None  # what the engine switches to, when not the staged views (LoRA)
+    in_place: bool = False  # adapters alone, received into the buffers the engine serves (LoRA unmerged)
 
 
 class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
@@ -94,6 +97,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self._checked: tuple[weights_pb2.BeginUpdateRequest, Manifest] | None = None  # the last valid manifest
         self._group: Transfer | None = None
         self._engine_receives = bool(getattr(engine, "receives_from_group", False))
+        self._unmerged = bool(getattr(engine, "serves_adapters_unmerged", False))
         self._engine_group: GroupSpec | None = None  # the group the engine joined, when it receives itself
         self._group_lock = threading.Lock()
         self._switch_lock = asyncio.Lock()
@@ -127,9 +131,15 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             if spec.existing and not self._holds(spec):
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"group {spec.group_name!r} is not held here (restarted?): form a new group")
-            staging = None if self._engine_receives else self._take_staging(manifest, device)
-            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging, parts)
-            if request.base_version and self._served is not None:
+            in_place = (bool(request.base_version) and self._unmerged and self._served is not None
+                        and adapter_only(manifest, parts))
+            if in_place:  # W's bytes stay as they are: the adapters' buckets are patched where they lie
+                staging = Staging(manifest, self._served.buffers)
+            else:
+                staging = None if self._engine_receives else self._take_staging(manifest, device)
+            update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging, parts,
+                             in_place=in_place)
+            if request.base_version and self._served is not None and not in_place:
                 update.base = self._served.buffers
             elif not self._adopts():
                 self._held = None  # the one set of buffers is being overwritten
@@ -181,7 +191,9 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 pause_s = self.engine.last_pause_s
                 self._pending = None
                 self._held = (update.version, update.manifest)
-                if self._adopts():
+                if update.in_place:
+                    pass  # the engine serves W from the same buffers, the adapters from its own copies
+                elif self._adopts():
                     # The engine serves this update's buffers now and none of the replaced version's.
                     self._staging, self._served = self._served, update.staging
                 else:  # copied: the buffers are free for the next update
@@ -211,9 +223,15 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                               update.base, update.cancelled)
             else:
                 receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
-            if any(is_adapter(slot.name) for slot in update.manifest.slots):  # LoRA: W + B @ A, the base kept whole
+            if not any(is_adapter(slot.name) for slot in update.manifest.slots):
+                pass
+            elif not self._unmerged:  # LoRA merged: W + B @ A, the base kept whole
                 update.weights = merged_weights(update.manifest, update.staging.buffers)
+            elif update.parts and adapter_only(update.manifest, update.parts):  # a new adapter version, W as it is
+                update.weights = adapter_views(update.manifest, update.staging.buffers)
         except TransferError as exc:
+            if update.in_place:
+                self._held = None  # the served buffers' adapter bytes are no version's now: the next update is whole
             self._drop_group(update.spec.group_name)
             update.done.set_exception(exc)
             log.warning("receiving weight version %d failed: %s", update.version, exc)
@@ -305,6 +323,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
     def _cancel(self, update: _Update) -> None:
         """Forget `update`; if it was still receiving, its group is mid-collective and unusable."""
         update.cancelled.set()
+        if update.in_place:
+            self._held = None  # its bytes may be in the served buffers already
         if not update.done.done():
             if self._engine_receives:
                 asyncio.ensure_future(self._leave_engine_group())
@@ -325,7 +345,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             return checked[1]
         manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
         # The engine casts what it is handed; adapters are merged here, so not for an engine that receives itself.
-        check_layout(manifest, self.layout, widen=not self._engine_receives, adapters=not self._engine_receives)
+        check_layout(manifest, self.layout, widen=not self._engine_receives, adapters=not self._engine_receives,
+                     adaptable=getattr(self.engine, "adapter_problem", None) if self._unmerged else None)
         self._checked = (request, manifest)
         return manifest
 
