@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"result: lora_engine_pause_s = {lora['lora_pause_s']:.4f} (baseline a whole publish's pause, "
               f"{lora['full_pause_s']:.4f} s; mean per version)")
     if args.lora_decode_tokens:
+        print("native LoRA decode tokens/s, run by run (merged, unmerged, ratio): " + ", ".join(
+            f"({m:.1f}, {u:.1f}, {r:.3f})" for m, u, r in zip(decode["runs"]["merged"], decode["runs"]["unmerged"],
+                                                              decode["ratios"])))
         print(f"result: native_lora_decode_tokens_per_s_vs_merged = {decode['ratio']:.3f} (baseline the same model "
               f"with the adapter merged, {decode['merged']:.1f} tokens/s against {decode['unmerged']:.1f}; batch "
               f"{decode['batch']}, {decode['tokens']} tokens each, Qwen2.5-0.5B's shape float32 on the CPU, rank 16 on "

@@ -158,4 +158,5 @@ def measure_decode(folder: pathlib.Path, batch: int = 16, tokens: int = 16, repe
         runs["unmerged"].append(_decode_tokens_per_s(unmerged_engine, batch, tokens))
     ratios = [u / m for u, m in zip(runs["unmerged"], runs["merged"], strict=True)]
     return {"ratio": statistics.median(ratios), "unmerged": statistics.median(runs["unmerged"]),
-            "merged": statistics.median(runs["merged"]), "batch": batch, "tokens": tokens, "repeats": repeats}
+            "merged": statistics.median(runs["merged"]), "batch": batch, "tokens": tokens, "repeats": repeats,
+            "runs": runs, "ratios": ratios}

@@ -102,6 +102,27 @@ def test_a_request_finishes_on_the_version_it_started_on(sharp_model_dir, adapte
     assert tokens_of(engine_with(sharp_model_dir, first)) != tokens_of(engine_with(sharp_model_dir, second))
 
 
+def test_a_session_turn_finishes_on_its_version_and_the_next_turn_takes_the_newest(sharp_model_dir, adapters):
+    (first, second), _ = adapters
+    engine = engine_with(sharp_model_dir, first, version=1)
+    engine.open_session("s", PROMPT)
+    engine.add_session_request("turn1", "s", GREEDY)
+    outputs = [out for _ in range(3) for out in engine.step()]
+    engine.load_weights(second, version=2)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [out.token_id for out in outputs] == tokens_of(engine_with(sharp_model_dir, first))
+    assert {out.weight_version for out in outputs} == {1}
+    engine.append_to_session("s", [5, 6, 7])
+    engine.add_session_request("turn2", "s", GREEDY)
+    second_turn = []
+    while engine.has_unfinished_requests():
+        second_turn += engine.step()
+    assert {out.weight_version for out in second_turn} == {2} and second_turn[-1].kv_version == 1  # its context: v1
+    record = engine.close_session("s")
+    assert record.weight_versions[-GREEDY.max_tokens:] == [2] * GREEDY.max_tokens
+
+
 def test_recompute_moves_a_request_to_the_newest_version(sharp_model_dir, adapters):
     (first, second), _ = adapters
     engine = engine_with(sharp_model_dir, first, version=1, kv_on_update="recompute")

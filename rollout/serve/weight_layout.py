@@ -17,7 +17,9 @@ Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class UpdatableEngine(Protocol):
-    """What the receiver needs from the engine (every engine of rollout/engines/base.py provides it)."""
+    """What the receiver needs from the engine (every engine of rollout/engines/base.py provides it). An engine that
+    serves LoRA adapters unmerged also has `serves_adapters_unmerged` (True) and `adapter_problem(weight)`
+    (rollout/engine/llm_engine.py); the receiver then hands it adapters as they are."""
 
     @property
     def weight_version(self) -> int: ...
