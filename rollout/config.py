@@ -236,19 +236,10 @@ def read_eos_token_ids(folder: Path, raw: dict) -> tuple[int, ...]:
 
 @dataclass
 class LoraServing:
-    """How the native engine serves LoRA adapters that a weight update carries (docs/lora.md, "Serving")."""
+    """A LoRA policy's adapters: unmerged, several versions resident (rollout/model/lora.py), or merged (docs/lora.md)."""
 
-    # "unmerged": y = W x + B (A x) on the adapted projections, several versions resident, each sequence pinned to the
-    # version it started on (rollout/model/lora.py); "merged": the weight receiver folds W + B @ A into the weights
-    # (rollout/serve/adapter_merge.py), one version served
     mode: Literal["unmerged", "merged"] = "unmerged"
-    versions_resident: int = 2  # adapter versions kept at once (unmerged); at least max_staleness + 1 (relayrl doctor)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("unmerged", "merged"):
-            raise ValueError(f"lora.mode: {self.mode!r} is not one of unmerged, merged")
-        if self.versions_resident < 1:
-            raise ValueError(f"lora.versions_resident: must be >= 1, got {self.versions_resident}")
+    versions_resident: int = 2  # at least max_staleness + 1 so a rollout finishes on its own (relayrl doctor checks)
 
 
 @dataclass
@@ -329,8 +320,9 @@ class EngineConfig:
     moe_kernel: str = field(init=False)  # derived: "torch" or "triton": what moe_backend chose
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora, dict):
-            self.lora = LoraServing(**self.lora)
+        self.lora = LoraServing(**self.lora) if isinstance(self.lora, dict) else self.lora
+        if self.lora.mode not in ("unmerged", "merged") or self.lora.versions_resident < 1:
+            raise ValueError(f"lora: mode is unmerged or merged, versions_resident >= 1; got {self.lora}")
         self.model_config = ModelConfig.from_pretrained(self.model)
         if self.device == "auto":
             self.device = str(resolve_device("auto"))
@@ -363,10 +355,8 @@ class EngineConfig:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-        if self.kv_on_update not in ("keep", "recompute"):
-            raise ValueError(f"kv_on_update: {self.kv_on_update!r} is not one of keep, recompute")
-        for name, allowed in (("session_kv_tier_codec", ("none", "int8", "int4")), ("session_policy", ("lru", "kv_aware")),
-                              ("session_admission", ("none", "kv"))):
+        for name, allowed in (("kv_on_update", ("keep", "recompute")), ("session_kv_tier_codec", ("none", "int8", "int4")),
+                              ("session_policy", ("lru", "kv_aware")), ("session_admission", ("none", "kv"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if self.session_kv_tier_bytes < 0:
