@@ -102,6 +102,22 @@ def test_a_request_finishes_on_the_version_it_started_on(sharp_model_dir, adapte
     assert tokens_of(engine_with(sharp_model_dir, first)) != tokens_of(engine_with(sharp_model_dir, second))
 
 
+def test_the_completions_of_a_request_mid_prefill_stay_on_its_version(sharp_model_dir, adapters):
+    (first, second), _ = adapters
+    chunked = {"max_num_batched_tokens": 8, "max_num_seqs": 8, "max_n": 2}  # the prompt's prefill takes three steps
+    engine = engine_with(sharp_model_dir, first, version=1, **chunked)
+    two = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, n=2)
+    engine.add_request("pair", PROMPT, two)
+    outputs = engine.step()  # completion 0 prefilling, completion 1 waiting to fork it
+    engine.load_weights(second, version=2)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    want = tokens_of(engine_with(sharp_model_dir, first, **chunked))
+    for index in (0, 1):
+        assert [out.token_id for out in outputs if out.index == index] == want, index
+    assert {out.weight_version for out in outputs} == {1}
+
+
 def test_a_session_turn_finishes_on_its_version_and_the_next_turn_takes_the_newest(sharp_model_dir, adapters):
     (first, second), _ = adapters
     engine = engine_with(sharp_model_dir, first, version=1)

@@ -34,7 +34,7 @@ def split_update(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str,
 def repin(seqs: Iterable[Sequence], newest: int, resident: Container[int] | None) -> int:
     """Pin every unfinished sequence of `seqs` after version `newest` arrived; `resident`: the versions a started
     sequence may stay on (None: none, all move). Returns how many started sequences moved to another version."""
-    moved = 0
+    seqs, moved = list(seqs), 0
     for seq in seqs:
         if seq.is_finished or seq.policy_version == newest:
             continue
@@ -44,4 +44,8 @@ def repin(seqs: Iterable[Sequence], newest: int, resident: Container[int] | None
         seq.policy_version = newest
         seq.block_hashes = []
         moved += started
+    for seq in seqs:  # the completions still waiting to fork a sibling's prompt follow it (they share its KV)
+        for child in seq.forks:
+            if child.status is SequenceStatus.WAITING and child.policy_version != seq.policy_version:
+                child.policy_version, child.block_hashes = seq.policy_version, []
     return moved
