@@ -66,13 +66,14 @@ def greedy_from_rollout(address: str) -> tuple[list[int], int]:
 def rollout(request, sharp_model_dir, tmp_path_factory):
     from deploy.local.service_process import start_service
 
-    service = start_service("rollout", {"model": str(sharp_model_dir), "engine": {"lora": {"mode": request.param}}},
+    service = start_service("rollout", {"model": str(sharp_model_dir), "engine": {"lora": {"mode": request.param}},
+                                        "server.metrics_port": 0},
                             log_dir=tmp_path_factory.mktemp("logs"))
     yield service
     service.stop(timeout=10)
 
 
-def test_the_base_goes_once_then_the_adapter_alone_and_the_engine_serves_it(rollout, sharp_model_dir):
+def test_the_base_goes_once_then_the_adapter_alone_and_the_engine_serves_it(rollout, sharp_model_dir, request):
     from trainer.adapter_publish import AdapterWeights
     from trainer.parallel import DistEnv
 
@@ -100,6 +101,12 @@ def test_the_base_goes_once_then_the_adapter_alone_and_the_engine_serves_it(roll
     for report in reports[1:]:
         assert report.partial and report.fallbacks == 0
         assert adapter_bytes <= report.bytes < 1.01 * adapter_bytes  # the adapter alone (and its alignment)
+    import urllib.request
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{rollout.metrics_port}/metrics", timeout=10).read()
+    # unmerged: the newest two adapter versions resident (engine.lora.versions_resident's default); merged: none
+    resident = 2 if "unmerged" in request.node.callspec.id else 0
+    assert f"relayrl_rollout_lora_versions_resident {resident}.0".encode() in metrics
     print(f"adapter publish: whole {reports[0].bytes} bytes, then {[r.bytes for r in reports[1:]]} "
           f"(adapter {adapter_bytes} bytes)")
 
