@@ -25,6 +25,10 @@ takes) and 1, 2 and 4 receiver processes, one run measures:
   lora      `--lora-versions` (5; --quick 2) versions of a LoRA policy at Qwen2.5-0.5B's shape, rank 16 on every
             linear layer, published adapter-only and then whole (merged), in bfloat16 to an engine serving bfloat16
             (bench/weight_sync_lora.py): rows lora_publish_bytes_vs_full, lora_publish_s_vs_full, lora_engine_pause_s.
+            The engine serves the adapters unmerged (its default): each version lands in place, W untouched.
+  lora decode  the native engine decoding 16 completions together (`--lora-decode-tokens` each, 16) at the same shape
+            with a rank-16 adapter on every linear layer served unmerged, against the same model with the adapter
+            merged into W, run alternately (3 times; --quick once): row native_lora_decode_tokens_per_s_vs_merged.
 
 Raw and publish rounds alternate, and medians are quoted, because the machine is shared.
 `--quick` runs the 50 MB model with 1 and 2 receivers and few repeats (< 1 minute).
@@ -256,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--solo-mb", type=float, default=None, help="tensors this large go alone (default: bucket)")
     parser.add_argument("--delta-steps", type=int, default=200, help="AdamW steps of the delta sync rows (0: none)")
     parser.add_argument("--lora-versions", type=int, default=5, help="versions of the LoRA rows (0: none)")
+    parser.add_argument("--lora-decode-tokens", type=int, default=16,
+                        help="tokens per completion of the native LoRA decode row, batch 16 (0: none)")
     parser.add_argument("--role", choices=["main", "receiver", "raw"], default="main", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
@@ -314,6 +320,11 @@ def main(argv: list[str] | None = None) -> None:
             from bench.weight_sync_lora import measure_lora
 
             lora = measure_lora(pathlib.Path(tmp) / "lora", args.lora_versions)
+        if args.lora_decode_tokens:
+            from bench.weight_sync_lora import measure_decode
+
+            decode = measure_decode(pathlib.Path(tmp) / "lora", tokens=args.lora_decode_tokens,
+                                    repeats=1 if args.quick else 3)
     print("raw/pub = median over rounds of raw gloo time / publish time of the adjacent round (1.0: publishing "
           "costs no more than the bare broadcast); "
           "raw/(pub-sw) = the same without the receivers' switch (the engine taking the staged tensors as its "
@@ -350,6 +361,14 @@ def main(argv: list[str] | None = None) -> None:
               f"seconds, {lora['full_s'] / args.lora_versions:.2f} s each; {what})")
         print(f"result: lora_engine_pause_s = {lora['lora_pause_s']:.4f} (baseline a whole publish's pause, "
               f"{lora['full_pause_s']:.4f} s; mean per version)")
+    if args.lora_decode_tokens:
+        print("native LoRA decode tokens/s, run by run (merged, unmerged, ratio): " + ", ".join(
+            f"({m:.1f}, {u:.1f}, {r:.3f})" for m, u, r in zip(decode["runs"]["merged"], decode["runs"]["unmerged"],
+                                                              decode["ratios"])))
+        print(f"result: native_lora_decode_tokens_per_s_vs_merged = {decode['ratio']:.3f} (baseline the same model "
+              f"with the adapter merged, {decode['merged']:.1f} tokens/s against {decode['unmerged']:.1f}; batch "
+              f"{decode['batch']}, {decode['tokens']} tokens each, Qwen2.5-0.5B's shape float32 on the CPU, rank 16 on "
+              f"every linear layer, median of {decode['repeats']} alternating runs; target >= 0.8)")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,18 @@ bfloat16 (AsyncEngine + WeightReceiver gRPC server, gloo over loopback). Each ve
 (what an optimizer step does); `versions` adapter publishes (trainer/adapter_publish.py: the base once, then the
 adapter alone; the receiver merges W + B @ A) are followed by as many whole publishes of the merged model (what full
 fine-tuning sends). The rows are the sums, over the versions after the first, of bytes and of publish seconds,
-adapter over whole, and the engine's mean pause per version of each kind.
+adapter over whole, and the engine's mean pause per version of each kind. The in-process engine serves the adapters
+unmerged (its default, rollout/model/lora.py): an adapter version lands in place in the buffers it serves W from.
+
+measure_decode (row native_lora_decode_tokens_per_s_vs_merged): decode tokens/s of the native engine serving one
+rank-16 adapter version unmerged (y = W x + B (A x)) against the same model with the adapter merged into W, at batch
+16 (16 prompts of 8 tokens decoded together, greedy), the two engines run alternately `repeats` times, median ratio.
 """
 
 import asyncio
 import json
 import pathlib
+import statistics
 import time
 
 import torch
@@ -91,3 +97,66 @@ async def _measure(model_dir: pathlib.Path, versions: int) -> dict[str, float]:
 def measure_lora(folder: pathlib.Path, versions: int) -> dict[str, float]:
     """Totals over `versions` versions after the first: bytes, seconds and engine pauses, adapter and whole."""
     return asyncio.run(_measure(write_half_billion(folder), versions))
+
+
+def _random_adapters(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    """Rank-RANK adapters on every linear layer of the decoder (B pre-scaled, as published), seeded."""
+    from safetensors.torch import load_file
+
+    generator = torch.Generator().manual_seed(2)
+    adapters = {}
+    for name, weight in load_file(model_dir / "model.safetensors").items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            module = name.removesuffix(".weight")
+            adapters[f"{module}.lora_A.weight"] = torch.randn(RANK, weight.shape[1], generator=generator) * 0.02
+            adapters[f"{module}.lora_B.weight"] = torch.randn(weight.shape[0], RANK, generator=generator) * 0.02
+    return adapters
+
+
+def _decode_tokens_per_s(engine, batch: int, tokens: int) -> float:
+    """Decode tokens/s of `batch` greedy completions of 8-token prompts (the prefill step not timed)."""
+    from rollout.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(f"r{time.monotonic_ns()}-{index}", [1, *range(10 + index, 17 + index)], params)
+    engine.step()  # every prompt's prefill, and its first token
+    started, produced = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        produced += len(engine.step())
+    return produced / (time.perf_counter() - started)
+
+
+def measure_decode(folder: pathlib.Path, batch: int = 16, tokens: int = 16, repeats: int = 3) -> dict[str, float]:
+    """Decode tokens/s at `batch`, unmerged adapter vs merged, at Qwen2.5-0.5B's shape (written to `folder` unless
+    there); median over `repeats` alternating runs."""
+    from safetensors.torch import load_file
+
+    from rollout.config import EngineConfig
+    from rollout.engine.llm_engine import LLMEngine
+
+    model_dir = folder if (folder / "config.json").exists() else write_half_billion(folder)
+    adapters = _random_adapters(model_dir)
+    merged = {}
+    for name, weight in load_file(model_dir / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_A.weight" in adapters:
+            weight = weight.float() + adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"]
+        merged[name] = weight
+    blocks = batch * -(-(8 + tokens) // 16) + 4
+
+    def engine(mode: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=256, num_blocks=blocks,
+                                      max_num_seqs=batch, lora={"mode": mode}))
+
+    unmerged_engine, merged_engine = engine("unmerged"), engine("merged")
+    unmerged_engine.load_weights(adapters, 1)
+    merged_engine.load_weights(merged, 1)
+    runs = {"unmerged": [], "merged": []}
+    for _ in range(repeats):
+        runs["merged"].append(_decode_tokens_per_s(merged_engine, batch, tokens))
+        runs["unmerged"].append(_decode_tokens_per_s(unmerged_engine, batch, tokens))
+    ratios = [u / m for u, m in zip(runs["unmerged"], runs["merged"], strict=True)]
+    return {"ratio": statistics.median(ratios), "unmerged": statistics.median(runs["unmerged"]),
+            "merged": statistics.median(runs["merged"]), "batch": batch, "tokens": tokens, "repeats": repeats,
+            "runs": runs, "ratios": ratios}

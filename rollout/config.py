@@ -235,6 +235,14 @@ def read_eos_token_ids(folder: Path, raw: dict) -> tuple[int, ...]:
 
 
 @dataclass
+class LoraServing:
+    """A LoRA policy's adapters: unmerged, several versions resident (rollout/model/lora.py), or merged (docs/lora.md)."""
+
+    mode: Literal["unmerged", "merged"] = "unmerged"
+    versions_resident: int = 2  # at least max_staleness + 1 so a rollout finishes on its own (relayrl doctor checks)
+
+
+@dataclass
 class EngineConfig:
     """How the native engine runs one model.
 
@@ -303,6 +311,7 @@ class EngineConfig:
     session_pin_ttl_s: float = 30.0  # kv_aware: a session expected back within this is pinned, for at most this long
     session_admission: Literal["none", "kv"] = "none"  # kv: new sessions queue while the working set does not fit
     session_admission_wait_s: float = 30.0  # the longest a session queues before it is admitted anyway
+    lora: LoraServing = field(default_factory=LoraServing)  # adapters of a LoRA policy: unmerged or merged (a dict too)
     model_config: ModelConfig = field(init=False)  # derived: read from the model folder
     # derived: float blocks a quantized cache keeps for blocks being filled (one per running sequence; 0 for auto)
     kv_open_blocks: int = field(init=False)
@@ -311,6 +320,9 @@ class EngineConfig:
     moe_kernel: str = field(init=False)  # derived: "torch" or "triton": what moe_backend chose
 
     def __post_init__(self) -> None:
+        self.lora = LoraServing(**self.lora) if isinstance(self.lora, dict) else self.lora
+        if self.lora.mode not in ("unmerged", "merged") or self.lora.versions_resident < 1:
+            raise ValueError(f"lora: mode is unmerged or merged, versions_resident >= 1; got {self.lora}")
         self.model_config = ModelConfig.from_pretrained(self.model)
         if self.device == "auto":
             self.device = str(resolve_device("auto"))
@@ -343,10 +355,8 @@ class EngineConfig:
             raise ValueError(f"max_n: {self.max_n} exceeds max_num_seqs={self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-        if self.kv_on_update not in ("keep", "recompute"):
-            raise ValueError(f"kv_on_update: {self.kv_on_update!r} is not one of keep, recompute")
-        for name, allowed in (("session_kv_tier_codec", ("none", "int8", "int4")), ("session_policy", ("lru", "kv_aware")),
-                              ("session_admission", ("none", "kv"))):
+        for name, allowed in (("kv_on_update", ("keep", "recompute")), ("session_kv_tier_codec", ("none", "int8", "int4")),
+                              ("session_policy", ("lru", "kv_aware")), ("session_admission", ("none", "kv"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if self.session_kv_tier_bytes < 0:

@@ -1,7 +1,7 @@
 """Adapter-only publish (a LoRA policy: trainer/adapter_publish.py, trainer/broadcast/adapter.py) to a real rollout
 service process: the base goes once, then each version is the adapter alone (a partial update on the last version),
-the receiver merges W + B @ A (rollout/serve/adapter_merge.py), and the engine's greedy tokens equal transformers'
-with the adapter. A step that did not move the adapter publishes nothing (Publishing's gate), decided by all ranks
+served unmerged (a resident adapter version, W untouched: rollout/model/lora.py) or merged by the receiver (W + B @ A,
+rollout/serve/adapter_merge.py), and the engine's greedy tokens equal transformers' with the adapter. A step that did not move the adapter publishes nothing (Publishing's gate), decided by all ranks
 together (the torchrun test runs this file as a script on 2 gloo ranks)."""
 
 import argparse
@@ -62,16 +62,18 @@ def greedy_from_rollout(address: str) -> tuple[list[int], int]:
     return decode_array(completion.token_ids, expect="int32").tolist(), int(versions[-1])
 
 
-@pytest.fixture(scope="module")
-def rollout(sharp_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["unmerged", pytest.param("merged", marks=pytest.mark.slow)])
+def rollout(request, sharp_model_dir, tmp_path_factory):
     from deploy.local.service_process import start_service
 
-    service = start_service("rollout", {"model": str(sharp_model_dir)}, log_dir=tmp_path_factory.mktemp("logs"))
+    service = start_service("rollout", {"model": str(sharp_model_dir), "engine": {"lora": {"mode": request.param}},
+                                        "server.metrics_port": 0},
+                            log_dir=tmp_path_factory.mktemp("logs"))
     yield service
     service.stop(timeout=10)
 
 
-def test_the_base_goes_once_then_the_adapter_alone_and_the_engine_serves_it(rollout, sharp_model_dir):
+def test_the_base_goes_once_then_the_adapter_alone_and_the_engine_serves_it(rollout, sharp_model_dir, request):
     from trainer.adapter_publish import AdapterWeights
     from trainer.parallel import DistEnv
 
@@ -99,6 +101,12 @@ def test_the_base_goes_once_then_the_adapter_alone_and_the_engine_serves_it(roll
     for report in reports[1:]:
         assert report.partial and report.fallbacks == 0
         assert adapter_bytes <= report.bytes < 1.01 * adapter_bytes  # the adapter alone (and its alignment)
+    import urllib.request
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{rollout.metrics_port}/metrics", timeout=10).read()
+    # unmerged: the newest two adapter versions resident (engine.lora.versions_resident's default); merged: none
+    resident = 2 if "unmerged" in request.node.callspec.id else 0
+    assert f"relayrl_rollout_lora_versions_resident {resident}.0".encode() in metrics
     print(f"adapter publish: whole {reports[0].bytes} bytes, then {[r.bytes for r in reports[1:]]} "
           f"(adapter {adapter_bytes} bytes)")
 

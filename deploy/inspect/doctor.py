@@ -192,6 +192,31 @@ def check_stop(config: ExperimentConfig, findings: list[Finding]) -> None:
                                 "budget alone end it)"))
 
 
+def check_lora(config: ExperimentConfig, findings: list[Finding]) -> None:
+    """A LoRA policy served unmerged by the native engine keeps engine.lora.versions_resident adapter versions: at
+    least training.max_staleness + 1, or a rollout may outlive the version it started on (docs/lora.md)."""
+    from deploy.experiment.trainer_fit import nested
+
+    engine = nested(config.services.rollout.settings).get("engine", {})
+    if config.model.lora is None or engine.get("type", "native") != "native":
+        return
+    lora = engine.get("lora", {})
+    mode, resident = lora.get("mode", "unmerged"), int(lora.get("versions_resident", 2))
+    needed = config.training.max_staleness + 1
+    if mode == "merged":
+        findings.append(Finding("ok", "lora", "the rollout merges each adapter version into its weights (engine.lora."
+                                "mode merged): one version served, rollouts in flight go on under each new one"))
+    elif resident < needed:
+        findings.append(Finding("warn", "lora", f"engine.lora.versions_resident = {resident} < training.max_staleness "
+                                f"+ 1 = {needed}: a rollout that started on a version the engine has dropped goes on "
+                                "under the newest adapter (its tokens say so), not the policy it started with",
+                                f"set services.rollout.settings: {{engine.lora.versions_resident: {needed}}}"))
+    else:
+        findings.append(Finding("ok", "lora", f"the rollout serves adapters unmerged with {resident} versions "
+                                f"resident (>= training.max_staleness + 1 = {needed}): every rollout finishes on the "
+                                "version it started on"))
+
+
 def check_env(config: ExperimentConfig, findings: list[Finding]) -> None:
     """The environment's tasks (train, held out) and how long a policy turn may be; it scores its own episodes."""
     from deploy.runs.agentic import describe_env
@@ -346,6 +371,7 @@ def diagnose(path: str | pathlib.Path, overrides: list[str] | None = None) -> li
         check_data(config, facts, findings, maker)
         check_images(config, findings)
     check_stop(config, findings)
+    check_lora(config, findings)
     if config.env is not None:
         check_env(config, findings)
     elif config.algorithm.name not in OFFLINE:  # an offline run learns from its pairs: no reward runs

@@ -59,6 +59,14 @@ class AsyncEngine(EngineThread):
         """Whether update_weights(adopt=True) keeps the given tensors (the weight receiver then double-buffers)."""
         return getattr(self.engine, "adopts_weights", True)
 
+    @property
+    def serves_adapters_unmerged(self) -> bool:
+        """Whether LoRA adapters in an update become resident versions (LLMEngine.serves_adapters_unmerged)."""
+        return self.engine.serves_adapters_unmerged
+
+    def adapter_problem(self, weight: str) -> str | None:
+        return self.engine.adapter_problem(weight)
+
     def parameter_layout(self) -> Layout:
         """name -> (shape, dtype) of every parameter a weight update may carry."""
         return self.engine.parameter_layout()

@@ -6,12 +6,15 @@ is returned for the model runner to perform on the cache.
 
 Prefix cache: a block full of computed KV is registered under the hash of its tokens chained with
 the hash of the block before it, so the hash names the whole prefix up to the block's end (the first block's
-chains the hash of the prompt's images, when it has some). A new
+chains the sequence's policy version, and the hash of the prompt's images when it has some: the same text under
+another LoRA adapter, or with other images, misses). A new
 sequence takes the registered blocks of its leading full blocks instead of computing them. A
 registered block nobody holds stays reusable in an LRU pool (counted as free) until a fresh block is
 needed and none is plainly free. New weights make every cached KV stale: `reset_prefix_cache` drops
 every hash, and blocks whose first block of KV predates it are never registered (their KV depends on
-the old weights even where it was computed after the update).
+the old weights even where it was computed after the update). An adapter-only update of an engine serving LoRA
+unmerged resets nothing: the older versions' prefixes stay valid for the sequences still pinned to them. Either way a
+sequence whose KV is not all of its own policy version (kv_on_update keep) registers none.
 """
 
 from array import array
@@ -86,7 +89,8 @@ class BlockManager:
         num_full = seq.num_cached_tokens // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
-        if self.enable_prefix_caching and self.block_epochs[seq.block_table[0]] == self.epoch:
+        if (self.enable_prefix_caching and self.block_epochs[seq.block_table[0]] == self.epoch
+                and seq.context_version in (None, seq.policy_version)):
             hashes = self.prefix_hashes(seq)
             for index in range(seq.num_registered_blocks, num_full):
                 block_id, block_hash = seq.block_table[index], hashes[index]
@@ -128,7 +132,9 @@ class BlockManager:
     def prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """The chained hashes of the full blocks of `seq`'s tokens (kept on the sequence, extended as it grows)."""
         hashes, size = seq.block_hashes, self.block_size
-        first = seq.multimodal.cache_key if seq.multimodal is not None else b""  # the same text, other images: a miss
+        first = seq.policy_version.to_bytes(8, "little", signed=True)  # another adapter version: a miss
+        if seq.multimodal is not None:
+            first += seq.multimodal.cache_key  # the same text, other images: a miss
         for index in range(len(hashes), len(seq) // size):
             tokens = array("q", seq.token_ids[index * size : (index + 1) * size]).tobytes()
             hashes.append(blake2b((hashes[-1] if hashes else first) + tokens, digest_size=16).digest())

@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from rollout.config import EngineConfig
+from rollout.engine.adapter_pins import repin, split_update
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.errors import ContextFull, DuplicateRequest, InvalidRequest, QueueFull
 from rollout.engine.kv_eviction import KVEvictor
@@ -20,6 +21,7 @@ from rollout.engine.multimodal import ImageInput, prompt_images
 from rollout.engine.outputs import Completion, RequestOutput, TokenOutput
 from rollout.engine.sampling_params import SamplingParams, logprobs_temperature, validate_prompt
 from rollout.engine.scheduler import Batch, Scheduler
+from rollout.engine.scoring import Scoring
 from rollout.engine.sequence import FinishReason, Sequence
 from rollout.engine.session_steps import SessionSteps
 from rollout.engine.sessions import SessionTable
@@ -27,7 +29,7 @@ from rollout.kv.host_tier import TIER_STATS, HostKVTier
 from services.device import device_scope, synchronize
 
 
-class LLMEngine(SessionSteps):
+class LLMEngine(SessionSteps, Scoring):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
@@ -44,6 +46,7 @@ class LLMEngine(SessionSteps):
                         if config.kv_eviction != "none" else None)
         self.requests: dict[str, list[Sequence]] = {}
         self.weight_version = 0
+        self.num_version_moves = 0  # started sequences a weight update moved off their version (adapter_pins.py)
         self.num_prefill_tokens = 0  # tokens computed by prefill (new prompts, session turns, recomputes)
         self._next_expiry_check = 0.0
         self._seed_rng = random.Random(config.seed)
@@ -76,6 +79,15 @@ class LLMEngine(SessionSteps):
         """Whether load_weights(adopt=True) serves the given tensors themselves; not with static decode buffers
         (CUDA graphs hold the parameters' addresses: the tensors are copied in place, and free afterwards)."""
         return self.runner.graphs is None
+
+    @property
+    def serves_adapters_unmerged(self) -> bool:
+        """Whether LoRA adapters in an update become resident versions (config.lora.mode unmerged)."""
+        return self.runner.adapters is not None
+
+    def adapter_problem(self, weight: str) -> str | None:
+        """Why an adapter of parameter `weight` (published name) cannot be served unmerged; None when it can."""
+        return self.runner.adapters.problem(weight)
 
     def parameter_layout(self) -> Layout:
         """name -> (shape, dtype) of every parameter a weight update may carry, under the names a trainer's state
@@ -115,7 +127,10 @@ class LLMEngine(SessionSteps):
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue={self.config.max_queue})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
-        return [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
+        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
+        for seq in seqs:
+            seq.policy_version = self.weight_version
+        return seqs
 
     # ---- sessions (rollout/engine/sessions.py)
 
@@ -187,7 +202,7 @@ class LLMEngine(SessionSteps):
         for seq in batch.seqs:
             if seq.context_version is None:
                 source = seq.prefill_from
-                seq.context_version = self.weight_version if source is None else source.context_version
+                seq.context_version = seq.policy_version if source is None else source.context_version
 
     def abort(self, request_id: str) -> list[TokenOutput]:
         """End a request's unfinished completions (reason abort, partial output kept) and free their blocks."""
@@ -200,79 +215,6 @@ class LLMEngine(SessionSteps):
                                            seq.routed_experts))
         return outputs
 
-    def compute_logprobs(
-        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0, images: Seq[ImageInput] = ()
-    ) -> list[list[float]]:
-        """Logprob of every token of each response given the prompt and the response tokens before it,
-        under softmax(logits / temperature).
-
-        Runs between steps with blocks taken from the free list and returned at once (the prefix cache is
-        neither read nor filled). Raises
-        InvalidRequest for bad ids or lengths, QueueFull when running requests hold the blocks needed.
-        """
-        return [logprobs for logprobs, _ in self._score(prompt_ids, responses, temperature, 0, images)]
-
-    def compute_top_logprobs(
-        self, prompt_ids: Seq[int], response_ids: Seq[int], temperature: float, top: int
-    ) -> list[list[tuple[int, float]]]:
-        """At each position of the response, the `top` most likely tokens (id, logprob) given the prompt and the
-        response tokens before it, under softmax(logits / temperature); one scoring pass like compute_logprobs."""
-        return self._score(prompt_ids, [response_ids], temperature, top)[0][1]
-
-    def _score(
-        self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float, top: int,
-        images: Seq[ImageInput] = (),
-    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
-        if not temperature > 0:
-            raise InvalidRequest("temperature", f"must be > 0 to score under softmax(logits / temperature), got {temperature}")
-        prompt = [int(t) for t in prompt_ids]
-        validate_prompt(prompt, self.model_config.vocab_size)
-        multimodal = prompt_images(self.model_config, prompt, list(images))  # the prompt's images (their positions)
-        seqs = []
-        for i, response in enumerate(responses):
-            tokens = [int(t) for t in response]
-            field = f"response_ids[{i}]"
-            if tokens:
-                validate_prompt(tokens, self.model_config.vocab_size, field)
-            if len(prompt) + len(tokens) > self.config.max_model_len:
-                raise InvalidRequest(field, f"prompt + response ({len(prompt) + len(tokens)} tokens) exceeds the "
-                                            f"context length {self.config.max_model_len}")
-            if self.block_manager.blocks_for(len(prompt) + len(tokens)) > self.block_manager.num_blocks:
-                raise InvalidRequest(field, f"prompt + response exceeds the KV cache ({self.block_manager.num_blocks} "
-                                            f"blocks of {self.block_manager.block_size})")
-            seqs.append(Sequence(-1, "", i, prompt + tokens, SamplingParams(), 0))
-            seqs[-1].multimodal = multimodal
-        results: list[tuple[list[float], list[list[tuple[int, float]]]]] = [([], []) for _ in seqs]
-        pending = [seq for seq in seqs if len(seq) > len(prompt)]
-        while pending:
-            chunk = self._fitting(pending)
-            for seq in chunk:
-                self.block_manager.allocate(seq, reuse_prefix=False)  # runner.score computes every token
-            try:
-                scored = self.runner.score(chunk, [len(prompt)] * len(chunk), temperature, top)
-            finally:
-                for seq in chunk:
-                    self.block_manager.deallocate(seq)
-            for seq, result in zip(chunk, scored):
-                results[seq.index] = result
-            pending = pending[len(chunk):]
-        return results
-
-    def _fitting(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The longest head of `seqs` whose blocks are free now and whose tokens fit one prefill."""
-        blocks = tokens = count = 0
-        for seq in seqs:
-            blocks += self.block_manager.blocks_for(len(seq))
-            tokens += len(seq)
-            while blocks > self.block_manager.num_free_blocks and self.sessions.evict_idle():
-                pass
-            if blocks > self.block_manager.num_free_blocks or (count and tokens > self.config.max_num_batched_tokens):
-                break
-            count += 1
-        if count == 0:
-            raise QueueFull(f"running requests hold the KV blocks needed to score {len(seqs[0])} tokens; retry")
-        return seqs[:count]
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -280,31 +222,43 @@ class LLMEngine(SessionSteps):
         self, named_tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
         adopt: bool = False,
     ) -> None:
-        """Copy tensors into the parameters of the same name, in place, and serve them as `version`.
+        """Serve `version`: the tensors copied into the parameters of the same name, in place, or with `adopt` served
+        themselves (a complete update whose memory the caller hands over, CausalLM.adopt_weights) unless decode steps
+        run from static buffers (config.cuda_graphs: copied in place, the graphs stay valid; the tensors are free once
+        this returns). LoRA adapters among them (`<module>.lora_A.weight`, `.lora_B.weight`), with lora.mode
+        unmerged, become a resident adapter version instead (rollout/model/lora.py; copied): an update of adapters
+        alone leaves W as it is, one with the model's tensors replaces W and forgets older adapters.
 
-        With `adopt`, the model serves the given tensors themselves instead (a complete update whose
-        memory the caller hands over, see CausalLM.adopt_weights), unless decode steps run from static buffers
-        (config.cuda_graphs): captured graphs hold the parameters' addresses, so the tensors are copied into them in
-        place, and the graphs stay valid; the copy is finished when this returns, so the caller may reuse the
-        tensors. Sequences in flight continue; their later
-        tokens carry the new version. KV computed with the old weights (config.kv_on_update): with "keep"
-        in-flight sequences and idle sessions keep theirs (their kv_version stays the old version); with
-        "recompute" it is dropped, and each sequence recomputes its context with the new weights before its
-        next token (the scheduler's preemption), each session at its next turn. Either way the prefix cache
-        forgets every prefix: KV computed with the old weights is never reused by a new request.
+        Sequences in flight continue, on their version or moved to the new one (rollout/engine/adapter_pins.py).
+        KV computed with older weights (config.kv_on_update): "keep" keeps it (kv_version says so), "recompute"
+        drops it and each sequence recomputes its context before its next token (the scheduler's preemption), each
+        session at its next turn. The prefix cache forgets every prefix, except after an adapter-only update served
+        unmerged: its keys carry the version, and older versions' prefixes stay valid for their pinned sequences.
         """
-        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        base, adapters = split_update(named_tensors)
+        lora = self.runner.adapters
+        if adapters and lora is None:
+            raise ValueError("this engine serves LoRA merged (lora.mode: merged): merge the adapters before loading")
         with torch.no_grad(), device_scope(self.runner.device):
-            if adopt and self.runner.graphs is None:
-                self.runner.model.adopt_weights(items)
-            else:
-                self.runner.model.load_weights(items)
+            if base and adopt and self.runner.graphs is None:
+                self.runner.model.adopt_weights(base)
+            elif base:
+                self.runner.model.load_weights(base)
                 synchronize(self.runner.device)  # the given tensors are free once this returns
+            if lora is not None and (base or adapters):
+                if base:
+                    lora.clear()  # a new W: the adapters were trained on the old one
+                if adapters:
+                    lora.add(version, adapters, self.config.torch_dtype, self.runner.device)
         self.weight_version = version
+        pinned = bool(adapters) and not base and self.config.kv_on_update == "keep"
+        self.num_version_moves += repin((seq for seqs in self.requests.values() for seq in seqs), version,
+                                        lora.versions if pinned else None)
         if self.config.kv_on_update == "recompute":
             self.scheduler.drop_kv()
             self.sessions.drop_kv()
-        self.block_manager.reset_prefix_cache()
+        if not (adapters and not base):
+            self.block_manager.reset_prefix_cache()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -340,6 +294,8 @@ class LLMEngine(SessionSteps):
             "prefill_tokens": self.num_prefill_tokens,
             "prefix_cache_queried_tokens": self.block_manager.num_queried_tokens,
             "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens,
+            "lora_versions_resident": len(self.runner.adapters.versions) if self.runner.adapters is not None else 0,
+            "policy_version_moves": self.num_version_moves,
             "sessions": len(self.sessions.sessions),
             "session_blocks": self.sessions.num_blocks_held,
             "session_evictions": self.sessions.num_evictions,
@@ -354,7 +310,7 @@ class LLMEngine(SessionSteps):
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[TokenOutput]:
         outputs = []
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
-            seq.append(token_id, logprob, self.weight_version)
+            seq.append(token_id, logprob, seq.policy_version)
             reason = self._finish_reason(seq, token_id)
             kv_version = routes = None
             if reason is not None:
@@ -363,7 +319,7 @@ class LLMEngine(SessionSteps):
                 self._finish(seq)
                 if all(s.is_finished for s in self.requests[seq.request_id]):
                     del self.requests[seq.request_id]
-            outputs.append(TokenOutput(seq.request_id, seq.index, token_id, logprob, self.weight_version, reason,
+            outputs.append(TokenOutput(seq.request_id, seq.index, token_id, logprob, seq.policy_version, reason,
                                        kv_version, routes))
         return outputs
 

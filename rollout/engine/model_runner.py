@@ -22,6 +22,7 @@ from rollout.model.attention import (
     PagedKernel,
 )
 from rollout.model.attention_flashinfer import FlashInferAttention
+from rollout.model.lora import ResidentAdapters
 from rollout.model.moe import set_moe_kernel
 from rollout.model.registry import model_class
 from services.device import device_scope
@@ -38,6 +39,9 @@ class ModelRunner:
         with torch.no_grad():
             self.model.load_checkpoint(config.model)
         set_moe_kernel(self.model, config.moe_kernel)
+        # LoRA served unmerged: the adapter versions resident, applied per row (rollout/model/lora.py)
+        self.adapters = (ResidentAdapters(self.model, config.lora.versions_resident)
+                         if config.lora.mode == "unmerged" else None)
         # In the model dtype, or quantized (kv_cache_dtype); with CUDA graphs one more block: the padding rows' scratch
         self.cache = make_kv_cache(config, self.device)
         self.attention_kernel = config.attention_kernel  # "torch", "triton" or "flashinfer" (rollout/model/attention.py)
@@ -77,12 +81,13 @@ class ModelRunner:
         computed = [seq for seq in batch.seqs if seq.prefill_from is None]
         if batch.is_prefill:  # one-token rows first: they attend as a group of their own (see _prepare)
             computed.sort(key=lambda seq: batch.num_new_tokens[seq.seq_id] > 1)
-        if self.graphs is not None and not batch.is_prefill and not batch.observe:
+        query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
+        adapting = self._select_adapters(computed, query_lens)
+        if self.graphs is not None and not batch.is_prefill and not batch.observe and not adapting:
             hidden = self.graphs.run(self._decode_rows(computed))
             last_rows = list(range(len(computed)))
             self.observations = {}
-        else:
-            query_lens = [batch.num_new_tokens[seq.seq_id] for seq in computed]
+        else:  # (a LoRA step runs eager: the graphs hold no adapters)
             input_ids, positions, meta, last_rows = self._prepare(computed, batch.is_prefill, query_lens, batch.observe)
             positions, embeds = self._mrope_inputs(computed, batch.is_prefill, query_lens, positions)
             hidden = self.model(input_ids, positions, self.cache, meta, embeds)
@@ -97,6 +102,15 @@ class ModelRunner:
         tokens, logprobs = self.sampler(self.model.logits(hidden), self._sampling_tensors(batch.sampled))
         both = torch.cat([tokens.double(), logprobs.double()]).tolist()  # one read (token ids < 2**53 are exact)
         return [int(token) for token in both[: len(rows)]], both[len(rows) :]
+
+    def _select_adapters(self, seqs: list[Sequence], row_counts: list[int]) -> bool:
+        """Tell the resident adapters which rows of the next forward use which version (each sequence's pinned
+        `policy_version`); whether any adapter applies."""
+        if self.adapters is None or not self.adapters.active:
+            return False
+        self.adapters.select([seq.policy_version for seq, count in zip(seqs, row_counts) for _ in range(count)],
+                             self.device)
+        return bool(self.adapters.plan)
 
     def _record_routes(self, batch: Batch, computed: list[Sequence]) -> None:
         """A mixture-of-experts model's routes of this step's tokens, kept on their sequences (rollout/engine/routes.py);
@@ -126,6 +140,7 @@ class ModelRunner:
         sequence, so a long sequence with a large vocabulary never holds [all tokens, vocab] at once.
         """
         input_ids, positions, meta, last_rows = self._prepare(seqs, is_prefill=True)
+        self._select_adapters(seqs, [len(seq) for seq in seqs])
         positions, embeds = self._mrope_inputs(seqs, True, None, positions)
         hidden = self.model(input_ids, positions, self.cache, meta, embeds)
         results = []

@@ -66,6 +66,9 @@ class Sequence:
         # `stale_kv_version`: the oldest context_version a token was sampled on with newer weights, if one was.
         self.context_version: int | None = None
         self.stale_kv_version: int | None = None
+        # The weight version it samples with: the engine's when it was made; a weight update moves it to the new one,
+        # unless it serves LoRA unmerged and this version stays resident (rollout/engine/adapter_pins.py)
+        self.policy_version = 0
         # Of a mixture-of-experts model: the experts each position was routed to (rollout/engine/routes.py's RouteLog)
         self.routes = None
         # The images of its prompt and their M-RoPE positions (rollout/engine/multimodal.py); None: text only.

@@ -11,6 +11,19 @@ from pydantic import Discriminator, Field, Tag, field_validator
 from services.config import Strict
 
 
+class NativeLoraSettings(Strict):
+    """How the native engine serves a LoRA policy's adapters (rollout.config.LoraServing; docs/lora.md)."""
+
+    mode: Literal["unmerged", "merged"] = Field(
+        "unmerged", description="'unmerged': y = W x + B (A x) on the adapted projections, up to versions_resident "
+        "adapter versions resident, each request and session turn finishing on the version it started on (or moved "
+        "to the newest when kv_on_update is recompute); an adapter update leaves W untouched. 'merged': the worker "
+        "folds W + B @ A into the weights, one version served.")
+    versions_resident: int = Field(2, ge=1, description="Adapter versions kept at once (unmerged): at least "
+                                   "training.max_staleness + 1 so a rollout finishes on its policy (relayrl doctor "
+                                   "checks); a sequence whose version leaves goes on under the newest.")
+
+
 class NativeSettings(Strict):
     """The native engine (rollout.engine.async_engine.AsyncEngine; rollout.config.EngineConfig says how each is used)."""
 
@@ -92,6 +105,8 @@ class NativeSettings(Strict):
         "cache plus the tier; the others queue, each at most session_admission_wait_s.")
     session_admission_wait_s: float = Field(30.0, gt=0, description="The longest a session queues for admission; "
                                             "then it is admitted anyway (no starvation).")
+    lora: NativeLoraSettings = Field(default_factory=NativeLoraSettings, description="A LoRA policy's adapters: "
+                                     "{mode: unmerged | merged, versions_resident} (docs/lora.md).")
 
 
 class VllmSettings(Strict):

@@ -41,13 +41,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim**-0.5
+        self.adapter_keys = {"qkv": tuple(parts), "o_proj": ("o_proj",)}  # what LoRA may adapt (rollout/model/lora.py)
+        self.adapters = None  # the engine's ResidentAdapters, when it serves LoRA unmerged
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding, cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        if self.adapters is not None:
+            qkv = self.adapters.apply(self.adapter_ids["qkv"], x, qkv)
+        qkv = qkv.view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
         if self.qk_norm:
             q = rotary.apply(self.q_norm(qkv[:, :heads]), *rope)
@@ -55,7 +60,9 @@ class Attention(nn.Module):
         else:  # q and k rotate together: one rotation for both
             qk = rotary.apply(qkv[:, : heads + kv_heads], *rope)
             q, k = qk[:, :heads], qk[:, heads:]
-        return F.linear(paged_attention(q, k, v, self.layer, cache, meta, self.scale), self.o_proj.weight)
+        attended = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
+        out = F.linear(attended, self.o_proj.weight)
+        return out if self.adapters is None else self.adapters.apply(self.adapter_ids["o_proj"], attended, out)
 
 
 class MLP(nn.Module):
@@ -64,10 +71,17 @@ class MLP(nn.Module):
         parts = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
         add_merged_projections(self, "gate_up", config.hidden_size, parts, False, dtype, device)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        self.adapter_keys = {"gate_up": tuple(parts), "down_proj": ("down_proj",)}  # (rollout/model/lora.py)
+        self.adapters = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate_up = F.linear(x, self.gate_up_weight)
+        if self.adapters is not None:
+            gate_up = self.adapters.apply(self.adapter_ids["gate_up"], x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        out = F.linear(hidden, self.down_proj.weight)
+        return out if self.adapters is None else self.adapters.apply(self.adapter_ids["down_proj"], hidden, out)
 
 
 class DecoderLayer(nn.Module):

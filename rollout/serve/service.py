@@ -50,6 +50,10 @@ KV_BYTES_PER_TOKEN = Gauge("relayrl_rollout_kv_cache_bytes_per_token", "KV cache
                            "layer, keys and values), labelled by engine.kv_cache_dtype", ["kv_cache_dtype"])
 SESSION_EVICTIONS = Gauge("relayrl_rollout_session_kv_evictions", "Idle sessions whose KV was dropped so far "
                           "(recomputed on their next turn)")
+LORA_VERSIONS = Gauge("relayrl_rollout_lora_versions_resident", "LoRA adapter versions served unmerged now "
+                      "(engine.lora.versions_resident at most)")
+VERSION_MOVES = Gauge("relayrl_rollout_policy_version_moves", "Started sequences a weight update moved off the "
+                      "version they started on so far (a new base, kv_on_update recompute, or their adapter left)")
 # Idle sessions' KV under pressure (engine.session_*: rollout/kv/host_tier.py, rollout/engine/session_policy.py)
 SESSION_TIER_GAUGES = {key: Gauge(f"relayrl_rollout_{key}", doc) for key, doc in {
     "session_tier_puts": "Idle sessions whose KV went to the host tier so far",
@@ -71,7 +75,8 @@ _STATS_GAUGES = {  # engine.stats key -> its gauge
     "running": RUNNING_SEQS, "waiting": WAITING_SEQS, "free_blocks": FREE_BLOCKS, "prefill_tokens": PREFILL_TOKENS,
     "prefix_cache_queried_tokens": PREFIX_QUERIED_TOKENS, "prefix_cache_hit_tokens": PREFIX_HIT_TOKENS,
     "sessions": OPEN_SESSIONS, "session_blocks": SESSION_BLOCKS, "session_evictions": SESSION_EVICTIONS,
-    "kv_evicted_tokens": KV_EVICTED_TOKENS, **SESSION_TIER_GAUGES,
+    "kv_evicted_tokens": KV_EVICTED_TOKENS, "lora_versions_resident": LORA_VERSIONS,
+    "policy_version_moves": VERSION_MOVES, **SESSION_TIER_GAUGES,
 }
 
 MAX_VERSION_WAIT_S = 60.0  # the longest GetWeightVersion watch

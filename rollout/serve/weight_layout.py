@@ -3,7 +3,7 @@ interface the receiver drives (UpdatableEngine), and the buffers an update lands
 adapters (`<module>.lora_A.weight`, `<module>.lora_B.weight`) need no parameter of their own: each must fit the base
 weight it adapts (rollout/serve/adapter_merge.py folds them in)."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +17,9 @@ Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class UpdatableEngine(Protocol):
-    """What the receiver needs from the engine (every engine of rollout/engines/base.py provides it)."""
+    """What the receiver needs from the engine (every engine of rollout/engines/base.py provides it). An engine that
+    serves LoRA adapters unmerged also has `serves_adapters_unmerged` (True) and `adapter_problem(weight)`
+    (rollout/engine/llm_engine.py); the receiver then hands it adapters as they are."""
 
     @property
     def weight_version(self) -> int: ...
@@ -55,16 +57,20 @@ class Staging:
         return self._views
 
 
-def check_layout(manifest: Manifest, layout: Layout, widen: bool = False, adapters: bool = False) -> None:
+def check_layout(manifest: Manifest, layout: Layout, widen: bool = False, adapters: bool = False,
+                 adaptable: Callable[[str], str | None] | None = None) -> None:
     """Every tensor of the update must be a parameter of the engine with the same shape and dtype,
     and every parameter must be in the update (a partial update would mix two versions). With `widen`, a float32
     tensor may update a bfloat16 / float16 parameter: the engine casts it at the switch (a float32 trainer publishing
     to an engine in bfloat16, the default on a GPU; its float32 LM head then comes from the published tensor). With
-    `adapters`, LoRA pairs may come too: A [r, in] and B [out, r] of a parameter [out, in] (merged on receipt)."""
+    `adapters`, LoRA pairs may come too: A [r, in] and B [out, r] of a parameter [out, in] (merged on receipt, or served
+unmerged: then `adaptable(weight)` says why a weight's adapter cannot be, None when it can)."""
     slots = {slot.name: slot for slot in manifest.slots}
     for slot in manifest.slots:
         if adapters and is_adapter(slot.name):
             _check_adapter(slot.name, slots, layout)
+            if adaptable is not None and (why := adaptable(adapted_weight(slot.name))) is not None:
+                raise CodecError(f"tensor {slot.name!r}: {why}")
             continue
         if slot.name not in layout:
             raise CodecError(f"tensor {slot.name!r}: the model has no such parameter")

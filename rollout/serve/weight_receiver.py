@@ -1,38 +1,35 @@
 """The rollout worker's side of weight sync: the relayrl.weights.v1.WeightSync servicer.
 
-BeginUpdate validates the manifest against the engine's parameters, then a background thread joins
-(or reuses) the update group and receives every bucket into staging buffers (on the engine's GPU when the group
-was formed as CUDA IPC: the trainer shares that GPU, services/weights/cuda_ipc.py). CommitUpdate waits for
-that thread (with its timeout) and hands views of the staged tensors to
-`AsyncEngine.update_weights`, which switches between two decode steps; its reply says how long the engine
-generated nothing for the update (pause_s: the engine's own measure). On any failure the worker keeps
-serving its old version and the call says why; nothing here can block the engine or the trainer past
-a deadline.
+BeginUpdate validates the manifest against the engine's parameters, then a background thread joins (or reuses) the
+update group and receives every bucket into staging buffers (on the engine's GPU when the group was formed as CUDA
+IPC: services/weights/cuda_ipc.py). CommitUpdate waits for that thread (with its timeout) and hands views of the
+staged tensors to `AsyncEngine.update_weights`, which switches between two decode steps and says how long the engine
+generated nothing (pause_s). On any failure the worker keeps serving its old version and the call says why; nothing
+here can block the engine or the trainer past a deadline.
 
-The engine adopts the staged tensors (serves them without copying), so staging is double-buffered:
-one set holds the served version, the other receives the next; a switch swaps their roles. An engine that copies
-them into its own parameters instead (`adopts_weights` False: the native engine replaying CUDA graphs, whose
-captured parameters must keep their storage) leaves them free once the switch returns: one set serves every update.
+The engine adopts the staged tensors (serves them without copying), so staging is double-buffered: one set holds
+the served version, the other receives the next. An engine that copies them into its own parameters (`adopts_weights`
+False: CUDA graphs, whose captured parameters keep their storage) leaves them free once the switch returns.
 
 A partial update (base_version set: a delta, or a LoRA adapter; docs/architecture.md) lands in staging as the base
 version's bytes patched by its parts (services/weights/delta.py), checksums verified. Its base is the version the
 receiver's own buffers hold (the served set, or the one set of an engine that copies); a worker that holds any other
 (it missed a version, restarted or joined) takes nothing and answers needs_full: the trainer sends the whole version.
-An update that carries LoRA adapters is merged once received (rollout/serve/adapter_merge.py): the engine gets
-W + B @ A for each adapted weight, the staged base stays whole. What an update must match, and the engine interface:
-rollout/serve/weight_layout.py.
+An update that carries LoRA adapters (rollout/serve/adapter_merge.py) goes to an engine that serves them unmerged
+(`serves_adapters_unmerged`: the native engine's lora.mode unmerged) as they are: an update of adapters alone lands in
+place in the buffers the engine serves W from (no copy of the base, no swap) and the engine makes it a resident
+version; to any other it is merged once received: W + B @ A for each adapted weight, the staged base kept whole.
+What an update must match, and the engine interface: rollout/serve/weight_layout.py.
 
-Several senders (pipeline stages, each publishing its own layers: BeginUpdate's sender_groups) each have a group of
-their own with this worker; the receive joins them in sender order and posts each one's receives as soon as its
-group is formed, so the version is staged once every sender's part has arrived, and a part that has not by the
-deadline fails the version with an error naming its sender (services/weights/delta.py receive_parts).
+Several senders (pipeline stages publishing their own layers: BeginUpdate's sender_groups) each have a group with
+this worker, joined in sender order, each one's receives posted as soon as it forms: the version is staged once every
+part has arrived, and a part missing at the deadline fails it naming its sender (services/weights/delta.py).
 
-An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets
-no staging: BeginUpdate answers `tensor_broadcasts` (the trainer then forms a torch.distributed named group and
-sends one broadcast per tensor) and has the engine join the group (once per group); CommitUpdate, which the
-trainer sends only as its broadcasts start, has it receive into its own memory and then tags the following tokens
-with the new version. SGLang's scheduler blocks while it receives, so it is never asked to before the trainer
-sends: a publish given up before that leaves it serving.
+An engine that joins the trainer's group itself (`receives_from_group`, rollout/engines/base.py: SGLang) gets no
+staging: BeginUpdate answers `tensor_broadcasts` (the trainer sends one broadcast per tensor over a named group) and
+has the engine join the group once; CommitUpdate, sent only as the broadcasts start, has it receive into its own
+memory, then tags the following tokens with the new version. SGLang's scheduler blocks while it receives, so a
+publish given up before then leaves it serving.
 """
 
 import asyncio
@@ -47,7 +44,7 @@ import torch
 
 from protos import weights_pb2, weights_pb2_grpc
 from protos.codec import CodecError
-from rollout.serve.adapter_merge import is_adapter, merged_weights
+from rollout.serve.adapter_merge import adapter_only, adapter_views, is_adapter, merged_weights
 from rollout.serve.weight_layout import Layout, Staging, UpdatableEngine, check_layout
 from services.runtime import Sparse
 from services.weights import (
@@ -83,6 +80,7 @@ class _Update:
     engine_receive_s: float = 0.0  # how long the engine's own receive blocked it (it generates nothing meanwhile)
     weights: dict[str, torch.Tensor] | None = None  # what the engine switches to, when not the staged views (LoRA)
     senders: tuple[GroupSpec, ...] = ()  # every sender's group, sender 0's first (several: sender_groups)
+    in_place: bool = False  # adapters alone, received into the buffers the engine serves (LoRA unmerged)
 
 
 class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
@@ -100,6 +98,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         self._checked: tuple[weights_pb2.BeginUpdateRequest, Manifest] | None = None  # the last valid manifest
         self._groups: tuple[Transfer, ...] = ()  # the groups of the last update's senders, kept (one unless several)
         self._engine_receives = bool(getattr(engine, "receives_from_group", False))
+        self._unmerged = bool(getattr(engine, "serves_adapters_unmerged", False))
         self._engine_group: GroupSpec | None = None  # the group the engine joined, when it receives itself
         self._group_lock = threading.Lock()
         self._switch_lock = asyncio.Lock()
@@ -138,10 +137,15 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             if lost:
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"group(s) {lost} not held here (restarted?): form new groups")
-            staging = None if self._engine_receives else self._take_staging(manifest, device)
+            in_place = (bool(request.base_version) and self._unmerged and self._served is not None
+                        and adapter_only(manifest, parts))
+            if in_place:  # W's bytes stay as they are: the adapters' buckets are patched where they lie
+                staging = Staging(manifest, self._served.buffers)
+            else:
+                staging = None if self._engine_receives else self._take_staging(manifest, device)
             update = _Update(request.version, manifest, spec, deadline_after(request.timeout_s), staging, parts,
-                             senders=senders)
-            if request.base_version and self._served is not None:
+                             senders=senders, in_place=in_place)
+            if request.base_version and self._served is not None and not in_place:
                 update.base = self._served.buffers
             elif not self._adopts():
                 self._held = None  # the one set of buffers is being overwritten
@@ -193,7 +197,9 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                 pause_s = self.engine.last_pause_s
                 self._pending = None
                 self._held = (update.version, update.manifest)
-                if self._adopts():
+                if update.in_place:
+                    pass  # the engine serves W from the same buffers, the adapters from its own copies
+                elif self._adopts():
                     # The engine serves this update's buffers now and none of the replaced version's.
                     self._staging, self._served = self._served, update.staging
                 else:  # copied: the buffers are free for the next update
@@ -226,9 +232,14 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
                               update.base, update.cancelled)
             else:
                 receive_buckets(group, update.manifest, update.deadline, update.staging.buffers, update.cancelled)
-            if any(is_adapter(slot.name) for slot in update.manifest.slots):  # LoRA: W + B @ A, the base kept whole
+            adapted = any(is_adapter(slot.name) for slot in update.manifest.slots)
+            if adapted and not self._unmerged:  # LoRA merged: W + B @ A, the base kept whole
                 update.weights = merged_weights(update.manifest, update.staging.buffers)
+            elif adapted and update.parts and adapter_only(update.manifest, update.parts):  # a new adapter version
+                update.weights = adapter_views(update.manifest, update.staging.buffers)
         except TransferError as exc:
+            if update.in_place:
+                self._held = None  # the served buffers' adapter bytes are no version's now: the next update is whole
             self._drop_groups(update)
             update.done.set_exception(exc)
             log.warning("receiving weight version %d failed: %s", update.version, exc)
@@ -294,10 +305,7 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
         with self._group_lock:
             # An update aborted meanwhile must not install its group over a newer one.
             if not update.cancelled.is_set():
-                if sender == 0:
-                    old, self._groups = self._groups, (group,)
-                else:
-                    old, self._groups = (), (*self._groups, group)
+                old, self._groups = (self._groups, (group,)) if sender == 0 else ((), (*self._groups, group))
                 for stale in old:
                     stale.close()
                 return group
@@ -334,6 +342,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
     def _cancel(self, update: _Update) -> None:
         """Forget `update`; if it was still receiving, its group is mid-collective and unusable."""
         update.cancelled.set()
+        if update.in_place:
+            self._held = None  # its bytes may be in the served buffers already
         if not update.done.done():
             if self._engine_receives:
                 asyncio.ensure_future(self._leave_engine_group())
@@ -354,7 +364,8 @@ class WeightReceiver(weights_pb2_grpc.WeightSyncServicer):
             return checked[1]
         manifest = Manifest.from_proto(request.tensors, request.bucket_sizes)
         # The engine casts what it is handed; adapters are merged here, so not for an engine that receives itself.
-        check_layout(manifest, self.layout, widen=not self._engine_receives, adapters=not self._engine_receives)
+        check_layout(manifest, self.layout, widen=not self._engine_receives, adapters=not self._engine_receives,
+                     adaptable=getattr(self.engine, "adapter_problem", None) if self._unmerged else None)
         self._checked = (request, manifest)
         return manifest
 
