@@ -19,39 +19,71 @@ STEPS = 3
 SAVE_AT = 2
 
 
-def worker(model: str, out: str, ep: int, checkpoints: str, resume: bool) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    from safetensors.torch import save_file
-
+def train(model: str, env, checkpoints: str, resume: bool) -> tuple[list, object]:
+    """STEPS steps of GRPO with routing replay on the fixed batch (from the checkpoint's step when `resume`); each
+    step's [loss, grad_norm], and the learner. A run with ep > 1 saves a checkpoint after step SAVE_AT."""
     from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from trainer.config import TrainerConfig
     from trainer.learner import Learner
-    from trainer.parallel import gather_model_state, init_distributed, shutdown_distributed
 
-    env = init_distributed("cpu", ep=ep)
     config = TrainerConfig.model_validate({
         "model_path": model, "optim": {"lr": 2e-3}, "algorithm": {"name": "grpo", "off_policy": "tis"},
-        "batch": {"global_batch_size": 8, "micro_batch_size": 2}, "parallel": {"ep": ep},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2}, "parallel": {"ep": env.ep_size},
         "moe": {"routing_replay": "rollout"}})
     learner = Learner(config, env)
     state = TrainState()
     if resume:
         state = load_checkpoint(latest_checkpoint(checkpoints), learner.policy, learner.optimizer, env)
-    losses = []
+    steps = []
     while state.step < STEPS:
         for mini_batch in learner.prepare(make_samples()):
             result = learner.train_step(mini_batch, state.step)
-            losses.append([result["loss"], result["grad_norm"]])
+            steps.append([result["loss"], result["grad_norm"]])
             state.step += 1
-        if state.step == SAVE_AT and ep > 1 and checkpoints:
+        if state.step == SAVE_AT and env.ep_size > 1 and checkpoints:
             save_checkpoint(Path(checkpoints), learner.policy, learner.optimizer, state, env)
+    return steps, learner
+
+
+def worker(model: str, out: str, ep: int, checkpoints: str, publish: bool) -> None:
+    """Train, write the steps' figures and the final weights (gathered whole); one process given `checkpoints`
+    then also resumes from the ep run's checkpoint (ep 2 -> 1). `publish`: rank 0 then publishes the policy, as the
+    trainer does (trainer/publishing.py), to a native engine served in its process."""
+    import torch
+
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+
+    from trainer.parallel import gather_model_state, init_distributed, shutdown_distributed
+
+    env = init_distributed("cpu", ep=ep)
+    steps, learner = train(model, env, checkpoints, resume=False)
+    results = {"steps": steps}
     weights = gather_model_state(learner.policy, env)
+    if not env.distributed and checkpoints:
+        results["resumed"] = train(model, env, checkpoints, resume=True)[0]
+    if publish:
+        results["published"] = _publish(model, learner, env, weights)
     if env.is_main:
-        Path(out).write_text(json.dumps(losses))
+        Path(out).write_text(json.dumps(results))
         save_file({name: tensor.contiguous() for name, tensor in weights.items()}, f"{out}.safetensors")
     shutdown_distributed(env)
+
+
+def _publish(model: str, learner, env, weights: dict) -> dict | None:
+    """What the publish path sends (each expert tensor gathered whole under its fused name) through a real
+    broadcast to a native engine: its report and the served tensors that differ from `weights` (rank 0)."""
+    from test_weight_sync_gather import publish_to_engine
+
+    from trainer.checkpoint import hf_state_dict, ties_embeddings
+    from trainer.config.publish import PublishConfig
+    from trainer.publishing import policy_weights
+
+    source = policy_weights(learner, env, None, PublishConfig())()
+    if not env.is_main:
+        source.finish()
+        return None
+    return publish_to_engine(model, source, hf_state_dict(weights, ties_embeddings(learner.policy)))
 
 
 def _tiny_moe(folder: Path) -> Path:
@@ -70,7 +102,7 @@ def _tiny_moe(folder: Path) -> Path:
     return model
 
 
-def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: bool) -> None:
+def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: bool, publish: bool = False) -> None:
     import numpy as np
     from safetensors.torch import load_file
 
@@ -79,9 +111,11 @@ def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: b
     saved = ["--checkpoints", str(tmp_path / "ckpt")] if checkpoints else []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                 "--master_addr", "127.0.0.1", "--master_port", str(free_port)]
-    _run([*torchrun, *script, "--ep", str(ep), *saved, "--out", str(tmp_path / "ep.json")], tmp_path)
-    _run([sys.executable, *script, "--out", str(tmp_path / "single.json")], tmp_path)
-    ep_losses, single = (json.loads((tmp_path / name).read_text()) for name in ("ep.json", "single.json"))
+    published = ["--publish"] if publish else []
+    _run([*torchrun, *script, "--ep", str(ep), *saved, *published, "--out", str(tmp_path / "ep.json")], tmp_path)
+    _run([sys.executable, *script, *saved, "--out", str(tmp_path / "single.json")], tmp_path)
+    ep_run, single_run = (json.loads((tmp_path / name).read_text()) for name in ("ep.json", "single.json"))
+    ep_losses, single = ep_run["steps"], single_run["steps"]
     assert len(ep_losses) == len(single) == STEPS
     # Losses, and gradient norms (Adam's update hardly depends on the gradients' scale: the norm shows it whole).
     np.testing.assert_allclose(ep_losses, single, rtol=0, atol=1e-5)
@@ -95,9 +129,12 @@ def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: b
         np.testing.assert_allclose(ep_weights[name].numpy(), tensor.numpy(), rtol=0, atol=1e-5, err_msg=name)
     assert all((single_weights[name] - initial[name.removeprefix("lm.")]).abs().max() > 1e-4  # the experts trained
                for name in experts)
+    if publish:  # the engine serves the experts whole, as trained
+        report = ep_run["published"]
+        assert report["ok"], report["failed"]
+        assert report["differ"] == [] and any("experts.gate_up_proj" in name for name in report["names"]), report
     if checkpoints:  # ep 2 -> one process (ep 1): the saved step resumes and continues the curve
-        _run([sys.executable, *script, *saved, "--resume", "--out", str(tmp_path / "resumed.json")], tmp_path)
-        resumed = json.loads((tmp_path / "resumed.json").read_text())
+        resumed = single_run["resumed"]
         assert len(resumed) == STEPS - SAVE_AT
         np.testing.assert_allclose(resumed, single[SAVE_AT:], rtol=0, atol=1e-5)
 
@@ -108,8 +145,9 @@ def test_two_ranks_splitting_experts_follow_one_process(tmp_path, free_port):
 
 @pytest.mark.ranks
 def test_four_ranks_two_expert_groups_follow_one_process(tmp_path, free_port):
-    """dp 4 = edp 2 x ep 2: the experts' gradients also sum over the two ranks holding the same experts."""
-    _compare(tmp_path, free_port, ranks=4, ep=2, checkpoints=False)
+    """dp 4 = edp 2 x ep 2: the experts' gradients also sum over the two ranks holding the same experts; the publish
+    gathers each expert tensor whole for the engine."""
+    _compare(tmp_path, free_port, ranks=4, ep=2, checkpoints=False, publish=True)
 
 
 if __name__ == "__main__":
@@ -118,6 +156,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--checkpoints", default="")
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
-    worker(args.model, args.out, args.ep, args.checkpoints, args.resume)
+    worker(args.model, args.out, args.ep, args.checkpoints, args.publish)
