@@ -87,24 +87,18 @@ def _publish(model: str, learner, env, weights: dict) -> dict | None:
 
 
 def _tiny_moe(folder: Path) -> Path:
-    """A tiny Qwen3-MoE (8 experts, top 2; one dense layer), saved with transformers' fused expert names (the
-    sharded loader reads parameters by name)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
+    """A tiny Qwen3-MoE (8 experts, top 2; one dense layer), saved as transformers saves it: per-expert names, which
+    the sharded loader reads into the fused experts tensors (trainer/parallel/loading.py)."""
     from rollout.model.tiny import write_tiny_model
 
-    model = write_tiny_model(folder, arch="qwen3_moe", seed=7, num_layers=3, mlp_only_layers=(1,), hidden_size=64,
-                             num_heads=2, num_kv_heads=1, num_experts=8)
-    state = AutoModelForCausalLM.from_pretrained(model).state_dict()
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, model / "model.safetensors",
-              metadata={"format": "pt"})
-    return model
+    return write_tiny_model(folder, arch="qwen3_moe", seed=7, num_layers=3, mlp_only_layers=(1,), hidden_size=64,
+                            num_heads=2, num_kv_heads=1, num_experts=8)
 
 
 def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: bool, publish: bool = False) -> None:
     import numpy as np
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     model = _tiny_moe(tmp_path / "moe")
     script = [str(Path(__file__)), "--model", str(model)]
@@ -124,7 +118,7 @@ def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: b
     assert ep_weights.keys() == single_weights.keys()
     experts = [name for name in single_weights if "experts" in name]
     assert experts and all(ep_weights[name].shape[0] == 8 for name in experts)  # whole, under the fused names
-    initial = load_file(model / "model.safetensors")
+    initial = AutoModelForCausalLM.from_pretrained(model).state_dict()
     for name, tensor in single_weights.items():
         np.testing.assert_allclose(ep_weights[name].numpy(), tensor.numpy(), rtol=0, atol=1e-5, err_msg=name)
     assert all((single_weights[name] - initial[name.removeprefix("lm.")]).abs().max() > 1e-4  # the experts trained
