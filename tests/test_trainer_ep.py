@@ -133,6 +133,34 @@ def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: b
         np.testing.assert_allclose(resumed, single[SAVE_AT:], rtol=0, atol=1e-5)
 
 
+def test_what_expert_parallelism_refuses(tmp_path):
+    """TP on a MoE model, ep with tp or pp, ep on a dense model or not dividing the experts, ep in one process: each a
+    clear error."""
+    from pydantic import ValidationError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.model.tiny import write_tiny_model
+    from trainer.config.parallel import ParallelConfig
+    from trainer.parallel import init_distributed
+    from trainer.parallel.ep import check_ep
+    from trainer.parallel.tp import check_tp
+
+    moe = _tiny_moe(tmp_path / "moe")
+    with pytest.raises(ValueError, match="tensor parallelism does not split a mixture-of-experts"):
+        check_tp(AutoConfig.from_pretrained(moe), 2)
+    for split in ({"tp": 2}, {"pp": 2}):
+        with pytest.raises(ValidationError, match="parallel.ep=2: not with parallel.tp > 1 or parallel.pp > 1"):
+            ParallelConfig(ep=2, **split)
+    with pytest.raises(ValueError, match="parallel.ep=3 does not divide the model's num_experts=8"):
+        check_ep(AutoModelForCausalLM.from_pretrained(moe), 3)
+    dense = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "dense", hidden_size=64, num_heads=2,
+                                                                  num_kv_heads=1))
+    with pytest.raises(ValueError, match="no experts modules"):
+        check_ep(dense, 2)
+    with pytest.raises(ValueError, match="start the trainer under torchrun"):
+        init_distributed("cpu", ep=2)
+
+
 def test_two_ranks_splitting_experts_follow_one_process(tmp_path, free_port):
     _compare(tmp_path, free_port, ranks=2, ep=2, checkpoints=True)
 
