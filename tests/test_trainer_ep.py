@@ -19,7 +19,12 @@ STEPS = 3
 SAVE_AT = 2
 
 
-def train(model: str, env, checkpoints: str, resume: bool) -> tuple[list, object]:
+# The 4-rank run's variant: packed rows and checkpointed layers (a recomputed layer redoes its all-to-alls).
+PACKED = {"batch": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 30, "packing": True},
+          "model": {"activation_checkpointing": True}}
+
+
+def train(model: str, env, checkpoints: str, resume: bool, packed: bool = False) -> tuple[list, object]:
     """STEPS steps of GRPO with routing replay on the fixed batch (from the checkpoint's step when `resume`); each
     step's [loss, grad_norm], and the learner. A run with ep > 1 saves a checkpoint after step SAVE_AT."""
     from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -28,8 +33,8 @@ def train(model: str, env, checkpoints: str, resume: bool) -> tuple[list, object
 
     config = TrainerConfig.model_validate({
         "model_path": model, "optim": {"lr": 2e-3}, "algorithm": {"name": "grpo", "off_policy": "tis"},
-        "batch": {"global_batch_size": 8, "micro_batch_size": 2}, "parallel": {"ep": env.ep_size},
-        "moe": {"routing_replay": "rollout"}})
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2, **(PACKED["batch"] if packed else {})},
+        "model": PACKED["model"] if packed else {}, "parallel": {"ep": env.ep_size}, "moe": {"routing_replay": "rollout"}})
     learner = Learner(config, env)
     state = TrainState()
     if resume:
@@ -45,10 +50,10 @@ def train(model: str, env, checkpoints: str, resume: bool) -> tuple[list, object
     return steps, learner
 
 
-def worker(model: str, out: str, ep: int, checkpoints: str, publish: bool) -> None:
+def worker(model: str, out: str, ep: int, checkpoints: str, publish: bool, packed: bool) -> None:
     """Train, write the steps' figures and the final weights (gathered whole); one process given `checkpoints`
     then also resumes from the ep run's checkpoint (ep 2 -> 1). `publish`: rank 0 then publishes the policy, as the
-    trainer does (trainer/publishing.py), to a native engine served in its process."""
+    trainer does (trainer/publishing.py), to a native engine served in its process. `packed`: the PACKED variant."""
     import torch
 
     torch.set_num_threads(1)
@@ -57,7 +62,7 @@ def worker(model: str, out: str, ep: int, checkpoints: str, publish: bool) -> No
     from trainer.parallel import gather_model_state, init_distributed, shutdown_distributed
 
     env = init_distributed("cpu", ep=ep)
-    steps, learner = train(model, env, checkpoints, resume=False)
+    steps, learner = train(model, env, checkpoints, resume=False, packed=packed)
     results = {"steps": steps}
     weights = gather_model_state(learner.policy, env)
     if not env.distributed and checkpoints:
@@ -95,13 +100,14 @@ def _tiny_moe(folder: Path) -> Path:
                             num_heads=2, num_kv_heads=1, num_experts=8)
 
 
-def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: bool, publish: bool = False) -> None:
+def _compare(tmp_path: Path, free_port: int, ranks: int, ep: int, checkpoints: bool, publish: bool = False,
+             packed: bool = False) -> None:
     import numpy as np
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model = _tiny_moe(tmp_path / "moe")
-    script = [str(Path(__file__)), "--model", str(model)]
+    script = [str(Path(__file__)), "--model", str(model), *(["--packed"] if packed else [])]
     saved = ["--checkpoints", str(tmp_path / "ckpt")] if checkpoints else []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                 "--master_addr", "127.0.0.1", "--master_port", str(free_port)]
@@ -167,9 +173,9 @@ def test_two_ranks_splitting_experts_follow_one_process(tmp_path, free_port):
 
 @pytest.mark.ranks
 def test_four_ranks_two_expert_groups_follow_one_process(tmp_path, free_port):
-    """dp 4 = edp 2 x ep 2: the experts' gradients also sum over the two ranks holding the same experts; the publish
-    gathers each expert tensor whole for the engine."""
-    _compare(tmp_path, free_port, ranks=4, ep=2, checkpoints=False, publish=True)
+    """dp 4 = edp 2 x ep 2: the experts' gradients also sum over the two ranks holding the same experts; with packed
+    rows and checkpointed layers; the publish gathers each expert tensor whole for the engine."""
+    _compare(tmp_path, free_port, ranks=4, ep=2, checkpoints=False, publish=True, packed=True)
 
 
 if __name__ == "__main__":
@@ -179,5 +185,6 @@ if __name__ == "__main__":
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--checkpoints", default="")
     parser.add_argument("--publish", action="store_true")
+    parser.add_argument("--packed", action="store_true")
     args = parser.parse_args()
-    worker(args.model, args.out, args.ep, args.checkpoints, args.publish)
+    worker(args.model, args.out, args.ep, args.checkpoints, args.publish, args.packed)
