@@ -41,6 +41,8 @@ def test_a_kl_term_without_a_reference_trains_against_the_model_rl_starts_from(p
      "batch.micro_batch_size=12 does not divide the 64 samples per rank and step: unset batch.micro_batch_size"),
     (["services.trainer.settings.parallel.tp=2"],
      "services.trainer.settings.parallel.tp=2: does not divide the trainer's 1 processes"),
+    (["services.trainer.settings.parallel.ep=2"],
+     "services.trainer.settings.parallel.ep=2: does not divide the trainer's 1 data-parallel ranks"),
     (["services.trainer.settings.publish.backend=nccl", "services.trainer.settings.device=cpu"],
      "services.trainer.settings: publish.backend 'nccl' sends from the trainer's GPU"),
     (["services.trainer.settings.batch.packing=true", "services.trainer.settings.parallel.tp=2",

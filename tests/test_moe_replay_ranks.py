@@ -63,18 +63,10 @@ def worker(model: str, out: str) -> None:
 
 @pytest.mark.ranks
 def test_two_ranks_replaying_their_halves_follow_one_process(tmp_path, free_port):
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
     from rollout.model.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=7, num_layers=3, mlp_only_layers=(1,),
                              hidden_size=64, num_heads=2, num_kv_heads=1)
-    # The fused expert names (gate_up_proj, down_proj) of transformers' state dict: the sharded loader
-    # (trainer/parallel/loading.py) reads parameters by name and does not yet gather per-expert checkpoint names.
-    state = AutoModelForCausalLM.from_pretrained(model).state_dict()
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, model / "model.safetensors",
-              metadata={"format": "pt"})
     script = [str(Path(__file__)), "--model", str(model)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_addr", "127.0.0.1", "--master_port", str(free_port)]

@@ -104,6 +104,31 @@ def test_export_is_a_hugging_face_folder_with_the_trained_weights(tiny_model_dir
     assert tokenizer.decode(tokenizer.encode("12+7=19")) == "12+7=19"
 
 
+def test_a_moe_export_names_each_expert_and_loads_back(tmp_path):
+    """A mixture-of-experts policy (fused experts tensors in the trainer) exports under per-expert names, as the
+    Hub's checkpoints hold them; transformers loads the folder to the same forward."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.model.tiny import write_tiny_model
+    from trainer.model import load_policy
+
+    model = write_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=64, num_heads=2, num_kv_heads=1,
+                             num_experts=4)
+    policy = load_policy(model)
+    with torch.no_grad():  # weights that differ from the folder's
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    out = export_hf(tmp_path / "export", policy, model, ENV)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in names)
+    assert {f"model.layers.1.mlp.experts.3.{kind}.weight" for kind in ("gate_proj", "up_proj", "down_proj")} <= names
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[1, 20, 30, 40, 50]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, policy.lm(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
 def test_a_crashed_runs_folder_that_never_became_latest_is_replaced(tiny_model_dir, tmp_path):
     """A run saved step 2 and died before `latest` named it; the resumed run reaches step 2 again: its own
     state is saved (the acks that follow must rest on it), not skipped as already there."""

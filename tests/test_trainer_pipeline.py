@@ -223,7 +223,7 @@ def test_pp_refuses_what_it_cannot_do_yet(tiny_model_dir):
     base = {"model_path": str(tiny_model_dir), "parallel": {"pp": 2}}
     with pytest.raises(ValueError, match="not with batch.packing or parallel.tp > 1"):
         TrainerConfig.model_validate({**base, "batch": {"packing": True}})
-    with pytest.raises(ValueError, match="pp=2, but the process group was made with tp=1, pp=1"):
+    with pytest.raises(ValueError, match="pp=2, ep=1, but the process group was made with tp=1, pp=1"):
         Learner(TrainerConfig.model_validate(base), DistEnv(rank=0, world_size=1, device=torch.device("cpu")))
 
 

@@ -1,4 +1,5 @@
-"""Checkpoints (model, optimizer, step, weight version, extra state) and Hugging Face export.
+"""Checkpoints (model, optimizer, step, weight version, extra state) and Hugging Face export (a mixture-of-experts
+model's experts under per-expert names).
 
 A checkpoint is a folder `step_00000042/` holding a torch.distributed.checkpoint (DCP) of the model
 and optimizer state, keyed by parameter name: each rank writes its own shards (`__R_0.distcp`) and
@@ -29,6 +30,7 @@ from transformers import AutoTokenizer
 
 from trainer.lora import is_adapter, lora_settings, write_adapter_export
 from trainer.model import LM_PREFIX, PolicyModel
+from trainer.moe.names import per_expert_names
 from trainer.parallel import (
     DistEnv,
     gather_model_state,
@@ -235,12 +237,19 @@ def export_hf(out_dir: str | Path, policy: PolicyModel, tokenizer_dir: str | Pat
         lora = lora_settings(policy)
         if lora is not None:  # the PEFT adapter folder in staging/adapter, and the merged model
             tensors = write_adapter_export(staging, tensors, *lora, base_model=str(tokenizer_dir))
-        save_file({name: t.contiguous() for name, t in tensors.items()}, staging / "model.safetensors", metadata={"format": "pt"})
+        _save_tensors(tensors, staging)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
         shutil.rmtree(out_dir, ignore_errors=True)
         staging.rename(out_dir)
     env.barrier()
     return out_dir
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """model.safetensors of an export: a mixture-of-experts model's experts under per-expert names, as the Hub's
+    checkpoints hold them (trainer/moe/names.py)."""
+    tensors = per_expert_names(tensors)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir: str | Path,
@@ -262,7 +271,7 @@ def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir
             raise ValueError(f"{checkpoint}: a LoRA checkpoint: give its (alpha, dropout) to merge it")
         tensors = write_adapter_export(staging, tensors, *lora, base_model=str(model_path))
     config.save_pretrained(staging)
-    save_file({name: t.contiguous() for name, t in tensors.items()}, staging / "model.safetensors", metadata={"format": "pt"})
+    _save_tensors(tensors, staging)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(staging)
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from protos.sample import Sample
 from services.device import autocast, fused_optimizer
@@ -45,6 +44,7 @@ from trainer.moe.routing import check_routes
 from trainer.objectives import objective
 from trainer.off_policy import reject, set_off_policy_correction
 from trainer.parallel import DistEnv, build_policy
+from trainer.parallel.ep import clip_grad_norm
 from trainer.parallel.fsdp import uses_fsdp
 from trainer.parallel.pipeline import Pipeline
 from trainer.stages import StageClock
@@ -55,9 +55,10 @@ class Learner:
     """Owns the (sharded) policy, the frozen reference if any, and the optimizer."""
 
     def __init__(self, config: TrainerConfig, env: DistEnv) -> None:
-        if (config.parallel.tp, config.parallel.pp) != (env.tp_size, env.pp_size):
-            raise ValueError(f"parallel.tp={config.parallel.tp}, pp={config.parallel.pp}, but the process group was "
-                             f"made with tp={env.tp_size}, pp={env.pp_size}")
+        parallel = config.parallel
+        if (parallel.tp, parallel.pp, parallel.ep) != (env.tp_size, env.pp_size, env.ep_size):
+            raise ValueError(f"parallel.tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}, but the process group "
+                             f"was made with tp={env.tp_size}, pp={env.pp_size}, ep={env.ep_size}")
         config.batch.check_divisible(env.dp_size)
         self.config = config
         self.algo = config.algorithm
@@ -370,8 +371,7 @@ class Learner:
         max_norm = self.config.optim.max_grad_norm
         if self.pipeline is not None:
             return self.pipeline.clip_gradients(max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm if max_norm is not None else float("inf"))
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return clip_grad_norm(self.policy.parameters(), max_norm if max_norm is not None else float("inf"))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         fsdp_casts = uses_fsdp(self.env) and self.config.parallel.mixed_precision  # trainer/parallel/fsdp.py

@@ -42,7 +42,8 @@ def run(config: TrainerConfig) -> TrainState:
     transformers.utils.logging.disable_progress_bar()
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
-    env = init_distributed(config.device, config.dist_timeout_s, config.parallel.tp, config.parallel.pp)
+    env = init_distributed(config.device, config.dist_timeout_s, config.parallel.tp, config.parallel.pp,
+                           config.parallel.ep)
     log.info("rank %d of %d (dp %d x tp %d) on %s (pid %d)", env.rank, env.world_size, env.dp_size, env.tp_size,
              env.device, os.getpid())  # where it landed
     with contextlib.ExitStack() as cleanup:

@@ -59,10 +59,14 @@ def trainer_problems(config) -> list[str]:
     except ValidationError as exc:
         return [_named(err) for err in exc.errors()]
     problems = _routing_problems(config, trainer)
-    tp = trainer.parallel.tp
+    tp, ep = trainer.parallel.tp, trainer.parallel.ep
     if world % tp:
         problems.append(f"{SETTINGS}.parallel.tp={tp}: does not divide the trainer's {world} processes "
                         "(services.trainer nodes x procs_per_node): give a tp that divides them")
+    elif (world // tp) % ep:
+        problems.append(f"{SETTINGS}.parallel.ep={ep}: does not divide the trainer's {world // tp} data-parallel "
+                        "ranks (its experts are split over ranks the data-parallel groups lend): give an ep that "
+                        "divides them")
     else:
         try:
             trainer.batch.check_divisible(world // tp)

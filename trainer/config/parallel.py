@@ -16,6 +16,13 @@ class ParallelConfig(Strict):
         "world / tp data-parallel groups, FSDP2 shards over those. It must divide the processes, the attention and "
         "K/V heads and the MLP width.",
     )
+    ep: int = Field(
+        1, ge=1, description="Expert-parallel degree of a mixture-of-experts policy: each MoE layer's experts are "
+        "split over this many neighbouring data-parallel ranks (no extra mesh dimension: \"dp\" is lent as (dp / ep, "
+        "ep)), tokens sent to their experts' ranks and back by all-to-all (trainer/parallel/ep.py); the expert "
+        "weights are FSDP-sharded over the dp / ep ranks that hold the same experts, everything else over all of "
+        "dp. It must divide the data-parallel ranks and the model's num_experts; not with tp > 1 or pp > 1 yet.",
+    )
     mixed_precision: bool = Field(
         True, description="With dtype bfloat16 on an accelerator under torch.distributed: FSDP2 all-gathers "
         "parameters in bfloat16 and computes in it, reduces gradients in float32, and the optimizer steps the "
@@ -48,6 +55,9 @@ class ParallelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_pp(self) -> "ParallelConfig":
+        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"parallel.ep={self.ep}: not with parallel.tp > 1 or parallel.pp > 1 yet (a mixture-of-"
+                             "experts policy trains with data and expert parallelism only)")
         if self.pp_split is not None and (len(self.pp_split) != self.stages() or min(self.pp_split) < 1):
             raise ValueError(f"parallel.pp_split: {self.stages()} stages of at least one layer each, got "
                              f"{self.pp_split}")

@@ -4,8 +4,9 @@ mesh.py      the process group and the mesh; DistEnv, this rank's place in it
 stages.py    pipeline stages over "pp": the layers split at layer boundaries, global parameter names kept
 pipeline.py  a step's micro-batches through the stages (torch.distributed.pipelining schedules), bubble metrics
 tp.py        tensor + sequence parallelism of the Hugging Face decoders over "tp"
+ep.py        expert parallelism: a MoE policy's experts split over "ep" (lent by "dp"), tokens by all-to-all
 fsdp.py      FSDP2 and its mixed precision over "dp"
-compose.py   parallelize(): stages, then TP, then activation checkpointing, then FSDP
+compose.py   parallelize(): stages, then TP or EP, then activation checkpointing, then FSDP
 loading.py   meta-device init and sharded loading from safetensors
 state.py     state dicts whole (gathered to rank 0) or sharded (DCP)
 """

@@ -5,6 +5,9 @@ after), the root holds the rest (embeddings, final norm, LM head, value head). U
 precision the sharded parameters (what the optimizer steps: the master weights) stay float32;
 FSDP all-gathers them cast to bfloat16, the forward and backward compute in bfloat16, and the
 gradients are reduce-scattered in float32 into float32 shards.
+
+With expert parallelism each experts module (already split over "ep", trainer/parallel/ep.py) is an FSDP unit of its
+own over "edp", the ranks holding the same experts, inside its layer's unit over "dp".
 """
 
 import torch
@@ -12,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer.model import PolicyModel
+from trainer.parallel.ep import expert_modules
 
 
 def mixed_precision_policy(dtype: str, device: torch.device, enabled: bool) -> MixedPrecisionPolicy:
@@ -28,8 +32,17 @@ def uses_fsdp(env) -> bool:
     return env.distributed and (env.pp_size == 1 or env.dp_size > 1)
 
 
-def apply_fsdp(policy: PolicyModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
-    """Shard `policy` over `mesh` (the "dp" dimension) in place: each decoder layer, then the root."""
+def apply_fsdp(policy: PolicyModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+               experts_mesh: DeviceMesh | None = None) -> None:
+    """Shard `policy` over `mesh` (the "dp" dimension) in place: each decoder layer, then the root; with
+    `experts_mesh` ("edp": expert parallelism), each layer's experts over it first."""
     for layer in policy.decoder_layers:
+        for experts in expert_modules(layer) if experts_mesh is not None else ():
+            fully_shard(experts, mesh=experts_mesh, mp_policy=mp_policy)
+            # Their gradients sum over the whole expert group already: divided by dp, not by the edp ranks summed.
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            # A custom factor reduces by PREMUL_SUM, which gloo lacks: a plain sum, then the division. Not over one
+            # rank: FSDP (torch 2.13) then divides by the factor twice (its no-collective branch, and after).
+            experts.set_force_sum_reduction_for_comms(experts_mesh.size() > 1)
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(policy, mesh=mesh, mp_policy=mp_policy)

@@ -1,6 +1,7 @@
 """Sharded loading: the policy is built on the meta device, split over the mesh, and each rank then reads
 only its own shards from the Hugging Face safetensors files (torch.distributed.checkpoint's safetensors
-reader: a slice per shard, never a whole copy of the model per rank)."""
+reader: a slice per shard, never a whole copy of the model per rank). A mixture-of-experts folder's per-expert
+names (as the Hub's checkpoints hold them) fill the fused experts tensors: read whole, then each rank keeps its shard."""
 
 import logging
 import math
@@ -10,12 +11,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.config.model import ModelConfig
 from trainer.config.parallel import ParallelConfig
 from trainer.lora import apply_lora, freeze_base, has_lora, hf_base_names, init_adapters
 from trainer.model import PolicyModel, checkpoint_layers, load_policy
+from trainer.moe.names import expert_parts, fuse, is_fused_experts
 from trainer.parallel.compose import parallelize
 from trainer.parallel.mesh import DistEnv
 
@@ -107,9 +110,35 @@ def load_hf_shards(lm: nn.Module, path: str | Path) -> int:
     if tied:  # saved once, under the input embedding's name
         missing.discard("lm_head.weight")
         state.pop("lm_head.weight", None)
+    experts = {name: state.pop(name) for name in sorted(missing)
+               if is_fused_experts(name) and expert_parts(name, state[name].shape[0])[0][0] in saved}
+    missing -= set(experts)
     if missing:
         raise ValueError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
     dcp.load(state, storage_reader=reader)
+    return reader.bytes_read + (_load_per_expert(experts, path) if experts else 0)
+
+
+def _load_per_expert(fused: dict[str, torch.Tensor], path: str | Path) -> int:
+    """Fill the fused experts tensors `fused` (this rank's shards) from a folder that names each expert's
+    projections (trainer/moe/names.py); the bytes read. Every rank reads the whole experts and keeps its shard (the
+    reader addresses whole tensors, and an expert is one)."""
+    parts = {name: expert_parts(name, tensor.shape[0]) for name, tensor in fused.items()}
+    wanted = {}
+    for name, tensor in fused.items():
+        rows = tensor.shape[1] // len(parts[name][0])
+        wanted.update({part: torch.empty(rows, tensor.shape[2], dtype=tensor.dtype) for expert in parts[name]
+                       for part in expert})
+    reader = CountingReader(path)
+    dcp.load(wanted, storage_reader=reader)
+    with torch.no_grad():
+        for name, tensor in fused.items():
+            whole = fuse([[wanted[part] for part in expert] for expert in parts[name]]).to(tensor.device)
+            if isinstance(tensor, DTensor):
+                tensor.to_local().copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements,
+                                                          src_data_rank=None).to_local())
+            else:
+                tensor.copy_(whole)
     return reader.bytes_read
 
 

@@ -4,8 +4,9 @@ Under `torchrun` (WORLD_SIZE in the environment) the trainer joins a process gro
 backend, services/device.py: gloo on CPU, nccl on GPU) and lays its ranks out as a 3-D mesh of `pp` pipeline
 stages, each `world / (pp * tp)` data-parallel groups of `tp` tensor-parallel ranks (rank = (pp_rank * dp +
 dp_rank) * tp + tp_rank: the ranks of one TP group are neighbours, on one node; pipeline stages are outermost,
-their point-to-point activations the cheapest traffic to send between nodes; expert parallelism, when it comes,
-splits "dp"). Ranks of one TP group, and the stages of one pipeline, see the same rows; sums over the batch
+their point-to-point activations the cheapest traffic to send between nodes). Expert parallelism (parallel.ep)
+adds no dimension: it splits "dp" into ("edp", "ep") on a second view of the same ranks (`expert_mesh`, dp rank =
+edp_rank * ep + ep_rank: an expert group is ep neighbouring data-parallel ranks; trainer/parallel/ep.py). Ranks of one TP group, and the stages of one pipeline, see the same rows; sums over the batch
 (metrics, normalisers) run over "dp" only. Run as a plain process it is a world of one with no mesh and the same
 code path otherwise.
 """
@@ -27,12 +28,18 @@ MESH_DIMS = ("pp", "dp", "tp")
 @dataclass
 class DistEnv:
     """This process's place in the world: global rank, the device, and the (pp, dp, tp) mesh (None: a world of
-    one)."""
+    one); with expert parallelism, the same ranks as (pp, edp, ep, tp)."""
 
     rank: int
     world_size: int
     device: torch.device
     mesh: DeviceMesh | None = None
+    expert_mesh: DeviceMesh | None = None
+
+    @property
+    def ep_size(self) -> int:
+        """How many ranks of "dp" split each MoE layer's experts (1: every rank holds them all)."""
+        return self.expert_mesh["ep"].size() if self.expert_mesh is not None else 1
 
     @property
     def is_main(self) -> bool:
@@ -95,14 +102,15 @@ class DistEnv:
             dist.barrier()
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 1800.0, tp: int = 1, pp: int = 1) -> DistEnv:
-    """Join the torchrun process group if there is one, as a (pp, world / (pp * tp), tp) mesh; otherwise a world
-    of one.
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0, tp: int = 1, pp: int = 1,
+                     ep: int = 1) -> DistEnv:
+    """Join the torchrun process group if there is one, as a (pp, world / (pp * tp), tp) mesh (and, with ep > 1,
+    its "dp" split as (dp / ep, ep)); otherwise a world of one.
     `device` as services/device.py resolves it (auto = the machine's accelerator, else the CPU)."""
     if "WORLD_SIZE" not in os.environ:
-        if tp != 1 or pp != 1:
-            raise ValueError(f"parallel.tp={tp}, parallel.pp={pp} need tp * pp processes: start the trainer under "
-                             "torchrun")
+        if tp != 1 or pp != 1 or ep != 1:
+            raise ValueError(f"parallel.tp={tp}, parallel.pp={pp}, parallel.ep={ep} need several processes: start the "
+                             "trainer under torchrun")
         # With its index: the weight broadcast's NCCL group is made on exactly this device.
         return DistEnv(rank=0, world_size=1, device=resolve_device(device))
     torch_device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -112,8 +120,12 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0, tp: int = 
     world_size = dist.get_world_size()
     if world_size % (tp * pp):
         raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide the {world_size} processes")
-    mesh = init_device_mesh(torch_device.type, (pp, world_size // (tp * pp), tp), mesh_dim_names=MESH_DIMS)
-    return DistEnv(rank=dist.get_rank(), world_size=world_size, device=torch_device, mesh=mesh)
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide the {dp} data-parallel ranks (processes / (tp * pp))")
+    mesh = init_device_mesh(torch_device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    expert_mesh = mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep")) if ep > 1 else None
+    return DistEnv(rank=dist.get_rank(), world_size=world_size, device=torch_device, mesh=mesh, expert_mesh=expert_mesh)
 
 
 def shutdown_distributed(env: DistEnv) -> None:

@@ -33,7 +33,13 @@ from trainer.model import PolicyModel
 
 
 def check_tp(config, tp: int) -> None:
-    """ValueError unless whole heads split over `tp` ranks (K/V heads too: each rank keeps its query heads' K/V)."""
+    """ValueError unless whole heads split over `tp` ranks (K/V heads too: each rank keeps its query heads' K/V),
+    and the model is dense (the plan splits an MLP's gate/up/down projections, which a mixture-of-experts layer
+    lacks)."""
+    if getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0):
+        raise ValueError(f"parallel.tp={tp}: tensor parallelism does not split a mixture-of-experts model's experts "
+                         f"yet ({config.model_type}); use parallel.tp 1 with parallel.ep (experts split over the "
+                         "data-parallel ranks)")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field)
         if value % tp:
