@@ -1,4 +1,4 @@
-"""Per-stage step reports (trainer/stages.py) and the FLOP count behind MFU (trainer/flops.py)."""
+"""Per-stage step reports (trainer/stages.py) and the FLOP count behind MFU (services/flops.py)."""
 
 import json
 import os

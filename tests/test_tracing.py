@@ -8,6 +8,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 import torch
 
 from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
@@ -41,9 +42,11 @@ def traced(service: str, tracing: dict):
 def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_factory, tiny_model_dir, monkeypatch):
     traces = tmp_path / "traces"
     tracing = {"dir": str(traces), "sample_rate": 1.0, "export_interval_s": 0.1}
+    stages = {"dir": str(tmp_path / "stages"), "interval_s": 0.2}
     buffer = service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "server.tracing": tracing})
-    rollout = service_factory("rollout", {"model": str(tiny_model_dir), "server.tracing": tracing})
-    reward = service_factory("reward", {"server.tracing": tracing})
+    rollout = service_factory("rollout", {"model": str(tiny_model_dir), "server.tracing": tracing,
+                                          "server.stage_reports": stages})
+    reward = service_factory("reward", {"server.tracing": tracing, "server.stage_reports": stages})
     prompts = write_jsonl(arithmetic_tasks(digits=1)[:GROUPS], tmp_path / "prompts.jsonl")
     with traced("driver", tracing):
         asyncio.run(drive(DriverConfig.model_validate({
@@ -95,6 +98,12 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
             if parent["service"] != span["service"]:
                 crossing.add((parent["service"], span["service"]))
         assert {("driver", "rollout"), ("driver", "reward"), ("driver", "buffer"), ("driver", "trainer")} <= crossing
+        # inside the generate span: each completion's queue wait, prefill and decode in the engine, in order
+        engine = sorted((span for span in trace if span["name"].startswith("engine.")), key=lambda s: s["start_ns"])
+        assert {by_id[span["parent_span_id"]]["name"] for span in engine} == {"relayrl.rollout.v1.Rollout/GenerateMany"}
+        for index in range(GROUP):
+            mine = [span["name"] for span in engine if span["attributes"]["index"] == index]
+            assert mine[:3] == ["engine.queue", "engine.prefill", "engine.decode"], mine
     # one weight version's publish is a trace too: the trainer's publish, each engine's BeginUpdate and CommitUpdate
     publishes = [span for span in spans if span["name"] == "trainer.publish"]
     assert publishes and all(span["parent_span_id"] is None for span in publishes)
@@ -108,6 +117,22 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
     (step,) = [span for span in spans if span["name"] == "trainer.step" and span["parent_span_id"] is None]
     assert {link["trace_id"] for link in step["links"]} == {root["trace_id"] for root in roots}
     assert step["attributes"]["samples"] == GROUP * GROUPS
+
+    # the rollout's and the reward's stage reports (services/stage_reports.py): intervals tiled by their stages
+    reports = {path.name.split("-")[0]: [json.loads(line) for line in path.read_text().splitlines()]
+               for path in (tmp_path / "stages").glob("*.jsonl")}
+    assert set(reports) == {"rollout", "reward"}
+    for lines in reports.values():
+        for line in lines:
+            stage_sum = sum(value for key, value in line.items() if key.startswith("stage/") and key.endswith("_s")
+                            and key != "stage/interval_s")
+            assert stage_sum == pytest.approx(line["stage/interval_s"], rel=1e-6)
+    rollout_lines = reports["rollout"]
+    assert sum(line["engine/prefill_tokens"] for line in rollout_lines) > 0
+    assert sum(line["engine/decode_tokens"] for line in rollout_lines) > 0
+    assert any(0 < line["perf/mfu"] < 1 for line in rollout_lines)
+    assert sum(line["reward/samples"] for line in reports["reward"]) == GROUP * GROUPS
+    assert sum(line["stage/scoring_s"] for line in reports["reward"]) > 0
 
     # `relayrl trace RUN_DIR`: the spans as a Chrome / Perfetto trace, read back
     from deploy.cli import main as relayrl

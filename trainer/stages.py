@@ -17,7 +17,7 @@ written; it holds, in order:
 On CUDA each switch synchronises the device, so kernels are charged to the stage that launched them (a few
 synchronisations per micro-batch). Reported as `stage/<name>_s` (rank 0) and `stage/<name>_s/rank<r>` for the other
 ranks (stragglers show), `stage/step_s` (the interval), `stage/report_time` (its end, seconds since the epoch),
-and the utilisation of the step (trainer/flops.py):
+and the utilisation of the step (services/flops.py):
 `perf/flops` (rank 0's count), `perf/flops_per_s` over the interval, `perf/mfu` over the device's peak.
 """
 
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from trainer.flops import FlopModel, device_peak
+from services.flops import FlopModel, device_peak
 
 STAGES = ("data_wait", "forward", "backward", "optimizer", "publish", "pause", "checkpoint")
 
@@ -36,7 +36,7 @@ class StageClock:
     """Charges every moment of one rank's training loop to one stage."""
 
     def __init__(self, device: torch.device | None = None, lm: torch.nn.Module | None = None, tp_size: int = 1) -> None:
-        self.flop_model = FlopModel(lm, tp_size) if lm is not None else None
+        self.flop_model = FlopModel.of_module(lm, tp_size) if lm is not None else None
         self._sync = device is not None and device.type == "cuda"
         self._device = device
         self.current = "data_wait"
