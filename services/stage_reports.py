@@ -53,6 +53,7 @@ class StageReportWriter:
 
     def _loop(self) -> None:
         peak = self._peak_flops() if self._peak_flops is not None else None  # a probe, once, off the serving path
+        self._report()  # the first interval starts here, serving: the start-up before it is no stage's
         while not self._stop.wait(self.interval_s):
             self.write(peak)
         self.write(peak)  # the last interval, up to the stop

@@ -4,14 +4,19 @@ one folder; the trace context crosses gRPC metadata and, from the driver to the 
 
 import asyncio
 import contextlib
+import io
 import json
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from deploy.experiment.tasks import arithmetic_tasks, write_jsonl
+from deploy.record.performance import performance, performance_table
+from deploy.record.progress import Progress
+from deploy.record.run_state import Summary
 from rollout.driver.driver import DriverConfig, drive
 from services.config import TracingConfig
 from services.tracing import setup_tracing, shutdown_tracing
@@ -54,9 +59,10 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
             "tokenizer": str(tiny_model_dir), "group_size": GROUP, "max_groups": GROUPS, "merge_window_s": 0,
             "max_tokens": 4})))
     config = TrainerConfig.model_validate({
-        "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 30}, "max_steps": 1,
-        "batch": {"global_batch_size": GROUP * GROUPS, "micro_batch_size": GROUP},
-        "publish": {"receivers": [rollout.address], "timeout_s": 30}})
+        "model_path": str(tiny_model_dir), "buffer": {"address": buffer.address, "max_wait_s": 30}, "max_steps": GROUPS,
+        "batch": {"global_batch_size": GROUP, "micro_batch_size": GROUP},  # a step per group: a publish between
+        "publish": {"receivers": [rollout.address], "timeout_s": 30},
+        "metrics_path": str(tmp_path / "trainer_metrics.jsonl")})
     client = BufferClient(config.buffer)
 
     def no_profiler(*args, **kwargs):
@@ -113,10 +119,10 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
         assert {("rollout", "relayrl.weights.v1.WeightSync/BeginUpdate", "trainer"),
                 ("rollout", "relayrl.weights.v1.WeightSync/CommitUpdate", "trainer"),
                 ("trainer", "engine.update", "trainer")} <= inside, inside
-    # the train step's own span links the samples' contexts: both groups' traces
-    (step,) = [span for span in spans if span["name"] == "trainer.step" and span["parent_span_id"] is None]
-    assert {link["trace_id"] for link in step["links"]} == {root["trace_id"] for root in roots}
-    assert step["attributes"]["samples"] == GROUP * GROUPS
+    # each train step's own span links the contexts of the samples it consumed: together, both groups' traces
+    steps = [span for span in spans if span["name"] == "trainer.step" and span["parent_span_id"] is None]
+    assert len(steps) == GROUPS and all(step["attributes"]["samples"] == GROUP for step in steps)
+    assert {link["trace_id"] for step in steps for link in step["links"]} == {root["trace_id"] for root in roots}
 
     # the rollout's and the reward's stage reports (services/stage_reports.py): intervals tiled by their stages
     reports = {path.name.split("-")[0]: [json.loads(line) for line in path.read_text().splitlines()]
@@ -133,6 +139,28 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
     assert any(0 < line["perf/mfu"] < 1 for line in rollout_lines)
     assert sum(line["reward/samples"] for line in reports["reward"]) == GROUP * GROUPS
     assert sum(line["stage/scoring_s"] for line in reports["reward"]) > 0
+
+    # ... summed in NeMo-RL's form (deploy/record/performance.py), as `relayrl status` and the run's summary show it
+    perf = performance(tmp_path)
+    for part in perf.values():
+        assert sum(stage["share"] for stage in part["stages"].values()) == pytest.approx(1.0)
+    assert perf["rollout"]["tokens_per_s_per_device"] > 0 and 0 < perf["rollout"]["mfu"] < 1
+    assert perf["reward"]["samples"] == GROUP * GROUPS
+    assert perf["trainer"]["tokens_per_s_per_device"] > 0 and 0 < perf["trainer"]["mfu"] < 1
+    (receiver,) = perf["trainer"]["refit"]  # the publish before step 2, as the rollout's CommitUpdate reply gave it
+    assert receiver == rollout.address and set(perf["trainer"]["refit"][receiver]) == {"receive_s", "switch_s", "pause_s"}
+    assert perf["trainer"]["peak_memory_gb"]["rank0"] > 0 and all(perf["rollout"]["peak_memory_gb"].values())
+    console = Console(record=True, width=250)
+    console.print(performance_table(perf))
+    shown = console.export_text()
+    assert all(word in shown for word in ("prefill", "decode", "scoring", "forward", "MFU", rollout.address)), shown
+    # the run's summary at its finish: the same table, and summary.json's `performance`
+    out = Console(file=io.StringIO(), width=250)
+    Progress(tmp_path, out).finish(Summary(seed=0, sft_accuracy=None, final_accuracy=None, best_accuracy=None, steps=2,
+                                           completions=GROUP * GROUPS, rl_seconds=1.0))
+    assert "where the time went" in out.file.getvalue() and "decode" in out.file.getvalue()
+    recorded = json.loads((tmp_path / "summary.json").read_text())["performance"]
+    assert recorded["rollout"]["decode_tokens"] == perf["rollout"]["decode_tokens"]
 
     # `relayrl trace RUN_DIR`: the spans as a Chrome / Perfetto trace, read back
     from deploy.cli import main as relayrl

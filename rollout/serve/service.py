@@ -314,6 +314,7 @@ async def serve_engine(config: ReplicaConfig) -> None:
     from rollout.engines import start_engine
     from rollout.serve.weight_receiver import WeightReceiver
     from services.client import connect
+    from services.device import peak_memory
     from services.flops import device_peak
     from services.runtime import serve as serve_forever
     from services.runtime import setup_logging
@@ -358,6 +359,7 @@ async def serve_engine(config: ReplicaConfig) -> None:
         config.server,
         on_stop,
         # the engine's stage reports (rollout/engine/step_stats.py), utilisation over its device's peak
-        stage_report=engine.step_stats.report if getattr(engine, "step_stats", None) is not None else None,
+        stage_report=(lambda: {**engine.step_stats.report(), "engine/peak_memory_gb": peak_memory(engine.device) / 1e9})
+        if getattr(engine, "step_stats", None) is not None else None,
         peak_flops=lambda: device_peak(engine.device)[0],
     )
