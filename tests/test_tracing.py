@@ -68,7 +68,12 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
     def no_profiler(*args, **kwargs):
         raise AssertionError("a profiler object was made with profile.steps unset")
 
+    def no_nvtx(*args, **kwargs):
+        raise AssertionError("an NVTX call was made with profiling off")
+
     monkeypatch.setattr(torch.profiler.profile, "__init__", no_profiler)  # (trainer/profiling.py: off is off)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", no_nvtx)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", no_nvtx)
     try:
         with traced("trainer", tracing):
             publisher = RolloutPublisher(config.publish)

@@ -47,6 +47,7 @@ class StageClock:
         self.totals = dict.fromkeys(STAGES, 0.0)
         self.flops = 0.0
         self.tokens = 0  # tokens the micro-batches' forward and backward ran over (padding left out)
+        self.ranges = None  # NVTX ranges (trainer/profiling.py: NvtxRanges) while profiling on CUDA; None: no call
 
     def switch(self, stage: str) -> str:
         """Enter `stage`; the stage left (to switch back to)."""
@@ -57,6 +58,8 @@ class StageClock:
         now = time.perf_counter()
         self.totals[self.current] += now - self._since
         self._since, left, self.current = now, self.current, stage
+        if self.ranges is not None:
+            self.ranges.enter(stage)
         return left
 
     @contextmanager
