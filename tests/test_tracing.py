@@ -5,6 +5,7 @@ one folder; the trace context crosses gRPC metadata and, from the driver to the 
 import asyncio
 import contextlib
 import io
+import itertools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -166,6 +167,25 @@ def test_one_samples_spans_cross_every_process_in_one_trace(tmp_path, service_fa
     assert "where the time went" in out.file.getvalue() and "decode" in out.file.getvalue()
     recorded = json.loads((tmp_path / "summary.json").read_text())["performance"]
     assert recorded["rollout"]["decode_tokens"] == perf["rollout"]["decode_tokens"]
+
+    # `relayrl view`'s timeline of the last step across the services: its samples' lives, every process a lane
+    from fastapi.testclient import TestClient
+
+    from deploy.inspect.view import create_app
+
+    reply = TestClient(create_app(tmp_path)).get("/api/timeline", params={"steps": 1})
+    assert reply.status_code == 200
+    last = reply.json()
+    assert [step["last_step"] for step in last["steps"]] == [GROUPS]
+    assert {lane["service"] for lane in last["lanes"]} == {"driver", "rollout", "reward", "buffer", "trainer"}
+    consumed = {span["name"] for lane in last["lanes"] for span in lane["spans"] if span["consumed"]}
+    assert {"driver.group", "engine.prefill", "engine.decode", "buffer.lease", "trainer.step"} <= consumed, consumed
+    for lane in last["lanes"]:  # no two spans of a row overlap, and all lie in the window
+        for row in range(lane["rows"]):
+            placed = sorted((s["start_ms"], s["start_ms"] + s["dur_ms"]) for s in lane["spans"] if s["row"] == row)
+            assert all(end <= start + 2e-3 for (_, end), (start, _) in itertools.pairwise(placed))  # ms to 3 places
+        assert all(-1e-3 <= s["start_ms"] + s["dur_ms"] and s["start_ms"] <= last["window_ms"] + 1e-3
+                   for s in lane["spans"])
 
     # `relayrl trace RUN_DIR`: the spans as a Chrome / Perfetto trace, read back
     from deploy.cli import main as relayrl
