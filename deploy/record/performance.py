@@ -125,40 +125,42 @@ def _pct(value: float | None) -> str:
 
 
 def performance_table(perf: dict, title: str = "where the time goes") -> Table | None:
-    """The summary as one table (None when the run has no stage reports)."""
+    """The summary as one table, a row per service and stage, its details in the caption (None: no stage reports)."""
     if not any(perf.values()):
         return None
-    table = Table(title=title, header_style="bold")
-    for column in ("service", "stage", "share of time", "seconds", "tokens/s per device", "notes"):
-        table.add_column(column, justify="left" if column in ("service", "stage", "notes") else "right")
+    table = Table(title=title, header_style="bold", caption_justify="left")
+    for column in ("service", "stage", "share of time", "seconds", "tokens/s per device", "MFU"):
+        table.add_column(column, justify="left" if column in ("service", "stage") else "right")
+    notes = []
     trainer, rollout, reward = perf["trainer"], perf["rollout"], perf["reward"]
     if trainer is not None:
         for stage, value in trainer["stages"].items():
             table.add_row("trainer", stage, _pct(value["share"]), f"{value['seconds']:.3g}", "", "")
-        memory = ", ".join(f"{rank} {gb:.2f}" for rank, gb in trainer["peak_memory_gb"].items())
         table.add_row("trainer", "[bold]step[/]", "100%", f"{trainer['seconds']:.3g}",
-                      f"{trainer['tokens_per_s_per_device']:.0f}",
-                      f"{trainer['steps']} steps, {trainer['step_s_mean']:.3f} s each on {trainer['devices']} "
-                      f"device(s); MFU {_pct(trainer['mfu'])}; peak memory GB {memory}")
+                      f"{trainer['tokens_per_s_per_device']:.0f}", _pct(trainer["mfu"]))
+        memory = ", ".join(f"{rank} {gb:.2f}" for rank, gb in trainer["peak_memory_gb"].items())
+        notes.append(f"trainer: {trainer['steps']} steps, {trainer['step_s_mean']:.3f} s each on "
+                     f"{trainer['devices']} device(s); peak memory GB {memory}")
         for receiver, timings in trainer["refit"].items():
-            table.add_row("refit", receiver, "", "", "", ", ".join(f"{what} {value:.3f}" for what, value in
-                                                                  sorted(timings.items())) + " (mean per publish)")
+            notes.append(f"refit {receiver} (mean per publish): " + ", ".join(
+                f"{what.removesuffix('_s')} {value:.3f} s" for what, value in sorted(timings.items())))
     if rollout is not None:
         rates = {"prefill": rollout["prefill_tokens_per_s"], "decode": rollout["decode_tokens_per_s"]}
         for stage, value in rollout["stages"].items():
-            rate = f"{rates[stage]:.0f}" if stage in rates else ""
-            table.add_row("rollout", stage, _pct(value["share"]), f"{value['seconds']:.3g}", rate,
-                          "while in the stage" if stage in rates else "")
-        memory = ", ".join(f"{gb:.2f}" for gb in rollout["peak_memory_gb"].values())
+            table.add_row("rollout", stage, _pct(value["share"]), f"{value['seconds']:.3g}",
+                          f"{rates[stage]:.0f}" if stage in rates else "", "")
         table.add_row("rollout", "[bold]all[/]", "100%", f"{rollout['seconds']:.3g}",
-                      f"{rollout['tokens_per_s_per_device']:.0f}",
-                      f"{rollout['processes']} engine(s); MFU {_pct(rollout['mfu'])}; queue wait mean "
-                      f"{rollout['queue_wait_mean_s']:.3f} s, max {rollout['queue_wait_max_s']:.3f} s; KV used mean "
-                      f"{_pct(rollout['kv_used_mean'])}, peak {_pct(rollout['kv_used_peak'])}; peak memory GB {memory}")
+                      f"{rollout['tokens_per_s_per_device']:.0f}", _pct(rollout["mfu"]))
+        memory = ", ".join(f"{gb:.2f}" for gb in rollout["peak_memory_gb"].values())
+        notes.append(f"rollout: {rollout['processes']} engine(s), prefill and decode tokens/s while in the stage; "
+                     f"queue wait mean {rollout['queue_wait_mean_s']:.3f} s, max {rollout['queue_wait_max_s']:.3f} s; "
+                     f"KV used mean {_pct(rollout['kv_used_mean'])}, peak {_pct(rollout['kv_used_peak'])}; "
+                     f"peak memory GB {memory}")
     if reward is not None:
         for stage, value in reward["stages"].items():
             table.add_row("reward", stage, _pct(value["share"]), f"{value['seconds']:.3g}", "", "")
-        table.add_row("reward", "[bold]all[/]", "100%", f"{reward['seconds']:.3g}", "",
-                      f"{reward['processes']} process(es); {reward['samples']:.0f} samples, "
-                      f"{reward['samples_per_s_per_process']:.1f}/s per process")
+        table.add_row("reward", "[bold]all[/]", "100%", f"{reward['seconds']:.3g}", "", "")
+        notes.append(f"reward: {reward['processes']} process(es), {reward['samples']:.0f} samples, "
+                     f"{reward['samples_per_s_per_process']:.1f}/s per process")
+    table.caption = "\n".join(notes)
     return table

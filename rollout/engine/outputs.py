@@ -41,7 +41,7 @@ class Completion:
     routed_experts: Any = None
     # Once finished, from a whole delivery: its times in ns since the epoch, [arrival, first scheduled, first token,
     # finished] (Sequence.timing; a traced request's engine spans); None: not kept
-    timing: list[int | None] | None = None
+    timing: list[int | None] | None = field(default=None, compare=False, repr=False)  # not the completion's content
 
     def add(self, output: TokenOutput) -> None:
         if output.token_id is not None:
