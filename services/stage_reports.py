@@ -47,13 +47,13 @@ class StageReportWriter:
         self.path = pathlib.Path(config.dir) / f"{service}-{os.getpid()}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._peak_flops = peak_flops
+        self._report()  # the first interval starts here, before serving: the start-up before it is no stage's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{service}-stage-reports", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         peak = self._peak_flops() if self._peak_flops is not None else None  # a probe, once, off the serving path
-        self._report()  # the first interval starts here, serving: the start-up before it is no stage's
         while not self._stop.wait(self.interval_s):
             self.write(peak)
         self.write(peak)  # the last interval, up to the stop
