@@ -57,3 +57,15 @@ async def test_completions_carry_their_times_in_order(tiny_model_dir):
         assert set(report) >= {f"stage/{s}_s" for s in STAGES} and report["stage/commands_s"] > 0
     finally:
         engine.shutdown()
+
+
+def test_a_prefill_for_transfer_is_prefill(tiny_model_dir):
+    """A PD prefill worker's prefills (rollout/engine/kv_handoff.py) count as prefill time and tokens."""
+    from rollout.engine.kv_handoff import prefill_many_for_transfer
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
+    engine.step_stats.report()
+    prefill_many_for_transfer(engine, [("a", PROMPTS[0] * 4, SamplingParams(max_tokens=2))])
+    report = engine.step_stats.report()
+    assert report["engine/prefill_tokens"] == len(PROMPTS[0]) * 4 and report["engine/decode_tokens"] == 0
+    assert report["stage/prefill_s"] > report["stage/commands_s"] and report["stage/decode_s"] == 0

@@ -116,8 +116,10 @@ def _prefill_and_export(engine: "LLMEngine", admitted: list[tuple[int, list[int]
     batch = Batch(everything, num_new_tokens={seqs[0].seq_id: len(prompt) - seqs[0].num_cached_tokens
                                               for _, prompt, seqs in admitted},
                   sampled=everything, is_prefill=True)
+    engine.step_stats.switch("step")  # the stage report's prefill (rollout/engine/step_stats.py)
     engine.step_stats.batch(batch, engine.block_manager.num_free_blocks)
     token_ids, logprobs = engine.runner.run(batch)
+    engine.step_stats.switch("commands")
     offset = 0
     for i, prompt, seqs in admitted:
         head, n = seqs[0], len(seqs)

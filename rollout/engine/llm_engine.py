@@ -392,4 +392,3 @@ def host_tier(config: EngineConfig, cache) -> HostKVTier | None:
     m = config.model_config
     return HostKVTier(cache, config.session_kv_tier_bytes, config.session_kv_tier_codec, config.block_size,
                       m.num_layers, m.num_kv_heads, m.head_dim, config.torch_dtype)
-
