@@ -10,6 +10,7 @@ seconds (what `relayrl status` shows); None: the whole run (the summary at its e
 
 import json
 import pathlib
+import time
 from collections import defaultdict
 
 from rich.table import Table
@@ -30,10 +31,11 @@ def _lines(path: pathlib.Path) -> list[dict]:
 
 
 def _recent(records: list[dict], window_s: float | None) -> list[dict]:
-    if window_s is None or not records:
+    """The reports of the last `window_s` seconds by the wall clock (a process gone longer has none)."""
+    if window_s is None:
         return records
-    end = max(r["stage/report_time"] for r in records)
-    return [r for r in records if r["stage/report_time"] >= end - window_s]
+    since = time.time() - window_s
+    return [r for r in records if r.get("stage/report_time", 0.0) >= since]
 
 
 def _shares(records: list[dict], stages: tuple[str, ...], interval: str) -> tuple[float, dict[str, dict]]:
