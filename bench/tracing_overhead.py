@@ -60,6 +60,18 @@ def stage_sum_over_interval(run_dir: pathlib.Path) -> float:
                                                               - steps[0]["stage/report_time"])
 
 
+def service_stage_sums(run_dir: pathlib.Path) -> list[float]:
+    """Each rollout and reward process's stage reports (RUN_DIR/stages, services/stage_reports.py) after its first,
+    over the wall-clock time between its first and last report."""
+    sums = []
+    for path in sorted((run_dir / "stages").glob("*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+        if len(lines) >= 2:
+            span = lines[-1]["stage/report_time"] - lines[0]["stage/report_time"]
+            sums.append(sum(line["stage/interval_s"] for line in lines[1:]) / span)
+    return sums
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -74,12 +86,13 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory(prefix="relayrl-tracing-") as tmp:
         experiment = write_project(pathlib.Path(tmp) / "project")
-        traces, sums = 0, []
+        traces, sums, service_sums = 0, [], []
         for round_index in range(args.rounds):
             for name, rate in settings.items():
                 run_dir = pathlib.Path(tmp) / f"run-{name}-{round_index}"
                 rates[name].append(run_once(experiment, run_dir, rate, args.budget_s, args.sft_steps))
                 sums.append(stage_sum_over_interval(run_dir))
+                service_sums += service_stage_sums(run_dir)
                 print(f"round {round_index} {name}: {rates[name][-1]:.1f} completions/s", flush=True)
                 if name == "default":
                     traces = min(traces, complete_traces(run_dir)) if round_index else complete_traces(run_dir)
@@ -91,6 +104,10 @@ def main() -> None:
               f"rounds of {args.budget_s:.0f} s)")
     print(f"result: stage_sum_over_interval = {min(sums):.4f}..{max(sums):.4f} (the trainer's stage reports over "
           f"the wall-clock time between its first and last report, {len(sums)} runs)")
+    if service_sums:
+        print(f"result: service_stage_sum_over_interval = {min(service_sums):.4f}..{max(service_sums):.4f} (the "
+              f"rollout's and reward's stage reports over the time between each process's first and last report, "
+              f"{len(service_sums)} processes)")
     print(f"result: tracing_complete_traces_default = {traces} (the fewest complete traces a default-rate run left)")
 
 

@@ -9,6 +9,7 @@ from protos.sample import Sample
 from reward.judge import Judge, JudgeConfig
 from reward.registry import BUILTINS, DOTTED_PATTERN, BadFunction, Registry, RewardSpec, UnknownFunction
 from reward.scorer import FunctionUnavailable, Scorer, ScorerSettings, check_timeout
+from reward.stage_report import ScoringClock
 from services.config import ServerConfig, Strict
 from services.runtime import serve as run_server
 
@@ -94,6 +95,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
     def __init__(self, scorer: Scorer, config: Config):
         self.scorer, self.config = scorer, config
+        self.clock = ScoringClock()  # the stage report (reward/stage_report.py)
 
     async def Score(self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext):
         invalid = grpc.StatusCode.INVALID_ARGUMENT
@@ -117,7 +119,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             await context.abort(invalid, str(exc))
         except FunctionUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        outcomes = await self.scorer.score(samples, spec, args, timeout_s)
+        with self.clock.call(len(samples)):
+            outcomes = await self.scorer.score(samples, spec, args, timeout_s)
         return reward_pb2.ScoreResponse(results=[
             reward_pb2.ScoreResult(sample_id=sample.sample_id, reward=outcome.reward, details=outcome.details,
                                    status=int(outcome.status),
@@ -139,9 +142,10 @@ async def serve(config: Config) -> None:
     judges = {name: Judge(name, judge) for name, judge in config.judges.items()}
     scorer = Scorer(build_registry(config), settings, allow_custom=config.allow_custom, judges=judges)
     scorer.start()
+    servicer = RewardServicer(scorer, config)
     try:
-        await run_server("reward", [(reward_pb2_grpc.add_RewardServicer_to_server,
-                                     RewardServicer(scorer, config), SERVICE_NAME)], config.server)
+        await run_server("reward", [(reward_pb2_grpc.add_RewardServicer_to_server, servicer, SERVICE_NAME)],
+                         config.server, stage_report=servicer.clock.report)
     finally:
         scorer.close()
         for judge in judges.values():

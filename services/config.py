@@ -61,6 +61,14 @@ class TracingConfig(Strict):
         return (self.dir is not None or self.otlp_endpoint is not None) and self.sample_rate > 0
 
 
+class StageReportConfig(Strict):
+    """A service's stage reports (services/stage_reports.py, docs/observability.md)."""
+
+    dir: str | None = Field(None, description="Folder for <service>-<pid>.jsonl, one line per interval; an experiment "
+                            "run sets it to RUN_DIR/stages. None: no reports.")
+    interval_s: float = Field(5.0, gt=0, description="The reports' interval.")
+
+
 class ServerConfig(Strict):
     """How a service listens; shared by every relayrl server."""
 
@@ -77,6 +85,8 @@ class ServerConfig(Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="Where this service's spans go "
                                    "(services/tracing.py); off unless tracing.dir or tracing.otlp_endpoint is set.")
+    stage_reports: StageReportConfig = Field(default_factory=StageReportConfig, description="Where this service's "
+                                             "stage reports go (services/stage_reports.py); off unless dir is set.")
 
 
 class ClientConfig(Strict):

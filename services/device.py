@@ -119,3 +119,14 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cpu":
         return None
     return getattr(torch, device.type).max_memory_allocated(device)
+
+
+def peak_memory(device: torch.device) -> float:
+    """Peak memory in bytes for a report: torch's peak allocation on an accelerator, the process's peak resident set
+    on the CPU (where no allocator counts)."""
+    allocated = peak_memory_bytes(device)
+    if allocated is not None:
+        return float(allocated)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux reports KiB

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from services.config import ServerConfig
 from services.metrics import start_metrics_endpoint
 from services.server import Registration, create_server
+from services.stage_reports import start_stage_reports
 from services.tracing import setup_tracing
 
 log = logging.getLogger("relayrl")
@@ -57,11 +58,15 @@ async def serve(
     services: Sequence[Registration],
     config: ServerConfig,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    stage_report: Callable[[], dict[str, float]] | None = None,
+    peak_flops: Callable[[], float] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT; then refuse new calls, let in-flight ones finish within
-    `config.grace_s`, and run `on_stop`."""
+    `config.grace_s`, and run `on_stop`. `stage_report`: the service's interval report (services/stage_reports.py),
+    written every config.stage_reports.interval_s when config.stage_reports.dir is set; `peak_flops` its device's."""
     setup_logging(name, config.log_level)
     setup_tracing(name, config.tracing)
+    reports = start_stage_reports(name, config.stage_reports, stage_report, peak_flops)
     server, port = await create_server(config.address, services, config)
     host = config.address.rsplit(":", 1)[0]
     # /metrics on the gRPC server's own host: where a service on a node's address is reached, it is scraped too
@@ -81,6 +86,8 @@ async def serve(
     log.info("%s stopping: %.1fs grace for in-flight calls", name, config.grace_s)
     await server.health.enter_graceful_shutdown()
     await server.stop(config.grace_s)
+    if reports is not None:
+        reports.stop()
     if on_stop is not None:
         await on_stop()
     log.info("%s stopped", name)

@@ -71,8 +71,8 @@ def test_split_equals_monolithic_greedy_tokens_and_logprobs(tiny_model_dir):
     split, moved = split_generate(prefill, decode, PROMPTS, PARAMS)
     config = prefill.model_config
     assert moved == sum(2 * config.num_layers * len(p) * config.num_kv_heads * config.head_dim * 4 for p in PROMPTS)
-    assert prefill.num_prefill_tokens == sum(len(p) for p in PROMPTS)  # n samples prefilled once
-    assert decode.num_prefill_tokens == 0
+    assert prefill.step_stats.num_prefill_tokens == sum(len(p) for p in PROMPTS)  # n samples prefilled once
+    assert decode.step_stats.num_prefill_tokens == 0
     for output, got, params in zip(mono, split, PARAMS):
         assert len(output.completions) == params.n
         for completion in output.completions:

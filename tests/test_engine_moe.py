@@ -152,11 +152,11 @@ def test_a_sessions_second_turn_prefills_only_its_new_tokens_and_matches_transfo
     prompt = [1, 40, 41, 42, 43, 44, 45]
     engine.open_session("s", prompt)
     for turn in range(2):
-        before = engine.num_prefill_tokens
+        before = engine.step_stats.num_prefill_tokens
         engine.add_session_request(f"t{turn}", "s", GREEDY)
         while engine.has_unfinished_requests():
             engine.step()
-        assert engine.num_prefill_tokens - before == (len(prompt) if turn == 0 else 1 + 3)
+        assert engine.step_stats.num_prefill_tokens - before == (len(prompt) if turn == 0 else 1 + 3)
         engine.append_to_session("s", [50 + turn, 51, 52])
     record = engine.close_session("s")
     tokens = record.prompt_ids + record.response_ids

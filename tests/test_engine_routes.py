@@ -81,11 +81,11 @@ def test_a_session_keeps_its_routes_across_turns_and_a_weight_update(moe_dir, hf
     other = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "new", arch="qwen3_moe", seed=9,
                                                                   num_layers=3, mlp_only_layers=(1,))).eval()
     engine.load_weights(dict(other.state_dict()), version=1)
-    before = engine.num_prefill_tokens
+    before = engine.step_stats.num_prefill_tokens
     engine.add_session_request("t1", "s", GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.num_prefill_tokens - before == 1 + 3  # the turn reused the kept KV
+    assert engine.step_stats.num_prefill_tokens - before == 1 + 3  # the turn reused the kept KV
     record = engine.close_session("s")
     tokens = record.prompt_ids + record.response_ids
     routes = np.sort(record.routed_experts, axis=-1)

@@ -55,10 +55,10 @@ def test_ten_turns_are_token_exact_prefill_only_new_tokens_and_match_a_forward_p
     mask: list[int] = []
     params = SamplingParams(temperature=0.8, max_tokens=12, seed=3)
     for turn in range(10):
-        before = engine.num_prefill_tokens
+        before = engine.step_stats.num_prefill_tokens
         uncached = len(expected) if turn == 0 else 1 + len(observation(turn - 1))  # last sampled token + new
         generated = run_turn(engine, "s", params, f"t{turn}")
-        assert engine.num_prefill_tokens - before == uncached, f"turn {turn} recomputed cached tokens"
+        assert engine.step_stats.num_prefill_tokens - before == uncached, f"turn {turn} recomputed cached tokens"
         expected += generated
         mask += [1] * len(generated)
         obs = observation(turn)

@@ -1,4 +1,4 @@
-"""Per-stage step reports (trainer/stages.py) and the FLOP count behind MFU (trainer/flops.py)."""
+"""Per-stage step reports (trainer/stages.py) and the FLOP count behind MFU (services/flops.py)."""
 
 import json
 import os
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from protos import buffer_pb2, buffer_pb2_grpc
@@ -175,3 +176,34 @@ def test_relayrl_profile_captures_a_live_runs_next_steps(tiny_model_dir, tmp_pat
     assert traces == ["trainer-rank0-steps3-4.json"]  # asked after step 1: steps 3 and 4
     names = {event.get("name") for event in json.loads((tmp_path / "profiles" / traces[0]).read_text())["traceEvents"]}
     assert "Optimizer.step#AdamW.step" in names
+
+
+def test_nvtx_ranges_follow_the_stages_only_when_profiling(monkeypatch):
+    """NVTX calls recorded on the CPU: with ranges on, each stage the clock enters is one range (the last one closed
+    first); off (no profile.nvtx, no capture), or on a CPU device, the clock holds none and makes no call."""
+    from trainer.config.profile import ProfileConfig
+    from trainer.profiling import nvtx_ranges
+    from trainer.stages import StageClock
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert nvtx_ranges(ProfileConfig(), cuda, capturing=False) is None
+    assert nvtx_ranges(ProfileConfig(nvtx=True), cpu, capturing=True) is None
+    for profile, capturing in ((ProfileConfig(nvtx=True), False), (ProfileConfig(), True)):
+        calls.clear()
+        clock = StageClock()  # times on the CPU; the ranges as on a CUDA device
+        clock.ranges = nvtx_ranges(profile, cuda, capturing)
+        clock.switch("forward")
+        with clock.stage("backward"):
+            pass
+        clock.switch("optimizer")
+        clock.ranges.close()
+        assert calls == [("push", "stage/forward"), ("pop",), ("push", "stage/backward"), ("pop",),
+                         ("push", "stage/forward"), ("pop",), ("push", "stage/optimizer"), ("pop",)]
+    calls.clear()
+    off = StageClock()
+    off.switch("forward")
+    off.lap()
+    assert off.ranges is None and calls == []

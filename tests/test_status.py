@@ -26,11 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(tmp_path, service_factory, tiny_model_dir):
     """A run folder whose buffer, reward and rollout record themselves in services.json, as `relayrl run` does."""
     registry = tmp_path / REGISTRY_FILE
+    stages = {"server.stage_reports": {"dir": str(tmp_path / "stages"), "interval_s": 0.2}}  # as plan.py sets it
     services = {
         "buffer": service_factory("buffer", {"data_dir": str(tmp_path / "buffer"), "max_staleness": 2},
                                   registry=registry),
-        "reward": service_factory("reward", {}, registry=registry),
-        "rollout": service_factory("rollout", {"model": str(tiny_model_dir)}, registry=registry),
+        "reward": service_factory("reward", stages, registry=registry),
+        "rollout": service_factory("rollout", {"model": str(tiny_model_dir), **stages}, registry=registry),
     }
     return tmp_path, services
 
@@ -120,10 +121,19 @@ def test_a_pull_stream_its_client_cancels_is_counted_cancelled_not_an_error(run)
 
 def test_relayrl_status_of_a_run_folder_prints_one_json_object(run):
     run_dir, services = run
+    generate(services["rollout"].address, 8)
+    time.sleep(0.5)  # the engine's next stage report holds the request
     result = relayrl("status", str(run_dir), "--json", "--interval", "0.2")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["down"] == []
+    # where the time went, from the rollout's and the reward's stage reports (deploy/record/performance.py)
+    perf = report["performance"]
+    assert perf["trainer"] is None and perf["reward"]["stages"]["idle"]["share"] > 0.9
+    assert perf["rollout"]["prefill_tokens"] == 3 and perf["rollout"]["decode_tokens"] == 7
+    assert sum(stage["share"] for stage in perf["rollout"]["stages"].values()) == pytest.approx(1.0)
+    table = relayrl("status", str(run_dir), "--interval", "0.2")
+    assert "where the time went" in table.stdout and "decode" in table.stdout, table.stdout
     rows = {row["name"]: row for row in report["services"]}
     assert set(rows) == set(services)
     for name, row in rows.items():

@@ -332,7 +332,7 @@ class Learner:
             self._sync_gradients(index == len(micro_batches) - 1)
             with self._autocast():
                 out = self._forward(self.policy, micro, entropy_grad=entropy_grad)
-            self.stages.backward(micro_loss(index, out), micro.input_ids.shape)  # with stages: timed as forward
+            self.stages.backward(micro_loss(index, out), micro.input_ids.shape, micro.attention_mask)
         grad_norm = self.stages.optimizer_step(self.optimizer, self._clip_gradients)
         sums["samples"] = (batch.row_weights > 0).sum().double()  # padding rows weigh 0
         names = sorted(sums)

@@ -27,7 +27,7 @@ from trainer.learner import Learner
 from trainer.leases import LeaseBook, LeaseSource, Work
 from trainer.mismatch import check_mismatch
 from trainer.parallel import DistEnv
-from trainer.profiling import step_profiler
+from trainer.profiling import nvtx_ranges, step_profiler
 from trainer.publishing import Background, Publisher, Publishing, adapter_gate, policy_weights, stage_senders
 from trainer.stages import step_report
 
@@ -82,7 +82,8 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     # That pull's admission (its samples at most max_staleness behind) was judged at the version it was made at.
     resynced = 0
     clock = learner.stages  # every moment of this rank's loop is one stage's (trainer/stages.py)
-    profiler = step_profiler(config.profile, env.rank, env.device)  # None without profile.dir (trainer/profiling.py)
+    clock.ranges = nvtx_ranges(config.profile, env.device, capturing=False)  # None: no NVTX call (trainer/profiling.py)
+    profiler = step_profiler(config.profile, env.rank, env.device, clock)  # None without profile.dir
     if profiler is not None:
         profiler.reported(state.step)
     while not _finished(config, state):
@@ -153,6 +154,9 @@ def _train(config: TrainerConfig, env: DistEnv, learner: Learner, state: TrainSt
     if publishing and env.broadcast_object(env.is_main and (publisher.published or 0) != state.weight_version):
         publisher(state)  # steps since the last publish (publish.interval > 1): the rollout serves what it ended with
     publisher.finish(state)
+    if clock.ranges is not None:
+        clock.ranges.close()
+        clock.ranges = None
     if config.checkpoint.dir:
         checkpoint(config, learner, state, env, book)
     if config.checkpoint.export_dir:

@@ -159,7 +159,9 @@ class RolloutPublisher:
         self.timings = {"sync_s": sync_s, "pause_s": report.pause_s}
         self.last_report = report
         ended_ns = time.time_ns()
-        for result in report.results:  # each engine's part, as its CommitUpdate reply gave it
+        for result in report.results:  # each engine's part, as its CommitUpdate reply gave it (the refit per receiver)
+            self.timings.update({f"refit/{result.address}/{key}": getattr(result, key)
+                                 for key in ("receive_s", "switch_s", "pause_s")})
             record_span("engine.update", current_traceparent(), ended_ns - int(report.total_s * 1e9), ended_ns,
                         receiver=result.address, ok=result.ok, receive_s=result.receive_s, switch_s=result.switch_s,
                         pause_s=result.pause_s)

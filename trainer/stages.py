@@ -17,8 +17,10 @@ written; it holds, in order:
 On CUDA each switch synchronises the device, so kernels are charged to the stage that launched them (a few
 synchronisations per micro-batch). Reported as `stage/<name>_s` (rank 0) and `stage/<name>_s/rank<r>` for the other
 ranks (stragglers show), `stage/step_s` (the interval), `stage/report_time` (its end, seconds since the epoch),
-and the utilisation of the step (trainer/flops.py):
-`perf/flops` (rank 0's count), `perf/flops_per_s` over the interval, `perf/mfu` over the device's peak.
+and the utilisation of the step (services/flops.py):
+`perf/flops` (rank 0's count), `perf/flops_per_s` over the interval, `perf/mfu` over the device's peak; and
+`perf/tokens` (the tokens every rank's micro-batches ran over, summed; `perf/devices` the ranks), `perf/peak_memory_gb`
+(and `/rank<r>`: torch's peak allocation on an accelerator, the process's peak resident set on the CPU).
 """
 
 import time
@@ -27,7 +29,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from trainer.flops import FlopModel, device_peak
+from services.device import peak_memory
+from services.flops import FlopModel, device_peak
 
 STAGES = ("data_wait", "forward", "backward", "optimizer", "publish", "pause", "checkpoint")
 
@@ -36,13 +39,15 @@ class StageClock:
     """Charges every moment of one rank's training loop to one stage."""
 
     def __init__(self, device: torch.device | None = None, lm: torch.nn.Module | None = None, tp_size: int = 1) -> None:
-        self.flop_model = FlopModel(lm, tp_size) if lm is not None else None
+        self.flop_model = FlopModel.of_module(lm, tp_size) if lm is not None else None
         self._sync = device is not None and device.type == "cuda"
         self._device = device
         self.current = "data_wait"
         self._since = time.perf_counter()
         self.totals = dict.fromkeys(STAGES, 0.0)
         self.flops = 0.0
+        self.tokens = 0  # tokens the micro-batches' forward and backward ran over (padding left out)
+        self.ranges = None  # NVTX ranges (trainer/profiling.py: NvtxRanges) while profiling on CUDA; None: no call
 
     def switch(self, stage: str) -> str:
         """Enter `stage`; the stage left (to switch back to)."""
@@ -53,6 +58,8 @@ class StageClock:
         now = time.perf_counter()
         self.totals[self.current] += now - self._since
         self._since, left, self.current = now, self.current, stage
+        if self.ranges is not None:
+            self.ranges.enter(stage)
         return left
 
     @contextmanager
@@ -63,12 +70,15 @@ class StageClock:
         finally:
             self.switch(left)
 
-    def backward(self, loss: torch.Tensor, shape: torch.Size) -> None:
-        """A micro-batch's backward, as the backward stage; the FLOPs of its forward and backward over `shape`."""
+    def backward(self, loss: torch.Tensor, shape: torch.Size, attention_mask: torch.Tensor | None = None) -> None:
+        """A micro-batch's backward, as the backward stage; the FLOPs of its forward and backward over `shape`, and
+        its tokens (those `attention_mask` keeps)."""
         with self.stage("backward"):
             loss.backward()
         if self.flop_model is not None:
             self.flops += self.flop_model.train(*shape)
+        if attention_mask is not None:
+            self.tokens += int(attention_mask.sum())
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, clip) -> float:
         """The optimizer stage, entered here: `clip()` the gradients (their norm returned), step, zero them."""
@@ -89,22 +99,26 @@ class StageClock:
         self.switch(self.current)
         report = {f"{name}_s": seconds for name, seconds in self.totals.items()}
         report["step_s"] = sum(self.totals.values())
-        report["flops"] = self.flops
-        self.totals, self.flops = dict.fromkeys(STAGES, 0.0), 0.0
+        report["flops"], report["tokens"] = self.flops, self.tokens
+        self.totals, self.flops, self.tokens = dict.fromkeys(STAGES, 0.0), 0.0, 0
         return report
 
 
 def step_report(clock: StageClock, device: torch.device, distributed: bool) -> dict[str, float]:
     """The step's stage report on every rank (collective when distributed: the ranks' reports are gathered)."""
-    mine = clock.lap()
+    mine = {**clock.lap(), "peak_memory": peak_memory(device)}
     ranks = [mine]
     if distributed:
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
-    report = {f"stage/{name}": value for name, value in mine.items() if name != "flops"}
+    report = {f"stage/{name}": value for name, value in mine.items() if name.endswith("_s")}
     report["stage/report_time"] = time.time()  # the interval's end by the wall clock: consecutive ones bound it
+    report["perf/peak_memory_gb"] = mine["peak_memory"] / 1e9
     for rank, theirs in enumerate(ranks[1:], start=1):
-        report.update({f"stage/{name}/rank{rank}": value for name, value in theirs.items() if name != "flops"})
+        report.update({f"stage/{name}/rank{rank}": value for name, value in theirs.items() if name.endswith("_s")})
+        report[f"perf/peak_memory_gb/rank{rank}"] = theirs["peak_memory"] / 1e9
+    report["perf/tokens"] = sum(theirs["tokens"] for theirs in ranks)  # every rank's: per device, over len(ranks)
+    report["perf/devices"] = len(ranks)
     peak, _ = device_peak(device)
     flops_per_s = mine["flops"] / mine["step_s"] if mine["step_s"] > 0 else 0.0
     report.update({"perf/flops": mine["flops"], "perf/flops_per_s": flops_per_s, "perf/peak_flops": peak,

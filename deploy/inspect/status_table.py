@@ -6,13 +6,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from deploy.record.performance import performance, performance_table
 from deploy.record.status import ServiceStatus, StatusPoller, Target, parse_address, run_targets
 from services.config import ClientConfig
 
+PERFORMANCE_WINDOW_S = 60.0  # the stage reports `relayrl status` sums: the last minute's
 COLUMNS = ("service", "address", "health", "weight version", "queue", "staleness", "throughput /s", "errors")
 
 
@@ -115,15 +117,18 @@ def table(rows: Sequence[ServiceStatus], title: str, trainer: dict | None = None
     return view
 
 
-def report(rows: Sequence[ServiceStatus], trainer: dict | None = None, runner: dict | None = None) -> dict:
-    """The JSON object `relayrl status --json` prints (with a run folder, the trainer's last step too, and an agentic
-    run's episode runners)."""
+def report(rows: Sequence[ServiceStatus], trainer: dict | None = None, runner: dict | None = None,
+           perf: dict | None = None) -> dict:
+    """The JSON object `relayrl status --json` prints (with a run folder, the trainer's last step too, an agentic
+    run's episode runners, and where the time went: `performance`)."""
     out = {"time": time.time(), "services": [row.to_dict() for row in rows],
            "down": [row.name for row in rows if not row.up]}
     if trainer is not None:
         out["trainer"] = trainer
     if runner is not None:
         out["runner"] = runner
+    if perf is not None:
+        out["performance"] = perf
     return out
 
 
@@ -146,15 +151,21 @@ class Display:
 
     def show(self, rows: Sequence[ServiceStatus]) -> None:
         trainer, runner = trainer_summary(self.run_dir), runner_summary(self.run_dir)
+        # where the time went over the last PERFORMANCE_WINDOW_S, from the stage reports (deploy/record/performance.py)
+        perf = performance(self.run_dir, PERFORMANCE_WINDOW_S) if self.run_dir is not None else None
         if self.as_json:
-            print(json.dumps(report(rows, trainer, runner)), flush=True)
-        elif not self.live:
-            self.console.print(table(rows, self.title, trainer, runner))
+            print(json.dumps(report(rows, trainer, runner, perf)), flush=True)
+            return
+        view = table(rows, self.title, trainer, runner)
+        stages = performance_table(perf, f"where the time went, last {PERFORMANCE_WINDOW_S:.0f} s") if perf else None
+        shown = view if stages is None else Group(view, stages)
+        if not self.live:
+            self.console.print(shown)
         elif self.view is None:
-            self.view = Live(table(rows, self.title, trainer, runner), console=self.console, refresh_per_second=4)
+            self.view = Live(shown, console=self.console, refresh_per_second=4)
             self.view.start()
         else:
-            self.view.update(table(rows, self.title, trainer, runner))
+            self.view.update(shown)
 
     def close(self) -> None:
         if self.view is not None:

@@ -4,9 +4,12 @@
     GET /api/run          the run at a glance and its steps (policy versions): groups, samples, mean reward
     GET /api/groups       the groups of one version that pass the filters: ?version=&min_reward=&max_reward=
                           &status=completed,truncated&min_staleness=&max_staleness=&q=&offset=&limit=
+    GET /api/timeline     the last ?steps= trainer steps across the services, from the run's spans
+                          (deploy/inspect/timeline.py)
 
 The page shows each step's prompts and completions with rewards and advantages, the tokens coloured by logprob,
-weight version or loss mask, agent episodes turn by turn, and two steps side by side. It reads the log again as
+weight version or loss mask, agent episodes turn by turn, two steps side by side, and a timeline of the last few
+trainer steps across the services (a lane per process, the consumed samples' spans highlighted). It reads the log again as
 the run appends to it, so it can watch a live run.
 """
 
@@ -16,10 +19,11 @@ import sys
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 
+from deploy.inspect.timeline import timeline
 from deploy.inspect.trajectories import LOG_FILE, Filters, TrajectoryStore
 
 PAGE = pathlib.Path(__file__).with_name("view_page")
-ASSETS = {"view.js": "text/javascript", "view.css": "text/css"}
+ASSETS = {"view.js": "text/javascript", "timeline.js": "text/javascript", "view.css": "text/css"}
 
 
 def create_app(run_dir: str | pathlib.Path) -> FastAPI:
@@ -47,6 +51,10 @@ def create_app(run_dir: str | pathlib.Path) -> FastAPI:
         statuses = frozenset(filter(None, status.split(","))) if status is not None else None
         filters = Filters(min_reward, max_reward, statuses, min_staleness, max_staleness, q.strip())
         return store.query(version, filters, offset, limit)
+
+    @app.get("/api/timeline")
+    def steps_timeline(steps: int = Query(3, ge=1, le=50)) -> dict:
+        return timeline(pathlib.Path(run_dir), steps)
 
     return app
 

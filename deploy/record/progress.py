@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from deploy.record.performance import performance, performance_table
 from deploy.record.run_state import Summary, write_summary
 
 
@@ -162,6 +163,9 @@ class Progress:
         ):
             table.add_row(name, str(value))
         self.console.print(table)
+        summary.performance = performance(self.run_dir)
+        if (stages := performance_table(summary.performance, f"{self.title}: where the time went")) is not None:
+            self.console.print(stages)
         plot(summary.curve, self.run_dir / "progress.png", self.title)
         write_summary(self.run_dir, summary)  # last: the run is finished (deploy/record/run_state.py)
 

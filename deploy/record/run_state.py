@@ -29,7 +29,7 @@ class Summary:
     """What a run reached (summary.json): the held-out metric (an experiment's: mean reward) at the start of RL,
     after SFT, at its end and at its best (None: not measured, the run failed first), and the work done. `failure`:
     why the run could not train (no optimizer step, or a process whose restarts ran out), with the last error line of
-    the process's log; None = it trained."""
+    the process's log; None = it trained. `performance`: the stage reports' summary (deploy/record/performance.py)."""
 
     seed: int
     sft_accuracy: float | None
@@ -42,6 +42,8 @@ class Summary:
     restarts: dict[str, int] = field(default_factory=dict)
     run_dir: str = ""
     failure: str | None = None
+    # where the time went, from the stage reports (deploy/record/performance.py); empty: none recorded
+    performance: dict = field(default_factory=dict)
 
 
 def start_run_dir(run_dir: pathlib.Path, config: dict, seed: int, resume: bool) -> None:

@@ -61,6 +61,7 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
     reference = reference_path(config, policy_dir)
     # every process's spans into the run folder (services/tracing.py), unless the file names another folder
     tracing = {**config.tracing.model_dump(mode="json"), "dir": config.tracing.dir or str(run_dir / "traces")}
+    stages = {"dir": str(run_dir / "stages")}  # the rollout's and reward's stage reports (services/stage_reports.py)
     return Pipeline(
         run_dir=run_dir, policy_dir=policy_dir, prompts_path=prompts_path, seed=config.seed,
         rl=RLConfig(
@@ -76,8 +77,9 @@ def pipeline_plan(config: ExperimentConfig, run_dir: pathlib.Path, policy_dir: p
         ),
         supervise=config.supervise,
         buffer={"server.tracing": tracing, **_placement(config, "buffer")},
-        reward={"server.tracing": tracing, **reward_overrides},
-        rollout={"server.tracing": tracing, **rollout_overrides}, reward_env=reward_env,
+        reward={"server.tracing": tracing, "server.stage_reports": stages, **reward_overrides},
+        rollout={"server.tracing": tracing, "server.stage_reports": stages, **rollout_overrides},
+        reward_env=reward_env,
         teachers=teacher_services(config),
         driver={"reward_function": function, "reward_timeout_s": config.reward.timeout_s,
                 **({"teacher_key": config.teacher_key} if config.teachers else {}),

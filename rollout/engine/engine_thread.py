@@ -54,6 +54,9 @@ class EngineThread:
         self._version_changed: asyncio.Event | None = None  # made in the caller's loop at the first watch
         self._step_ended = 0.0  # perf_counter at the end of the last step (engine thread)
         self.last_pause_s = 0.0  # how long the last weight update kept the engine from stepping
+        # the engine's stage report (rollout/engine/step_stats.py); None for an engine that keeps none
+        self.step_stats = getattr(engine, "step_stats", None)
+        self._switch = self.step_stats.switch if self.step_stats is not None else (lambda stage: None)
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -73,7 +76,7 @@ class EngineThread:
                         self._run_transfer_prefills()
                     self.engine.expire_sessions()
                     if self.engine.has_unfinished_requests():
-                        self._deliver(self.engine.step())
+                        self._deliver(self.engine.step())  # its time: prefill and decode (LLMEngine.step)
                         self._step_ended = time.perf_counter()
         except BaseException as exc:  # the thread must not die silently: every waiter learns why
             log.exception("rollout engine thread crashed")
@@ -82,10 +85,14 @@ class EngineThread:
             self._fail_everything(self._error or EngineDead("the rollout engine was shut down"))
 
     def _run_commands(self, block: bool) -> None:
+        if block:
+            self._switch("idle")
         try:
             command, future = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        finally:
+            self._switch("commands")
         while True:
             if future.set_running_or_notify_cancel():
                 try:
@@ -126,9 +133,11 @@ class EngineThread:
             self._abort(request_id)
 
     def _switch_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool, submitted: float) -> float:
+        self._switch("weight_switch")
         start = time.perf_counter()
         self.engine.load_weights(weights, version, adopt=adopt)
         done = time.perf_counter()
+        self._switch("commands")
         self.last_pause_s = done - max(submitted, self._step_ended)
         return done - start
 
@@ -185,7 +194,7 @@ class EngineThread:
 
 def _completion(seq: EngineSequence) -> Completion:
     return Completion(seq.index, seq.output_ids, list(seq.logprobs), list(seq.weight_versions), seq.finish_reason,
-                      seq.kv_version, getattr(seq, "routed_experts", None))
+                      seq.kv_version, getattr(seq, "routed_experts", None), getattr(seq, "timing", None))
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, list[TokenOutput]]]) -> None:

@@ -15,7 +15,7 @@ blocks: every token cached but the first sampled one, which its next step feeds 
 cannot tell it from a request it prefilled itself (preemption recomputes it from its tokens, as any other).
 
 Both run on the engine thread only (AsyncEngine commands). They reuse the engine's bookkeeping
-(`_new_sequences`, `_count_prefill`, `_postprocess`) rather than copying it.
+(`_new_sequences`, `step_stats.batch`, `_postprocess`) rather than copying it.
 """
 
 from typing import TYPE_CHECKING
@@ -116,8 +116,10 @@ def _prefill_and_export(engine: "LLMEngine", admitted: list[tuple[int, list[int]
     batch = Batch(everything, num_new_tokens={seqs[0].seq_id: len(prompt) - seqs[0].num_cached_tokens
                                               for _, prompt, seqs in admitted},
                   sampled=everything, is_prefill=True)
-    engine._count_prefill(batch)
+    engine.step_stats.switch("step")  # the stage report's prefill (rollout/engine/step_stats.py)
+    engine.step_stats.batch(batch, engine.block_manager.num_free_blocks)
     token_ids, logprobs = engine.runner.run(batch)
+    engine.step_stats.switch("commands")
     offset = 0
     for i, prompt, seqs in admitted:
         head, n = seqs[0], len(seqs)

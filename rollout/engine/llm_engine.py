@@ -25,6 +25,7 @@ from rollout.engine.scoring import Scoring
 from rollout.engine.sequence import FinishReason, Sequence
 from rollout.engine.session_steps import SessionSteps
 from rollout.engine.sessions import SessionTable
+from rollout.engine.step_stats import EngineStepStats, engine_flop_model
 from rollout.kv.host_tier import TIER_STATS, HostKVTier
 from services.device import device_scope, synchronize
 
@@ -47,7 +48,9 @@ class LLMEngine(SessionSteps, Scoring):
         self.requests: dict[str, list[Sequence]] = {}
         self.weight_version = 0
         self.num_version_moves = 0  # started sequences a weight update moved off their version (adapter_pins.py)
-        self.num_prefill_tokens = 0  # tokens computed by prefill (new prompts, session turns, recomputes)
+        # the stage report's tallies (rollout/engine/step_stats.py); its FLOPs by the trainer's model (services/flops.py)
+        self.step_stats = EngineStepStats(engine_flop_model(self.runner.model, self.model_config),
+                                          self.block_manager.num_blocks)
         self._next_expiry_check = 0.0
         self._seed_rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -172,29 +175,21 @@ class LLMEngine(SessionSteps, Scoring):
     def step(self) -> list[TokenOutput]:
         """Schedule, run, post-process: one step of decodes and prefill chunks. Returns one output per sequence
         that sampled (a sequence whose prefill is not complete yet samples nothing)."""
+        self.step_stats.switch("step")  # its time goes to prefill and decode by their tokens
         batch = self.scheduler.schedule()
         if batch is None:
+            self.step_stats.switch("commands")
             return []
         due = self.evictor.plan(batch) if self.evictor is not None else []
-        self._count_prefill(batch)
+        self.step_stats.batch(batch, self.block_manager.num_free_blocks)
         self._stamp_kv_versions(batch)
         token_ids, logprobs = self.runner.run(batch)
         self.scheduler.update(batch)
         outputs = self._postprocess(batch.sampled, token_ids, logprobs)
         if due:
             self.evictor.evict(due, self.runner.observations)
+        self.step_stats.sampled(batch.sampled)
         return outputs
-
-    def _count_prefill(self, batch: Batch) -> None:
-        """Tally the tokens this step computes beyond plain decodes (one fed-back token of a running sequence)."""
-        for seq in batch.seqs:
-            computed = batch.num_new_tokens.get(seq.seq_id, 0)
-            if not seq.prefilling or (computed == 1 and seq.num_output_tokens > 0):  # a sampled token fed back
-                continue
-            self.num_prefill_tokens += computed
-            if seq.session is not None:
-                seq.session.prefill_tokens += computed
-                seq.session.turn_prefill_tokens[-1] += computed
 
     def _stamp_kv_versions(self, batch: Batch) -> None:
         """A sequence that computes its first KV (a new prompt, a recompute) computes it with the weights served now;
@@ -291,7 +286,7 @@ class LLMEngine(SessionSteps, Scoring):
             "free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "preemptions": self.scheduler.num_preemptions,
-            "prefill_tokens": self.num_prefill_tokens,
+            "prefill_tokens": self.step_stats.num_prefill_tokens,
             "prefix_cache_queried_tokens": self.block_manager.num_queried_tokens,
             "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens,
             "lora_versions_resident": len(self.runner.adapters.versions) if self.runner.adapters is not None else 0,

@@ -39,6 +39,9 @@ class Completion:
     # Once finished, of a mixture-of-experts model: the experts each token of prompt + completion but the last was
     # routed to, np.ndarray [tokens, layers, top_k] (Sequence.routed_experts); None: not recorded
     routed_experts: Any = None
+    # Once finished, from a whole delivery: its times in ns since the epoch, [arrival, first scheduled, first token,
+    # finished] (Sequence.timing; a traced request's engine spans); None: not kept
+    timing: list[int | None] | None = field(default=None, compare=False, repr=False)  # not the completion's content
 
     def add(self, output: TokenOutput) -> None:
         if output.token_id is not None:

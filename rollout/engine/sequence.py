@@ -1,6 +1,7 @@
 """One completion being generated: its tokens, KV block table, and what it has produced."""
 
 import enum
+import time
 
 from rollout.engine.multimodal import MultimodalPrompt
 from rollout.engine.sampling_params import SamplingParams
@@ -73,6 +74,8 @@ class Sequence:
         self.routes = None
         # The images of its prompt and their M-RoPE positions (rollout/engine/multimodal.py); None: text only.
         self.multimodal: MultimodalPrompt | None = None
+        # ns since the epoch: [arrival, first scheduled, first token, finished] (rollout/engine/step_stats.py)
+        self.timing: list[int | None] = [time.time_ns(), None, None, None]
 
     def __len__(self) -> int:
         return len(self.token_ids)

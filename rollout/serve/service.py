@@ -27,6 +27,7 @@ from rollout.serve.wire import (
     generate_chunk,
     routes_array,
 )
+from services import tracing
 
 if TYPE_CHECKING:
     from rollout.engine.outputs import Completion
@@ -102,8 +103,10 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         request_id, prompt, params, images = self._parse(request)
-        return self._response(request, request_id, prompt, params,
-                              await self._generate_all(request_id, prompt, params, context, images), images)
+        done = await self._generate_all(request_id, prompt, params, context, images)
+        if tracing.enabled():
+            engine_spans(request_id, done)
+        return self._response(request, request_id, prompt, params, done, images)
 
     async def GenerateMany(self, request: rollout_pb2.GenerateManyRequest, context) -> rollout_pb2.GenerateManyResponse:
         parsed = []
@@ -124,6 +127,9 @@ class RolloutServicer(SessionRPCs, rollout_pb2_grpc.RolloutServicer):
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
             failed = getattr(exc, "request_index", None)  # None: the engine stopped while they ran
             await _abort_with_status(context, exc, "" if failed is None else f"requests[{failed}].")
+        if tracing.enabled():
+            for (request_id, *_), done in zip(parsed, results):
+                engine_spans(request_id, done)
         return rollout_pb2.GenerateManyResponse(responses=[
             self._response(one, *parsed_one[:3], done, parsed_one[3])
             for one, parsed_one, done in zip(request.requests, parsed, results)])
@@ -290,12 +296,31 @@ async def _abort_with_status(context, exc: Exception, where: str = "") -> None:
     await context.abort(code, where + str(exc))
 
 
+def engine_spans(request_id: str, completions: list["Completion"]) -> None:
+    """A traced call's engine spans, each completion's queue wait, prefill and decode, as children of the current
+    (server) span, made after the fact from the times the engine kept (Sequence.timing): nothing for an untraced
+    call, and nothing on the engine's thread."""
+    parent = tracing.current_traceparent()
+    if parent is None:
+        return
+    for completion in completions:
+        if completion.timing is None or None in completion.timing:
+            continue
+        arrival, scheduled, first_token, finished = completion.timing
+        where = {"request_id": request_id, "index": completion.index}
+        tracing.record_span("engine.queue", parent, arrival, scheduled, **where)
+        tracing.record_span("engine.prefill", parent, scheduled, first_token, **where)
+        tracing.record_span("engine.decode", parent, first_token, finished, tokens=len(completion.token_ids), **where)
+
+
 async def serve_engine(config: ReplicaConfig) -> None:
     """Load the model, start the engine thread, and serve Rollout (+ WeightSync) until SIGTERM."""
     from protos import weights_pb2_grpc
     from rollout.engines import start_engine
     from rollout.serve.weight_receiver import WeightReceiver
     from services.client import connect
+    from services.device import peak_memory
+    from services.flops import device_peak
     from services.runtime import serve as serve_forever
     from services.runtime import setup_logging
 
@@ -338,4 +363,8 @@ async def serve_engine(config: ReplicaConfig) -> None:
         ],
         config.server,
         on_stop,
+        # the engine's stage reports (rollout/engine/step_stats.py), utilisation over its device's peak
+        stage_report=(lambda: {**engine.step_stats.report(), "engine/peak_memory_gb": peak_memory(engine.device) / 1e9})
+        if getattr(engine, "step_stats", None) is not None else None,
+        peak_flops=lambda: device_peak(engine.device)[0],
     )

@@ -15,6 +15,9 @@ class ProfileConfig(Strict):
     dir: str | None = Field(None, description="Folder for the traces (trainer-rank<R>-steps<A>-<B>.json, Chrome "
                             "trace format: ui.perfetto.dev), where a live run also finds `relayrl profile`'s requests "
                             "(checked once a step); an experiment run sets RUN_DIR/profiles. None: no captures.")
+    nvtx: bool = Field(False, description="NVTX ranges around every step's stages (stage/<name>, trainer/stages.py) "
+                       "on a CUDA device, for an nsys capture of the whole run; during a torch.profiler capture they "
+                       "are on regardless. Off (and no capture): no NVTX call is made.")
     activities: list[str] = Field(default_factory=lambda: ["cpu", "cuda"], description="What to record: cpu, cuda "
                                   "(cuda only where the trainer computes on a CUDA device).")
 

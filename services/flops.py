@@ -1,8 +1,10 @@
-"""Utilisation: the FLOPs a training step does, the device's peak, and their ratio (MFU).
+"""Utilisation: the FLOPs a training step or an engine step does, the device's peak, and their ratio (MFU).
 
-The count is the matmuls' (what dense peaks measure): every linear layer's 2 FLOPs per weight per token forward,
-the attention scores and their weighted sum (2 x 2 x tokens x tokens x heads x head_dim per layer and row, the full
-square, as SDPA computes it on padded rows), and twice the forward for the backward. Elementwise work, norms and
+One FLOP model for the trainer (trainer/stages.py) and the rollout engine (rollout/engine/step_stats.py), so their
+MFUs compare. The count is the matmuls' (what dense peaks measure): every linear layer's 2 FLOPs per weight per
+token forward, the attention scores and their weighted sum (2 x 2 x context x heads x head_dim per layer and
+computed token: a training row attends over the full square, as SDPA computes it on padded rows; an engine token over
+its cached context), and twice the forward for the backward. Elementwise work, norms and
 the softmax are left out, as MFU conventionally does; tests/test_stage_reports.py holds it to
 `torch.utils.flop_counter.FlopCounterMode` within 10%. Peaks: a table of known accelerators' dense bf16 peaks; on the
 CPU (or an accelerator not in the table) one measured by a matmul probe, once per process.
@@ -36,27 +38,40 @@ PEAK_BF16 = (
 
 
 class FlopModel:
-    """The matmul FLOPs of one forward + backward of a causal LM over a [rows, tokens] batch."""
+    """The matmul FLOPs of a causal LM's forward (and forward + backward) passes."""
 
-    def __init__(self, lm: nn.Module, tp_size: int = 1) -> None:
+    def __init__(self, linear_params: int, layers: int, attention_width: int, tp_size: int = 1) -> None:
+        self.linear_params = linear_params  # weights multiplied per token (the output head included)
+        self.layers = layers
+        self.attention_width = attention_width  # query heads x head_dim
+        self.tp_size = tp_size  # tensor parallelism splits every matmul over the group: each rank does 1/tp
+
+    @classmethod
+    def of_module(cls, lm: nn.Module, tp_size: int = 1) -> "FlopModel":
+        """Of a transformers model (the trainer's): its nn.Linear weights, its text config's shape."""
         config = lm.config.get_text_config()  # a vision-language model: its language model's shape
         # Every linear weight, the output head included (a tied head shares the embedding's tensor: it is a matmul
         # here, while the embedding itself is a lookup). A vision tower's are left out: it runs on patches, not tokens.
-        self.linear_params = sum(module.weight.numel() for name, module in lm.named_modules()
-                                 if isinstance(module, nn.Linear) and ".visual." not in f".{name}.")
-        self.layers = config.num_hidden_layers
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.attention_width = config.num_attention_heads * head_dim
-        self.tp_size = tp_size  # tensor parallelism splits every matmul over the group: each rank does 1/tp
+        linear_params = sum(module.weight.numel() for name, module in lm.named_modules()
+                            if isinstance(module, nn.Linear) and ".visual." not in f".{name}.")
+        return cls(linear_params, config.num_hidden_layers, attention_width(config), tp_size)
+
+    def tokens(self, computed: int, attended: int) -> float:
+        """A forward over `computed` tokens that attend over `attended` (token, context position) pairs in all."""
+        return (2.0 * self.linear_params * computed + 4.0 * self.layers * attended * self.attention_width) / self.tp_size
 
     def forward(self, rows: int, tokens: int) -> float:
-        linear = 2.0 * self.linear_params * rows * tokens
-        attention = 4.0 * self.layers * rows * tokens * tokens * self.attention_width
-        return (linear + attention) / self.tp_size
+        """A [rows, tokens] batch, every row attending over its full square (SDPA on padded rows)."""
+        return self.tokens(rows * tokens, rows * tokens * tokens)
 
     def train(self, rows: int, tokens: int) -> float:
         """Forward and backward (the backward's two matmuls per forward one: 2x)."""
         return 3.0 * self.forward(rows, tokens)
+
+
+def attention_width(config) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim
 
 
 def device_peak(device: torch.device) -> tuple[float, str]:
