@@ -81,6 +81,33 @@ def test_a_slow_trainer_is_trainer_bound(tmp_path):
     assert any(line.startswith("driver_stats.jsonl:1-19: idle_s") for line in finding.evidence)
 
 
+def write_engine_reports(run_dir: pathlib.Path, accelerator: bool) -> None:
+    """stages/rollout-<pid>.jsonl as the engine writes them (services/stage_reports.py), idle most of the time."""
+    (run_dir / "stages").mkdir(parents=True, exist_ok=True)
+    lines = [{"stage/idle_s": 8.0, "stage/decode_s": 2.0, "stage/interval_s": 10.0, "stage/report_time": 1e9 + 10 * i,
+              "engine/accelerator": float(accelerator)} for i in range(5)]
+    (run_dir / "stages" / "rollout-7.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_a_slow_trainer_with_engines_on_accelerators_of_their_own_is_trainer_bound(tmp_path):
+    write_steps(tmp_path, data_wait=0.2, forward=2.0, backward=3.5, optimizer=0.5, publish=0.3, pause=0.1)
+    write_driver(tmp_path, held_share=0.8)
+    write_engine_reports(tmp_path, accelerator=True)
+    finding = verdict(tmp_path)
+    assert finding.level == "warn" and "trainer-bound" in finding.message, finding.message
+
+
+def test_engines_idling_on_the_trainers_cpu_cores_are_no_bottleneck(tmp_path):
+    """The local quickstart's shape on a CPU machine: every service shares its cores, so the time generation waits
+    on the trainer is the trainer's (a fresh quickstart run got a trainer-bound WARN before: generation idle 52%)."""
+    write_steps(tmp_path, data_wait=0.15, forward=0.3, backward=0.4, optimizer=0.1, publish=0.02, checkpoint=0.02)
+    write_driver(tmp_path, held_share=0.6)
+    write_engine_reports(tmp_path, accelerator=False)
+    finding = verdict(tmp_path)
+    assert finding.level == "ok" and "no stage holds the run back" in finding.message, finding.message
+    assert "generation idles 60% of its time" in finding.message and "the trainer's" in finding.message
+
+
 def test_a_busy_trainer_that_generation_keeps_up_with_is_the_steady_state(tmp_path):
     """The quickstart's shape: the trainer computes most of its time, and generation rarely idles."""
     write_steps(tmp_path, data_wait=0.15, forward=0.3, backward=0.4, optimizer=0.1, publish=0.02, checkpoint=0.02)

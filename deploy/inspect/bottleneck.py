@@ -6,8 +6,10 @@
                        scoring took the longer (the rollout's GenerateMany or the reward's Score calls)
     trainer-bound      forward, backward and optimizer fill most of the step (with the MFU they reached) while
                        generation idled most of its time (the driver's idle_s: admission refused by the staleness
-                       bound and nothing in flight); a trainer busy computing while generation keeps working is
-                       the steady state a run aims at, no verdict
+                       bound and nothing in flight) on engines with devices of their own; a trainer busy computing
+                       while generation keeps working is the steady state a run aims at, no verdict, and so is one
+                       whose engines idle on the CPU cores the trainer computes on (their stage reports'
+                       engine/accelerator 0, as in the local quickstart): that idle time is the trainer's
     weight-sync-bound  publishing weights (and the engines' pause a blocking publish waits out)
     checkpoint-bound   checkpoints
     stragglers         one rank's compute well above another's in the same steps
@@ -15,6 +17,7 @@
 A run whose stages share its time (none over BOUND of it) gets no verdict.
 """
 
+import json
 import statistics
 from collections import defaultdict
 
@@ -68,6 +71,20 @@ def generation_held(rows: list[Row]) -> tuple[float, Row, Row] | None:
     return (held / elapsed if elapsed > 0 else 0.0), first, last
 
 
+def engines_on_the_cpu(run_dir) -> bool:
+    """Whether the run's engines report that they run on the CPU (every rollout stage report's engine/accelerator
+    is 0); False when none reports it (runs from before the reports, or their engines elsewhere)."""
+    seen = []
+    for path in sorted((run_dir / "stages").glob("rollout*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                seen.append(json.loads(line).get("engine/accelerator"))
+            except ValueError:
+                continue  # a line still being written
+    seen = [value for value in seen if value is not None]
+    return bool(seen) and not any(seen)
+
+
 def check_bottleneck(run, rows: list[Row], findings: list[Finding]) -> None:
     """The bound-by verdict over `rows` (trainer_metrics.jsonl rows with stage reports, the first step left out)."""
     share, total = shares(rows)
@@ -77,10 +94,14 @@ def check_bottleneck(run, rows: list[Row], findings: list[Finding]) -> None:
     group = max(share, key=share.get)
     _stragglers(rows, where, findings)
     held = generation_held(run.driver)
-    if group == "compute" and share[group] > BOUND and (held is None or held[0] <= BOUND):
+    shared = engines_on_the_cpu(run.dir)
+    if group == "compute" and share[group] > BOUND and (held is None or held[0] <= BOUND or shared):
         mfu = statistics.fmean(row.record.get("perf/mfu", 0.0) for row in rows)
         keeps_up = ("generation keeps up" if held is None else
                     f"generation keeps working (idle {held[0]:.0%} of its time, waiting on the trainer)")
+        if held is not None and held[0] > BOUND:
+            keeps_up = (f"generation idles {held[0]:.0%} of its time waiting on it, on the CPU cores the trainer "
+                        "computes on (stages/rollout*: engine/accelerator 0), so that time is the trainer's")
         findings.append(Finding("ok", "bottleneck", f"the trainer computes {share[group]:.0%} of its time (MFU "
                                 f"{mfu:.1%}) and {keeps_up}: no stage holds the run back", evidence=evidence))
         return

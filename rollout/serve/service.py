@@ -364,7 +364,9 @@ async def serve_engine(config: ReplicaConfig) -> None:
         config.server,
         on_stop,
         # the engine's stage reports (rollout/engine/step_stats.py), utilisation over its device's peak
-        stage_report=(lambda: {**engine.step_stats.report(), "engine/peak_memory_gb": peak_memory(engine.device) / 1e9})
+        # (engine/accelerator: whether its idle time is a device of its own, relayrl doctor's trainer-bound verdict)
+        stage_report=(lambda: {**engine.step_stats.report(), "engine/peak_memory_gb": peak_memory(engine.device) / 1e9,
+                               "engine/accelerator": float(engine.device.type != "cpu")})
         if getattr(engine, "step_stats", None) is not None else None,
         peak_flops=lambda: device_peak(engine.device)[0],
     )
