@@ -33,8 +33,10 @@ def parallelize(
     still applies). Works on a model on the meta device (trainer/parallel/loading.py materialises and loads it
     afterwards)."""
     config = config or ParallelConfig()
-    if env.pp_size > 1:  # TP within stages is not there yet (trainer/config refuses pp with tp)
+    if env.pp_size > 1:
         split_stages(policy, env, config)
+        if env.tp_size > 1:
+            apply_tp(policy, env.mesh["tp"])
         shard_stages(policy, env, config, dtype, checkpointing=checkpoint_layers is not None)
         return policy
     if env.distributed and env.tp_size > 1:

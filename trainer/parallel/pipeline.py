@@ -93,6 +93,7 @@ class Pipeline:
         micros = [(micro.input_ids, micro.attention_mask, temperatures(micro)) for _, micro in micro_batches]
         rows = max(ids.shape[0] for ids, _, _ in micros)
         width = max(ids.shape[1] for ids, _, _ in micros)
+        width += -width % self.env.tp_size  # sequence parallel: each TP rank holds width / tp positions
         input_ids, attention, inv = self._padded(micros, rows, width)
         shapes = [ids.shape for ids, _, _ in micros]
         values = self.policy.value_head is not None
@@ -136,14 +137,16 @@ class Pipeline:
         return (*flat, inv.view(n * rows, width - 1) if inv is not None else None)
 
     def _stage(self, module: nn.Module, index: int, rows: int, width: int, entropy: bool, values: bool):
-        hidden = torch.empty((rows, width, self.policy.lm.config.hidden_size), dtype=self.hidden_dtype,
-                             device="meta", requires_grad=torch.is_grad_enabled())  # received with its gradient
+        hidden = torch.empty((rows, width // self.env.tp_size, self.policy.lm.config.hidden_size),
+                             dtype=self.hidden_dtype, device="meta",
+                             requires_grad=torch.is_grad_enabled())  # received with its gradient (TP: its share)
         inputs = torch.empty((rows, width), dtype=torch.int64, device="meta") if index == 0 else hidden
         if index < self.config.stages() - 1:
             outputs: Any = hidden
         else:
             token = torch.empty((rows, width - 1), dtype=torch.float32, device="meta")
-            outputs = (token,) + ((token,) if entropy else ()) + ((hidden[..., :1],) if values else ())
+            value = torch.empty((rows, width, 1), dtype=self.hidden_dtype, device="meta")  # TP: gathered, whole
+            outputs = (token,) + ((token,) if entropy else ()) + ((value,) if values else ())
         return TimedStage(module, index, self.config.stages(), self.env.device, input_args=inputs,
                           output_args=outputs, group=self.group)
 
