@@ -2,7 +2,9 @@
 
 Each call builds the stages' `PipelineStage`s and the schedule afresh for that step's micro-batch shape: every
 micro-batch is padded to the step's widest and longest (right-padded columns are masked; padding rows attend to
-one pad token and weigh nothing), so the stages exchange activations of one shape. Every rank holds the whole
+one pad token and weigh nothing), so the stages exchange activations of one shape. Under TP the width is padded
+to a multiple of tp and each rank sends and receives its share of positions ([rows, width / tp, hidden]: the
+residual stream is sequence-parallel, trainer/parallel/tp.py). Every rank holds the whole
 batch; the stages get the micro-batch's input ids and attention mask as keyword arguments, and the last stage's
 (logprobs, entropy, values) go to the caller's loss function, one micro-batch at a time: the losses are the
 trainer's own, their weights already normalised over the whole mini-batch (trainer/learner.py computes them before

@@ -9,8 +9,8 @@ Each rank's policy is the whole model's PolicyModel pruned to its stages (the ot
 ModuleDict keyed by the global layer index, embedding / head None where not held), so its parameter names are the
 whole model's ("lm.model.layers.5.mlp.up_proj.weight"): checkpoints (DCP, keyed by name) resume on any split, and
 the optimizer, publishing and export see the usual names. A `PolicyStage` is the runnable module of one stage,
-holding the same submodules; activation checkpointing and FSDP (over "dp") apply per stage, FSDP's root unit the
-stage's embedding / norm / heads.
+holding the same submodules; TP (over "tp", trainer/parallel/tp.py, on the pruned policy), then activation
+checkpointing and FSDP (over "dp") apply per stage, FSDP's root unit the stage's embedding / norm / heads.
 """
 
 import torch

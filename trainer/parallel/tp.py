@@ -14,6 +14,11 @@ small and computed whole on every rank of the group.
 Sequence parallelism needs T divisible by tp: rows are right-padded to it before the forward
 (padding is masked and causal attention never looks right, so real positions are unchanged) and
 the outputs cut back after it (and handed out as plain tensors).
+
+With pipeline stages (trainer/parallel/stages.py) the plan applies to what the rank's stages hold: the embedding
+and the first layer's input split only on the first stage, the final norm and the heads only on the last; a stage
+hands the next one its share of positions as its last layer left them, and trainer/parallel/pipeline.py pads the
+micro-batches to a width tp divides instead of pad_sequences.
 """
 
 import torch.nn.functional as F
