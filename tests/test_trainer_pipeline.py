@@ -2,7 +2,8 @@
 the single process's losses, gradients and updated weights, with the 1F1B and the interleaved schedule; a DCP
 checkpoint resumes across pp sizes (2 -> 1, 1 -> 2) at the same next loss; the trained policy, published by both
 stages (each its own layers), lands bit for bit in an engine and a rollout process greedy-decodes as the trainer's
-model does (test_pipeline_publish.py: the publish path, and a stage whose part never arrives).
+model does (test_pipeline_publish.py: the publish path, and a stage whose part never arrives). On 4 ranks (`ranks`):
+pp 2 x dp 2, and pp 2 x tp 2 (TP within each stage).
 
 The test runs this file as a script under `torchrun --nproc_per_node 2` (see `worker`). A 4-layer tiny model:
 interleaved runs 2 stages per rank.
@@ -19,7 +20,7 @@ from test_trainer_parallel import _run, make_samples
 STEPS = 2
 SAVE_AT = 1  # the checkpoint holds the state after this many steps; a resume trains step SAVE_AT
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}  # the last in test_two_stages_ppo_dpo only (refused with dp > 1)
+             "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}  # the last not with dp > 1 (refused)
 RUNS = {  # micro_batch_size 2 of 8 rows: 4 micro-batches a step, 2 x pp
     "grpo": {"name": "grpo", "off_policy": "tis", "kl_coef": 0.05, "entropy_coef": 0.01},
     "ppo": {"name": "ppo", "off_policy": "decoupled"},
