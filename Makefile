@@ -42,10 +42,10 @@ test: $(STAMP) $(NODE_STAMP)
 test-slow: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m "slow and not families and not vllm and not ranks" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-# The new parallelism checks at 2-4 ranks under torchrun (pipeline stages x dp, PPO/DPO through stages, LoRA under
-# FSDP2 and TP, routing replay and stage reports on 2 ranks, expert parallelism on 4) and the multimodal end-to-end
-# run (marker `ranks`, ~7 minutes): not in .ci/run, whose 60 minutes they would pass; run them with any change to
-# trainer/parallel/.
+# The new parallelism checks at 2-4 ranks under torchrun (pipeline stages x dp and x tp, PPO/DPO through stages,
+# LoRA under FSDP2 and TP, routing replay and stage reports on 2 ranks, expert parallelism on 4) and the multimodal
+# end-to-end run (marker `ranks`, ~9 minutes): not in .ci/run, whose 60 minutes they would pass; run them with any
+# change to trainer/parallel/.
 test-ranks: $(STAMP)
 	$(BIN)/python -m pytest -q -rA -m "ranks and not vllm" --durations=15 $(PYTEST_ARGS)
 

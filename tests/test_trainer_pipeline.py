@@ -2,7 +2,8 @@
 the single process's losses, gradients and updated weights, with the 1F1B and the interleaved schedule; a DCP
 checkpoint resumes across pp sizes (2 -> 1, 1 -> 2) at the same next loss; the trained policy, published by both
 stages (each its own layers), lands bit for bit in an engine and a rollout process greedy-decodes as the trainer's
-model does (test_pipeline_publish.py: the publish path, and a stage whose part never arrives).
+model does (test_pipeline_publish.py: the publish path, and a stage whose part never arrives). On 4 ranks (`ranks`):
+pp 2 x dp 2, and pp 2 x tp 2 (TP within each stage).
 
 The test runs this file as a script under `torchrun --nproc_per_node 2` (see `worker`). A 4-layer tiny model:
 interleaved runs 2 stages per rank.
@@ -19,7 +20,7 @@ from test_trainer_parallel import _run, make_samples
 STEPS = 2
 SAVE_AT = 1  # the checkpoint holds the state after this many steps; a resume trains step SAVE_AT
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}  # the last in test_two_stages_ppo_dpo only (refused with dp > 1)
+             "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}  # the last not with dp > 1 (refused)
 RUNS = {  # micro_batch_size 2 of 8 rows: 4 micro-batches a step, 2 x pp
     "grpo": {"name": "grpo", "off_policy": "tis", "kl_coef": 0.05, "entropy_coef": 0.01},
     "ppo": {"name": "ppo", "off_policy": "decoupled"},
@@ -27,7 +28,7 @@ RUNS = {  # micro_batch_size 2 of 8 rows: 4 micro-batches a step, 2 x pp
 }
 
 
-def _config(model: str, algorithm: dict, pp: int, schedule: str, micro_batch_size: int):
+def _config(model: str, algorithm: dict, pp: int, schedule: str, micro_batch_size: int, tp: int = 1):
     """Adam's eps 1e-4: with the default 1e-8 an entry whose gradient is near 0 moves by lr * g / (|g| + eps), which
     turns a float-rounding difference of 1e-10 in g (stages sum in another order) into 2e-5 in the weight."""
     from trainer.config import TrainerConfig
@@ -35,7 +36,7 @@ def _config(model: str, algorithm: dict, pp: int, schedule: str, micro_batch_siz
     return TrainerConfig.model_validate({
         "model_path": model, "ref_model_path": model, "optim": {"lr": 2e-3, "eps": 1e-4},
         "algorithm": algorithm, "batch": {"global_batch_size": 8, "micro_batch_size": micro_batch_size},
-        "parallel": {"pp": pp, "pp_schedule": schedule},
+        "parallel": {"pp": pp, "pp_schedule": schedule, "tp": tp},
     })  # fmt: skip
 
 
@@ -86,6 +87,8 @@ def train(model: str, env, algorithms: list[str], schedule: str, micro_batch_siz
     """Per algorithm: each step's loss and grad norm, the first step's gradients, the final weights and the
     schedule class that ran; with `resume`: from that checkpoint root, the steps after it; with `publish` (a rollout
     process's address): the final weights published to it and to an in-process engine (publish_to_engine)."""
+    from torch.distributed.tensor import DTensor
+
     from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
     from trainer.learner import Learner
     from trainer.parallel import gather_model_state
@@ -93,7 +96,7 @@ def train(model: str, env, algorithms: list[str], schedule: str, micro_batch_siz
     results = {}
     for name in algorithms:
         algorithm = RUNS[name]
-        learner = Learner(_config(model, algorithm, env.pp_size, schedule, micro_batch_size), env)
+        learner = Learner(_config(model, algorithm, env.pp_size, schedule, micro_batch_size, env.tp_size), env)
         state = TrainState()
         if resume is not None:
             state = load_checkpoint(latest_checkpoint(resume / name), learner.policy, learner.optimizer, env)
@@ -109,7 +112,9 @@ def train(model: str, env, algorithms: list[str], schedule: str, micro_batch_siz
             if save is not None and state.step == SAVE_AT:
                 save_checkpoint(save / name, learner.policy, learner.optimizer, state, env)
         pipeline = learner.pipeline
-        results[name] = {"steps": steps, "grads": grads, "weights": gather_model_state(learner.policy, env),
+        tp_split = [n for n, p in learner.policy.named_parameters()
+                    if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]
+        results[name] = {"tp_split": len(tp_split),"steps": steps, "grads": grads, "weights": gather_model_state(learner.policy, env),
                          "schedule": type(pipeline.last_schedule).__name__ if pipeline else None,
                          "bubble": learner.pipeline and metrics["pp_bubble"],
                          "published": publish_to_engine(model, learner, env, publish) if publish else None}
@@ -124,7 +129,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     from trainer.parallel import DistEnv, init_distributed, shutdown_distributed
 
-    env = init_distributed("cpu", pp=args.pp)
+    env = init_distributed("cpu", pp=args.pp, tp=args.tp)
     one = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
     algorithms, ckpt, mbs = args.algorithms.split(","), Path(args.checkpoints), args.micro_batch_size
     results = {}
@@ -163,7 +168,8 @@ def _assert_same(staged: dict, single: dict, name: str) -> None:
 
 
 def _run_and_check(model: Path, tmp_path: Path, port: int, algorithms: list[str], engine: str, nproc: int = 2,
-                   micro_batch_size: int = 2, schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")) -> None:
+                   micro_batch_size: int = 2, schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"),
+                   tp: int = 1) -> None:
     """`engine`: a rollout process serving `model`, which each 1F1B run publishes to."""
     from test_pipeline_publish import engine_greedy, greedy
 
@@ -171,13 +177,15 @@ def _run_and_check(model: Path, tmp_path: Path, port: int, algorithms: list[str]
                 "--master_addr", "127.0.0.1", "--master_port", str(port)]
     _run([*torchrun, str(Path(__file__)), "--model", str(model), "--checkpoints", str(tmp_path / "ckpt"),
           "--out", str(tmp_path / "out.pt"), "--algorithms", ",".join(algorithms), "--micro-batch-size",
-          str(micro_batch_size), "--schedules", ",".join(schedules), "--engine", engine], tmp_path, timeout=600)
+          str(micro_batch_size), "--schedules", ",".join(schedules), "--engine", engine, "--tp", str(tp)], tmp_path,
+         timeout=600)
     results = torch.load(tmp_path / "out.pt", weights_only=False)
     single = results["single"]
     for schedule in schedules:
         kind = SCHEDULES[schedule]
         for name in algorithms:
             assert results[schedule][name]["schedule"] == kind, (schedule, name)
+            assert (results[schedule][name]["tp_split"] > 0) == (tp > 1), (schedule, name)  # rank 0's layers split
             assert 0 <= results[schedule][name]["bubble"] < 1
             _assert_same(results[schedule][name], single[name], f"{schedule} {name}")
     for name in algorithms:  # the staged policy, published by both stages, lands whole and bit-exact
@@ -221,7 +229,7 @@ def test_pp_refuses_what_it_cannot_do_yet(tiny_model_dir):
     from trainer.parallel import DistEnv
 
     base = {"model_path": str(tiny_model_dir), "parallel": {"pp": 2}}
-    with pytest.raises(ValueError, match="not with batch.packing or parallel.tp > 1"):
+    with pytest.raises(ValueError, match="parallel.pp > 1: not with batch.packing yet"):
         TrainerConfig.model_validate({**base, "batch": {"packing": True}})
     with pytest.raises(ValueError, match="pp=2, ep=1, but the process group was made with tp=1, pp=1"):
         Learner(TrainerConfig.model_validate(base), DistEnv(rank=0, world_size=1, device=torch.device("cpu")))
@@ -241,6 +249,20 @@ def test_two_stages_two_data_parallel(four_layers, tmp_path, free_port, service_
     _run_and_check(four_layers, tmp_path, free_port, ["grpo", "ppo"], engine.address, nproc=4, micro_batch_size=1)
 
 
+@pytest.mark.ranks
+def test_two_stages_two_tensor_parallel(tmp_path_factory, tmp_path, free_port, service_factory):
+    """pp 2 x tp 2 (4 processes): each stage's layers split by TP (its heads and MLP columns, the residual stream by
+    sequence, so a stage sends the next one its share of positions), 4 micro-batches of 2 rows, under 1F1B and
+    interleaved 1F1B (2 stages per rank). Two K/V heads: TP splits whole heads."""
+    from rollout.model.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path_factory.mktemp("pp-tp-model") / "qwen2", num_layers=4, hidden_size=64,
+                             num_heads=2, num_kv_heads=2, intermediate_size=96, seed=0)
+    engine = service_factory("rollout", {"model": str(model)})
+    _run_and_check(model, tmp_path, free_port, ["grpo", "ppo", "dpo"], engine.address, nproc=4, tp=2,
+                   schedules=tuple(SCHEDULES))
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     parser = argparse.ArgumentParser()
@@ -251,5 +273,6 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--schedules", default="1f1b,interleaved_1f1b")
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--engine", required=True)
     worker(parser.parse_args())

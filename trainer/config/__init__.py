@@ -88,7 +88,7 @@ class TrainerConfig(Strict):
         if self.batch.packing and self.parallel.tp > 1:
             raise ValueError("batch.packing: not with parallel.tp > 1 yet (sequence parallelism pads every row to a "
                              "multiple of tp, and the packed rows' segments would have to cover that padding)")
-        if self.parallel.pp > 1 and (self.batch.packing or self.parallel.tp > 1):
-            raise ValueError("parallel.pp > 1: not with batch.packing or parallel.tp > 1 yet (a pipeline's "
-                             "micro-batches are padded to one shape; the stages are not split by TP)")
+        if self.parallel.pp > 1 and self.batch.packing:
+            raise ValueError("parallel.pp > 1: not with batch.packing yet (a pipeline's micro-batches are padded to "
+                             "one shape, not packed)")
         return self

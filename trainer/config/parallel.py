@@ -34,8 +34,8 @@ class ParallelConfig(Strict):
         "many stages (trainer/parallel/stages.py; the embedding with the first, the final norm, the LM head and the "
         "value head with the last), one group of ranks each, outermost on the mesh (pp, dp, tp). Each optimizer "
         "step's micro-batches run through the stages by `pp_schedule`; parameter names stay the whole model's, so "
-        "checkpoints resume on any pp. It must divide the processes; not with tied embeddings, tp > 1 or packing "
-        "yet.",
+        "checkpoints resume on any pp. With tp > 1 each stage's layers are split by TP. It must divide the "
+        "processes; not with tied embeddings or packing yet.",
     )
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = Field(
         "1f1b", description="With pp > 1, torch.distributed.pipelining's schedule: 1f1b (Schedule1F1B: one stage "

@@ -2,7 +2,8 @@
 activation checkpointing, then FSDP.
 
 Stages first (parallel.pp > 1, trainer/parallel/stages.py): each rank keeps only its stages' layers, and what
-follows applies per stage.
+follows applies per stage: TP to the layers, embedding, norm and heads the rank still holds, then checkpointing and
+FSDP per stage (stages.shard_stages).
 
 TP first: it replaces each split weight by a DTensor on the "tp" mesh; activation checkpointing wraps whole
 decoder layers (so a recomputed layer redoes its TP collectives); FSDP last shards every parameter, TP-split
@@ -29,12 +30,14 @@ def parallelize(
     dtype: str = "float32",
     checkpoint_layers: Callable[[PolicyModel], None] | None = None,
 ) -> PolicyModel:
-    """Split `policy` in place over env's (pp, dp, tp) mesh (and its experts over "ep"); a world of one keeps it whole (activation checkpointing
-    still applies). Works on a model on the meta device (trainer/parallel/loading.py materialises and loads it
+    """Split `policy` in place over env's (pp, dp, tp) mesh (and its experts over "ep"); a world of one keeps it
+    whole (activation checkpointing still applies). Works on a model on the meta device (trainer/parallel/loading.py materialises and loads it
     afterwards)."""
     config = config or ParallelConfig()
-    if env.pp_size > 1:  # TP within stages is not there yet (trainer/config refuses pp with tp)
+    if env.pp_size > 1:
         split_stages(policy, env, config)
+        if env.tp_size > 1:
+            apply_tp(policy, env.mesh["tp"])
         shard_stages(policy, env, config, dtype, checkpointing=checkpoint_layers is not None)
         return policy
     if env.distributed and env.tp_size > 1:

@@ -2,7 +2,9 @@
 
 Each call builds the stages' `PipelineStage`s and the schedule afresh for that step's micro-batch shape: every
 micro-batch is padded to the step's widest and longest (right-padded columns are masked; padding rows attend to
-one pad token and weigh nothing), so the stages exchange activations of one shape. Every rank holds the whole
+one pad token and weigh nothing), so the stages exchange activations of one shape. Under TP the width is padded
+to a multiple of tp and each rank sends and receives its share of positions ([rows, width / tp, hidden]: the
+residual stream is sequence-parallel, trainer/parallel/tp.py). Every rank holds the whole
 batch; the stages get the micro-batch's input ids and attention mask as keyword arguments, and the last stage's
 (logprobs, entropy, values) go to the caller's loss function, one micro-batch at a time: the losses are the
 trainer's own, their weights already normalised over the whole mini-batch (trainer/learner.py computes them before
@@ -93,6 +95,7 @@ class Pipeline:
         micros = [(micro.input_ids, micro.attention_mask, temperatures(micro)) for _, micro in micro_batches]
         rows = max(ids.shape[0] for ids, _, _ in micros)
         width = max(ids.shape[1] for ids, _, _ in micros)
+        width += -width % self.env.tp_size  # sequence parallel: each TP rank holds width / tp positions
         input_ids, attention, inv = self._padded(micros, rows, width)
         shapes = [ids.shape for ids, _, _ in micros]
         values = self.policy.value_head is not None
@@ -136,14 +139,16 @@ class Pipeline:
         return (*flat, inv.view(n * rows, width - 1) if inv is not None else None)
 
     def _stage(self, module: nn.Module, index: int, rows: int, width: int, entropy: bool, values: bool):
-        hidden = torch.empty((rows, width, self.policy.lm.config.hidden_size), dtype=self.hidden_dtype,
-                             device="meta", requires_grad=torch.is_grad_enabled())  # received with its gradient
+        hidden = torch.empty((rows, width // self.env.tp_size, self.policy.lm.config.hidden_size),
+                             dtype=self.hidden_dtype, device="meta",
+                             requires_grad=torch.is_grad_enabled())  # received with its gradient (TP: its share)
         inputs = torch.empty((rows, width), dtype=torch.int64, device="meta") if index == 0 else hidden
         if index < self.config.stages() - 1:
             outputs: Any = hidden
         else:
             token = torch.empty((rows, width - 1), dtype=torch.float32, device="meta")
-            outputs = (token,) + ((token,) if entropy else ()) + ((hidden[..., :1],) if values else ())
+            value = torch.empty((rows, width, 1), dtype=self.hidden_dtype, device="meta")  # TP: gathered, whole
+            outputs = (token,) + ((token,) if entropy else ()) + ((value,) if values else ())
         return TimedStage(module, index, self.config.stages(), self.env.device, input_args=inputs,
                           output_args=outputs, group=self.group)
 

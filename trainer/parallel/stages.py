@@ -9,13 +9,14 @@ Each rank's policy is the whole model's PolicyModel pruned to its stages (the ot
 ModuleDict keyed by the global layer index, embedding / head None where not held), so its parameter names are the
 whole model's ("lm.model.layers.5.mlp.up_proj.weight"): checkpoints (DCP, keyed by name) resume on any split, and
 the optimizer, publishing and export see the usual names. A `PolicyStage` is the runnable module of one stage,
-holding the same submodules; activation checkpointing and FSDP (over "dp") apply per stage, FSDP's root unit the
-stage's embedding / norm / heads.
+holding the same submodules; TP (over "tp", trainer/parallel/tp.py, on the pruned policy), then activation
+checkpointing and FSDP (over "dp") apply per stage, FSDP's root unit the stage's embedding / norm / heads.
 """
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from trainer.config.parallel import ParallelConfig
@@ -69,8 +70,12 @@ class PolicyStage(nn.Module):
                 inv_temperatures: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.first:
             hidden = self.embed_tokens(hidden)
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        mask_kwargs = {"config": self.config, "inputs_embeds": hidden, "attention_mask": attention_mask,
+        # Under TP a later stage receives its share of positions (sequence parallel): the mask and rotary embeddings
+        # are the whole sequence's, as the first stage makes them (the masks read the query length off the embeds).
+        width = input_ids.shape[1]
+        position_ids = torch.arange(width, device=hidden.device)[None]
+        embeds = hidden if hidden.shape[1] == width else hidden[:, :1].expand(-1, width, -1)
+        mask_kwargs = {"config": self.config, "inputs_embeds": embeds, "attention_mask": attention_mask,
                        "cache": None, "position_ids": position_ids}
         masks = {"full_attention": create_causal_mask(**mask_kwargs)}
         if "sliding_attention" in self.config.layer_types:
@@ -86,7 +91,10 @@ class PolicyStage(nn.Module):
                                                chunk_tokens=self.chunk_tokens, fp32=self.lm_head_fp32,
                                                entropy=self.entropy)
         outputs = [logprobs] + ([entropies] if self.entropy else [])
-        return tuple(outputs + ([self.value_head(hidden)] if self.value_head is not None else []))
+        if self.value_head is not None:
+            values = self.value_head(hidden)
+            outputs.append(values.to_local() if isinstance(values, DTensor) else values)  # TP: replicated, whole
+        return tuple(outputs)
 
 
 def split_stages(policy: nn.Module, env: DistEnv, config: ParallelConfig) -> None:

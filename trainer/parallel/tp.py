@@ -14,6 +14,11 @@ small and computed whole on every rank of the group.
 Sequence parallelism needs T divisible by tp: rows are right-padded to it before the forward
 (padding is masked and causal attention never looks right, so real positions are unchanged) and
 the outputs cut back after it (and handed out as plain tensors).
+
+With pipeline stages (trainer/parallel/stages.py) the plan applies to what the rank's stages hold: the embedding
+and the first layer's input split only on the first stage, the final norm and the heads only on the last; a stage
+hands the next one its share of positions as its last layer left them, and trainer/parallel/pipeline.py pads the
+micro-batches to a width tp divides instead of pad_sequences.
 """
 
 import torch.nn.functional as F
@@ -53,20 +58,17 @@ def apply_tp(policy: PolicyModel, mesh: DeviceMesh) -> None:
     # The styles re-create each parameter they split as a trainable one: frozen ones (a LoRA base, a reference
     # policy) are frozen again below, before FSDP copies the flag into its shards.
     frozen = {name for name, parameter in policy.named_parameters() if not parameter.requires_grad}
-    tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
-    base = lm.base_model
-    parallelize_module(base, mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                       use_local_output=True),
-        "norm": SequenceParallel(),
-    })  # fmt: skip
-    for layer in base.layers:
+    base, head = lm.base_model, lm.get_output_embeddings()
+    tied = head is not None and base.embed_tokens is not None and head.weight is base.embed_tokens.weight
+    parallelize_module(base, mesh, _outer_plan(base))
+    layers = base.layers.values() if isinstance(base.layers, nn.ModuleDict) else base.layers
+    for layer in layers:
         parallelize_module(layer, mesh, _layer_plan(layer, mesh.size()))
     # The head's weight split by vocabulary row; the policy's forward uses it directly (trainer/lm_head.py:
     # head_token_stats), never calling the module, so these input/output layouts only describe it.
-    parallelize_module(lm.get_output_embeddings(), mesh,
-                       ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False))
+    if head is not None:
+        parallelize_module(head, mesh,
+                           ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False))
     if tied:  # both split by vocabulary row (Shard(0)): one parameter again
         lm.get_output_embeddings().weight = lm.get_input_embeddings().weight
     if policy.value_head is not None:
@@ -74,6 +76,20 @@ def apply_tp(policy: PolicyModel, mesh: DeviceMesh) -> None:
     for name, parameter in policy.named_parameters():
         if name in frozen:
             parameter.requires_grad_(False)
+
+
+def _outer_plan(base: nn.Module) -> dict:
+    """The embedding (whole output), the first layer taking its share of positions, the final norm; a pipeline
+    stage (trainer/parallel/stages.py) holds some of them: the first layer of a later stage receives the previous
+    stage's share of positions as it left its last layer."""
+    plan = {}
+    if base.embed_tokens is not None:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    if base.norm is not None:
+        plan["norm"] = SequenceParallel()
+    return plan
 
 
 def _layer_plan(layer: nn.Module, tp: int) -> dict:
