@@ -46,6 +46,12 @@ class PolicyModel(nn.Module):
         base = self.lm.base_model
         return base.layers if hasattr(base, "layers") else base.language_model.layers
 
+    @property
+    def vision_blocks(self) -> nn.ModuleList:
+        """A vision-language model's vision tower blocks (FSDP units too); empty for a text model."""
+        visual = getattr(self.lm.base_model, "visual", None)
+        return visual.blocks if visual is not None else nn.ModuleList()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -83,14 +89,14 @@ def load_policy(path: str | Path, *, value_head: bool = False, device: torch.dev
     Dropout stays off (eval mode) during training too: the trainer's logprobs must be the
     numbers the rollout engine reports for the same weights.
     """
-    lm = _auto_class(path).from_pretrained(path, dtype=torch.float32)
+    lm = auto_class(path).from_pretrained(path, dtype=torch.float32)
     policy = PolicyModel(lm, value_head=value_head, chunk_tokens=chunk_tokens, lm_head_fp32=lm_head_fp32).to(device)
     policy.vision = VisionInputs.for_model(path)
     policy.eval()
     return policy
 
 
-def _auto_class(path: str | Path):
+def auto_class(path: str | Path):
     """transformers' auto class of the folder's model: a vision-language model (config.json has a vision tower) loads
     with its vision tower (AutoModelForImageTextToText), others as causal LMs."""
     config = Path(path) / "config.json"
