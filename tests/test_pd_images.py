@@ -9,6 +9,7 @@ import hashlib
 import grpc
 import pytest
 import torch
+from test_rollout_images import IMAGE_PAD, VISION_END, VISION_START, png
 
 from protos import kv_pb2, kv_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from protos.codec import decode_array, encode_array
@@ -19,7 +20,6 @@ from rollout.model.tiny import write_tiny_model
 from rollout.serve.config import ImageSettings
 from rollout.serve.images import ImageReader
 from services.client import connect
-from tests.test_rollout_images import IMAGE_PAD, VISION_END, VISION_START, png
 
 torch.set_num_threads(1)
 ENGINE = {"engine.max_model_len": 128, "engine.dtype": "float32", "engine.torch_threads": 1}

@@ -60,7 +60,6 @@ def worker(model: str, samples_file: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_a_sharded_vlm_policy_equals_one_process(tmp_path, free_port):
-    sys.path.insert(0, str(Path(__file__).parent))
     from test_trainer_vlm import engine_samples
 
     from rollout.model.tiny import write_tiny_model
