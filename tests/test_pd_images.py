@@ -152,3 +152,30 @@ def test_bad_image_parts_are_refused_by_name_by_both_workers(split):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[1]" in refused.value.details()
     whole, _ = asyncio.run(generate(split["decode"].address, request_of("after", temperature=0.0, max_tokens=2)))
     assert len(decode_array(whole.completions[0].token_ids)) == 2
+
+
+def test_an_imported_image_prompt_preempted_on_the_decode_engine_is_recomputed_with_its_images(vlm_dir):
+    """In-process, the hand-off itself (rollout/engine/kv_handoff.py): two imported image prompts of 24 tokens (7
+    blocks of 4 each) grow past a decode engine of 16 blocks, so one is preempted and recomputed from its tokens, vision tower included (the
+    import kept its images); each one's greedy tokens equal the monolithic engine's."""
+    from rollout.engine.kv_handoff import add_prefilled_request, prefill_for_transfer
+
+    reader = ImageReader.for_model(str(vlm_dir), ImageSettings())
+    config = {"model": str(vlm_dir), "max_model_len": 64, "dtype": "float32", "block_size": 4}
+    prefill_engine, decode_engine = LLMEngine(EngineConfig(**config)), LLMEngine(EngineConfig(**config, num_blocks=16))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, seed=1)  # the transfer's seed
+    tokens: dict[str, list[int]] = {}
+    expected = {}
+    for i, images in enumerate([IMAGES, [png(3), IMAGES[1]]]):
+        read = reader.read(parts(images))
+        prompt, inputs = reader.expand(PROMPT, read), [r.image for r in read]
+        [output] = prefill_engine.generate([prompt], params, images=[inputs])
+        expected[f"r{i}"] = output.completions[0].token_ids
+        prefilled = prefill_for_transfer(prefill_engine, f"r{i}", prompt, params, inputs)
+        for token in add_prefilled_request(decode_engine, f"r{i}", prefilled, params, inputs):
+            tokens.setdefault(token.request_id, []).append(token.token_id)
+    while decode_engine.requests:
+        for token in decode_engine.step():
+            tokens.setdefault(token.request_id, []).append(token.token_id)
+    assert decode_engine.stats["preemptions"] > 0
+    assert tokens == expected
