@@ -26,7 +26,7 @@ from protos import common_pb2 as protos_dot_common__pb2
 from protos import rollout_pb2 as protos_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fprotos/kv.proto\x12\rrelayrl.kv.v1\x1a\x13protos/common.proto\x1a\x14protos/rollout.proto\"\x99\x01\n\x0ePrefillRequest\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.relayrl.rollout.v1.GenerateRequest\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x1a\n\rkv_group_rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0ckv_group_tag\x18\x04 \x01(\x04\x42\x10\n\x0e_kv_group_rank\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xdc\x02\n\x10KVTransferHeader\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.relayrl.rollout.v1.GenerateRequest\x12\'\n\x06layout\x18\x02 \x01(\x0b\x32\x17.relayrl.kv.v1.KVLayout\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x31\n\x0f\x66irst_token_ids\x18\x07 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x30\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x1e\n\x11payload_from_rank\x18\t \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_payload_from_rank\"_\n\x0fKVTransferChunk\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.relayrl.kv.v1.KVTransferHeaderH\x00\x12\x11\n\x07payload\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x10\n\x0eGetLoadRequest\"t\n\x0fGetLoadResponse\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x32[\n\rPrefillWorker\x12J\n\x07Prefill\x12\x1d.relayrl.kv.v1.PrefillRequest\x1a\x1e.relayrl.kv.v1.KVTransferChunk0\x01\x32\xab\x01\n\x0c\x44\x65\x63odeWorker\x12Q\n\x08\x43ontinue\x12\x1e.relayrl.kv.v1.KVTransferChunk\x1a!.relayrl.rollout.v1.GenerateChunk(\x01\x30\x01\x12H\n\x07GetLoad\x12\x1d.relayrl.kv.v1.GetLoadRequest\x1a\x1e.relayrl.kv.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fprotos/kv.proto\x12\rrelayrl.kv.v1\x1a\x13protos/common.proto\x1a\x14protos/rollout.proto\"\x99\x01\n\x0ePrefillRequest\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.relayrl.rollout.v1.GenerateRequest\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x1a\n\rkv_group_rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0ckv_group_tag\x18\x04 \x01(\x04\x42\x10\n\x0e_kv_group_rank\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xa4\x03\n\x10KVTransferHeader\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.relayrl.rollout.v1.GenerateRequest\x12\'\n\x06layout\x18\x02 \x01(\x0b\x32\x17.relayrl.kv.v1.KVLayout\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x31\n\x0f\x66irst_token_ids\x18\x07 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x30\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x1e\n\x11payload_from_rank\x18\t \x01(\rH\x00\x88\x01\x01\x12\x31\n\x0fmrope_positions\x18< \x01(\x0b\x32\x18.relayrl.common.v1.Array\x12\x13\n\x0bmrope_delta\x18= \x01(\x12\x42\x14\n\x12_payload_from_rank\"_\n\x0fKVTransferChunk\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.relayrl.kv.v1.KVTransferHeaderH\x00\x12\x11\n\x07payload\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x10\n\x0eGetLoadRequest\"t\n\x0fGetLoadResponse\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x32[\n\rPrefillWorker\x12J\n\x07Prefill\x12\x1d.relayrl.kv.v1.PrefillRequest\x1a\x1e.relayrl.kv.v1.KVTransferChunk0\x01\x32\xab\x01\n\x0c\x44\x65\x63odeWorker\x12Q\n\x08\x43ontinue\x12\x1e.relayrl.kv.v1.KVTransferChunk\x1a!.relayrl.rollout.v1.GenerateChunk(\x01\x30\x01\x12H\n\x07GetLoad\x12\x1d.relayrl.kv.v1.GetLoadRequest\x1a\x1e.relayrl.kv.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,15 +38,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=233
   _globals['_KVLAYOUT']._serialized_end=338
   _globals['_KVTRANSFERHEADER']._serialized_start=341
-  _globals['_KVTRANSFERHEADER']._serialized_end=689
-  _globals['_KVTRANSFERCHUNK']._serialized_start=691
-  _globals['_KVTRANSFERCHUNK']._serialized_end=786
-  _globals['_GETLOADREQUEST']._serialized_start=788
-  _globals['_GETLOADREQUEST']._serialized_end=804
-  _globals['_GETLOADRESPONSE']._serialized_start=806
-  _globals['_GETLOADRESPONSE']._serialized_end=922
-  _globals['_PREFILLWORKER']._serialized_start=924
-  _globals['_PREFILLWORKER']._serialized_end=1015
-  _globals['_DECODEWORKER']._serialized_start=1018
-  _globals['_DECODEWORKER']._serialized_end=1189
+  _globals['_KVTRANSFERHEADER']._serialized_end=761
+  _globals['_KVTRANSFERCHUNK']._serialized_start=763
+  _globals['_KVTRANSFERCHUNK']._serialized_end=858
+  _globals['_GETLOADREQUEST']._serialized_start=860
+  _globals['_GETLOADREQUEST']._serialized_end=876
+  _globals['_GETLOADRESPONSE']._serialized_start=878
+  _globals['_GETLOADRESPONSE']._serialized_end=994
+  _globals['_PREFILLWORKER']._serialized_start=996
+  _globals['_PREFILLWORKER']._serialized_end=1087
+  _globals['_DECODEWORKER']._serialized_start=1090
+  _globals['_DECODEWORKER']._serialized_end=1261
 # @@protoc_insertion_point(module_scope)

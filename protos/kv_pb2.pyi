@@ -34,7 +34,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("request", "layout", "codec", "weight_version", "payload_bytes", "checksum", "first_token_ids", "first_logprobs", "payload_from_rank")
+    __slots__ = ("request", "layout", "codec", "weight_version", "payload_bytes", "checksum", "first_token_ids", "first_logprobs", "payload_from_rank", "mrope_positions", "mrope_delta")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class KVTransferHeader(_message.Message):
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FROM_RANK_FIELD_NUMBER: _ClassVar[int]
+    MROPE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    MROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     request: _rollout_pb2.GenerateRequest
     layout: KVLayout
     codec: str
@@ -53,7 +55,9 @@ class KVTransferHeader(_message.Message):
     first_token_ids: _common_pb2.Array
     first_logprobs: _common_pb2.Array
     payload_from_rank: int
-    def __init__(self, request: _Optional[_Union[_rollout_pb2.GenerateRequest, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., codec: _Optional[str] = ..., weight_version: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., first_logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., payload_from_rank: _Optional[int] = ...) -> None: ...
+    mrope_positions: _common_pb2.Array
+    mrope_delta: int
+    def __init__(self, request: _Optional[_Union[_rollout_pb2.GenerateRequest, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., codec: _Optional[str] = ..., weight_version: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., first_token_ids: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., first_logprobs: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., payload_from_rank: _Optional[int] = ..., mrope_positions: _Optional[_Union[_common_pb2.Array, _Mapping]] = ..., mrope_delta: _Optional[int] = ...) -> None: ...
 
 class KVTransferChunk(_message.Message):
     __slots__ = ("header", "payload")

@@ -156,8 +156,8 @@ def test_encoding_decoding_and_checksums_run_off_the_event_loop(engines, decode,
     monkeypatch.setattr(transfer, "zlib", SimpleNamespace(crc32=record("crc32", zlib.crc32)))
     engines[0].weight_version = engines[1].weight_version = 0
 
-    async def prefilled(request_id, prompt, params):
-        return prefill_for_transfer(engines[0], request_id, prompt, params)
+    async def prefilled(request_id, prompt, params, images=()):
+        return prefill_for_transfer(engines[0], request_id, prompt, params, images)
 
     prefill = PrefillServicer(SimpleNamespace(prefill_for_transfer=prefilled), None, codec="int8")
     ask = kv_pb2.PrefillRequest(request=rollout_pb2.GenerateRequest(

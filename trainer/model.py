@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from trainer.lm_head import head_token_stats
 from trainer.moe.routing import router_hooks
 from trainer.packing import pack_rows
-from trainer.vision import VisionInputs, embed_with_images
+from trainer.vision import VisionInputs, embed_images, rope_positions
 
 # Names of the value head's parameters in the policy's state dict (never exported to HF).
 VALUE_HEAD_PREFIX = "value_head."
@@ -46,6 +46,12 @@ class PolicyModel(nn.Module):
         base = self.lm.base_model
         return base.layers if hasattr(base, "layers") else base.language_model.layers
 
+    @property
+    def vision_blocks(self) -> nn.ModuleList:
+        """A vision-language model's vision tower blocks (FSDP units too); empty for a text model."""
+        visual = getattr(self.lm.base_model, "visual", None)
+        return visual.blocks if visual is not None else nn.ModuleList()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -62,8 +68,11 @@ class PolicyModel(nn.Module):
         """
         inputs = {"input_ids": input_ids}
         if "pixel_values" in attention_kwargs:  # a vision-language policy's images (trainer/vision.py)
-            embeds, position_ids = embed_with_images(self.lm.base_model, input_ids, attention_mask, **attention_kwargs)
-            inputs, attention_kwargs = {"inputs_embeds": embeds}, {}
+            images = {key: attention_kwargs.pop(key) for key in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+            inputs = {"inputs_embeds": embed_images(self.lm.base_model, input_ids, **images)}
+            if position_ids is None:  # padded rows (packed ones bring theirs: VisionInputs.packed)
+                position_ids = rope_positions(self.lm.base_model, input_ids, attention_mask, images["image_grid_thw"],
+                                              images["mm_token_type_ids"])
         # No KV cache: it would hold every layer's keys and values, and with one transformers ignores packed rows.
         hidden = self.lm.base_model(**inputs, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, **attention_kwargs).last_hidden_state
@@ -80,14 +89,14 @@ def load_policy(path: str | Path, *, value_head: bool = False, device: torch.dev
     Dropout stays off (eval mode) during training too: the trainer's logprobs must be the
     numbers the rollout engine reports for the same weights.
     """
-    lm = _auto_class(path).from_pretrained(path, dtype=torch.float32)
+    lm = auto_class(path).from_pretrained(path, dtype=torch.float32)
     policy = PolicyModel(lm, value_head=value_head, chunk_tokens=chunk_tokens, lm_head_fp32=lm_head_fp32).to(device)
     policy.vision = VisionInputs.for_model(path)
     policy.eval()
     return policy
 
 
-def _auto_class(path: str | Path):
+def auto_class(path: str | Path):
     """transformers' auto class of the folder's model: a vision-language model (config.json has a vision tower) loads
     with its vision tower (AutoModelForImageTextToText), others as causal LMs."""
     config = Path(path) / "config.json"
@@ -142,7 +151,7 @@ def run_policy(
 ) -> PolicyOutput:
     """Forward pass: logprobs of the next tokens, entropy (with gradient only if asked; None if not `entropy`),
     values, in the padded layout of `input_ids` (right-padded rows) whether or not the forward ran packed. `images`:
-    the rows' (pixel_values, image_grids) of a vision-language policy (TrainBatch.images; unpacked rows only).
+    the rows' (pixel_values, image_grids) of a vision-language policy (TrainBatch.images), packed or not.
 
     Logprobs and entropy are of softmax(logits / T) with each row's sampling temperature T
     (`temperatures` [B], None = 1): the distribution the rollout drew the tokens from and reported
@@ -154,11 +163,8 @@ def run_policy(
     """
     hooks = model.router_hooks
     tokens = attention_mask if token_mask is None else token_mask
-    vision = None
-    if images is not None:
-        if model.vision is None:
-            raise ValueError("images: the policy has no image processor (load it with load_policy)")
-        vision = model.vision.from_batch(*images, input_ids)
+    if images is not None and model.vision is None:
+        raise ValueError("images: the policy has no image processor (load it with load_policy)")
     inv = None
     if temperatures is not None and bool((temperatures != 1.0).any()):
         inv = 1.0 / temperatures.to(input_ids.device, torch.float32)
@@ -167,18 +173,20 @@ def run_policy(
         if hooks is not None:
             flat = routes.reshape(-1, *routes.shape[2:]).to(input_ids.device) if routes is not None else None
             hooks.prepare(flat, tokens.reshape(-1).bool(), replay)
-        logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy, **(vision or {}))
+        vision = model.vision.from_batch(*images, input_ids) if images is not None else {}
+        logprobs, entropies, values = model(input_ids, attention_mask, None, inv_tokens, entropy, **vision)
         values = values[:, :-1, 0].float() if values is not None else None
     else:
-        if vision:
-            raise ValueError("packing: rows with images are not packed yet (their 3-D positions); run unpacked")
         rows = pack_rows(input_ids, attention_mask.sum(-1).tolist(), packing.row_tokens, packing.pad_id)
+        vision = {} if images is None else model.vision.packed(model.lm.base_model, rows, *images, input_ids,
+                                                               attention_mask)
+        position_ids = vision.pop("position_ids", rows.position_ids)
         if hooks is not None:
             hooks.prepare(rows.pack_tokens(routes.to(input_ids.device), -1) if routes is not None else None,
                           rows.pack_tokens(tokens, 0).bool(), replay)
-        logprobs, entropies, values = model(rows.input_ids, None, rows.position_ids,
+        logprobs, entropies, values = model(rows.input_ids, None, position_ids,
                                             rows.spread(inv) if inv is not None else None, entropy,
-                                            **rows.attention_kwargs())
+                                            **rows.attention_kwargs(), **vision)
         logprobs = rows.unpack(logprobs)
         entropies = rows.unpack(entropies) if entropies is not None else None
         values = rows.unpack(values[:, :-1, 0].float()) if values is not None else None

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from protos.sample import SampleImage
+from trainer.packing import PackedRows
 
 
 class VisionInputs:
@@ -65,6 +66,30 @@ class VisionInputs:
         return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.stack(kept).to(input_ids.device),
                 "mm_token_type_ids": self._image_runs(input_ids, counts).int()}
 
+    def packed(self, base, rows: PackedRows, pixel_values: torch.Tensor, grids: torch.Tensor, input_ids: torch.Tensor,
+               attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward's image arguments for `rows`, the right-padded `input_ids` [n, T] packed (`base`: the policy's
+        Qwen2_5_VLModel; pixel_values, grids: batch_tensors' rows): each sample's 3-D positions computed on its own
+        row and laid where its tokens lie, after the packed rows' restarting text positions (position_ids [4, R, L]:
+        transformers' packed form for Qwen2.5-VL, whose first row tells where each sample starts); the image-token
+        marks packed with the tokens; the images in the order their samples lie in the packed rows, the order the
+        tower's rows are spliced in. {} without images."""
+        images = self.from_batch(pixel_values, grids, input_ids)
+        if not images:
+            return {}
+        length, width = rows.input_ids.shape[1], input_ids.shape[1]
+        positions = rope_positions(base, input_ids, attention_mask, images["image_grid_thw"], images["mm_token_type_ids"])
+        owner = [row for row in range(grids.shape[0]) for grid in grids[row] if int(grid.prod())]  # each image's sample
+        first = rows.token_src % width == 0  # each sample's first token: where the sample starts in the packed rows
+        start = torch.zeros(input_ids.shape[0], dtype=torch.int64)
+        start[rows.token_src[first] // width] = rows.token_dst[first]
+        order = sorted(range(len(owner)), key=lambda image: (int(start[owner[image]]), image))
+        patches = images["pixel_values"].split(images["image_grid_thw"].prod(-1).tolist())
+        packed_positions = rows.pack_tokens(positions.permute(1, 2, 0), 0).T.reshape(3, -1, length)
+        return {"pixel_values": torch.cat([patches[i] for i in order]), "image_grid_thw": images["image_grid_thw"][order],
+                "mm_token_type_ids": rows.pack_tokens(images["mm_token_type_ids"], 0).view(-1, length),
+                "position_ids": torch.cat([rows.position_ids[None], packed_positions.to(rows.position_ids.device)])}
+
     def _image_runs(self, input_ids: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Where each row's images sit: in order, the runs of the image token exactly as long as the next image's
         tokens (a sampled image-token id, a run of another length, stays text, as the rollout engine took it).
@@ -105,15 +130,19 @@ class VisionInputs:
         return pixels, grids
 
 
-def embed_with_images(base, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pixel_values: torch.Tensor,
-                      image_grid_thw: torch.Tensor, mm_token_type_ids: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embeddings, 3-D positions) of a Qwen2.5-VL batch (`base`: its Qwen2_5_VLModel): the vision tower's
-    rows spliced where `mm_token_type_ids` marks the images' tokens, and transformers' M-RoPE positions for them.
-    Done here, not by transformers' forward, which takes every image-token id in the rows for an image's (a sampled
-    one too) and refuses the count."""
+def embed_images(base, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                 mm_token_type_ids: torch.Tensor) -> torch.Tensor:
+    """The input embeddings of a Qwen2.5-VL batch (`base`: its Qwen2_5_VLModel), the vision tower's rows spliced where
+    `mm_token_type_ids` marks the images' tokens (the images in the rows' flattened order). Done here, not by
+    transformers' forward, which takes every image-token id in the rows for an image's (a sampled one too) and refuses
+    the count."""
     embeds = base.get_input_embeddings()(input_ids)
     features = torch.cat(base.get_image_features(pixel_values, image_grid_thw).pooler_output).to(embeds.dtype)
-    embeds = embeds.masked_scatter(mm_token_type_ids.bool().unsqueeze(-1), features)
+    return embeds.masked_scatter(mm_token_type_ids.bool().unsqueeze(-1), features)
+
+
+def rope_positions(base, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_grid_thw: torch.Tensor,
+                   mm_token_type_ids: torch.Tensor) -> torch.Tensor:
+    """[3, rows, T] M-RoPE positions of right-padded rows with images (transformers' get_rope_index)."""
     positions, _ = base.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, attention_mask=attention_mask)
-    return embeds, positions
+    return positions

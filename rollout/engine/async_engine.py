@@ -104,14 +104,14 @@ class AsyncEngine(EngineThread):
             if unfinished:  # commands run in order, so this lands after the add, whatever became of it
                 self._submit(lambda: self._abort_stream(request_id, stream))
 
-    async def prefill_for_transfer(self, request_id: str, prompt_ids: Sequence[int],
-                                   params: SamplingParams) -> PrefilledPrompt:
-        """Prefill the prompt once between two steps, sample each completion's first token, and export the
-        prompt's KV (rollout/engine/kv_handoff.py); raises like generate(). Calls that wait together run as one
-        prefill batch (up to max_num_batched_tokens of prompt)."""
+    async def prefill_for_transfer(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                                   images: Sequence[ImageInput] = ()) -> PrefilledPrompt:
+        """Prefill the prompt (with its images) once between two steps, sample each completion's first token, and
+        export the prompt's KV (rollout/engine/kv_handoff.py); raises like generate(). Calls that wait together run as
+        one prefill batch (up to max_num_batched_tokens of prompt)."""
         prompt = list(prompt_ids)
         done: Future = Future()
-        await self._call(lambda: self._transfer_prefills.append((request_id, prompt, params, done)))
+        await self._call(lambda: self._transfer_prefills.append((request_id, prompt, params, list(images), done)))
         return await asyncio.wait_for(asyncio.wrap_future(done), self.command_timeout_s)
 
     def _run_transfer_prefills(self) -> None:
@@ -119,20 +119,21 @@ class AsyncEngine(EngineThread):
         pending, self._transfer_prefills = self._transfer_prefills, []
         for batch in budget_batches(pending, self.engine.config.max_num_batched_tokens):
             try:
-                results = prefill_many_for_transfer(self.engine, [(rid, prompt, params) for rid, prompt, params, _ in batch])
+                results = prefill_many_for_transfer(self.engine, [request[:-1] for request in batch])
             except Exception as exc:  # noqa: BLE001 - the batch's callers learn why; the loop goes on
                 results = [exc] * len(batch)
             for (*_, done), result in zip(batch, results):
                 if done.set_running_or_notify_cancel():
                     (done.set_exception if isinstance(result, Exception) else done.set_result)(result)
 
-    async def generate_prefilled(self, request_id: str, prefilled: PrefilledPrompt,
-                                 params: SamplingParams) -> AsyncIterator[Completion]:
+    async def generate_prefilled(self, request_id: str, prefilled: PrefilledPrompt, params: SamplingParams,
+                                 images: Sequence[ImageInput] = ()) -> AsyncIterator[Completion]:
         """Like generate(), for a request whose prompt KV and first tokens were computed elsewhere (the first
-        delta carries the first tokens). Raises like generate(), and KVTransferInvalid, KVWeightVersionMismatch,
+        delta carries the first tokens; `images`: the prompt's, as the prefill had them). Raises like generate(), and KVTransferInvalid, KVWeightVersionMismatch,
         QueueFull when the KV blocks are not free now (rollout/engine/kv_handoff.py)."""
         async for delta in self._stream(request_id, params.n,
-                                        lambda: add_prefilled_request(self.engine, request_id, prefilled, params)):
+                                        lambda: add_prefilled_request(self.engine, request_id, prefilled, params,
+                                                                      list(images))):
             yield delta
 
     async def generate_all(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,

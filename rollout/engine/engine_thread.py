@@ -23,7 +23,6 @@ from rollout.engine.errors import EngineDead
 from rollout.engine.llm_engine import LLMEngine
 from rollout.engine.model_info import ModelInfo
 from rollout.engine.outputs import Completion, TokenOutput
-from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.sequence import Sequence as EngineSequence
 from services.device import device_scope
 
@@ -48,7 +47,7 @@ class EngineThread:
         self._idle_poll_s = idle_poll_s
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, Stream] = {}  # touched only by the engine thread
-        self._transfer_prefills: list[tuple[str, list[int], SamplingParams, Future]] = []  # engine thread only
+        self._transfer_prefills: list[tuple] = []  # (id, prompt, params, images, Future): engine thread only
         self._stopping = threading.Event()
         self._error: BaseException | None = None
         self._version_changed: asyncio.Event | None = None  # made in the caller's loop at the first watch

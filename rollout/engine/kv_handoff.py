@@ -3,13 +3,16 @@
 `prefill_for_transfer` (prefill worker) runs between two steps, like compute_logprobs: it takes blocks for
 the prompt, runs one prefill batch built exactly as the scheduler builds one for a new request (completion
 0 computed, the other n - 1 sampling from its logits with their own seed and index), exports the prompt's
-KV and frees the blocks. The n completions are prefilled once.
+KV and frees the blocks. The n completions are prefilled once. A prompt with images (a vision-language model) runs
+the vision tower there, and the export carries the prompt's M-RoPE positions and the offset decoding continues them
+with (rollout/engine/multimodal.py).
 
 `prefill_many_for_transfer` does that for the prefill worker's concurrent requests in one batch.
 
 `add_prefilled_request` (decode worker) makes the request's n sequences, imports the KV into the blocks of
 completion 0, lets the others share them (fork) and appends each completion's first token, as the
-monolithic engine's postprocess does. Each then holds a private block for the slot of its first token
+monolithic engine's postprocess does. With images, the request keeps them (a preempted request recomputes its prompt,
+tower included) and the positions the transfer carries, checked against those its images give the prompt. Each then holds a private block for the slot of its first token
 (copy-on-write of the shared last block) and waits in the scheduler like a session turn that brings its
 blocks: every token cached but the first sampled one, which its next step feeds in. From there the engine
 cannot tell it from a request it prefilled itself (preemption recomputes it from its tokens, as any other).
@@ -29,6 +32,7 @@ from rollout.engine.errors import (
     KVWeightVersionMismatch,
     QueueFull,
 )
+from rollout.engine.multimodal import ImageInput, MultimodalPrompt, prompt_images
 from rollout.engine.outputs import TokenOutput
 from rollout.engine.sampling_params import SamplingParams, validate_prompt
 from rollout.engine.scheduler import Batch
@@ -46,30 +50,33 @@ def served_layout(engine: "LLMEngine") -> ServedLayout:
 
 
 def prefill_for_transfer(engine: "LLMEngine", request_id: str, prompt_ids: list[int],
-                         params: SamplingParams) -> PrefilledPrompt:
-    """Prefill the prompt once, sample each completion's first token, and export the prompt's KV.
+                         params: SamplingParams, images: list[ImageInput] = ()) -> PrefilledPrompt:
+    """Prefill the prompt (with its images: one per run of image tokens) once, sample each completion's first
+    token, and export the prompt's KV.
 
     Raises InvalidRequest like add_request, QueueFull when running requests hold the blocks it needs."""
-    (result,) = prefill_many_for_transfer(engine, [(request_id, prompt_ids, params)])
+    (result,) = prefill_many_for_transfer(engine, [(request_id, prompt_ids, params, images)])
     if isinstance(result, Exception):
         raise result
     return result
 
 
-def prefill_many_for_transfer(engine: "LLMEngine", requests: list[tuple[str, list[int], SamplingParams]]
-                              ) -> list[PrefilledPrompt | Exception]:
-    """prefill_for_transfer of several requests in one prefill batch (the prefill worker's concurrent calls):
+def prefill_many_for_transfer(engine: "LLMEngine", requests: list[tuple]) -> list[PrefilledPrompt | Exception]:
+    """prefill_for_transfer of several (request id, prompt, params[, images]) in one prefill batch (the prefill worker's concurrent calls):
     one forward over every prompt, each request's result or its refusal (InvalidRequest, QueueFull) in order.
     Each completion samples with its own seed, so a request's tokens do not depend on its batch-mates."""
     manager = engine.block_manager
     results: list[PrefilledPrompt | Exception | None] = [None] * len(requests)
     admitted: list[tuple[int, list[int], list]] = []  # (index, prompt, sequences)
     try:
-        for i, (request_id, prompt_ids, params) in enumerate(requests):
+        for i, (request_id, prompt_ids, params, *images) in enumerate(requests):
             prompt = [int(t) for t in prompt_ids]
             try:
                 _validate(engine, prompt, params)
+                multimodal = prompt_images(engine.model_config, prompt, list(images[0]) if images else [])
                 seqs = engine._new_sequences(request_id, prompt, params)
+                for seq in seqs:  # before the allocation: the prefix cache keys on the images
+                    seq.multimodal = multimodal
                 head = seqs[0]
                 while not manager.can_allocate(head) and engine.sessions.evict_idle():
                     pass
@@ -129,13 +136,16 @@ def _prefill_and_export(engine: "LLMEngine", admitted: list[tuple[int, list[int]
         results[i] = PrefilledPrompt(
             prompt_ids=prompt, keys=_token_major(keys, len(prompt)), values=_token_major(values, len(prompt)),
             first_token_ids=token_ids[offset : offset + n], first_logprobs=logprobs[offset : offset + n],
-            seed=head.seed, weight_version=engine.weight_version)
+            seed=head.seed, weight_version=engine.weight_version,
+            mrope_positions=None if head.multimodal is None else head.multimodal.positions,
+            rope_delta=0 if head.multimodal is None else head.multimodal.rope_delta)
         offset += n
 
 
 def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: PrefilledPrompt,
-                          params: SamplingParams) -> list[TokenOutput]:
-    """Queue a request whose prompt KV and first tokens come from `prefilled`; returns the first tokens' outputs.
+                          params: SamplingParams, images: list[ImageInput] = ()) -> list[TokenOutput]:
+    """Queue a request whose prompt KV and first tokens come from `prefilled` (and its images, one per run of image
+    tokens: the prefill's); returns the first tokens' outputs.
 
     `params.seed` must be the seed the first tokens were sampled with (the transfer's). Raises InvalidRequest,
     DuplicateRequest like add_request, KVTransferInvalid for a transfer that does not fit the request,
@@ -143,6 +153,7 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
     not free now (retry)."""
     prompt = prefilled.prompt_ids
     _validate(engine, prompt, params)
+    multimodal = _imported_positions(engine, prefilled, list(images))
     if params.seed != prefilled.seed or len(prefilled.first_token_ids) != params.n:
         raise KVTransferInvalid(f"the transfer's seed {prefilled.seed} and {len(prefilled.first_token_ids)} first "
                                 f"tokens do not fit the request (seed {params.seed}, n={params.n})")
@@ -156,6 +167,8 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
         raise KVTransferInvalid(f"keys/values: {list(prefilled.keys.shape)}, the engine needs {list(expected)}")
     manager = engine.block_manager
     seqs = engine._new_sequences(request_id, prompt, params)
+    for seq in seqs:
+        seq.multimodal = multimodal
     # completion 0's blocks, and one block each for the slot of the first tokens (private copies)
     needed = manager.blocks_for(len(prompt)) + len(seqs)
     while needed > manager.num_free_blocks and engine.sessions.evict_idle():
@@ -182,6 +195,25 @@ def add_prefilled_request(engine: "LLMEngine", request_id: str, prefilled: Prefi
             engine.runner.cache.copy_blocks([copy[0]], [copy[1]])
         engine.scheduler.add(seq)
     return outputs
+
+
+def _imported_positions(engine: "LLMEngine", prefilled: PrefilledPrompt,
+                        images: list[ImageInput]) -> MultimodalPrompt | None:
+    """The M-RoPE state of an imported prompt: its images (kept for a recompute after preemption) at the positions
+    the transfer carries. KVTransferInvalid when those are not the ones the images give the prompt (or are missing, or
+    come for a text prompt); InvalidRequest when the images do not match the prompt's image tokens."""
+    multimodal = prompt_images(engine.model_config, prefilled.prompt_ids, images)
+    carried = prefilled.mrope_positions
+    if multimodal is None and carried is None:
+        return None
+    if multimodal is None or carried is None:
+        raise KVTransferInvalid(f"mrope_positions: the transfer carries {'none' if carried is None else 'some'} for a "
+                                f"prompt with {len(images)} images")
+    if (tuple(carried.shape) != tuple(multimodal.positions.shape) or not torch.equal(carried.long(), multimodal.positions)
+            or prefilled.rope_delta != multimodal.rope_delta):
+        raise KVTransferInvalid(f"mrope_positions: the transfer's positions (offset {prefilled.rope_delta}) are not "
+                                f"those its {len(images)} images give the prompt (offset {multimodal.rope_delta})")
+    return multimodal
 
 
 def _validate(engine: "LLMEngine", prompt: list[int], params: SamplingParams) -> None:

@@ -17,6 +17,10 @@ class PrefilledPrompt:
     first_logprobs: list[float]
     seed: int  # the request's sampling seed (given or drawn by the prefill engine)
     weight_version: int
+    # A prompt with images (M-RoPE, rollout/engine/multimodal.py): each prompt token's [3, len(prompt_ids)] int64
+    # positions, and the offset of the tokens after the prompt (index + rope_delta). None: a text prompt.
+    mrope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
 
 @dataclass(frozen=True)

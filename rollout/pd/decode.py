@@ -5,6 +5,12 @@ prompt's prefill from a prefill worker (rollout/pd/prefill.py explains the desig
 GenerateMany, ComputeLogprobs and the session rpcs run on this worker alone, prefill included (a session's
 KV stays on the worker its key is routed to). DecodeWorker.Continue decodes a transfer the caller brings.
 
+A prompt with images (a vision-language model) is read here as the rollout service reads it (its image runs expanded)
+and pulled with its images as data parts; the prefill worker runs the vision tower, and the transfer brings the
+prompt's M-RoPE positions and the offset its decoded tokens continue them with (rollout/pd/transfer.py). The import
+checks them against those the images give the prompt and keeps the images, should a preemption recompute the prompt.
+Continue reads the images the transfer's request carries.
+
 A transfer that does not fit is refused (INVALID_ARGUMENT, DATA_LOSS, FAILED_PRECONDITION) and the worker
 goes on serving. KV computed with other weights than served is never imported (weight updates reach prefill and
 decode workers a moment apart). KV of newer weights than this worker's waits, unpulled again, until this worker
@@ -38,6 +44,7 @@ from rollout.engine.outputs import Completion
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engines.settings import NativeSettings
 from rollout.pd.kv_group import KVGroup, KVGroupConfig, KVGroupError
+from rollout.serve.config import ImageSettings
 from rollout.serve.service import RolloutServicer
 from rollout.serve.wire import REFUSAL_CODES, generate_chunk
 from services.config import ClientConfig, ServerConfig, Strict
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
 
     from rollout.engine.async_engine import AsyncEngine
     from rollout.pd.transfer import ReceivedTransfer
+    from rollout.serve.images import ImageReader, ReadImage
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "relayrl.kv.v1.DecodeWorker"
@@ -86,6 +94,8 @@ class Config(Strict):
     kv_group: KVGroupConfig | None = Field(None, description="A torch.distributed group shared with prefill "
                                            "workers: their payloads come by recv, not gRPC chunks, once the group "
                                            "is up (rollout/pd/kv_group.py). None = gRPC only.")
+    images: ImageSettings = Field(default_factory=ImageSettings, description="Limits on a request's images (a "
+                                  "vision-language model; rollout/serve/images.py).")
 
 
 def params_proto(params: SamplingParams) -> rollout_pb2.SamplingParams:
@@ -101,8 +111,8 @@ def params_proto(params: SamplingParams) -> rollout_pb2.SamplingParams:
 class DecodeServicer(RolloutServicer):
     def __init__(self, engine: "AsyncEngine", model_name: str, tokenizer, prefill_channels: list[grpc.aio.Channel],
                  codec: str | None = None, import_wait_s: float = 30.0, prefill_timeout_s: float = 60.0,
-                 group: KVGroup | None = None, max_repulls: int = 10):
-        super().__init__(engine, model_name, tokenizer)
+                 group: KVGroup | None = None, max_repulls: int = 10, images: "ImageReader | None" = None):
+        super().__init__(engine, model_name, tokenizer, images=images)
         self.group = group
         self._tags = itertools.count(1)
         self.prefill_stubs = [kv_pb2_grpc.PrefillWorkerStub(channel) for channel in prefill_channels]
@@ -115,13 +125,15 @@ class DecodeServicer(RolloutServicer):
         self.max_repulls = max_repulls
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                        context, images=()) -> AsyncIterator[Completion]:
-        """Pull the prefill, import it, stream the deltas; refusals end the call with their status. (`images`: always
-        none here: this servicer has no image reader, so a request with images is refused before it.)"""
+                        context, images: list["ReadImage"] = ()) -> AsyncIterator[Completion]:
+        """Pull the prefill (with the prompt's images, as read), import it, stream the deltas; refusals end the call
+        with their status."""
         from rollout.engine.errors import EngineDead
 
         request = rollout_pb2.GenerateRequest(request_id=request_id, prompt_ids=encode_array(prompt, "int32"),
-                                              params=params_proto(params))
+                                              params=params_proto(params), images=[
+                                                  rollout_pb2.ImagePart(data=read.image.data, media_type=read.media_type,
+                                                                        sha256=read.image.hash) for read in images])
         started = time.monotonic()
         deadline = started + self.import_wait_s
         pulls, shipped, pause, pulled = 0, 0, _RETRY_S, None
@@ -133,7 +145,7 @@ class DecodeServicer(RolloutServicer):
                     shipped += sum(c.header.payload_bytes if c.HasField("header") else 0 for c in pulled[0][:1])
                 try:
                     transfer = await asyncio.to_thread(self._unpack, *pulled)
-                    async for delta in self._import(transfer, deadline):
+                    async for delta in self._import(transfer, deadline, [read.image for read in images]):
                         yield delta
                     return
                 except KVWeightVersionMismatch as exc:
@@ -153,9 +165,9 @@ class DecodeServicer(RolloutServicer):
             await self._refuse(context, exc)
 
     async def _generate_all(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            context, images=()) -> list[Completion]:
+                            context, images: list["ReadImage"] = ()) -> list[Completion]:
         completions = [Completion(i) for i in range(params.n)]
-        async for delta in self._generate(request_id, prompt, params, context):
+        async for delta in self._generate(request_id, prompt, params, context, images):
             done = completions[delta.index]
             done.token_ids += delta.token_ids
             done.logprobs += delta.logprobs
@@ -171,7 +183,8 @@ class DecodeServicer(RolloutServicer):
         try:
             transfer = await asyncio.to_thread(self._unpack, chunks)
             request = transfer.request
-            async for delta in self._import(transfer, time.monotonic() + self.import_wait_s):
+            images = [read.image for read in await asyncio.to_thread(self._read_images, request.images)]
+            async for delta in self._import(transfer, time.monotonic() + self.import_wait_s, images):
                 yield generate_chunk(request.request_id, delta, request.params.logprobs,
                                      self.decode_text(delta.token_ids))
         except (*_REFUSALS, EngineDead) as exc:  # EngineDead: UNAVAILABLE
@@ -240,13 +253,14 @@ class DecodeServicer(RolloutServicer):
         KV_GROUP_BYTES.inc(payload.numel())
         return chunks, payload
 
-    async def _import(self, transfer: "ReceivedTransfer", deadline: float) -> AsyncIterator[Completion]:
-        """The deltas of the imported request; waits (until `deadline`) while its KV blocks are not free."""
+    async def _import(self, transfer: "ReceivedTransfer", deadline: float, images=()) -> AsyncIterator[Completion]:
+        """The deltas of the imported request (`images`: its prompt's, ImageInputs); waits (until `deadline`) while its
+        KV blocks are not free."""
         params = dataclasses.replace(self._params(transfer.request.params), seed=transfer.prefilled.seed)
         while True:
             try:
                 async for delta in self.engine.generate_prefilled(transfer.request.request_id, transfer.prefilled,
-                                                                  params):
+                                                                  params, images):
                     yield delta
                 return
             except QueueFull:  # raised before any delta: the blocks are taken now
@@ -282,6 +296,7 @@ async def serve(config: Config) -> None:
     """Load the model and serve Rollout + DecodeWorker (+ WeightSync) until SIGTERM."""
     from protos import rollout_pb2_grpc, weights_pb2_grpc
     from rollout.engines import start_engine
+    from rollout.serve.images import ImageReader
     from rollout.serve.weight_receiver import WeightReceiver
     from rollout.serve.wire import SERVICE_NAME as ROLLOUT_SERVICE
     from services.client import connect
@@ -293,7 +308,7 @@ async def serve(config: Config) -> None:
     servicer = DecodeServicer(engine, config.model, engine.tokenizer, channels, config.codec,
                               config.import_wait_s, config.prefill_timeout_s,
                               KVGroup(config.kv_group, engine.device) if config.kv_group else None,
-                              config.max_repulls)
+                              config.max_repulls, ImageReader.for_model(config.model, config.images))
 
     async def on_stop() -> None:
         engine.shutdown()

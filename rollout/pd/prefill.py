@@ -18,6 +18,11 @@ share a torch.distributed group (`kv_group`) send the payload over it and only t
 This worker holds no sequence between calls: each Prefill runs between two engine steps (kv_handoff.py),
 prefills the n completions of the prompt once and frees its blocks. It receives weight updates like a rollout
 worker (WeightSync), and the transfer carries the version the KV was computed with.
+
+A prompt with images (a vision-language model) is read here as the rollout service reads it (rollout/serve/images.py:
+decoded, checked, processed, its one-token image runs expanded); the vision tower runs in this worker's prefill, and
+the transfer carries the prompt's M-RoPE positions with the images as data parts (rollout/pd/transfer.py), which the
+decode worker needs to continue the positions and, should it preempt the request, to recompute the prompt.
 """
 
 import asyncio
@@ -33,6 +38,7 @@ from rollout.engine.errors import DuplicateRequest, InvalidRequest, QueueFull
 from rollout.engines.settings import NativeSettings
 from rollout.kv.codecs import CODECS
 from rollout.pd.kv_group import KVGroup, KVGroupConfig, KVGroupError
+from rollout.serve.config import ImageSettings
 from rollout.serve.service import RolloutServicer
 from services.config import ServerConfig, Strict
 
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
     from protos import rollout_pb2
     from rollout.engine.async_engine import AsyncEngine
     from rollout.kv.prefilled import PrefilledPrompt
+    from rollout.serve.images import ImageReader, ReadImage
 
 SERVICE_NAME = "relayrl.kv.v1.PrefillWorker"
 _CHUNK_BYTES = 1 << 20  # rollout.pd.transfer.DEFAULT_CHUNK_BYTES (not imported here: it pulls in torch)
@@ -59,16 +66,19 @@ class Config(Strict):
     kv_group: KVGroupConfig | None = Field(None, description="A torch.distributed group shared with decode "
                                              "workers: payloads to its members go by send, not gRPC chunks "
                                              "(rollout/pd/kv_group.py). None = gRPC only.")
+    images: ImageSettings = Field(default_factory=ImageSettings, description="Limits on a request's images (a "
+                                  "vision-language model; rollout/serve/images.py).")
 
 
 class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: "AsyncEngine", tokenizer, codec: str = "none", chunk_bytes: int = _CHUNK_BYTES,
-                 group: KVGroup | None = None):
+                 group: KVGroup | None = None, images: "ImageReader | None" = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.group = group
+        self.images = images  # reads a request's image parts (a vision-language model); None: text only
 
     async def Prefill(self, request: kv_pb2.PrefillRequest, context):
         from rollout.engine.errors import EngineDead
@@ -81,10 +91,15 @@ class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
         if prompt_ids.size and generate.prompt_text:
             raise CodecError("request.prompt_ids: give prompt_ids or prompt_text, not both")
         prompt = self.tokenizer(generate.prompt_text).input_ids if generate.prompt_text else prompt_ids.tolist()
+        images = self._read_images(generate.images)
+        if images:
+            prompt = self.images.expand(prompt, images)
+            generate = _with_image_data(generate, images)
         request_id = generate.request_id or uuid.uuid4().hex
         params = RolloutServicer._params(generate.params)
         try:
-            prefilled = await self.engine.prefill_for_transfer(request_id, prompt, params)
+            prefilled = await self.engine.prefill_for_transfer(request_id, prompt, params,
+                                                               [read.image for read in images])
         except (InvalidRequest, QueueFull, DuplicateRequest, EngineDead) as exc:
             await context.abort(_code(exc), str(exc))
         grouped = request.HasField("kv_group_rank") and self.group is not None and self.group.ready
@@ -99,6 +114,14 @@ class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
             except KVGroupError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
+    def _read_images(self, parts) -> list["ReadImage"]:
+        """A request's image parts read (CodecError, INVALID_ARGUMENT, names a bad one); [] without parts."""
+        if not parts:
+            return []
+        if self.images is None:
+            raise CodecError("request.images: this prefill worker serves a text-only model: it takes no images")
+        return self.images.read(list(parts))
+
     def _transfer(self, request: "rollout_pb2.GenerateRequest", prefilled: "PrefilledPrompt", codec: str,
                   grouped: bool) -> tuple[list[kv_pb2.KVTransferChunk], "torch.Tensor | None"]:
         """The transfer's chunks, and with `grouped` the payload the group sends (encoded on the engine's device, moved
@@ -110,6 +133,19 @@ class PrefillServicer(kv_pb2_grpc.PrefillWorkerServicer):
             return list(pack(request, prefilled, codec, self.chunk_bytes, payload)), None
         payload = payload.to(self.group.device)
         return list(pack(request, prefilled, codec, self.chunk_bytes, payload, self.group.rank)), payload
+
+
+def _with_image_data(request: "rollout_pb2.GenerateRequest", images: list["ReadImage"]) -> "rollout_pb2.GenerateRequest":
+    """`request` with its image parts as the bytes read (a uri part read here is not read again by the decode
+    worker), each with its hash and media type."""
+    from protos import rollout_pb2
+
+    sent = rollout_pb2.GenerateRequest()
+    sent.CopyFrom(request)
+    del sent.images[:]
+    sent.images.extend(rollout_pb2.ImagePart(data=read.image.data, media_type=read.media_type, sha256=read.image.hash)
+                       for read in images)
+    return sent
 
 
 def _code(exc: Exception) -> grpc.StatusCode:
@@ -124,12 +160,14 @@ async def serve(config: Config) -> None:
     """Load the model and serve PrefillWorker (+ WeightSync) until SIGTERM."""
     from protos import weights_pb2_grpc
     from rollout.engines import start_engine
+    from rollout.serve.images import ImageReader
     from rollout.serve.weight_receiver import WeightReceiver
     from services.runtime import serve as serve_forever
 
     engine = start_engine(config.model, config.engine)
     group = KVGroup(config.kv_group, engine.device) if config.kv_group else None
-    servicer = PrefillServicer(engine, engine.tokenizer, config.codec, config.chunk_bytes, group)
+    servicer = PrefillServicer(engine, engine.tokenizer, config.codec, config.chunk_bytes, group,
+                               ImageReader.for_model(config.model, config.images))
 
     async def on_stop() -> None:
         engine.shutdown()

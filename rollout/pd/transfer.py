@@ -2,7 +2,8 @@
 
 A transfer is a stream of KVTransferChunk (protos/kv.proto): one header (the request with the seed its
 first tokens were sampled with, the KV layout and dtype, the codec, the weight version, the payload's byte
-count and CRC-32, and the first token of each completion with its logprob), then the encoded KV payload
+count and CRC-32, the first token of each completion with its logprob, and for a prompt with images its M-RoPE
+positions and the offset decoding continues them with), then the encoded KV payload
 in pieces of at most `chunk_bytes`. `unpack` checks everything against what the receiving engine serves
 and raises the typed errors of rollout/engine/errors.py, which the servicer maps to status codes.
 
@@ -79,6 +80,9 @@ def pack(request: rollout_pb2.GenerateRequest, prefilled: PrefilledPrompt, codec
         first_logprobs=encode_array(prefilled.first_logprobs, "float32"),
         payload_from_rank=payload_from_rank,
     )
+    if prefilled.mrope_positions is not None:
+        header.mrope_positions.CopyFrom(encode_array(prefilled.mrope_positions.reshape(-1).numpy(), "int32"))
+        header.mrope_delta = prefilled.rope_delta
     yield kv_pb2.KVTransferChunk(header=header)
     if payload_from_rank is not None:
         return
@@ -106,6 +110,7 @@ def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout,
     if header is None:
         raise KVTransferInvalid("the transfer is empty: it has no header")
     layout = check_header(header, served)
+    positions = decode_array(header.mrope_positions, expect="int32")
     if payload is None:
         payload = torch.frombuffer(bytearray().join(pieces), dtype=torch.uint8) if any(pieces) else torch.empty(
             0, dtype=torch.uint8)
@@ -129,6 +134,8 @@ def unpack(chunks: Iterable[kv_pb2.KVTransferChunk], served: ServedLayout,
         first_token_ids=decode_array(header.first_token_ids, expect="int32").tolist(),
         first_logprobs=decode_array(header.first_logprobs, expect="float32").tolist(),
         seed=request.params.seed, weight_version=header.weight_version,
+        mrope_positions=torch.from_numpy(positions.astype("int64")).reshape(3, -1) if positions.size else None,
+        rope_delta=header.mrope_delta,
     )
     return ReceivedTransfer(request, prefilled, header.codec, payload.numel())
 
@@ -151,10 +158,14 @@ def check_header(header: kv_pb2.KVTransferHeader, served: ServedLayout) -> tuple
         prompt = decode_array(request.prompt_ids, field="header.request.prompt_ids", expect="int32")
         first_ids = decode_array(header.first_token_ids, field="header.first_token_ids", expect="int32")
         first_logprobs = decode_array(header.first_logprobs, field="header.first_logprobs", expect="float32")
+        positions = decode_array(header.mrope_positions, field="header.mrope_positions", expect="int32")
     except CodecError as exc:
         raise KVTransferInvalid(str(exc)) from None
     if prompt.size == 0 or layout.num_tokens != prompt.size:
         raise KVTransferInvalid(f"layout.num_tokens: {layout.num_tokens} tokens of KV for a prompt of {prompt.size}")
+    if positions.size not in (0, 3 * prompt.size):
+        raise KVTransferInvalid(f"mrope_positions: {positions.size} positions for a prompt of {prompt.size} tokens "
+                                f"(3 per token, or none)")
     n = request.params.n or 1
     if first_ids.size != n or first_logprobs.size != n:
         raise KVTransferInvalid(f"first_token_ids: one per completion (n={n}), got {first_ids.size} ids and "

@@ -1,7 +1,8 @@
 """FSDP2 over the "dp" mesh, and its mixed precision.
 
 Each decoder layer is one FSDP unit (its parameters all-gathered just before it runs and freed
-after), the root holds the rest (embeddings, final norm, LM head, value head). Under mixed
+after), and so is each block of a vision-language model's vision tower; the root holds the rest (embeddings, final
+norm, LM head, value head, the tower's patch embedding and merger). Under mixed
 precision the sharded parameters (what the optimizer steps: the master weights) stay float32;
 FSDP all-gathers them cast to bfloat16, the forward and backward compute in bfloat16, and the
 gradients are reduce-scattered in float32 into float32 shards.
@@ -34,7 +35,7 @@ def uses_fsdp(env) -> bool:
 
 def apply_fsdp(policy: PolicyModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
                experts_mesh: DeviceMesh | None = None) -> None:
-    """Shard `policy` over `mesh` (the "dp" dimension) in place: each decoder layer, then the root; with
+    """Shard `policy` over `mesh` (the "dp" dimension) in place: each decoder layer (and vision block), then the root; with
     `experts_mesh` ("edp": expert parallelism), each layer's experts over it first."""
     for layer in policy.decoder_layers:
         for experts in expert_modules(layer) if experts_mesh is not None else ():
@@ -45,4 +46,6 @@ def apply_fsdp(policy: PolicyModel, mesh: DeviceMesh, mp_policy: MixedPrecisionP
             # rank: FSDP (torch 2.13) then divides by the factor twice (its no-collective branch, and after).
             experts.set_force_sum_reduction_for_comms(experts_mesh.size() > 1)
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    for block in policy.vision_blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(policy, mesh=mesh, mp_policy=mp_policy)

@@ -12,15 +12,16 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from trainer.config.model import ModelConfig
 from trainer.config.parallel import ParallelConfig
 from trainer.lora import apply_lora, freeze_base, has_lora, hf_base_names, init_adapters
-from trainer.model import PolicyModel, checkpoint_layers, load_policy
+from trainer.model import PolicyModel, auto_class, checkpoint_layers, load_policy
 from trainer.moe.names import expert_parts, fuse, is_fused_experts
 from trainer.parallel.compose import parallelize
 from trainer.parallel.mesh import DistEnv
+from trainer.vision import VisionInputs
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +69,18 @@ def build_policy(
         if lora is not None:
             _adapt(policy, lora)
             init_adapters(policy, seed)
-        if model.freeze_vision and hasattr(policy.lm.base_model, "visual"):
-            policy.lm.base_model.visual.requires_grad_(False)
+        _freeze_vision(policy, model)
         return parallelize(policy, env, config, dtype, checkpointing)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    with torch.device("meta"):  # a vision-language model with both towers (trainer/model.py: auto_class)
+        lm = auto_class(path).from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
         policy = PolicyModel(lm, value_head=value_head, **head)
         if lora is not None:
             _adapt(policy, lora)
+    policy.vision = VisionInputs.for_model(path)
     policy.eval().requires_grad_(trainable)
     if lora is not None:
         freeze_base(policy, ("value_head.",))
+    _freeze_vision(policy, model)
     parallelize(policy, env, config, dtype, checkpointing)
     policy.to_empty(device=env.device)
     _init_buffers(lm)
@@ -93,6 +95,12 @@ def build_policy(
     return policy
 
 
+def _freeze_vision(policy: PolicyModel, model: ModelConfig) -> None:
+    """`model.freeze_vision`: a vision-language policy's tower keeps its loaded weights (no gradient)."""
+    if model.freeze_vision and hasattr(policy.lm.base_model, "visual"):
+        policy.lm.base_model.visual.requires_grad_(False)
+
+
 def _adapt(policy: PolicyModel, lora) -> None:
     apply_lora(policy.lm, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     freeze_base(policy, ("value_head.",))
@@ -104,6 +112,7 @@ def load_hf_shards(lm: nn.Module, path: str | Path) -> int:
     reader = CountingReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = hf_base_names(lm.state_dict()) if has_lora(lm) else lm.state_dict()
+    state = {_saved_name(name, saved): tensor for name, tensor in state.items()}
     missing = set(state) - set(saved)
     head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()  # None on the stages without them
     tied = head is not None and embedding is not None and head.weight is embedding.weight
@@ -117,6 +126,17 @@ def load_hf_shards(lm: nn.Module, path: str | Path) -> int:
         raise ValueError(f"{path}: no weights for {sorted(missing)[:5]} ({len(missing)} in all)")
     dcp.load(state, storage_reader=reader)
     return reader.bytes_read + (_load_per_expert(experts, path) if experts else 0)
+
+
+def _saved_name(name: str, saved) -> str:
+    """A parameter's name in the folder: its own, or a vision-language model's in the layout checkpoints keep
+    (transformers' module `model.language_model.X` saved as `model.X`, `model.visual.X` as `visual.X`)."""
+    if name in saved:
+        return name
+    for module, folder in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+        if name.startswith(module) and folder + name[len(module):] in saved:
+            return folder + name[len(module):]
+    return name
 
 
 def _load_per_expert(fused: dict[str, torch.Tensor], path: str | Path) -> int:
