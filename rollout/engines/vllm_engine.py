@@ -18,7 +18,7 @@ produced it, exactly as in the native engine.
   (reset_prefix_cache(reset_running_requests=True), what vLLM's pause_generation(mode="keep") does): their
   context is computed again with the new weights before their next token, and no KV of other weights is
   ever reused. The reset is checked.
-- LoRA (lora.mode unmerged, rollout/engines/vllm_lora.py): an update of adapters alone becomes a vLLM LoRA adapter,
+- LoRA (lora.mode unmerged, rollout/engines/lora_versions.py): an update of adapters alone becomes a vLLM LoRA adapter,
   loaded from the update's tensors through LoRARequest; every request (and session turn) is submitted with the
   adapter of the version served then and finishes on it, its tokens tagged with that version (W is the frozen base
   of a LoRA policy, so W + its adapter is its policy). vLLM's prefix cache keys blocks by adapter, so an adapter
@@ -48,8 +48,8 @@ from rollout.engine.sequence import FinishReason, Sequence, SequenceStatus
 from rollout.engine.session_steps import SessionSteps
 from rollout.engine.sessions import SessionTable
 from rollout.engines.base import checkpoint_layout
+from rollout.engines.lora_versions import AdapterVersions, adapter_problem
 from rollout.engines.settings import VllmSettings
-from rollout.engines.vllm_lora import AdapterVersions, adapter_problem
 from rollout.engines.vllm_worker import SCORE_TEMPERATURE
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -129,8 +129,10 @@ class VllmCore(SessionSteps):
 
     # ---- requests
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Queue a request; raises InvalidRequest or DuplicateRequest."""
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, images: Seq = ()) -> None:
+        """Queue a request; raises InvalidRequest or DuplicateRequest (and for images: text prompts only here)."""
+        if images:
+            raise InvalidRequest("images", "the vLLM engine takes text prompts only; serve images with the native one")
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.info.vocab_size)
         params.validate(prompt_len=len(prompt), vocab_size=self.info.vocab_size,
@@ -303,7 +305,7 @@ class VllmCore(SessionSteps):
         the running requests are preempted so that vLLM computes their context again with the new weights
         (without it the reset fails while any request holds blocks, nearly always in asynchronous RL). vLLM
         copies (and on CPU repacks) the tensors, so `adopt` changes nothing. LoRA adapters among them (lora.mode
-        unmerged) become vLLM adapter `version` (rollout/engines/vllm_lora.py); an update of adapters alone leaves W
+        unmerged) become vLLM adapter `version` (rollout/engines/lora_versions.py); an update of adapters alone leaves W
         and the prefix cache as they are. Merged mode refuses adapters (the weight receiver merges them first)."""
         items, adapters = split_update(named_tensors)
         if adapters and self.adapters is None:
@@ -344,9 +346,10 @@ class VllmCore(SessionSteps):
 
     @property
     def stats(self) -> dict[str, int | float]:
-        """Sequences unfinished, open sessions (vLLM keeps its own scheduler's counters)."""
+        """Sequences unfinished, open sessions, adapter versions loaded (vLLM keeps its own scheduler's counters)."""
         return {"running": sum(not s.is_finished for seqs in list(self.requests.values()) for s in seqs),
-                "sessions": len(self.sessions.sessions), "sessions_expired": self.sessions.num_expired}
+                "sessions": len(self.sessions.sessions), "sessions_expired": self.sessions.num_expired,
+                "lora_versions_resident": len(self.adapters.resident) if self.adapters is not None else 0}
 
     # ---- sessions (rollout/engine/sessions.py)
 
@@ -379,7 +382,7 @@ def engine_args(model: str, settings: VllmSettings) -> dict:
         args["distributed_executor_backend"] = "uni"
     else:
         args["weight_transfer_config"] = {"backend": "nccl"}  # updates: rollout/engines/vllm_transfer.py
-    if settings.lora.mode == "unmerged":  # LoRA layers: rollout/engines/vllm_lora.py
+    if settings.lora.mode == "unmerged":  # LoRA layers: rollout/engines/lora_versions.py
         slots = settings.lora.versions_resident + 1  # one more: a new version's requests start while the rest drain
         args |= {"enable_lora": True, "max_lora_rank": settings.lora.max_rank, "max_loras": slots,
                  "max_cpu_loras": 2 * slots}

@@ -1,4 +1,4 @@
-"""vLLM's unmerged LoRA without vLLM (rollout/engines/vllm_lora.py): the update's adapters as the PEFT folder a
+"""vLLM's unmerged LoRA without vLLM (rollout/engines/lora_versions.py): the update's adapters as the PEFT folder a
 LoRARequest names (read back by peft onto transformers' model, it gives W x + B (A x) with the published B), the
 refusals, and which adapter versions stay resident. The engine itself runs in tests/test_engine_vllm_lora.py
 (`make test-vllm`)."""
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
+from rollout.engines.lora_versions import AdapterVersions, adapter_problem, peft_adapter, write_peft_folder
 from rollout.engines.settings import VllmSettings
-from rollout.engines.vllm_lora import AdapterVersions, adapter_problem, peft_adapter, write_peft_folder
 
 TARGETS = ("q_proj", "v_proj", "down_proj")
 
@@ -89,3 +89,18 @@ def test_a_version_stays_while_newest_or_while_a_request_runs_on_it(tmp_path):
     assert versions.add(5, adapters, 16)[0] == 5 and versions.leaving(set()) == [3]
     with pytest.raises(ValueError, match="resident already"):
         versions.add(5, adapters, 16)
+
+
+def test_unmerged_mode_turns_on_the_engines_lora_with_one_slot_more_than_versions_resident():
+    """vLLM's EngineArgs and SGLang's ServerArgs of lora.mode unmerged; merged adds none (no LoRA layers)."""
+    from rollout.engines.settings import SglangSettings
+    from rollout.engines.sglang_weights import lora_server_args
+    from rollout.engines.vllm_engine import engine_args
+
+    lora = {"mode": "unmerged", "versions_resident": 3, "max_rank": 32}
+    args = engine_args("m", VllmSettings(type="vllm", lora=lora))
+    assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"], args["max_cpu_loras"]) == (True, 32, 4, 8)
+    assert "enable_lora" not in engine_args("m", VllmSettings(type="vllm"))
+    sglang = lora_server_args(SglangSettings(type="sglang", lora=lora))
+    assert (sglang["enable_lora"], sglang["max_lora_rank"], sglang["max_loras_per_batch"]) == (True, 32, 4)
+    assert lora_server_args(SglangSettings(type="sglang")) == {}

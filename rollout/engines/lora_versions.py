@@ -1,19 +1,21 @@
-"""LoRA adapters served unmerged by vLLM (VllmSettings.lora.mode unmerged; docs/lora.md): each adapter-only weight
-version becomes a vLLM LoRA adapter, and each request is pinned to the version it was submitted on.
-
-vLLM loads an adapter through its documented API, a `LoRARequest(name, int id, path)` of a PEFT adapter folder
-(`LLMEngine.add_lora`); it has no public call that takes tensors. So the update's tensors are written, once per version,
-as a PEFT folder (adapter_model.safetensors + adapter_config.json) under a temporary directory (in /dev/shm where there
-is one: a few MB of memory, no disk), which vLLM reads into its own LoRA slots; the folder stays while vLLM may load
-the adapter again (its LRU cache of adapters reloads an evicted one from the path).
+"""LoRA adapters served unmerged by vLLM and SGLang (their `lora.mode: unmerged`; docs/lora.md): each adapter-only
+weight version becomes an adapter of the engine's own, and each request is pinned to the version it was submitted on.
 
 The update names adapters as the trainer publishes them (trainer/adapter_publish.py): `<module>.lora_A.weight` [r, in]
-and `<module>.lora_B.weight` [out, r], B pre-scaled by alpha / r, so the folder says lora_alpha = r (scale 1) and
-vLLM serves W x + B (A x) with the published B. vLLM fuses q/k/v and gate/up itself from the per-module names.
+and `<module>.lora_B.weight` [out, r], B pre-scaled by alpha / r. peft_adapter renames them as a PEFT adapter
+(`base_model.model.<module>...`) whose config says lora_alpha = r (scale 1), so the engine serves W x + B (A x) with
+the published B; the engines fuse q/k/v and gate/up themselves from the per-module names.
 
-AdapterVersions keeps the bookkeeping (pure): which versions are resident, their vLLM ids, which may leave. A version
-stays while it is among the newest `versions_resident` or any unfinished request is pinned to it (a request finishes
-on the adapter it started with, as in the native engine); beyond that it is removed from vLLM and its folder deleted.
+- vLLM loads an adapter through its documented API, a `LoRARequest(name, int id, path)` of a PEFT adapter folder
+  (`LLMEngine.add_lora`); it has no public call that takes tensors. So the tensors are written once per version as a
+  PEFT folder (adapter_model.safetensors + adapter_config.json) under a temporary directory (in /dev/shm where there
+  is one: memory, no disk), which vLLM reads into its LoRA slots; the folder stays while vLLM may load the adapter
+  again (its LRU cache reloads an evicted adapter from the path).
+- SGLang takes the tensors themselves (`load_lora_adapter_from_tensors`; GPU only).
+
+AdapterVersions keeps the bookkeeping (pure): which versions are resident, their ids, which may leave. A version
+stays while it is among the newest `versions_resident` or an unfinished request is pinned to it (a request finishes on
+the adapter it started with, as in the native engine); beyond that it is removed from the engine (and its folder).
 """
 
 import json
@@ -29,18 +31,18 @@ import torch
 from rollout.model.lora import LORA_A, LORA_B
 
 PEFT_PREFIX = "base_model.model."
-# The projections vLLM's Qwen2 / Qwen3 / Llama models take LoRA on (their supported_lora_modules, unfused names).
-VLLM_LORA_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# The projections vLLM's and SGLang's Qwen2 / Qwen3 / Llama models take LoRA on (unfused names).
+LORA_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
 def adapter_problem(weight: str, max_rank: int | None = None, rank: int | None = None) -> str | None:
-    """Why vLLM cannot serve an adapter of parameter `weight` (published name) unmerged; None when it can."""
+    """Why vLLM / SGLang cannot serve an adapter of parameter `weight` (published name) unmerged; None when it can."""
     module = weight.removesuffix(".weight").rsplit(".", 1)[-1]
-    if module not in VLLM_LORA_MODULES:
-        return (f"vLLM serves LoRA on {sorted(VLLM_LORA_MODULES)} only, not on {weight!r}: serve this policy with "
-                "engine.lora.mode merged")
+    if module not in LORA_MODULES:
+        return (f"vLLM and SGLang serve LoRA on {sorted(LORA_MODULES)} only, not on {weight!r}: serve this policy "
+                "with engine.lora.mode merged")
     if rank is not None and max_rank is not None and rank > max_rank:
-        return f"adapter rank {rank} exceeds engine.lora.max_rank {max_rank} (vLLM's max_lora_rank)"
+        return f"adapter rank {rank} exceeds engine.lora.max_rank {max_rank} (the engine's max_lora_rank)"
     return None
 
 
@@ -87,7 +89,7 @@ def write_peft_folder(folder: Path, adapters: Mapping[str, torch.Tensor], max_ra
 
 @dataclass
 class AdapterVersions:
-    """The adapter versions resident in vLLM: weight version -> (vLLM's LoRA int id, PEFT folder)."""
+    """The adapter versions resident in an engine: weight version -> (its LoRA int id, its PEFT folder if written)."""
 
     versions_resident: int
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(
@@ -98,11 +100,17 @@ class AdapterVersions:
     def __post_init__(self) -> None:
         weakref.finalize(self, shutil.rmtree, self.root, True)  # the folders go with the engine, or at exit
 
-    def add(self, version: int, adapters: Mapping[str, torch.Tensor], max_rank: int) -> tuple[int, Path]:
-        """Write `version`'s adapters and give it a vLLM id (ids are never reused: vLLM caches by id)."""
+    def add(self, version: int, adapters: Mapping[str, torch.Tensor], max_rank: int,
+            write: bool = True) -> tuple[int, Path]:
+        """Give `version` an id (never reused: vLLM caches adapters by id) and, with `write`, write its PEFT folder
+        (else only check its adapters); returns (id, folder)."""
         if version in self.resident:
             raise ValueError(f"adapter version {version} is resident already")
-        folder = write_peft_folder(self.root / f"v{version}", adapters, max_rank)
+        folder = self.root / f"v{version}"
+        if write:
+            write_peft_folder(folder, adapters, max_rank)
+        else:
+            peft_adapter(adapters, max_rank)
         self.resident[version] = (self._next_id, folder)
         self._next_id += 1
         return self.resident[version]
@@ -113,7 +121,7 @@ class AdapterVersions:
         return [v for v in sorted(self.resident) if v not in newest and v not in in_use]
 
     def remove(self, version: int) -> int:
-        """Forget `version` and delete its folder; returns its vLLM id (for LLMEngine.remove_lora)."""
+        """Forget `version` and delete its folder; returns its id (vLLM's LLMEngine.remove_lora takes it)."""
         lora_id, folder = self.resident.pop(version)
         shutil.rmtree(folder, ignore_errors=True)
         return lora_id
