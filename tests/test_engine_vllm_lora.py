@@ -46,7 +46,7 @@ def test_a_request_finishes_on_the_adapter_version_it_started_on(sharp_model_dir
     """vLLM takes adapter versions 1 and 2 from tensors; a greedy request that started on version 1 while version 2
     arrived finishes on version 1 (every token tagged 1, tokens and logprobs those of the native engine with version
     1's adapter); a request after it runs on version 2 (the native engine's version-2 tokens); after versions 3 and 4
-    only the newest two stay loaded in vLLM, and their PEFT folders alone remain."""
+    only the newest two stay loaded in vLLM, and their PEFT folders alone remain. Scoring uses the served adapter."""
     a1, a2 = _adapters(sharp_model_dir, 1), _adapters(sharp_model_dir, 2)
     greedy = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
 
@@ -80,6 +80,10 @@ def test_a_request_finishes_on_the_adapter_version_it_started_on(sharp_model_dir
             [after] = await vllm.generate_all("after", PROMPT, greedy)
             assert set(after.weight_versions) == {2} and after.token_ids == expected_v2.token_ids
             assert after.token_ids != tokens
+            for temperature in (1.0, 0.7):  # scoring uses the served version's adapter too
+                [mine], _ = await native.compute_logprobs(PROMPT, [after.token_ids], temperature)
+                [theirs], version = await vllm.compute_logprobs(PROMPT, [after.token_ids], temperature)
+                assert version == 2 and max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-3, temperature
 
             core = vllm.engine
             await vllm.update_weights(_adapters(sharp_model_dir, 3), 3)

@@ -246,9 +246,11 @@ class SglangEngine(KeepsItsOwnSessionKV, SglangWeights):
         validate_prompt(prompt, self.info.vocab_size)
         if not tokens:
             return {"input_token_logprobs": [], "input_top_logprobs": []}
+        adapted = self.adapters is not None and self.weight_version in self.adapters.versions.resident
+        lora = {"lora_path": adapter_name(self.weight_version)} if adapted else {}  # the served version's adapter
         out = await self.sgl.async_generate(input_ids=prompt + tokens, sampling_params={"max_new_tokens": 0},
                                             return_logprob=True, logprob_start_len=len(prompt),
-                                            top_logprobs_num=top or None)
+                                            top_logprobs_num=top or None, **lora)
         return out["meta_info"]
 
     async def watch_version(self, newer_than: int, wait_s: float) -> int:

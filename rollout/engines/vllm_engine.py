@@ -18,12 +18,8 @@ produced it, exactly as in the native engine.
   (reset_prefix_cache(reset_running_requests=True), what vLLM's pause_generation(mode="keep") does): their
   context is computed again with the new weights before their next token, and no KV of other weights is
   ever reused. The reset is checked.
-- LoRA (lora.mode unmerged, rollout/engines/lora_versions.py): an update of adapters alone becomes a vLLM LoRA adapter,
-  loaded from the update's tensors through LoRARequest; every request (and session turn) is submitted with the
-  adapter of the version served then and finishes on it, its tokens tagged with that version (W is the frozen base
-  of a LoRA policy, so W + its adapter is its policy). vLLM's prefix cache keys blocks by adapter, so an adapter
-  update resets nothing; an update with W resets it as for any update (the requests in flight recompute their
-  context over the new W with their own adapter).
+- LoRA (lora.mode unmerged, rollout/engines/lora_versions.py): an update's adapters become a vLLM LoRARequest; a
+  request or session turn runs on the adapter of the version served when submitted (its tokens tagged so).
 - Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
@@ -101,8 +97,7 @@ class VllmCore(SessionSteps):
         """Whether LoRA adapters in an update become resident vLLM adapters (lora.mode unmerged)."""
         return self.adapters is not None
 
-    def adapter_problem(self, weight: str) -> str | None:
-        """Why an adapter of parameter `weight` (published name) cannot be served unmerged; None when it can."""
+    def adapter_problem(self, weight: str) -> str | None:  # why `weight`'s adapter cannot be served unmerged, or None
         return adapter_problem(weight)
 
     @property
@@ -130,9 +125,8 @@ class VllmCore(SessionSteps):
     # ---- requests
 
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, images: Seq = ()) -> None:
-        """Queue a request; raises InvalidRequest or DuplicateRequest (and for images: text prompts only here)."""
-        if images:
-            raise InvalidRequest("images", "the vLLM engine takes text prompts only; serve images with the native one")
+        """Queue a request; raises InvalidRequest (images too: text only here) or DuplicateRequest."""
+        _text_only(images)
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.info.vocab_size)
         params.validate(prompt_len=len(prompt), vocab_size=self.info.vocab_size,
@@ -150,8 +144,7 @@ class VllmCore(SessionSteps):
                              lora_request=self._lora_request(self.weight_version))
         return seqs
 
-    def _lora_request(self, version: int):
-        """The vLLM LoRARequest of `version`'s adapter (None: no adapter, W alone)."""
+    def _lora_request(self, version: int):  # None: no adapter, W alone
         if self.adapters is None or version not in self.adapters.resident:
             return None
         from vllm.lora.request import LoRARequest
@@ -210,8 +203,7 @@ class VllmCore(SessionSteps):
             self._evict_adapters()
         return outputs
 
-    def _token_version(self, seq: Sequence) -> int:
-        """The version a token of `seq` comes from: its adapter's when it runs on one, else the version served."""
+    def _token_version(self, seq: Sequence) -> int:  # its adapter's version when it runs on one, else the served one
         if self.adapters is not None and seq.policy_version in self.adapters.resident:
             return seq.policy_version
         return self.weight_version
@@ -236,10 +228,11 @@ class VllmCore(SessionSteps):
 
     # ---- scoring given tokens
 
-    def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]],
-                         temperature: float = 1.0) -> list[list[float]]:
+    def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0,
+                         images: Seq = ()) -> list[list[float]]:
         """Logprob of every token of each response given the prompt and the response tokens before it, under
         softmax(logits / temperature): vLLM's prompt logprobs of prompt + response, the given token's only."""
+        _text_only(images)
         prompt, tokens = self._check_scoring(prompt_ids, responses, temperature)
         rows = self._prompt_logprobs(prompt, tokens, temperature, top=0)
         return [[entry[token_id].logprob for token_id, entry in zip(response, positions)]
@@ -276,7 +269,7 @@ class VllmCore(SessionSteps):
                          top: int) -> list[list[dict]]:
         """Per response, vLLM's prompt-logprob entry (token id -> Logprob: the given token and the `top` most
         likely) at each response position, under softmax(logits / temperature) (the worker extension divides
-        the logits). Runs vLLM steps until the scoring requests finish; the other requests' outputs of those
+        the logits), with the served version's adapter (LoRA unmerged). Runs vLLM steps until the scoring requests finish; the other requests' outputs of those
         steps wait in _pending."""
         from vllm import SamplingParams as VllmParams
 
@@ -287,7 +280,8 @@ class VllmCore(SessionSteps):
             if response:
                 ids[i] = f"score-{next(self._score_ids)}"
                 self._scoring[ids[i]] = None
-                self.llm.add_request(ids[i], {"prompt_token_ids": prompt + response}, params)
+                self.llm.add_request(ids[i], {"prompt_token_ids": prompt + response}, params,
+                                     lora_request=self._lora_request(self.weight_version))
         try:
             while any(self._scoring[rid] is None for rid in ids.values()):
                 for request_output in self.llm.step():
@@ -305,12 +299,10 @@ class VllmCore(SessionSteps):
         the running requests are preempted so that vLLM computes their context again with the new weights
         (without it the reset fails while any request holds blocks, nearly always in asynchronous RL). vLLM
         copies (and on CPU repacks) the tensors, so `adopt` changes nothing. LoRA adapters among them (lora.mode
-        unmerged) become vLLM adapter `version` (rollout/engines/lora_versions.py); an update of adapters alone leaves W
-        and the prefix cache as they are. Merged mode refuses adapters (the weight receiver merges them first)."""
+        unmerged) become vLLM adapter `version`; adapters alone leave W and the prefix cache as they are."""
         items, adapters = split_update(named_tensors)
         if adapters and self.adapters is None:
-            raise ValueError("this vLLM engine serves LoRA merged (lora.mode: merged): merge the adapters before "
-                             "loading")
+            raise ValueError("this vLLM engine serves LoRA merged (lora.mode: merged): merge the adapters first")
         if adapters:
             lora_id, folder = self.adapters.add(version, adapters, self.settings.lora.max_rank)
             from vllm.lora.request import LoRARequest
@@ -336,8 +328,7 @@ class VllmCore(SessionSteps):
             raise RuntimeError("vLLM did not reset its prefix cache after loading weight version "
                                f"{version}; its KV of the earlier weights could be reused")
 
-    def _evict_adapters(self) -> None:
-        """Remove the adapter versions no longer resident whose requests have all finished (vLLM_lora.py)."""
+    def _evict_adapters(self) -> None:  # the versions that left the resident set, their requests all finished
         if self.adapters is None:
             return
         in_use = {seq.policy_version for seqs in self.requests.values() for seq in seqs if not seq.is_finished}
@@ -346,12 +337,21 @@ class VllmCore(SessionSteps):
 
     @property
     def stats(self) -> dict[str, int | float]:
-        """Sequences unfinished, open sessions, adapter versions loaded (vLLM keeps its own scheduler's counters)."""
+        """Sequences unfinished, sessions, adapter versions loaded (vLLM keeps its own scheduler's counters)."""
         return {"running": sum(not s.is_finished for seqs in list(self.requests.values()) for s in seqs),
                 "sessions": len(self.sessions.sessions), "sessions_expired": self.sessions.num_expired,
                 "lora_versions_resident": len(self.adapters.resident) if self.adapters is not None else 0}
 
     # ---- sessions (rollout/engine/sessions.py)
+
+    def open_session(self, session_id: str, prompt_ids: Seq[int], images: Seq = ()) -> int:
+        _text_only(images)
+        return super().open_session(session_id, prompt_ids)
+
+    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None,
+                          images: Seq = ()) -> int:
+        _text_only(images)
+        return super().append_to_session(session_id, token_ids, turn_reward)
 
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams,
                             expected_idle_s: float | None = None) -> None:
@@ -367,6 +367,11 @@ class VllmCore(SessionSteps):
         self.sessions.start_turn(session, seq, temperature)
         seq.num_cached_tokens = context  # vLLM's prefix cache holds it (kv_recomputes stays 0)
         self.requests[request_id] = [seq]
+
+def _text_only(images: Seq) -> None:
+    if images:
+        raise InvalidRequest("images", "the vLLM engine takes text prompts only; serve images with the native one")
+
 
 def engine_args(model: str, settings: VllmSettings) -> dict:
     """vLLM EngineArgs of the settings (engine_args last: they override)."""
