@@ -118,3 +118,55 @@ def test_sglang_receives_a_publish_through_its_distributed_update_api(sharp_mode
             native.shutdown()
 
     asyncio.run(main())
+
+
+def test_sglang_serves_adapter_versions_loaded_from_tensors_each_request_on_its_own(sharp_model_dir):
+    """lora.mode unmerged: adapter versions 1 and 2 reach SGLang through load_lora_adapter_from_tensors; a greedy
+    request that started on version 1 while version 2 arrived finishes on it (tokens of the native engine's version 1,
+    every one tagged 1), a later one runs on version 2; SGLang no longer joins the trainer's group itself."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engines.lora_versions import LORA_MODULES
+
+    model = AutoModelForCausalLM.from_pretrained(sharp_model_dir, dtype=torch.float32)
+
+    def adapters(seed: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        out = {}
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in LORA_MODULES:
+                rows, cols = module.weight.shape
+                out[f"{name}.lora_A.weight"] = torch.randn(4, cols, generator=generator) * 0.2
+                out[f"{name}.lora_B.weight"] = torch.randn(rows, 4, generator=generator) * 0.2
+        return out
+
+    a1, a2 = adapters(1), adapters(2)
+    greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        native = AsyncEngine(LLMEngine(EngineConfig(model=str(sharp_model_dir), device="cuda", dtype="float32",
+                                                    max_model_len=128, lora={"mode": "unmerged"})))
+        engine = SglangEngine(str(sharp_model_dir), SglangSettings(
+            type="sglang", dtype="float32", max_model_len=128, mem_fraction_static=0.3,
+            lora={"mode": "unmerged", "max_rank": 8}))
+        try:
+            assert not engine.receives_from_group and engine.serves_adapters_unmerged
+            await engine.update_weights(a1, 1)
+            await native.update_weights(a1, 1)
+            [expected_v1] = await native.generate_all("n1", PROMPTS[0], greedy)
+            running = asyncio.ensure_future(engine.generate_all("pinned", PROMPTS[0], greedy))
+            while engine.stats["running"] == 0:
+                await asyncio.sleep(0.01)
+            await engine.update_weights(a2, 2)
+            [pinned] = await running
+            assert set(pinned.weight_versions) == {1}
+            assert pinned.token_ids == expected_v1.token_ids
+            await native.update_weights(a2, 2)
+            [expected_v2] = await native.generate_all("n2", PROMPTS[0], greedy)
+            [after] = await engine.generate_all("after", PROMPTS[0], greedy)
+            assert set(after.weight_versions) == {2} and after.token_ids == expected_v2.token_ids
+        finally:
+            engine.shutdown()
+            native.shutdown()
+
+    asyncio.run(main())

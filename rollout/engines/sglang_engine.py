@@ -25,6 +25,9 @@ marked gpu (not run yet: no GPU where this was written).
 - n completions are n requests (`{request_id}/{i}`) whose prompt SGLang's radix cache shares.
 - Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context and the radix cache supplies the earlier turns' KV.
+- LoRA unmerged (rollout/engines/sglang_weights.py): the rollout service stages every update (SGLang joins no group),
+  W goes through update_weights_from_tensor, adapters through load_lora_adapter_from_tensors; requests are pinned to
+  their version's adapter. Merged with tensor_parallel_size 1, adapters are refused at BeginUpdate.
 - PD: `disaggregation_mode` prefill / decode makes this worker one side of SGLang's own split.
 """
 
@@ -51,7 +54,7 @@ from rollout.engine.session_steps import append_checked, open_checked, turn_para
 from rollout.engine.sessions import SessionRecord, SessionState, SessionTable
 from rollout.engines.base import KeepsItsOwnSessionKV, checkpoint_layout, generate_each
 from rollout.engines.settings import SglangSettings
-from services.weights import GroupSpec, Manifest
+from rollout.engines.sglang_weights import SglangAdapters, SglangWeights, adapter_name, lora_server_args
 
 log = logging.getLogger(__name__)
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -77,7 +80,7 @@ class _Turn:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-class SglangEngine(KeepsItsOwnSessionKV):
+class SglangEngine(KeepsItsOwnSessionKV, SglangWeights):
     """The engine interface (rollout/engines/base.py) over `sglang.Engine`; make it inside the event loop."""
 
     def __init__(self, model: str, settings: SglangSettings):
@@ -101,7 +104,10 @@ class SglangEngine(KeepsItsOwnSessionKV):
         self._ids = itertools.count()
         self._stopped = False
         self._tokenizer = None
-        self.receives_from_group = settings.tensor_parallel_size == 1
+        self.adapters = (SglangAdapters(self.sgl.tokenizer_manager, settings) if settings.lora.mode == "unmerged"
+                         else None)
+        # SGLang joins the trainer's group itself, unless the update's adapters must reach load_lora_adapter_from_tensors
+        self.receives_from_group = settings.tensor_parallel_size == 1 and self.adapters is None
 
     @property
     def tokenizer(self):
@@ -145,8 +151,9 @@ class SglangEngine(KeepsItsOwnSessionKV):
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         rids = [f"{request_id}/{i}" for i in range(params.n)]
         self._running[request_id] = rids
+        pinned = self.adapters.pin(request_id, self.weight_version) if self.adapters is not None else None
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._pump(i, rid, prompt, params, seed + i, queue))
+        tasks = [asyncio.ensure_future(self._pump(i, rid, prompt, params, seed + i, queue, pinned))
                  for i, rid in enumerate(rids)]
         unfinished = set(range(params.n))
         try:
@@ -163,13 +170,17 @@ class SglangEngine(KeepsItsOwnSessionKV):
                 if not task.done():
                     self.sgl.tokenizer_manager.abort_request(rid)
                     task.cancel()
+            if pinned is not None:
+                asyncio.ensure_future(self.adapters.release(request_id))
 
     async def _pump(self, index: int, rid: str, prompt: list[int], params: SamplingParams, seed: int,
-                    queue: asyncio.Queue) -> None:
-        """One completion's chunks into `queue` as deltas (SGLang's chunks are cumulative)."""
+                    queue: asyncio.Queue, pinned: int | None = None) -> None:
+        """One completion's chunks into `queue` as deltas (SGLang's chunks are cumulative); `pinned`: the adapter
+        version it runs on (its tokens carry it), None: W alone, its tokens the version served when they arrive."""
         try:
+            lora = {"lora_path": adapter_name(pinned)} if pinned is not None else {}
             stream = await self.sgl.async_generate(input_ids=prompt, sampling_params=_sampling(params, seed),
-                                                   return_logprob=True, stream=True, rid=rid)
+                                                   return_logprob=True, stream=True, rid=rid, **lora)
             seen = 0
             async for chunk in stream:
                 meta = chunk["meta_info"]
@@ -178,7 +189,8 @@ class SglangEngine(KeepsItsOwnSessionKV):
                 finish = meta.get("finish_reason")
                 reason = _FINISH_REASONS.get(finish["type"]) if finish else None
                 queue.put_nowait(Completion(index, [int(t) for _, t, _ in new], [float(lp) for lp, _, _ in new],
-                                            [self.weight_version] * len(new), reason))
+                                            [self.weight_version if pinned is None else pinned] * len(new),
+                                            reason))
         except Exception as exc:  # noqa: BLE001 - the stream's reader learns why
             queue.put_nowait(exc)
 
@@ -234,61 +246,12 @@ class SglangEngine(KeepsItsOwnSessionKV):
         validate_prompt(prompt, self.info.vocab_size)
         if not tokens:
             return {"input_token_logprobs": [], "input_top_logprobs": []}
+        adapted = self.adapters is not None and self.weight_version in self.adapters.versions.resident
+        lora = {"lora_path": adapter_name(self.weight_version)} if adapted else {}  # the served version's adapter
         out = await self.sgl.async_generate(input_ids=prompt + tokens, sampling_params={"max_new_tokens": 0},
                                             return_logprob=True, logprob_start_len=len(prompt),
-                                            top_logprobs_num=top or None)
+                                            top_logprobs_num=top or None, **lora)
         return out["meta_info"]
-
-    # ---- weights
-
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int, adopt: bool = False) -> float:
-        """SGLang's update_weights_from_tensor (its scheduler loads them; flushes the radix cache)."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        start = time.perf_counter()
-        payload = MultiprocessingSerializer.serialize(list(weights.items()))
-        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload] * self.settings.tensor_parallel_size,
-                                              flush_cache=True)
-        success, message = (await self.sgl.tokenizer_manager.update_weights_from_tensor(obj, None))[:2]
-        if not success:
-            raise RuntimeError(f"SGLang refused the weight update: {message}")
-        await self.serve_received(version)
-        self.last_pause_s = time.perf_counter() - start
-        return self.last_pause_s
-
-    async def join_weight_group(self, spec: GroupSpec) -> None:
-        """SGLang's scheduler joins the trainer's group (torch.distributed's named-group recipe) as rank spec.rank."""
-        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
-
-        obj = InitWeightsUpdateGroupReqInput(master_address=spec.master_addr, master_port=spec.master_port,
-                                             rank_offset=spec.rank, world_size=spec.world_size,
-                                             group_name=spec.group_name, backend=spec.backend)
-        _check(await self.sgl.tokenizer_manager.init_weights_update_group(obj, None), "init_weights_update_group")
-
-    async def receive_weights(self, manifest: Manifest, group_name: str) -> None:
-        """SGLang receives every tensor (one broadcast each, in slot order) and loads them, in one call."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        slots = manifest.slots
-        obj = UpdateWeightsFromDistributedReqInput(
-            names=[s.name for s in slots], dtypes=[str(s.dtype).removeprefix("torch.") for s in slots],
-            shapes=[list(s.shape) for s in slots], group_name=group_name, flush_cache=True)
-        _check(await self.sgl.tokenizer_manager.update_weights_from_distributed(obj, None),
-               "update_weights_from_distributed")
-
-    async def serve_received(self, version: int) -> float:
-        """The weights SGLang loaded in receive_weights are `version` from now on."""
-        self.weight_version = version
-        self._version_changed.set()
-        self._version_changed = asyncio.Event()
-        return 0.0
-
-    async def leave_weight_group(self, group_name: str) -> None:
-        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
-
-        obj = DestroyWeightsUpdateGroupReqInput(group_name=group_name)
-        _check(await self.sgl.tokenizer_manager.destroy_weights_update_group(obj, None), "destroy_weights_update_group")
 
     async def watch_version(self, newer_than: int, wait_s: float) -> int:
         deadline = time.monotonic() + wait_s
@@ -362,13 +325,7 @@ def server_args(model: str, settings: SglangSettings) -> dict:
                 "tp_size": settings.tensor_parallel_size, "kv_cache_dtype": settings.kv_cache_dtype,
                 "random_seed": settings.seed, "disaggregation_mode": settings.disaggregation_mode,
                 "disaggregation_transfer_backend": settings.disaggregation_transfer_backend}
-    return {**args, **settings.engine_args}
-
-
-def _check(reply: tuple, call: str) -> None:
-    """SGLang's (success, message, ...) reply; RuntimeError with its message when it failed."""
-    if not reply[0]:
-        raise RuntimeError(f"SGLang {call}: {reply[1]}")
+    return {**args, **lora_server_args(settings), **settings.engine_args}
 
 
 def _sampling(params: SamplingParams, seed: int) -> dict:

@@ -18,6 +18,8 @@ produced it, exactly as in the native engine.
   (reset_prefix_cache(reset_running_requests=True), what vLLM's pause_generation(mode="keep") does): their
   context is computed again with the new weights before their next token, and no KV of other weights is
   ever reused. The reset is checked.
+- LoRA (lora.mode unmerged, rollout/engines/lora_versions.py): an update's adapters become a vLLM LoRARequest; a
+  request or session turn runs on the adapter of the version served when submitted (its tokens tagged so).
 - Sessions keep their tokens here (rollout/engine/sessions.py's table without blocks); a turn sends the whole
   context, and vLLM's prefix cache supplies the KV of the earlier turns.
 """
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from rollout.config import read_eos_token_ids
+from rollout.engine.adapter_pins import split_update
 from rollout.engine.errors import DuplicateRequest, InvalidRequest
 from rollout.engine.model_info import Layout, ModelInfo
 from rollout.engine.outputs import TokenOutput
@@ -41,6 +44,7 @@ from rollout.engine.sequence import FinishReason, Sequence, SequenceStatus
 from rollout.engine.session_steps import SessionSteps
 from rollout.engine.sessions import SessionTable
 from rollout.engines.base import checkpoint_layout
+from rollout.engines.lora_versions import AdapterVersions, adapter_problem
 from rollout.engines.settings import VllmSettings
 from rollout.engines.vllm_worker import SCORE_TEMPERATURE
 
@@ -85,6 +89,16 @@ class VllmCore(SessionSteps):
         self._score_ids = itertools.count()
         self._next_expiry_check = 0.0
         self._tokenizer = None
+        self.adapters = (AdapterVersions(settings.lora.versions_resident)
+                         if settings.lora.mode == "unmerged" else None)  # resident adapter versions (unmerged)
+
+    @property
+    def serves_adapters_unmerged(self) -> bool:
+        """Whether LoRA adapters in an update become resident vLLM adapters (lora.mode unmerged)."""
+        return self.adapters is not None
+
+    def adapter_problem(self, weight: str) -> str | None:  # why `weight`'s adapter cannot be served unmerged, or None
+        return adapter_problem(weight)
 
     @property
     def tokenizer(self):
@@ -110,8 +124,9 @@ class VllmCore(SessionSteps):
 
     # ---- requests
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Queue a request; raises InvalidRequest or DuplicateRequest."""
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, images: Seq = ()) -> None:
+        """Queue a request; raises InvalidRequest (images too: text only here) or DuplicateRequest."""
+        _text_only(images)
         prompt = [int(t) for t in prompt_ids]
         validate_prompt(prompt, self.info.vocab_size)
         params.validate(prompt_len=len(prompt), vocab_size=self.info.vocab_size,
@@ -123,8 +138,19 @@ class VllmCore(SessionSteps):
             raise DuplicateRequest(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt, params, seed) for i in range(params.n)]
-        self.llm.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, seed))
+        for seq in seqs:
+            seq.policy_version = self.weight_version
+        self.llm.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, seed),
+                             lora_request=self._lora_request(self.weight_version))
         return seqs
+
+    def _lora_request(self, version: int):  # None: no adapter, W alone
+        if self.adapters is None or version not in self.adapters.resident:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        lora_id, folder = self.adapters.resident[version]
+        return LoRARequest(f"relayrl-v{version}", lora_id, str(folder))
 
     def _vllm_params(self, params: SamplingParams, seed: int):
         from vllm import SamplingParams as VllmParams
@@ -162,10 +188,11 @@ class VllmCore(SessionSteps):
             seq = seqs[completion.index]
             reason = _FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
             last = len(completion.token_ids) - 1
+            version = self._token_version(seq)
             for i, token_id in enumerate(completion.token_ids):
                 logprob = completion.logprobs[i][token_id].logprob
-                seq.append(token_id, logprob, self.weight_version)
-                outputs.append(TokenOutput(request_id, seq.index, token_id, logprob, self.weight_version,
+                seq.append(token_id, logprob, version)
+                outputs.append(TokenOutput(request_id, seq.index, token_id, logprob, version,
                                            reason if i == last else None))
             if reason is not None:
                 if last < 0:
@@ -173,7 +200,13 @@ class VllmCore(SessionSteps):
                 self._finish(seq, reason)
         if all(seq.is_finished for seq in seqs):
             del self.requests[request_id]
+            self._evict_adapters()
         return outputs
+
+    def _token_version(self, seq: Sequence) -> int:  # its adapter's version when it runs on one, else the served one
+        if self.adapters is not None and seq.policy_version in self.adapters.resident:
+            return seq.policy_version
+        return self.weight_version
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -195,10 +228,11 @@ class VllmCore(SessionSteps):
 
     # ---- scoring given tokens
 
-    def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]],
-                         temperature: float = 1.0) -> list[list[float]]:
+    def compute_logprobs(self, prompt_ids: Seq[int], responses: Seq[Seq[int]], temperature: float = 1.0,
+                         images: Seq = ()) -> list[list[float]]:
         """Logprob of every token of each response given the prompt and the response tokens before it, under
         softmax(logits / temperature): vLLM's prompt logprobs of prompt + response, the given token's only."""
+        _text_only(images)
         prompt, tokens = self._check_scoring(prompt_ids, responses, temperature)
         rows = self._prompt_logprobs(prompt, tokens, temperature, top=0)
         return [[entry[token_id].logprob for token_id, entry in zip(response, positions)]
@@ -235,7 +269,7 @@ class VllmCore(SessionSteps):
                          top: int) -> list[list[dict]]:
         """Per response, vLLM's prompt-logprob entry (token id -> Logprob: the given token and the `top` most
         likely) at each response position, under softmax(logits / temperature) (the worker extension divides
-        the logits). Runs vLLM steps until the scoring requests finish; the other requests' outputs of those
+        the logits), with the served version's adapter (LoRA unmerged). Runs vLLM steps until the scoring requests finish; the other requests' outputs of those
         steps wait in _pending."""
         from vllm import SamplingParams as VllmParams
 
@@ -246,7 +280,8 @@ class VllmCore(SessionSteps):
             if response:
                 ids[i] = f"score-{next(self._score_ids)}"
                 self._scoring[ids[i]] = None
-                self.llm.add_request(ids[i], {"prompt_token_ids": prompt + response}, params)
+                self.llm.add_request(ids[i], {"prompt_token_ids": prompt + response}, params,
+                                     lora_request=self._lora_request(self.weight_version))
         try:
             while any(self._scoring[rid] is None for rid in ids.values()):
                 for request_output in self.llm.step():
@@ -263,8 +298,24 @@ class VllmCore(SessionSteps):
         vLLM's NCCL weight transfer) and serve them as `version`. The prefix cache forgets every prefix, and
         the running requests are preempted so that vLLM computes their context again with the new weights
         (without it the reset fails while any request holds blocks, nearly always in asynchronous RL). vLLM
-        copies (and on CPU repacks) the tensors, so `adopt` changes nothing."""
-        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        copies (and on CPU repacks) the tensors, so `adopt` changes nothing. LoRA adapters among them (lora.mode
+        unmerged) become vLLM adapter `version`; adapters alone leave W and the prefix cache as they are."""
+        items, adapters = split_update(named_tensors)
+        if adapters and self.adapters is None:
+            raise ValueError("this vLLM engine serves LoRA merged (lora.mode: merged): merge the adapters first")
+        if adapters:
+            lora_id, folder = self.adapters.add(version, adapters, self.settings.lora.max_rank)
+            from vllm.lora.request import LoRARequest
+
+            if not self.llm.add_lora(LoRARequest(f"relayrl-v{version}", lora_id, str(folder))):
+                self.adapters.remove(version)
+                raise RuntimeError(f"vLLM did not load the adapter of weight version {version}")
+        if items:
+            self._load_base(items, version)
+        self.weight_version = version
+        self._evict_adapters()
+
+    def _load_base(self, items: list[tuple[str, torch.Tensor]], version: int) -> None:
         if self.settings.tensor_parallel_size > 1:
             if self._relay is None:
                 from rollout.engines.vllm_transfer import NcclRelay
@@ -276,15 +327,31 @@ class VllmCore(SessionSteps):
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM did not reset its prefix cache after loading weight version "
                                f"{version}; its KV of the earlier weights could be reused")
-        self.weight_version = version
+
+    def _evict_adapters(self) -> None:  # the versions that left the resident set, their requests all finished
+        if self.adapters is None:
+            return
+        in_use = {seq.policy_version for seqs in self.requests.values() for seq in seqs if not seq.is_finished}
+        for version in self.adapters.leaving(in_use):
+            self.llm.remove_lora(self.adapters.remove(version))
 
     @property
     def stats(self) -> dict[str, int | float]:
-        """Sequences unfinished, open sessions (vLLM keeps its own scheduler's counters)."""
+        """Sequences unfinished, sessions, adapter versions loaded (vLLM keeps its own scheduler's counters)."""
         return {"running": sum(not s.is_finished for seqs in list(self.requests.values()) for s in seqs),
-                "sessions": len(self.sessions.sessions), "sessions_expired": self.sessions.num_expired}
+                "sessions": len(self.sessions.sessions), "sessions_expired": self.sessions.num_expired,
+                "lora_versions_resident": len(self.adapters.resident) if self.adapters is not None else 0}
 
     # ---- sessions (rollout/engine/sessions.py)
+
+    def open_session(self, session_id: str, prompt_ids: Seq[int], images: Seq = ()) -> int:
+        _text_only(images)
+        return super().open_session(session_id, prompt_ids)
+
+    def append_to_session(self, session_id: str, token_ids: Seq[int], turn_reward: float | None = None,
+                          images: Seq = ()) -> int:
+        _text_only(images)
+        return super().append_to_session(session_id, token_ids, turn_reward)
 
     def add_session_request(self, request_id: str, session_id: str, params: SamplingParams,
                             expected_idle_s: float | None = None) -> None:
@@ -301,6 +368,11 @@ class VllmCore(SessionSteps):
         seq.num_cached_tokens = context  # vLLM's prefix cache holds it (kv_recomputes stays 0)
         self.requests[request_id] = [seq]
 
+def _text_only(images: Seq) -> None:
+    if images:
+        raise InvalidRequest("images", "the vLLM engine takes text prompts only; serve images with the native one")
+
+
 def engine_args(model: str, settings: VllmSettings) -> dict:
     """vLLM EngineArgs of the settings (engine_args last: they override)."""
     args = {
@@ -315,6 +387,10 @@ def engine_args(model: str, settings: VllmSettings) -> dict:
         args["distributed_executor_backend"] = "uni"
     else:
         args["weight_transfer_config"] = {"backend": "nccl"}  # updates: rollout/engines/vllm_transfer.py
+    if settings.lora.mode == "unmerged":  # LoRA layers: rollout/engines/lora_versions.py
+        slots = settings.lora.versions_resident + 1  # one more: a new version's requests start while the rest drain
+        args |= {"enable_lora": True, "max_lora_rank": settings.lora.max_rank, "max_loras": slots,
+                 "max_cpu_loras": 2 * slots}
     if settings.kv_transfer_config is not None:
         from vllm.config import KVTransferConfig
 

@@ -72,6 +72,10 @@ unmerged: then `adaptable(weight)` says why a weight's adapter cannot be, None w
             if adaptable is not None and (why := adaptable(adapted_weight(slot.name))) is not None:
                 raise CodecError(f"tensor {slot.name!r}: {why}")
             continue
+        if slot.name not in layout and is_adapter(slot.name):
+            raise CodecError(f"tensor {slot.name!r}: the model has no such parameter, and this worker takes no LoRA "
+                             "adapters: its engine receives weights from the trainer's group itself (SGLang), so "
+                             "they cannot be merged here; serve the policy with engine.lora.mode unmerged")
         if slot.name not in layout:
             raise CodecError(f"tensor {slot.name!r}: the model has no such parameter")
         shape, dtype = layout[slot.name]
