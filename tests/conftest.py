@@ -2,12 +2,18 @@
 
 import os
 import pathlib
+import signal
 import socket
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A suite started in the background of a non-interactive shell (`pytest ... &`, as scripts and agents do) inherits
+# SIGINT ignored, and every process a test starts inherits that: the Ctrl-C tests (status --watch, relayrl run) then
+# saw their signal ignored and failed, 4 of them in each such full run. Ctrl-C is what they test: restore it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
