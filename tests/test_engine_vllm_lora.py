@@ -102,15 +102,8 @@ def test_adapter_only_publish_to_a_vllm_rollout_service_serves_each_version_unme
     """A LoRA trainer's publishes (the base once, then the adapter alone: trainer/broadcast/adapter.py) over gloo to a
     rollout service process running vLLM with lora.mode unmerged: each version's greedy tokens equal transformers +
     peft's with that adapter and carry the version; the updates after the first are partial, the adapter's bytes."""
-    from tests.test_weight_sync_lora import (
-        greedy_from_rollout,
-        greedy_with_transformers,
-        lora_policy,
-        move_adapters,
-    )
+    from tests.test_weight_sync_lora import lora_policy, publish_adapter_versions
     from trainer.adapter_publish import AdapterWeights
-    from trainer.broadcast.broadcaster import WeightBroadcaster
-    from trainer.broadcast.config import BroadcastConfig
     from trainer.parallel import DistEnv
 
     rollout = service_factory("rollout", {"model": str(sharp_model_dir), "server.metrics_port": 0, "engine": {
@@ -118,18 +111,7 @@ def test_adapter_only_publish_to_a_vllm_rollout_service_serves_each_version_unme
     policy = lora_policy(sharp_model_dir)
     weights = AdapterWeights(policy, DistEnv(0, 1, torch.device("cpu")), None)
 
-    async def publish_versions():
-        reports, served = [], []
-        async with WeightBroadcaster([rollout.address], BroadcastConfig(adapter=True, bucket_mb=0.25)) as broadcaster:
-            for version in range(1, 4):
-                move_adapters(policy, seed=version)
-                reports.append(await broadcaster.publish(weights(), version))
-                assert reports[-1].ok, reports[-1].failed
-                served.append((await asyncio.to_thread(greedy_from_rollout, rollout.address),
-                               greedy_with_transformers(policy)))
-        return reports, served
-
-    reports, served = asyncio.run(publish_versions())
+    reports, served = publish_adapter_versions(rollout.address, policy, weights, versions=3)
     for version, ((tokens, tagged), expected) in enumerate(served, start=1):
         assert tagged == version and tokens == expected, version
     assert len({tuple(expected) for _, expected in served}) > 1  # the versions differ

@@ -62,6 +62,23 @@ def greedy_from_rollout(address: str) -> tuple[list[int], int]:
     return decode_array(completion.token_ids, expect="int32").tolist(), int(versions[-1])
 
 
+def publish_adapter_versions(address: str, policy, weights, versions: int) -> tuple[list, list]:
+    """Versions 1..`versions` of `policy`'s adapters (each moved by its seed) published to the rollout at `address`:
+    each publish's report, and each version's (greedy tokens from the rollout, its version tag) with transformers'."""
+
+    async def publish():
+        reports, served = [], []
+        async with WeightBroadcaster([address], BroadcastConfig(adapter=True, bucket_mb=0.25)) as broadcaster:
+            for version in range(1, versions + 1):
+                move_adapters(policy, seed=version)
+                reports.append(await broadcaster.publish(weights(), version))
+                assert reports[-1].ok, reports[-1].failed
+                served.append((await asyncio.to_thread(greedy_from_rollout, address), greedy_with_transformers(policy)))
+        return reports, served
+
+    return asyncio.run(publish())
+
+
 @pytest.fixture(scope="module", params=["unmerged", pytest.param("merged", marks=pytest.mark.slow)])
 def rollout(request, sharp_model_dir, tmp_path_factory):
     from deploy.local.service_process import start_service
@@ -81,18 +98,7 @@ def test_the_base_goes_once_then_the_adapter_alone_and_the_engine_serves_it(roll
     weights = AdapterWeights(policy, DistEnv(0, 1, torch.device("cpu")), None)
     base_tokens = greedy_with_transformers(policy)  # B = 0: the adapter is a no-op
 
-    async def publish_versions():
-        reports, served = [], []
-        async with WeightBroadcaster([rollout.address], BroadcastConfig(adapter=True, bucket_mb=0.25)) as broadcaster:
-            for version in range(1, 5):
-                move_adapters(policy, seed=version)
-                reports.append(await broadcaster.publish(weights(), version))
-                assert reports[-1].ok, reports[-1].failed
-                served.append((await asyncio.to_thread(greedy_from_rollout, rollout.address),
-                               greedy_with_transformers(policy)))
-        return reports, served
-
-    reports, served = asyncio.run(publish_versions())
+    reports, served = publish_adapter_versions(rollout.address, policy, weights, versions=4)
     for version, ((tokens, tagged), expected) in enumerate(served, start=1):
         assert tagged == version and tokens == expected, version
     assert any(expected != base_tokens for _, expected in served)  # the adapter changes what is generated
