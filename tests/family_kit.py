@@ -79,3 +79,41 @@ def windows(steps: list[dict], key: str, fraction: float = 0.25) -> tuple[float,
     """Mean of `key` over the first and the last `fraction` of the steps."""
     width = max(1, int(len(steps) * fraction))
     return statistics.mean(s[key] for s in steps[:width]), statistics.mean(s[key] for s in steps[-width:])
+
+
+@torch.no_grad()
+def greedy_image_accuracy(model_dir: Path, rows, images: list[bytes] | None = None, max_tokens: int = 2) -> float:
+    """Held-out greedy exact match of a vision-language model folder on experiment rows (deploy.experiment.data.
+    PromptRow, one image each), with transformers' generate: the prompt as the driver tokenizes it, its image run
+    expanded as the rollout expands it. `images` replaces the rows' images (encoded bytes, one per row)."""
+    import base64
+
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from deploy.experiment.data import prompt_ids
+    from protos.rollout_pb2 import ImagePart
+    from rollout.serve.config import ImageSettings
+    from rollout.serve.images import ImageReader
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reader = ImageReader(str(model_dir), ImageSettings())
+    images = images or [base64.b64decode(row.images[0]) for row in rows]
+    by_length: dict[int, list[tuple[int, list[int], object]]] = defaultdict(list)
+    for index, (row, image) in enumerate(zip(rows, images, strict=True)):
+        (read,) = reader.read([ImagePart(data=image)])
+        ids = reader.expand(prompt_ids(row, tokenizer, True), [read])
+        by_length[len(ids)].append((index, ids, read))
+    right = 0
+    for group in by_length.values():
+        input_ids = torch.tensor([ids for _, ids, _ in group])
+        pixels = torch.cat([torch.as_tensor(read.image.pixel_values) for _, _, read in group])
+        grids = torch.tensor([list(read.image.grid_thw) for _, _, read in group])
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=pixels,
+                                image_grid_thw=grids, do_sample=False, max_new_tokens=max_tokens,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for (index, _, _), completion in zip(group, output[:, input_ids.shape[1]:].tolist(), strict=True):
+            if tokenizer.eos_token_id in completion:
+                completion = completion[: completion.index(tokenizer.eos_token_id)]
+            right += tokenizer.decode(completion, skip_special_tokens=True).strip() == rows[index].metadata["answer"]
+    return right / len(rows)

@@ -30,12 +30,12 @@ def relayrl(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=timeout, check=False)
 
 
-def prepare(name: str, folder: pathlib.Path) -> pathlib.Path:
+def prepare(name: str, folder: pathlib.Path, experiment: str = "experiment.yaml") -> pathlib.Path:
     """The example's experiment file in `folder`, its model and data written by its prepare.py into folder/work."""
-    shutil.copy(EXAMPLES / name / "experiment.yaml", folder)
+    shutil.copy(EXAMPLES / name / experiment, folder)
     subprocess.run([sys.executable, str(EXAMPLES / name / "prepare.py"), "--out", str(folder / "work")], env=ENV,
                    cwd=ROOT, timeout=120, check=True, capture_output=True)
-    return folder / "experiment.yaml"
+    return folder / experiment
 
 
 @pytest.fixture(scope="module", params=NAMES)

@@ -6,7 +6,8 @@ what it holds (deploy/inspect/doctor_files.py): each experiment file must load a
 error, and each sweep file is checked as a sweep (its experiment under it) with none either. Most experiment files
 name everything they need (a tiny model built in code, data shipped beside them, an environment); the quickstart's
 file is checked in a scratch copy of the project `relayrl run` writes; the rest need what their header says to make
-first: a prepare.py writes the model and data of examples/math_word and examples/code_task, and the templates
+first: a prepare.py writes the model and data of examples/math_word and examples/code_task (the data and images of
+examples/multimodal), and the templates
 (examples/experiment, examples/cluster) name the user's own model and data, which the test brings, and the
 distillation examples name their teachers, the exports of other examples' runs, for which a tiny model stands in.
 Under tests/ the Kubernetes manifests and a run's own files are named as what they are, not checked field by field.
@@ -21,7 +22,8 @@ from test_examples_byo import prepare
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-PREPARED = {"math_word", "code_task"}  # their prepare.py writes work/model, work/train.jsonl, work/eval.jsonl
+# Their prepare.py writes work/train.jsonl, work/eval.jsonl and work/model (examples/multimodal: work/images).
+PREPARED = {"math_word", "code_task", "multimodal"}
 USER_BRINGS = {"experiment/experiment.yaml", "cluster/experiment.yaml"}  # templates: the user's model and data
 # Distillation's teachers are other examples' exports (their `made_by`); a tiny model of the same tokenizer stands in.
 TEACHERS = {"algorithms/distill.yaml": ["teacher.path"], "algorithms/mopd.yaml": ["teachers.add.path", "teachers.sub.path"]}
@@ -59,7 +61,7 @@ def test_the_doctor_passes_every_shipped_experiment_file(path, tmp_path, tiny_mo
 
     relative, overrides = path.relative_to(EXAMPLES if path.is_relative_to(EXAMPLES) else ROOT), []
     if relative.parts[0] in PREPARED:
-        path = prepare(relative.parts[0], tmp_path)
+        path = prepare(relative.parts[0], tmp_path, relative.name)
     elif str(relative) in USER_BRINGS:
         train = tmp_path / "train.jsonl"
         train.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(100)))

@@ -85,6 +85,27 @@ def test_the_doctor_checks_the_images_and_the_processor(tmp_path):
     assert findings(vlm)["images (train)"] == ("ok", "3 images exist and decode")
 
 
+def test_the_doctor_takes_a_tiny_vision_language_model_built_in_code(tmp_path):
+    # model.tiny has no folder to read before the run writes it: its arch says whether it has a vision tower (before,
+    # every model.tiny was "the model . has no vision tower", examples/multimodal/digits.yaml's too).
+    import yaml
+
+    from deploy.inspect.doctor import diagnose
+
+    (tmp_path / "ok.png").write_bytes(png_bytes((0, 255, 0)))
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "a", "answer": "b", "image": "ok.png"}) + "\n")
+
+    def findings(arch: str) -> dict[str, tuple[str, str]]:
+        path = tmp_path / "experiment.yaml"
+        path.write_text(yaml.safe_dump({"model": {"tiny": {"arch": arch}}, "data": {
+            "train": {"path": str(tmp_path / "train.jsonl")}, "image_field": "image", "num_eval": 1}}))
+        return {f.check: (f.level, f.message) for f in diagnose(path) if f.check.startswith("images")}
+
+    assert findings("qwen2_5_vl") == {"images (train)": ("ok", "1 images exist and decode")}
+    level, message = findings("qwen2")["images"]
+    assert level == "error" and "model.tiny.arch qwen2 has no vision tower" in message
+
+
 def test_the_sft_warm_up_sees_the_rows_images(tmp_path):
     from transformers import AutoTokenizer
 

@@ -161,3 +161,17 @@ def test_freeze_vision_keeps_the_tower_as_loaded(vlm_dir, freeze):
 
 def test_a_text_model_needs_no_vision_inputs(tiny_model_dir):
     assert VisionInputs.for_model(tiny_model_dir) is None
+
+
+def test_an_export_carries_the_image_processor(vlm_dir, tmp_path):
+    # The rollout reads a served folder's images with its image processor: an SFT warm-up's or a run's export must
+    # have it (before, the rollout on the warm-up's folder exited: no preprocessor_config.json).
+    from trainer.checkpoint import TrainState, export_checkpoint_hf, export_hf, save_checkpoint
+
+    learner = Learner(config(vlm_dir, algorithm={"name": "grpo"},
+                             batch={"global_batch_size": 4, "micro_batch_size": 4}), local())
+    checkpoint = save_checkpoint(tmp_path / "ckpt", learner.policy, learner.optimizer, TrainState(), local())
+    for out in (export_hf(tmp_path / "export", learner.policy, vlm_dir, local()),
+                export_checkpoint_hf(checkpoint, vlm_dir, tmp_path / "from_checkpoint")):
+        processor = AutoImageProcessor.from_pretrained(out)
+        assert dict(processor.size) == {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}  # min, max pixels

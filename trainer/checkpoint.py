@@ -47,6 +47,7 @@ MODEL_FILE = "model.pt"  # the format before DCP
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "state.json"
 LATEST_FILE = "latest"
+PROCESSOR_FILE = "preprocessor_config.json"  # a vision-language model's image processor (Hugging Face's name)
 
 
 @dataclass
@@ -238,7 +239,7 @@ def export_hf(out_dir: str | Path, policy: PolicyModel, tokenizer_dir: str | Pat
         if lora is not None:  # the PEFT adapter folder in staging/adapter, and the merged model
             tensors = write_adapter_export(staging, tensors, *lora, base_model=str(tokenizer_dir))
         _save_tensors(tensors, staging)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
+        _save_processors(tokenizer_dir, staging)
         shutil.rmtree(out_dir, ignore_errors=True)
         staging.rename(out_dir)
     env.barrier()
@@ -250,6 +251,15 @@ def _save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
     checkpoints hold them (trainer/moe/names.py)."""
     tensors = per_expert_names(tensors)
     save_file({name: t.contiguous() for name, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _save_processors(model_dir: str | Path, folder: Path) -> None:
+    """The model folder's tokenizer, and a vision-language model's image processor (preprocessor_config.json: the
+    rollout reads images with it), into an export."""
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    processor = Path(model_dir) / PROCESSOR_FILE
+    if processor.exists():
+        shutil.copyfile(processor, folder / PROCESSOR_FILE)
 
 
 def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir: str | Path,
@@ -272,7 +282,7 @@ def export_checkpoint_hf(checkpoint: str | Path, model_path: str | Path, out_dir
         tensors = write_adapter_export(staging, tensors, *lora, base_model=str(model_path))
     config.save_pretrained(staging)
     _save_tensors(tensors, staging)
-    AutoTokenizer.from_pretrained(model_path).save_pretrained(staging)
+    _save_processors(model_path, staging)
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return out_dir

@@ -15,20 +15,9 @@ def check_images(config: ExperimentConfig, findings: list[Finding]) -> None:
     data = config.data
     if data is None or data.image_field is None:
         return
-    model = pathlib.Path(config.model.path or "")
-    model_config = model / "config.json"
-    if not model_config.exists() or "vision_config" not in json.loads(model_config.read_text()):
-        findings.append(Finding("error", "images", f"data.image_field is set but the model {model} has no vision "
-                                "tower (its config.json has no vision_config)",
-                                "train a vision-language model (model_type qwen2_5_vl), or unset data.image_field"))
-        return
-    try:
-        from transformers import AutoImageProcessor
-
-        AutoImageProcessor.from_pretrained(model)
-    except (OSError, ValueError, ImportError) as exc:
-        findings.append(Finding("error", "images", f"the image processor of {model} does not load: {exc}",
-                                "save one there (e.g. Qwen2VLImageProcessorPil(...).save_pretrained(model folder))"))
+    problem = _model_problem(config)
+    if problem is not None:
+        findings.append(problem)
         return
     for name, source in (("train", data.train), ("eval", data.eval)):
         if source is None:
@@ -45,6 +34,31 @@ def check_images(config: ExperimentConfig, findings: list[Finding]) -> None:
                                     f"{bad[0]}", "fix the paths (relative to the data file) or the base64 bytes"))
         else:
             findings.append(Finding("ok", f"images ({name})", f"{len(rows)} images exist and decode"))
+
+
+def _model_problem(config: ExperimentConfig) -> Finding | None:
+    """Why the model cannot take images (no vision tower, or an image processor that does not load); None if it can.
+    A tiny model built in code (model.tiny) has a tower with arch qwen2_5_vl, and the kit writes its processor."""
+    tiny = config.model.tiny
+    if tiny is not None:
+        if tiny.arch == "qwen2_5_vl":
+            return None
+        return Finding("error", "images", f"data.image_field is set but model.tiny.arch {tiny.arch} has no vision "
+                       "tower", "set model.tiny.arch: qwen2_5_vl, or unset data.image_field")
+    model = pathlib.Path(config.model.path or "")
+    model_config = model / "config.json"
+    if not model_config.exists() or "vision_config" not in json.loads(model_config.read_text()):
+        return Finding("error", "images", f"data.image_field is set but the model {model} has no vision tower (its "
+                       "config.json has no vision_config)",
+                       "train a vision-language model (model_type qwen2_5_vl), or unset data.image_field")
+    try:
+        from transformers import AutoImageProcessor
+
+        AutoImageProcessor.from_pretrained(model)
+    except (OSError, ValueError, ImportError) as exc:
+        return Finding("error", "images", f"the image processor of {model} does not load: {exc}",
+                       "save one there (e.g. Qwen2VLImageProcessorPil(...).save_pretrained(model folder))")
+    return None
 
 
 def _unreadable(value, root: pathlib.Path, where: str) -> str:
