@@ -13,7 +13,7 @@ from rich.console import Console
 
 from deploy.experiment.schema import ExperimentConfig, load_experiment
 
-pytestmark = [pytest.mark.extended, pytest.mark.slow]
+pytestmark = pytest.mark.extended
 
 
 def _console() -> Console:
