@@ -35,7 +35,8 @@ run: $(STAMP)
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 # The algorithm families' learning runs (marker `families`, ~15 minutes) are `make test-families`.
-# The slow ones (marker `slow`: whole jobs end to end, chaos, restarts; ~16 minutes) are `make test-slow`; CI runs both.
+# The slow ones (marker `slow`: whole jobs end to end, chaos, restarts; ~14 minutes on two workers, ~23 on one) are
+# `make test-slow`; CI runs both.
 # Two pytest workers (pytest-xdist): most of a test's time is processes starting and waiting on each other, so a
 # second test beside it uses the other core. TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
@@ -43,7 +44,7 @@ test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not families and not slow and not vllm and not extended and not ranks" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-slow: $(STAMP) $(NODE_STAMP)
-	$(BIN)/python -m pytest -q -m "slow and not families and not vllm and not ranks" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "slow and not families and not vllm and not ranks" --durations=15 $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The new parallelism checks at 2-4 ranks under torchrun (pipeline stages x dp and x tp, PPO/DPO through stages,
 # LoRA under FSDP2 and TP, routing replay and stage reports on 2 ranks, expert parallelism on 4) and the multimodal
