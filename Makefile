@@ -53,9 +53,9 @@ test-slow: $(STAMP) $(NODE_STAMP)
 test-ranks: $(STAMP)
 	$(BIN)/python -m pytest -q -rA -m "ranks and not vllm" --durations=15 $(PYTEST_ARGS)
 
-# The toolchain's long end-to-end checks (marker `extended`, ~25 minutes: `relayrl view` in a real browser, the doctor
-# naming the faults of three runs broken on purpose, scripts/gpu_check.sh --device cpu, a sweep and its resume, the
-# multimodal digits example learning, ~10 of them). CI does not run them: with them .ci/run would pass its 90 minutes.
+# The toolchain's long end-to-end checks (marker `extended`, ~15 minutes: `relayrl view` in a real browser, the doctor
+# naming the faults of three runs broken on purpose, scripts/gpu_check.sh --device cpu, a sweep and its resume). CI does
+# not run them: with them .ci/run would pass its 90 minutes.
 test-extended: $(STAMP) $(NODE_STAMP) browser
 	$(BIN)/python -m pytest -q -rA -m "extended and not vllm" --durations=15 $(PYTEST_ARGS)
 

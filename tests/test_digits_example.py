@@ -1,7 +1,6 @@
 """The multimodal digits example learns (issue 38, item 5): examples/multimodal/digits.yaml, two digits drawn with
 Pillow and the prompt asking for their sum, so the answer is only in the picture; its SFT warm-up then GRPO through
-real rollout, reward, buffer and trainer processes. About 10 minutes on 2 cores: marked `extended` (make
-test-extended), not `families`, so that .ci/run keeps its time budget (docs/multimodal.md)."""
+real rollout, reward, buffer and trainer processes (about 4 minutes on 2 quiet cores: `make test-families`)."""
 
 import io
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from rich.console import Console
 
 from deploy.experiment.schema import ExperimentConfig, load_experiment
 
-pytestmark = pytest.mark.extended
+pytestmark = [pytest.mark.families, pytest.mark.slow]  # slow: `make test-slow` leaves families out
 
 
 def _console() -> Console:
