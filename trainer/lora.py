@@ -1,7 +1,8 @@
 """LoRA: low-rank adapters on the policy's linear layers (`model.lora`), peft's layout written out here.
 
-`peft` is not among this environment's packages (pyproject names it for users; nothing here may install it), so the
-layer is the small one peft builds, with peft's names: a targeted `q_proj` becomes `q_proj.base_layer` (the frozen
+The layer is the small one peft builds, written out with peft's names (it was written before peft was a dependency;
+peft, now a dev dependency and the `lora` extra, loads what export writes, tested; moving onto peft's own layers is
+left for later): a targeted `q_proj` becomes `q_proj.base_layer` (the frozen
 nn.Linear) plus `q_proj.lora_A` [rank, in] and `q_proj.lora_B` [out, rank], and computes
 
     y = base_layer(x) + scale * lora_B(lora_A(dropout(x))),  scale = alpha / rank
