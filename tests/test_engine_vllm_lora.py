@@ -31,15 +31,10 @@ def _adapters(model_dir, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
     """Rank-`rank` adapters on every projection, as a LoRA trainer publishes them (B pre-scaled)."""
     from transformers import AutoModelForCausalLM
 
+    from tests.test_lora_versions import random_adapters
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    adapters = {}
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in MODULES:
-            out_features, in_features = module.weight.shape
-            adapters[f"{name}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.2
-            adapters[f"{name}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.2
-    return adapters
+    return random_adapters(model, rank, seed, targets=MODULES, scale=0.2)
 
 
 def test_a_request_finishes_on_the_adapter_version_it_started_on(sharp_model_dir):

@@ -14,15 +14,15 @@ from rollout.engines.settings import VllmSettings
 TARGETS = ("q_proj", "v_proj", "down_proj")
 
 
-def _adapters(model, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Published adapters of the model's TARGETS (B pre-scaled, as trainer/adapter_publish.py sends it)."""
+def random_adapters(model, rank: int, seed: int = 0, targets=TARGETS, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """Published adapters of the model's `targets` (B pre-scaled, as trainer/adapter_publish.py sends it)."""
     generator = torch.Generator().manual_seed(seed)
     adapters = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGETS:
+        if name.rsplit(".", 1)[-1] in targets:
             out_features, in_features = module.weight.shape
-            adapters[f"{name}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.3
-            adapters[f"{name}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.3
+            adapters[f"{name}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * scale
+            adapters[f"{name}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * scale
     return adapters
 
 
@@ -33,7 +33,7 @@ def test_the_peft_folder_read_by_peft_serves_w_plus_b_a_with_the_published_b(tin
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    adapters = _adapters(model, rank=4)
+    adapters = random_adapters(model, rank=4)
     folder = write_peft_folder(tmp_path / "v3", adapters, max_rank=8)
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["r"] == config["lora_alpha"] == 4 and sorted(config["target_modules"]) == sorted(TARGETS)
